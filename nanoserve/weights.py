@@ -1,0 +1,143 @@
+"""Checkpoint loading: a Hugging Face folder (config.json + safetensors, single or sharded) or a
+single-file GGUF, to a `ModelConfig` and a state dict with `LlamaForCausalLM` names.
+
+Invariants of what `load_checkpoint` returns:
+- the state dict holds exactly the names of `expected_shapes(config)`, each with that shape
+  (extra tensors in the file, e.g. rotary `inv_freq` or a tied `lm_head.weight`, are dropped);
+- tensors keep their stored dtype (bf16 stays bf16); GGUF quantized tensors become float32;
+- weights are read only through safetensors or GGUF, never with `torch.load` / pickle.
+Every problem with the files is a `ModelError` naming the file and, where there is one, the
+tensor.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from nanoserve.config import ModelConfig
+from nanoserve.errors import ModelError
+from nanoserve.gguf_file import read_gguf
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint must provide for `config`, by Hugging Face name, with its
+    shape. `lm_head.weight` only when the head is not tied to the embedding."""
+    d, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
+    q_dim = config.num_attention_heads * config.head_dim
+    kv_dim = config.num_key_value_heads * config.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, d)}
+    for layer in range(config.num_hidden_layers):
+        p = f"model.layers.{layer}."
+        shapes[p + "input_layernorm.weight"] = (d,)
+        shapes[p + "self_attn.q_proj.weight"] = (q_dim, d)
+        shapes[p + "self_attn.k_proj.weight"] = (kv_dim, d)
+        shapes[p + "self_attn.v_proj.weight"] = (kv_dim, d)
+        shapes[p + "self_attn.o_proj.weight"] = (d, q_dim)
+        shapes[p + "post_attention_layernorm.weight"] = (d,)
+        shapes[p + "mlp.gate_proj.weight"] = (i, d)
+        shapes[p + "mlp.up_proj.weight"] = (i, d)
+        shapes[p + "mlp.down_proj.weight"] = (d, i)
+    shapes["model.norm.weight"] = (d,)
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (v, d)
+    return shapes
+
+
+def load_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Load a Hugging Face checkpoint folder or a `.gguf` file; see the module invariants."""
+    path = Path(path)
+    if path.is_file() and path.suffix == ".gguf":
+        config, tensors = read_gguf(path)
+        return config, _checked(config, tensors, str(path))
+    if path.is_dir():
+        config = _read_config(path)
+        files = _safetensors_files(path)
+        tensors: dict[str, torch.Tensor] = {}
+        for file in files:
+            tensors.update(_read_safetensors(file))
+        source = str(files[0]) if len(files) == 1 else f"{path} ({len(files)} safetensors shards)"
+        return config, _checked(config, tensors, source)
+    if path.exists():
+        raise ModelError(f"{path} is neither a .gguf file nor a checkpoint folder")
+    raise ModelError(f"no such checkpoint: {path}")
+
+
+def _read_config(folder: Path) -> ModelConfig:
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise ModelError(f"no config.json in {folder}")
+    try:
+        d = json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelError(f"{config_path} is not valid JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise ModelError(f"{config_path} does not hold a JSON object")
+    if d.get("quantization_config"):
+        method = d["quantization_config"].get("quant_method", "?")
+        raise ModelError(f"{config_path}: quantized checkpoints ({method}) are not supported")
+    return ModelConfig.from_hf_dict(d)
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    """The safetensors files of a folder: the shards its index lists, or model.safetensors."""
+    index = folder / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+            raise ModelError(f"{index} is not a valid safetensors index ({e!r})") from None
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        for file in files:
+            if not file.is_file():
+                raise ModelError(f"shard {file.name} listed in {index} is missing")
+        return files
+    single = folder / SINGLE_FILE
+    if single.is_file():
+        return [single]
+    if any(folder.glob("*.bin")) or any(folder.glob("*.pt")) or any(folder.glob("*.pth")):
+        raise ModelError(
+            f"{folder} holds only PyTorch pickle weights (.bin/.pt); nanoserve reads "
+            f"safetensors only (pickle files can run code when loaded): convert the "
+            f"checkpoint to safetensors (save_pretrained(..., safe_serialization=True))"
+        )
+    raise ModelError(f"no {SINGLE_FILE} or {INDEX_FILE} in {folder}")
+
+
+def _read_safetensors(file: Path) -> dict[str, torch.Tensor]:
+    try:
+        with safe_open(file, framework="pt") as f:
+            return {name: f.get_tensor(name) for name in f.keys()}
+    except (SafetensorError, OSError) as e:
+        raise ModelError(
+            f"{file} is not a readable safetensors file (truncated or corrupt?): {e}"
+        ) from None
+
+
+def _checked(
+    config: ModelConfig, tensors: dict[str, torch.Tensor], source: str
+) -> dict[str, torch.Tensor]:
+    """Keep the expected tensors, in `expected_shapes` order; refuse missing or misshapen ones."""
+    shapes = expected_shapes(config)
+    missing = [name for name in shapes if name not in tensors]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ModelError(f"tensor {missing[0]!r}{more} is missing from {source}")
+    out = {}
+    for name, shape in shapes.items():
+        t = tensors[name]
+        if tuple(t.shape) != shape:
+            raise ModelError(
+                f"tensor {name!r} in {source} has shape {list(t.shape)}, "
+                f"expected {list(shape)} from the config"
+            )
+        if not t.is_floating_point():
+            raise ModelError(f"tensor {name!r} in {source} has dtype {t.dtype}, not floating point")
+        out[name] = t
+    return out

