@@ -1,0 +1,110 @@
+"""`nanoserve batch INPUT -o OUTPUT_DIR [options]`: the batch job's command line.
+
+`nanoserve.cli` calls `add_batch_parser(subparsers)` and `run_batch_cli(args)`; this module
+also runs alone: `python -m ray_jobs.cli INPUT -o OUTPUT_DIR ...` (same flags).
+
+Exit status: 0 when the job completed (error rows included); 2 with one line
+`error: <message>` for a job-level problem (found before any worker loads the model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from nanoserve.errors import NanoserveError
+from nanoserve.model_store import DEFAULT_MODEL
+
+DESCRIPTION = """\
+Generate a completion for every row of a Parquet or JSONL file (or a folder of them) on a
+Ray worker pool, and write the results as Parquet parts into OUTPUT_DIR.
+
+Each row needs a prompt: a 'prompt' (text), 'messages' (chat, [{role, content}, ...],
+rendered with the model's chat template) or 'prompt_token_ids' column; a row uses the
+first of these that it has. Optional columns: 'id' (else the row's 0-based position),
+and per-row 'max_tokens', 'temperature', 'top_p', 'top_k', 'seed'.
+
+A rerun into the same OUTPUT_DIR resumes where the last run stopped."""
+
+
+def add_batch_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "batch", help="run a batch job over a Parquet/JSONL dataset on Ray",
+        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_arguments(p)
+    return p
+
+
+def _add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("input", type=Path, help="a .parquet or .jsonl file, or a folder of them")
+    p.add_argument("-o", "--output", "--output-dir", dest="output_dir", type=Path, required=True,
+                   metavar="OUTPUT_DIR", help="folder for the Parquet parts and the manifest")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="model name, Hugging Face folder, or .gguf file (default: %(default)s)")
+    s = p.add_argument_group("sampling (defaults; per-row columns override them)")
+    s.add_argument("--max-tokens", type=int, default=256, help="(default: %(default)s)")
+    s.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
+    s.add_argument("--top-p", type=float, default=1.0, help="(default: 1.0)")
+    s.add_argument("--top-k", type=int, default=0, help="0: no cut (default: 0)")
+    s.add_argument("--seed", type=int, default=None, help="sampling seed of every row")
+    s.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop string (repeatable)")
+    s.add_argument("--ignore-eos", action="store_true", help="generate past end-of-sequence")
+    c = p.add_argument_group("columns")
+    c.add_argument("--prompt-column", default=None, metavar="NAME",
+                   help="the column holding the prompt (text, messages or token ids)")
+    c.add_argument("--id-column", default=None, metavar="NAME",
+                   help="the column holding row ids (default: 'id' if present, else positions)")
+    r = p.add_argument_group("execution")
+    r.add_argument("--dtype", default="auto",
+                   help="auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16, float16")
+    r.add_argument("--num-workers", type=int, default=None,
+                   help="workers (default: one per GPU of the cluster; 1 without GPUs)")
+    r.add_argument("--batch-size", type=int, default=64, help="rows per batch (default: 64)")
+    r.add_argument("--max-batch-tokens", type=int, default=None,
+                   help="cap on rows x max(prompt + max_tokens) per batch (default: none)")
+    r.add_argument("--address", default=None,
+                   help="Ray address (default: RAY_ADDRESS, a running cluster, else a "
+                        "private local Ray; 'local' forces the latter)")
+    r.add_argument("--overwrite", action="store_true",
+                   help="replace an existing output instead of resuming it")
+    r.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no progress bar")
+
+
+def run_batch_cli(args: argparse.Namespace) -> int:
+    """Run the job; print the summary on stdout. NanoserveError propagates to the caller
+    (`nanoserve.cli.main` turns it into `error: ...` and exit status 2)."""
+    from ray_jobs.driver import run_batch_job
+
+    summary = run_batch_job(
+        args.input, args.output_dir, model=args.model, max_tokens=args.max_tokens,
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+        stop=tuple(args.stop), ignore_eos=args.ignore_eos, dtype=args.dtype,
+        num_workers=args.num_workers, batch_size=args.batch_size,
+        max_batch_tokens=args.max_batch_tokens, address=args.address,
+        overwrite=args.overwrite, prompt_column=args.prompt_column, id_column=args.id_column,
+        progress=args.progress,
+    )
+    print(summary.format())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ray_jobs.cli", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run_batch_cli(args)
+    except NanoserveError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted (rerun the same command to resume)", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

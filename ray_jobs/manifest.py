@@ -1,0 +1,189 @@
+"""The output folder's manifest: what job wrote it and which batches are done.
+
+`OUTPUT_DIR/_nanoserve_manifest.json` records the job's settings (model identity, input
+identity, sampling defaults, batching and column options) and the ids of the batches whose
+parts (`part-<batch id>.parquet`) are written; `OUTPUT_DIR/_SUCCESS` appears only once every
+row is written. Both names start with `_`, so Parquet readers skip them.
+
+A rerun into the same folder resumes: the settings must be equal (else an InputError says
+which differ, before any work), batches recorded as done are skipped, and the rest are
+written. Identities use content, not paths or mtimes, so the same model fetched into
+another cache, or the same input unpacked elsewhere (a Ray job's working dir), still match:
+a file is identified by its size and the sha256 of its bytes (files up to 64 MiB) or of its
+first and last MiB (larger files, e.g. model weights: cheap for any size).
+
+Invariants: the manifest is replaced atomically (temporary `.` name, then rename), and a
+batch is recorded as done only after its part was renamed into place, so a crash at any
+point leaves a folder that resumes correctly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nanoserve.errors import InputError
+
+MANIFEST_NAME = "_nanoserve_manifest.json"
+SUCCESS_NAME = "_SUCCESS"
+FORMAT = 1
+FULL_HASH_MAX_BYTES = 64 << 20
+SAMPLE_BYTES = 1 << 20
+
+_PART_RE = re.compile(r"part-(\d+)\.parquet")
+_OURS_RE = re.compile(r"(part-\d+\.parquet|\.part-\d+\.parquet\.tmp-\d+|"
+                      rf"{re.escape(MANIFEST_NAME)}|\.{re.escape(MANIFEST_NAME)}\.tmp-\d+|"
+                      rf"{re.escape(SUCCESS_NAME)})")
+
+
+def part_name(batch_id: int) -> str:
+    return f"part-{batch_id:05d}.parquet"
+
+
+def file_fingerprint(path: Path, label: str | None = None) -> dict[str, Any]:
+    """{'name', 'size', 'sha256'}: the whole file's hash up to FULL_HASH_MAX_BYTES, else the
+    hash of its first and last SAMPLE_BYTES (marked by the key 'sha256_head_tail')."""
+    size = path.stat().st_size
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        if size <= FULL_HASH_MAX_BYTES:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+            key = "sha256"
+        else:
+            h.update(f.read(SAMPLE_BYTES))
+            f.seek(size - SAMPLE_BYTES)
+            h.update(f.read(SAMPLE_BYTES))
+            key = "sha256_head_tail"
+    return {"name": label or path.name, "size": size, key: h.hexdigest()}
+
+
+def model_identity(path: Path) -> list[dict[str, Any]]:
+    """Fingerprints of the files that decide a model's outputs: the `.gguf` file, or a
+    folder's config, tokenizer and weight files."""
+    if path.is_file():
+        return [file_fingerprint(path)]
+    names = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
+    files = [path / n for n in names if (path / n).is_file()]
+    files += sorted(path.glob("*.safetensors"))
+    return [file_fingerprint(f) for f in files]
+
+
+def input_identity(root: Path, files: list[Path] | tuple[Path, ...]) -> list[dict[str, Any]]:
+    """Fingerprints of the input files, named relative to the input folder."""
+    base = root if root.is_dir() else root.parent
+    return [file_fingerprint(f, str(f.relative_to(base))) for f in files]
+
+
+@dataclass
+class Manifest:
+    settings: dict[str, Any]  # JSON-ready; a resume needs them equal
+    done: set[int] = field(default_factory=set)  # batch ids whose parts are written
+    rows_done: int = 0
+    complete: bool = False
+
+    def record(self, batch_id: int, num_rows: int) -> None:
+        self.done.add(batch_id)
+        self.rows_done += num_rows
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": FORMAT, "settings": self.settings, "complete": self.complete,
+                "rows_done": self.rows_done, "done_batches": _to_ranges(self.done)}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Manifest:
+        done = {i for a, b in d["done_batches"] for i in range(a, b + 1)}
+        return cls(d["settings"], done, int(d["rows_done"]), bool(d["complete"]))
+
+    def save(self, folder: Path) -> None:
+        path = folder / MANIFEST_NAME
+        tmp = folder / f".{MANIFEST_NAME}.tmp-{os.getpid()}"
+        tmp.write_text(json.dumps(self.to_json(), indent=1, sort_keys=True) + "\n")
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, folder: Path) -> Manifest | None:
+        path = folder / MANIFEST_NAME
+        if not path.exists():
+            return None
+        try:
+            d = json.loads(path.read_text())
+            if d.get("format") != FORMAT:
+                raise ValueError(f"format {d.get('format')!r}, expected {FORMAT}")
+            return cls.from_json(d)
+        except (ValueError, KeyError, TypeError) as e:
+            raise InputError(f"{path} is not a readable nanoserve manifest ({e}); "
+                             f"use --overwrite to start the job afresh") from None
+
+
+def settings_differences(old: Any, new: Any, prefix: str = "") -> list[str]:
+    """Dotted names of the settings that differ between two JSON-ready dicts."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        out = []
+        for key in sorted(set(old) | set(new)):
+            out += settings_differences(old.get(key), new.get(key), f"{prefix}{key}.")
+        return out
+    return [] if old == new else [prefix.rstrip(".")]
+
+
+def open_output_dir(folder: Path, settings: dict[str, Any], overwrite: bool) -> Manifest:
+    """Make `folder` ready for the job and return its manifest: fresh (empty folder, or
+    `overwrite`), or the earlier run's one when resuming. Refuses (InputError) a folder with
+    files nanoserve did not write, or the output of a job with other settings."""
+    settings = json.loads(json.dumps(settings))  # the form it has once saved and loaded
+    if folder.exists() and not folder.is_dir():
+        raise InputError(f"output {folder} exists and is not a folder")
+    folder.mkdir(parents=True, exist_ok=True)
+    entries = sorted(p.name for p in folder.iterdir())
+    foreign = [n for n in entries if not _OURS_RE.fullmatch(n)]
+    if foreign:
+        raise InputError(
+            f"output folder {folder} holds files nanoserve did not write ({', '.join(foreign[:3])}"
+            f"{', ...' if len(foreign) > 3 else ''}); choose an empty or new folder"
+        )
+    for name in entries:  # temporary files of an interrupted run
+        if name.startswith("."):
+            (folder / name).unlink(missing_ok=True)
+    old = None if overwrite else Manifest.load(folder)
+    parts = [n for n in entries if _PART_RE.fullmatch(n)]
+    if old is None:
+        if parts and not overwrite:
+            raise InputError(f"output folder {folder} holds parts but no {MANIFEST_NAME}; "
+                             f"use --overwrite to replace them")
+        for name in entries:
+            (folder / name).unlink(missing_ok=True)
+        manifest = Manifest(settings)
+        manifest.save(folder)
+        return manifest
+    diffs = settings_differences(old.settings, settings)
+    if diffs:
+        raise InputError(
+            f"output folder {folder} holds the output of a job with other settings "
+            f"({', '.join(diffs)} differ); use --overwrite to replace it, or another folder"
+        )
+    for name in parts:  # written after the last manifest update: redone
+        if int(_PART_RE.fullmatch(name).group(1)) not in old.done:
+            (folder / name).unlink()
+    return old
+
+
+def mark_complete(folder: Path, manifest: Manifest) -> None:
+    manifest.complete = True
+    manifest.save(folder)
+    (folder / SUCCESS_NAME).write_text("")
+
+
+def _to_ranges(ids: set[int]) -> list[list[int]]:
+    """{0, 1, 2, 5} -> [[0, 2], [5, 5]]: compact even for many batches."""
+    out: list[list[int]] = []
+    for i in sorted(ids):
+        if out and out[-1][1] == i - 1:
+            out[-1][1] = i
+        else:
+            out.append([i, i])
+    return out

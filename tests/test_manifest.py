@@ -1,0 +1,146 @@
+"""ray_jobs.manifest: fresh, resumed and refused output folders; identities by content."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+import pytest
+
+import ray_jobs.manifest as manifest_mod
+from nanoserve.errors import InputError
+from ray_jobs.manifest import (
+    MANIFEST_NAME,
+    SUCCESS_NAME,
+    Manifest,
+    file_fingerprint,
+    input_identity,
+    mark_complete,
+    open_output_dir,
+    part_name,
+    settings_differences,
+)
+
+SETTINGS = {"model": {"files": [{"name": "m.gguf", "size": 3, "sha256": "ab"}], "dtype": "auto"},
+            "sampling": {"max_tokens": 8, "temperature": 0.0, "stop": ["\n"]}}
+
+
+def write_part(folder, batch_id):
+    pq.write_table(pa.table({"id": [batch_id]}), folder / part_name(batch_id))
+
+
+def test_fresh_folder_gets_a_manifest(tmp_path):
+    out = tmp_path / "out"
+    m = open_output_dir(out, SETTINGS, overwrite=False)
+    assert m.done == set() and not m.complete
+    saved = json.loads((out / MANIFEST_NAME).read_text())
+    assert saved["settings"] == SETTINGS and saved["done_batches"] == []
+
+
+def test_resume_keeps_done_batches_and_drops_unrecorded_parts(tmp_path):
+    m = open_output_dir(tmp_path, SETTINGS, overwrite=False)
+    for i in (0, 1, 2, 5):
+        write_part(tmp_path, i)
+        m.record(i, 10)
+    m.save(tmp_path)
+    write_part(tmp_path, 6)  # written, but the run stopped before recording it
+    (tmp_path / f".{part_name(7)}.tmp-123").write_bytes(b"half")  # an interrupted write
+    again = open_output_dir(tmp_path, SETTINGS, overwrite=False)
+    assert again.done == {0, 1, 2, 5} and again.rows_done == 40
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        MANIFEST_NAME, *(part_name(i) for i in (0, 1, 2, 5))]
+    assert json.loads((tmp_path / MANIFEST_NAME).read_text())["done_batches"] == [[0, 2], [5, 5]]
+
+
+def test_other_settings_are_refused_naming_what_differs(tmp_path):
+    open_output_dir(tmp_path, SETTINGS, overwrite=False)
+    other = {**SETTINGS, "sampling": {**SETTINGS["sampling"], "temperature": 0.7}}
+    with pytest.raises(InputError, match=r"sampling\.temperature differ"):
+        open_output_dir(tmp_path, other, overwrite=False)
+
+
+def test_overwrite_replaces_an_earlier_output(tmp_path):
+    m = open_output_dir(tmp_path, SETTINGS, overwrite=False)
+    write_part(tmp_path, 0)
+    m.record(0, 1)
+    mark_complete(tmp_path, m)
+    other = {**SETTINGS, "model": {**SETTINGS["model"], "dtype": "float32"}}
+    fresh = open_output_dir(tmp_path, other, overwrite=True)
+    assert fresh.done == set() and not fresh.complete
+    assert [p.name for p in tmp_path.iterdir()] == [MANIFEST_NAME]
+
+
+def test_foreign_files_are_never_touched(tmp_path):
+    (tmp_path / "mine.txt").write_text("keep me")
+    for overwrite in (False, True):
+        with pytest.raises(InputError, match="did not write .*mine.txt"):
+            open_output_dir(tmp_path, SETTINGS, overwrite=overwrite)
+    assert (tmp_path / "mine.txt").read_text() == "keep me"
+
+
+def test_parts_without_manifest_need_overwrite(tmp_path):
+    write_part(tmp_path, 0)
+    with pytest.raises(InputError, match="no _nanoserve_manifest.json"):
+        open_output_dir(tmp_path, SETTINGS, overwrite=False)
+
+
+def test_corrupt_manifest_is_an_input_error(tmp_path):
+    (tmp_path / MANIFEST_NAME).write_text("{not json")
+    with pytest.raises(InputError, match="not a readable nanoserve manifest"):
+        open_output_dir(tmp_path, SETTINGS, overwrite=False)
+
+
+def test_complete_marker_and_manifest_are_invisible_to_parquet_readers(tmp_path):
+    m = open_output_dir(tmp_path, SETTINGS, overwrite=False)
+    write_part(tmp_path, 0)
+    write_part(tmp_path, 1)
+    m.record(0, 1)
+    m.record(1, 1)
+    mark_complete(tmp_path, m)
+    assert (tmp_path / SUCCESS_NAME).exists()
+    assert Manifest.load(tmp_path).complete
+    assert sorted(ds.dataset(tmp_path).to_table()["id"].to_pylist()) == [0, 1]
+
+
+def test_manifest_round_trips(tmp_path):
+    m = Manifest(SETTINGS, {3, 4, 9}, 30, False)
+    m.save(tmp_path)
+    back = Manifest.load(tmp_path)
+    assert (back.settings, back.done, back.rows_done, back.complete) == (SETTINGS, {3, 4, 9}, 30, False)
+    assert [p.name for p in tmp_path.iterdir()] == [MANIFEST_NAME]  # no temporary left
+
+
+def test_settings_differences_lists_dotted_keys():
+    a = {"x": 1, "y": {"z": [1, 2], "w": None}}
+    b = {"x": 1, "y": {"z": [1, 3]}, "v": 2}
+    assert settings_differences(a, b) == ["v", "y.z"]
+
+
+def test_fingerprint_is_content_not_mtime(tmp_path):
+    a, b = tmp_path / "a.bin", tmp_path / "b.bin"
+    data = os.urandom(5000)
+    a.write_bytes(data)
+    b.write_bytes(data)
+    os.utime(b, (1, 1))
+    fa, fb = file_fingerprint(a, "x"), file_fingerprint(b, "x")
+    assert fa == fb == {"name": "x", "size": 5000, "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def test_large_files_hash_head_and_tail(tmp_path, monkeypatch):
+    monkeypatch.setattr(manifest_mod, "FULL_HASH_MAX_BYTES", 100)
+    monkeypatch.setattr(manifest_mod, "SAMPLE_BYTES", 10)
+    data = bytes(range(256))
+    (tmp_path / "big").write_bytes(data)
+    fp = file_fingerprint(tmp_path / "big")
+    assert fp["sha256_head_tail"] == hashlib.sha256(data[:10] + data[-10:]).hexdigest()
+
+
+def test_input_identity_names_files_relative_to_the_input(tmp_path):
+    (tmp_path / "a.jsonl").write_text("{}\n")
+    ident = input_identity(tmp_path, [tmp_path / "a.jsonl"])
+    assert ident[0]["name"] == "a.jsonl"
+    assert input_identity(tmp_path / "a.jsonl", [tmp_path / "a.jsonl"]) == ident
