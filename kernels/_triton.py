@@ -1,0 +1,50 @@
+"""Triton, when it is installed, and what the kernel modules need to know about it.
+
+When Triton is missing (e.g. macOS) the kernel modules still import: `triton.jit` is then
+the identity and `tl.constexpr` a placeholder, so only the PyTorch references are usable
+and `HAS_TRITON` is False.
+
+Triton decides at decoration time (`@triton.jit`) whether a kernel is compiled for the GPU
+or run by its CPU interpreter, from the environment variable `TRITON_INTERPRET`. Each kernel
+module therefore records `interpret_requested()` when it is imported, next to its kernels.
+"""
+
+from __future__ import annotations
+
+import os
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - exercised only where Triton is not installed
+    HAS_TRITON = False
+
+    class _Placeholder:
+        """Stands in for `triton` and `triton.language` so kernel modules can be imported."""
+
+        constexpr = None
+        float32 = None
+
+        @staticmethod
+        def jit(fn=None, **_kwargs):
+            return fn if fn is not None else (lambda f: f)
+
+    triton = _Placeholder()
+    tl = _Placeholder()
+
+_TRUE = ("1", "true", "yes", "on")
+
+
+def interpret_requested() -> bool:
+    """True when the environment asks Triton for its CPU interpreter (`TRITON_INTERPRET=1`)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in _TRUE
+
+
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two >= n (n >= 1); Triton tiles need power-of-two extents."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+__all__ = ["HAS_TRITON", "interpret_requested", "next_power_of_2", "tl", "triton"]

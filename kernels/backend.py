@@ -1,0 +1,96 @@
+"""The one place that chooses between the Triton kernels and their PyTorch references.
+
+The engine calls only `decode_attention`, `prefill_attention` and `store_kv` from here.
+`use_triton(device)` is the rule:
+- CUDA: the Triton kernels whenever Triton is installed;
+- CPU: the references, unless the environment asks for Triton's interpreter
+  (`NANOSERVE_TRITON_INTERPRET=1` or `TRITON_INTERPRET=1`) *and* the kernels were defined
+  under it, which needs `TRITON_INTERPRET=1` before `kernels` is first imported (importing
+  `kernels` sets it when `NANOSERVE_TRITON_INTERPRET=1` is set);
+- anything else: the references.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kernels import paged_attention
+from kernels._triton import HAS_TRITON, interpret_requested
+from kernels.kv_store import store_kv as _store_kv_triton
+from kernels.kv_store import store_kv_reference
+from kernels.paged_attention import paged_decode_attention, paged_decode_attention_reference
+from kernels.prefill_attention import prefill_attention as _prefill_attention_triton
+from kernels.prefill_attention import prefill_attention_reference
+
+_TRUE = ("1", "true", "yes", "on")
+
+
+def interpreter_requested() -> bool:
+    """True when the environment asks for Triton's CPU interpreter."""
+    nanoserve_flag = os.environ.get("NANOSERVE_TRITON_INTERPRET", "0").strip().lower() in _TRUE
+    return nanoserve_flag or interpret_requested()
+
+
+def use_triton(device: torch.device | str) -> bool:
+    """Whether the Triton kernels (rather than the references) serve tensors on `device`."""
+    device = torch.device(device)
+    if not HAS_TRITON:
+        return False
+    if device.type == "cuda":
+        return True
+    if device.type == "cpu":
+        return interpreter_requested() and paged_attention.INTERPRETED
+    return False
+
+
+def decode_attention(
+    q: torch.Tensor,  # [B, Hq, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32, padding entries 0
+    context_lens: torch.Tensor,  # [B] int32, each >= 1
+    scale: float,
+) -> torch.Tensor:  # [B, Hq, D]
+    """Paged decode attention: one query token per row over that row's cached context."""
+    if use_triton(q.device):
+        return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+    return paged_decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def prefill_attention(
+    q: torch.Tensor,  # [N, Hq, D]
+    k: torch.Tensor,  # [N, Hkv, D]
+    v: torch.Tensor,  # [N, Hkv, D]
+    cu_seqlens: torch.Tensor,  # [B + 1] int32
+    max_seqlen: int,
+    scale: float,
+) -> torch.Tensor:  # [N, Hq, D]
+    """Causal attention within each packed prompt."""
+    if use_triton(q.device):
+        return _prefill_attention_triton(q, k, v, cu_seqlens, max_seqlen, scale)
+    return prefill_attention_reference(q, k, v, cu_seqlens, max_seqlen, scale)
+
+
+def store_kv(
+    k: torch.Tensor,  # [N, Hkv, D]
+    v: torch.Tensor,  # [N, Hkv, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], written in place
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], written in place
+    slot_mapping: torch.Tensor,  # [N] int64; < 0 skips the token
+) -> None:
+    """Write each token's keys/values into its cache slot."""
+    if use_triton(k.device):
+        _store_kv_triton(k, v, k_cache, v_cache, slot_mapping)
+    else:
+        store_kv_reference(k, v, k_cache, v_cache, slot_mapping)
+
+
+__all__ = [
+    "decode_attention",
+    "interpreter_requested",
+    "prefill_attention",
+    "store_kv",
+    "use_triton",
+]

@@ -1,0 +1,161 @@
+"""Write new keys/values into their cache slots.
+
+Token n's key/value head rows `k[n], v[n] [Hkv, D]` go to slot `slot_mapping[n]` of the
+layer's pool `k_cache, v_cache [num_blocks, block_size, Hkv, D]`, i.e. block
+`slot // block_size`, offset `slot % block_size`. A negative slot means "do not store"
+(padding tokens). Values are cast to the cache's dtype. Both functions work in place.
+
+- `store_kv_reference`: PyTorch `index_copy_` into the flat `[num_slots, Hkv, D]` view.
+- `store_kv`: Triton, one program per token copying its `[Hkv, D]` tile.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels._triton import HAS_TRITON, next_power_of_2, tl, triton
+
+
+def check_store_args(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Shape, dtype and device checks shared by the kernel and the reference (no device sync)."""
+    if k.dim() != 3 or v.shape != k.shape:
+        raise ValueError(
+            f"k and v must both be [N, Hkv, D], got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            "k_cache and v_cache must both be [num_blocks, block_size, Hkv, D], got "
+            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    if k.shape[1:] != k_cache.shape[2:]:
+        raise ValueError(
+            f"k rows [Hkv, D] = {tuple(k.shape[1:])} do not match the cache's {tuple(k_cache.shape[2:])}"
+        )
+    if slot_mapping.shape != (k.shape[0],) or slot_mapping.dtype != torch.int64:
+        raise ValueError(
+            f"slot_mapping must be int64 of shape [N={k.shape[0]}], got {slot_mapping.dtype} "
+            f"of shape {tuple(slot_mapping.shape)}"
+        )
+    devices = {t.device for t in (k, v, k_cache, v_cache, slot_mapping)}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+
+
+def store_kv_reference(
+    k: torch.Tensor,  # [N, Hkv, D]
+    v: torch.Tensor,  # [N, Hkv, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], written in place
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], written in place
+    slot_mapping: torch.Tensor,  # [N] int64; < 0 skips the token
+) -> None:
+    """PyTorch oracle for `store_kv`; also checks that every slot is inside the pool."""
+    check_store_args(k, v, k_cache, v_cache, slot_mapping)
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    num_slots = num_blocks * block_size
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    if slots.numel() and int(slots.max()) >= num_slots:
+        raise ValueError(f"slot {int(slots.max())} is outside the pool of {num_slots} slots")
+    for src, cache in ((k, k_cache), (v, v_cache)):
+        try:
+            flat = cache.view(num_slots, num_kv_heads, head_dim)
+        except RuntimeError as exc:
+            raise ValueError("the cache must be viewable as [num_slots, Hkv, D]") from exc
+        flat.index_copy_(0, slots, src[keep].to(cache.dtype))
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr,  # [N, Hkv, D]
+    v_ptr,  # [N, Hkv, D]
+    k_cache_ptr,  # [num_blocks, block_size, Hkv, D]
+    v_cache_ptr,  # [num_blocks, block_size, Hkv, D]
+    slot_mapping_ptr,  # [N] int64
+    stride_kn,
+    stride_kh,
+    stride_kd,
+    stride_vn,
+    stride_vh,
+    stride_vd,
+    stride_kcb,
+    stride_kco,
+    stride_kch,
+    stride_kcd,
+    stride_vcb,
+    stride_vco,
+    stride_vch,
+    stride_vcd,
+    PAGE: tl.constexpr,  # block_size of the cache
+    NUM_HEADS: tl.constexpr,
+    H_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+):
+    n = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + n)
+    if slot < 0:
+        return
+    block = slot // PAGE
+    offset = slot % PAGE
+    h = tl.arange(0, H_PAD)
+    d = tl.arange(0, D_PAD)
+    mask = (h < NUM_HEADS)[:, None] & (d < HEAD_DIM)[None, :]
+    k = tl.load(k_ptr + n * stride_kn + h[:, None] * stride_kh + d[None, :] * stride_kd, mask=mask)
+    v = tl.load(v_ptr + n * stride_vn + h[:, None] * stride_vh + d[None, :] * stride_vd, mask=mask)
+    kc = k_cache_ptr + block * stride_kcb + offset * stride_kco
+    vc = v_cache_ptr + block * stride_vcb + offset * stride_vco
+    tl.store(
+        kc + h[:, None] * stride_kch + d[None, :] * stride_kcd,
+        k.to(k_cache_ptr.dtype.element_ty),
+        mask=mask,
+    )
+    tl.store(
+        vc + h[:, None] * stride_vch + d[None, :] * stride_vcd,
+        v.to(v_cache_ptr.dtype.element_ty),
+        mask=mask,
+    )
+
+
+def store_kv(
+    k: torch.Tensor,  # [N, Hkv, D]
+    v: torch.Tensor,  # [N, Hkv, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], written in place
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], written in place
+    slot_mapping: torch.Tensor,  # [N] int64; < 0 skips the token
+) -> None:
+    """Triton KV store; same contract as `store_kv_reference`, but slots are not range-checked
+    on the device (no synchronization)."""
+    if not HAS_TRITON:
+        raise RuntimeError("store_kv needs Triton; use the reference instead")
+    check_store_args(k, v, k_cache, v_cache, slot_mapping)
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    h_pad = next_power_of_2(num_kv_heads)
+    d_pad = next_power_of_2(head_dim)
+    _store_kv_kernel[(num_tokens,)](
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        *k.stride(),
+        *v.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        PAGE=k_cache.shape[1],
+        NUM_HEADS=num_kv_heads,
+        H_PAD=h_pad,
+        HEAD_DIM=head_dim,
+        D_PAD=d_pad,
+        num_warps=4 if h_pad * d_pad >= 1024 else 1,
+    )
+
+
+__all__ = ["check_store_args", "store_kv", "store_kv_reference"]

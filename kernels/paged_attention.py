@@ -1,0 +1,427 @@
+"""Paged decode attention: one new query token per row against that row's cached keys/values.
+
+KV pool of one layer: `k_cache, v_cache [num_blocks, block_size, Hkv, D]`. Token t of row i
+lives in block `block_tables[i, t // block_size]` at offset `t % block_size`
+(slot = block * block_size + offset). Row i attends to its first `context_lens[i]` tokens;
+entries of `block_tables` past a row's context are padding and hold 0, an in-range block.
+Query head h reads KV head `h // (Hq // Hkv)` (grouped-query attention, GQA).
+
+Two implementations with one signature:
+- `paged_decode_attention_reference`: PyTorch, the oracle. It gathers every row over a
+  `[B, max_ctx]` rectangle (so padding slots are real, in-range reads) and masks positions
+  `>= context_lens[i]` to -inf before a float32 softmax.
+- `paged_decode_attention`: Triton. One program per (row, KV head, context split) serves the
+  whole group of query heads sharing that KV head, walks only its row's own tokens block by
+  block through the block table, and keeps an online softmax in float32. With more than one
+  split (flash-decoding) each program covers one partition of the context and writes a
+  partial output with its log-sum-exp; a second kernel combines the partitions.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from kernels._triton import HAS_TRITON, interpret_requested, next_power_of_2, tl, triton
+
+# Decided when this module is imported, like Triton's own choice in `@triton.jit` below.
+INTERPRETED = HAS_TRITON and interpret_requested()
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_FLOAT_DTYPES = (*_KERNEL_DTYPES, torch.float64)  # float64: the reference only
+_LOG2E = 1.4426950408889634
+
+# Split heuristics: aim for this many programs per SM, never split below this many tokens.
+_PROGRAMS_PER_SM = 4
+_MIN_TOKENS_PER_SPLIT = 256
+_MAX_SPLITS = 64
+
+
+def check_decode_args(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+) -> None:
+    """Shape, dtype and device checks shared by the kernel and the reference (no device sync)."""
+    if q.dim() != 3:
+        raise ValueError(f"q must be [batch, num_q_heads, head_dim], got shape {tuple(q.shape)}")
+    if k_cache.dim() != 4:
+        raise ValueError(
+            "k_cache must be [num_blocks, block_size, num_kv_heads, head_dim], "
+            f"got shape {tuple(k_cache.shape)}"
+        )
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"v_cache shape {tuple(v_cache.shape)} differs from k_cache {tuple(k_cache.shape)}"
+        )
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"head_dim of q ({head_dim}) and of the cache ({k_cache.shape[3]}) differ")
+    if num_kv_heads == 0 or num_q_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+        )
+    if q.dtype not in _FLOAT_DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(
+            f"q, k_cache and v_cache must share one of {_FLOAT_DTYPES}, got "
+            f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
+        )
+    if block_tables.dim() != 2 or block_tables.shape[0] != batch:
+        raise ValueError(
+            f"block_tables must be [batch={batch}, max_blocks], got shape {tuple(block_tables.shape)}"
+        )
+    if context_lens.shape != (batch,):
+        raise ValueError(
+            f"context_lens must be [batch={batch}], got shape {tuple(context_lens.shape)}"
+        )
+    if block_tables.dtype not in _INDEX_DTYPES or context_lens.dtype not in _INDEX_DTYPES:
+        raise ValueError(
+            "block_tables and context_lens must be int32 (or int64), got "
+            f"{block_tables.dtype} and {context_lens.dtype}"
+        )
+    devices = {t.device for t in (q, k_cache, v_cache, block_tables, context_lens)}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+
+
+def paged_decode_attention_reference(
+    q: torch.Tensor,  # [B, Hq, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    context_lens: torch.Tensor,  # [B] int32, each >= 1
+    scale: float,
+) -> torch.Tensor:  # [B, Hq, D], dtype of q
+    """PyTorch oracle for `paged_decode_attention` (float32 math, reads the whole rectangle)."""
+    check_decode_args(q, k_cache, v_cache, block_tables, context_lens)
+    batch, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    if batch == 0:
+        return torch.empty_like(q)
+    lens = context_lens.long()
+    if bool((lens <= 0).any()):
+        raise ValueError(f"every row needs context_lens >= 1, got {lens.tolist()}")
+    max_ctx = int(lens.max())
+    if max_ctx > block_tables.shape[1] * block_size:
+        raise ValueError(
+            f"a context of {max_ctx} tokens needs more than the {block_tables.shape[1]} blocks "
+            f"of {block_size} tokens that block_tables holds per row"
+        )
+    pos = torch.arange(max_ctx, device=q.device)  # [T]
+    blocks = block_tables.long()[:, pos // block_size]  # [B, T]; padding entries are block 0
+    offsets = (pos % block_size).expand(batch, max_ctx)  # [B, T]
+    math_dtype = torch.promote_types(q.dtype, torch.float32)  # float32 (float64 stays)
+    k = k_cache[blocks, offsets].to(math_dtype)  # [B, T, Hkv, D]
+    v = v_cache[blocks, offsets].to(math_dtype)  # [B, T, Hkv, D]
+    group = num_q_heads // num_kv_heads
+    # GQA: query head h = kv_head * group + j uses KV head h // group = kv_head; viewing the
+    # queries as [B, Hkv, group, D] equals repeating each KV head `group` times.
+    qg = q.to(math_dtype).reshape(batch, num_kv_heads, group, head_dim)  # [B, Hkv, G, D]
+    scores = torch.einsum("bkgd,btkd->bkgt", qg, k) * scale  # [B, Hkv, G, T]
+    pad = pos[None, :] >= lens[:, None]  # [B, T]
+    scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)  # [B, Hkv, G, T]
+    out = torch.einsum("bkgt,btkd->bkgd", probs, v)  # [B, Hkv, G, D]
+    return out.reshape(batch, num_q_heads, head_dim).to(q.dtype)
+
+
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr,  # [B, Hq, D]
+    k_ptr,  # [num_blocks, block_size, Hkv, D]
+    v_ptr,  # [num_blocks, block_size, Hkv, D]
+    block_tables_ptr,  # [B, max_blocks]
+    context_lens_ptr,  # [B]
+    out_ptr,  # [B, Hq, D] (one split) or partial outputs [B, Hq, S, D] float32
+    lse_ptr,  # [B, Hq, S] float32 log2-sum-exp of each partition (unused with one split)
+    qk_scale,  # softmax scale * log2(e)
+    partition_size,  # tokens per split, a multiple of BLOCK_N
+    num_splits,  # the last split also takes any tokens beyond num_splits * partition_size
+    stride_qb,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_ko,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vo,
+    stride_vh,
+    stride_vd,
+    stride_btb,
+    stride_btn,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_od,
+    stride_lb,
+    stride_lh,
+    GROUP: tl.constexpr,  # query heads per KV head
+    GROUP_PAD: tl.constexpr,  # GROUP padded to a tl.dot-able power of two (>= 16)
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    PAGE: tl.constexpr,  # block_size of the cache
+    BLOCK_N: tl.constexpr,  # tokens per loop step
+    SPLIT: tl.constexpr,  # write partial outputs + lse instead of the final output
+    DOT_FP32: tl.constexpr,  # compute dots in float32 (fp32 inputs, CPU interpreter)
+):
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    context_len = tl.load(context_lens_ptr + row)
+    start = split * partition_size
+    end = tl.minimum(start + partition_size, context_len)
+    end = tl.where(split == num_splits - 1, context_len, end)
+
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, D_PAD)
+    g_mask = g < GROUP
+    d_mask = d < HEAD_DIM
+    heads = kv_head * GROUP + g  # [GROUP_PAD] query heads of this KV head
+    row64 = row.to(tl.int64)
+    q_ptrs = q_ptr + row64 * stride_qb + heads[:, None] * stride_qh + d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [GROUP_PAD, D_PAD]
+    if DOT_FP32:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)  # running max (log2 units)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)  # running sum of exp2
+    acc = tl.zeros([GROUP_PAD, D_PAD], dtype=tl.float32)
+    bt_row = block_tables_ptr + row64 * stride_btb
+    k_head = k_ptr + kv_head * stride_kh
+    v_head = v_ptr + kv_head * stride_vh
+    for t0 in range(start, end, BLOCK_N):
+        t = t0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] token positions
+        t_mask = t < end
+        block = tl.load(bt_row + (t // PAGE) * stride_btn, mask=t_mask, other=0).to(tl.int64)
+        offset = t % PAGE
+        kv_mask = t_mask[:, None] & d_mask[None, :]
+        k_ptrs = k_head + block[:, None] * stride_kb + offset[:, None] * stride_ko
+        v_ptrs = v_head + block[:, None] * stride_vb + offset[:, None] * stride_vo
+        k = tl.load(k_ptrs + d[None, :] * stride_kd, mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
+        v = tl.load(v_ptrs + d[None, :] * stride_vd, mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
+        if DOT_FP32:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(t_mask[None, :], s * qk_scale, float("-inf"))  # [GROUP_PAD, BLOCK_N]
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DOT_FP32:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    has_tokens = l_i > 0.0  # False only for an empty partition (or a row of length 0)
+    out = acc / tl.where(has_tokens, l_i, 1.0)[:, None]
+    out_mask = g_mask[:, None] & d_mask[None, :]
+    out_ptrs = out_ptr + row64 * stride_ob + heads[:, None] * stride_oh + d[None, :] * stride_od
+    if SPLIT:
+        tl.store(out_ptrs + split * stride_os, out, mask=out_mask)
+        lse = tl.where(has_tokens, m_i + tl.log2(tl.where(has_tokens, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + row64 * stride_lb + heads * stride_lh + split, lse, mask=g_mask)
+    else:
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _combine_splits_kernel(
+    part_ptr,  # [B, Hq, S, D] float32 partial outputs
+    lse_ptr,  # [B, Hq, S] float32 log2-sum-exp of each partition
+    context_lens_ptr,  # [B]
+    out_ptr,  # [B, Hq, D]
+    num_splits,
+    partition_size,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lh,
+    stride_ob,
+    stride_oh,
+    stride_od,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    S_PAD: tl.constexpr,
+):
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    row64 = row.to(tl.int64)
+    context_len = tl.load(context_lens_ptr + row)
+    used = tl.minimum((context_len + partition_size - 1) // partition_size, num_splits)
+    s = tl.arange(0, S_PAD)
+    d = tl.arange(0, D_PAD)
+    s_mask = s < used
+    d_mask = d < HEAD_DIM
+    lse = tl.load(
+        lse_ptr + row64 * stride_lb + head * stride_lh + s, mask=s_mask, other=float("-inf")
+    )
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # no partition used: a row of length 0
+    w = tl.exp2(lse - m)  # [S_PAD], 0 for unused partitions
+    part_ptrs = (
+        part_ptr + row64 * stride_pb + head * stride_ph + s[:, None] * stride_ps + d[None, :]
+    )
+    part = tl.load(part_ptrs, mask=s_mask[:, None] & d_mask[None, :], other=0.0)  # [S_PAD, D_PAD]
+    total = tl.sum(w, 0)
+    out = tl.sum(part * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)  # [D_PAD]
+    out_ptrs = out_ptr + row64 * stride_ob + head * stride_oh + d * stride_od
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_num_splits(
+    batch: int, num_kv_heads: int, max_context_len: int, device: torch.device
+) -> int:
+    """How many partitions to cut each row's context into.
+
+    One program per (row, KV head) is enough when those programs already fill the GPU; with
+    fewer, long contexts are split so that about `_PROGRAMS_PER_SM` programs run per SM, never
+    into partitions shorter than `_MIN_TOKENS_PER_SPLIT` tokens. On the CPU interpreter: 1.
+    """
+    if device.type != "cuda":
+        return 1
+    programs = max(1, batch * num_kv_heads)
+    target = _PROGRAMS_PER_SM * _num_sms(device.index if device.index is not None else 0)
+    if programs * 2 >= target:
+        return 1
+    by_fill = _cdiv(target, programs)
+    by_length = max(1, max_context_len // _MIN_TOKENS_PER_SPLIT)
+    return max(1, min(by_fill, by_length, _MAX_SPLITS))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [B, Hq, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    context_lens: torch.Tensor,  # [B] int32, each >= 1
+    scale: float,
+    *,
+    max_context_len: int | None = None,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:  # [B, Hq, D], dtype of q
+    """Triton paged decode attention; same contract as `paged_decode_attention_reference`.
+
+    Keyword-only extras, none needed for correctness:
+    - `max_context_len`: an upper bound on `context_lens` known on the host (default:
+      `block_tables.shape[1] * block_size`), used only to choose the number of splits; the
+      kernel never reads it from the device, so a call does not synchronize.
+    - `num_splits`: force this many context partitions (1 = no second kernel).
+    - `block_n`, `num_warps`, `num_stages`: tokens per loop step, warps per program and
+      software-pipelining depth (tuning; defaults chosen on an H200).
+    Values are not checked on the device: a row with `context_lens[i] == 0` yields zeros,
+    and a length beyond the row's blocks reads whatever its padding blocks hold.
+    """
+    if not HAS_TRITON:
+        raise RuntimeError("paged_decode_attention needs Triton; use the reference instead")
+    check_decode_args(q, k_cache, v_cache, block_tables, context_lens)
+    if q.dtype not in _KERNEL_DTYPES:
+        raise ValueError(f"the kernel takes {_KERNEL_DTYPES}, got {q.dtype}")
+    batch, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    out = torch.empty((batch, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    if batch == 0:
+        return out
+    group = num_q_heads // num_kv_heads
+    capacity = block_tables.shape[1] * block_size
+    max_ctx = capacity if max_context_len is None else max(1, min(int(max_context_len), capacity))
+    block_n = block_n or 64
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, num_kv_heads, max_ctx, q.device)
+    num_splits = max(1, min(int(num_splits), _cdiv(max_ctx, block_n)))
+    partition = _cdiv(_cdiv(max_ctx, num_splits), block_n) * block_n  # a multiple of BLOCK_N
+    num_splits = _cdiv(max_ctx, partition)
+    d_pad = next_power_of_2(head_dim)
+    dot_fp32 = INTERPRETED or q.dtype == torch.float32
+    launch = {"num_warps": num_warps or 4}
+    if num_stages is not None:
+        launch["num_stages"] = num_stages
+
+    if num_splits == 1:
+        target, lse = out, out  # lse unused
+        t_strides = (out.stride(0), out.stride(1), 0, out.stride(2))
+        l_strides = (0, 0)
+    else:
+        target = torch.empty(
+            (batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
+        )
+        lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
+        t_strides = target.stride()
+        l_strides = (lse.stride(0), lse.stride(1))
+
+    _paged_decode_kernel[(batch, num_kv_heads, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        target,
+        lse,
+        float(scale) * _LOG2E,
+        partition,
+        num_splits,
+        *q.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        *block_tables.stride(),
+        *t_strides,
+        *l_strides,
+        GROUP=group,
+        GROUP_PAD=max(16, next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        D_PAD=d_pad,
+        PAGE=block_size,
+        BLOCK_N=block_n,
+        SPLIT=num_splits > 1,
+        DOT_FP32=dot_fp32,
+        **launch,
+    )
+    if num_splits > 1:
+        _combine_splits_kernel[(batch, num_q_heads)](
+            target,
+            lse,
+            context_lens,
+            out,
+            num_splits,
+            partition,
+            target.stride(0),
+            target.stride(1),
+            target.stride(2),
+            lse.stride(0),
+            lse.stride(1),
+            *out.stride(),
+            HEAD_DIM=head_dim,
+            D_PAD=d_pad,
+            S_PAD=next_power_of_2(num_splits),
+            num_warps=4 if d_pad * next_power_of_2(num_splits) >= 2048 else 1,
+        )
+    return out
+
+
+__all__ = [
+    "check_decode_args",
+    "choose_num_splits",
+    "paged_decode_attention",
+    "paged_decode_attention_reference",
+]

@@ -1,0 +1,228 @@
+"""Causal attention over packed ragged prompts (prefill).
+
+The B prompts of a batch are packed along one token axis: prompt b owns tokens
+`cu_seqlens[b] : cu_seqlens[b + 1]` of `q [N, Hq, D]`, `k, v [N, Hkv, D]`. Token i of a prompt
+attends to tokens 0..i of the same prompt only. Query head h reads KV head `h // (Hq // Hkv)`.
+
+Two implementations with one signature:
+- `prefill_attention_reference`: PyTorch, the oracle (float32 math, one prompt at a time).
+- `prefill_attention`: Triton flash-attention forward. One program per (query block, query
+  head, prompt) walks the prompt's key blocks up to its diagonal with a float32 online softmax.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels._triton import HAS_TRITON, interpret_requested, next_power_of_2, tl, triton
+
+# Decided when this module is imported, like Triton's own choice in `@triton.jit` below.
+INTERPRETED = HAS_TRITON and interpret_requested()
+
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_FLOAT_DTYPES = (*_KERNEL_DTYPES, torch.float64)  # float64: the reference only
+_LOG2E = 1.4426950408889634
+
+
+def check_prefill_args(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor
+) -> None:
+    """Shape, dtype and device checks shared by the kernel and the reference (no device sync)."""
+    if q.dim() != 3 or k.dim() != 3:
+        raise ValueError(
+            f"q must be [N, Hq, D] and k, v [N, Hkv, D], got {tuple(q.shape)} and {tuple(k.shape)}"
+        )
+    if v.shape != k.shape:
+        raise ValueError(f"v shape {tuple(v.shape)} differs from k {tuple(k.shape)}")
+    num_tokens, num_q_heads, head_dim = q.shape
+    if k.shape[0] != num_tokens or k.shape[2] != head_dim:
+        raise ValueError(f"k {tuple(k.shape)} does not match q {tuple(q.shape)} in tokens/head_dim")
+    if k.shape[1] == 0 or num_q_heads % k.shape[1] != 0:
+        raise ValueError(
+            f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({k.shape[1]})"
+        )
+    if q.dtype not in _FLOAT_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(
+            f"q, k and v must share one of {_FLOAT_DTYPES}, got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1 or cu_seqlens.dtype != torch.int32:
+        raise ValueError(
+            f"cu_seqlens must be a 1-D int32 tensor [B + 1], got {cu_seqlens.dtype} "
+            f"of shape {tuple(cu_seqlens.shape)}"
+        )
+    devices = {t.device for t in (q, k, v, cu_seqlens)}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+
+
+def prefill_attention_reference(
+    q: torch.Tensor,  # [N, Hq, D]
+    k: torch.Tensor,  # [N, Hkv, D]
+    v: torch.Tensor,  # [N, Hkv, D]
+    cu_seqlens: torch.Tensor,  # [B + 1] int32: 0, len_0, len_0 + len_1, ..., N
+    max_seqlen: int,  # >= every prompt length
+    scale: float,
+) -> torch.Tensor:  # [N, Hq, D], dtype of q
+    """PyTorch oracle for `prefill_attention`; also checks `cu_seqlens` and `max_seqlen`."""
+    check_prefill_args(q, k, v, cu_seqlens)
+    bounds = cu_seqlens.tolist()
+    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    if bounds[0] != 0 or bounds[-1] != q.shape[0] or any(n < 0 for n in lengths):
+        raise ValueError(
+            f"cu_seqlens must rise from 0 to N={q.shape[0]} without decreasing, got {bounds}"
+        )
+    if lengths and max(lengths) > max_seqlen:
+        raise ValueError(f"max_seqlen={max_seqlen} is below the longest prompt ({max(lengths)})")
+    group = q.shape[1] // k.shape[1]
+    math_dtype = torch.promote_types(q.dtype, torch.float32)  # float32 (float64 stays)
+    out = torch.empty_like(q)
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end == start:
+            continue
+        length = end - start
+        qs = q[start:end].to(math_dtype).transpose(0, 1)  # [Hq, L, D]
+        ks = k[start:end].to(math_dtype).repeat_interleave(group, dim=1).transpose(0, 1)
+        vs = v[start:end].to(math_dtype).repeat_interleave(group, dim=1).transpose(0, 1)
+        scores = (qs @ ks.transpose(1, 2)) * scale  # [Hq, L, L]
+        future = torch.ones(length, length, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[start:end] = (probs @ vs).transpose(0, 1).to(q.dtype)  # [L, Hq, D]
+    return out
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,  # [N, Hq, D]
+    k_ptr,  # [N, Hkv, D]
+    v_ptr,  # [N, Hkv, D]
+    out_ptr,  # [N, Hq, D]
+    cu_seqlens_ptr,  # [B + 1] int32
+    qk_scale,  # softmax scale * log2(e)
+    stride_qn,
+    stride_qh,
+    stride_qd,
+    stride_kn,
+    stride_kh,
+    stride_kd,
+    stride_vn,
+    stride_vh,
+    stride_vd,
+    stride_on,
+    stride_oh,
+    stride_od,
+    GROUP: tl.constexpr,  # query heads per KV head
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # queries per program
+    BLOCK_N: tl.constexpr,  # keys per loop step
+    DOT_FP32: tl.constexpr,  # compute dots in float32 (fp32 inputs, CPU interpreter)
+):
+    m_block = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.program_id(2)
+    seq_start = tl.load(cu_seqlens_ptr + seq)
+    seq_len = tl.load(cu_seqlens_ptr + seq + 1) - seq_start
+    m0 = m_block * BLOCK_M
+    if m0 >= seq_len:
+        return
+    kv_head = head // GROUP
+    m = m0 + tl.arange(0, BLOCK_M)  # [BLOCK_M] positions in the prompt
+    d = tl.arange(0, D_PAD)
+    m_mask = m < seq_len
+    d_mask = d < HEAD_DIM
+    rows = (seq_start + m).to(tl.int64)
+    q_ptrs = q_ptr + rows[:, None] * stride_qn + head * stride_qh + d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=m_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_M, D_PAD]
+    if DOT_FP32:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    hi = tl.minimum(seq_len, m0 + BLOCK_M)  # causal: no key beyond the block's last query
+    for n0 in range(0, hi, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = n < seq_len
+        cols = (seq_start + n).to(tl.int64)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k_ptrs = k_ptr + cols[:, None] * stride_kn + kv_head * stride_kh + d[None, :] * stride_kd
+        v_ptrs = v_ptr + cols[:, None] * stride_vn + kv_head * stride_vh + d[None, :] * stride_vd
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
+        if DOT_FP32:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        visible = (n[None, :] <= m[:, None]) & n_mask[None, :]
+        s = tl.where(visible, s * qk_scale, float("-inf"))  # [BLOCK_M, BLOCK_N]
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DOT_FP32:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    out = acc / l_i[:, None]  # every query sees at least key 0 of its prompt: l_i > 0
+    out_ptrs = out_ptr + rows[:, None] * stride_on + head * stride_oh + d[None, :] * stride_od
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
+def prefill_attention(
+    q: torch.Tensor,  # [N, Hq, D]
+    k: torch.Tensor,  # [N, Hkv, D]
+    v: torch.Tensor,  # [N, Hkv, D]
+    cu_seqlens: torch.Tensor,  # [B + 1] int32
+    max_seqlen: int,  # >= every prompt length
+    scale: float,
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:  # [N, Hq, D], dtype of q
+    """Triton causal ragged prefill attention; same contract as `prefill_attention_reference`.
+
+    `cu_seqlens` values are not checked on the device (no synchronization): prompts longer
+    than `max_seqlen` are computed only up to `max_seqlen` queries. `block_m`, `block_n` and
+    `num_warps` are tuning knobs.
+    """
+    if not HAS_TRITON:
+        raise RuntimeError("prefill_attention needs Triton; use the reference instead")
+    check_prefill_args(q, k, v, cu_seqlens)
+    if q.dtype not in _KERNEL_DTYPES:
+        raise ValueError(f"the kernel takes {_KERNEL_DTYPES}, got {q.dtype}")
+    num_tokens, num_q_heads, head_dim = q.shape
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    num_seqs = cu_seqlens.shape[0] - 1
+    if num_tokens == 0 or num_seqs == 0 or max_seqlen <= 0:
+        return out
+    block_m = block_m or 64
+    block_n = block_n or 64
+    grid = (-(-int(max_seqlen) // block_m), num_q_heads, num_seqs)
+    _prefill_kernel[grid](
+        q,
+        k,
+        v,
+        out,
+        cu_seqlens,
+        float(scale) * _LOG2E,
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *out.stride(),
+        GROUP=num_q_heads // k.shape[1],
+        HEAD_DIM=head_dim,
+        D_PAD=next_power_of_2(head_dim),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        DOT_FP32=INTERPRETED or q.dtype == torch.float32,
+        num_warps=num_warps or 4,
+    )
+    return out
+
+
+__all__ = ["check_prefill_args", "prefill_attention", "prefill_attention_reference"]

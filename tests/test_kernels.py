@@ -1,0 +1,499 @@
+"""Kernels (CPU): the PyTorch references against independent math, and the Triton kernels
+against the references under Triton's CPU interpreter.
+
+How the interpreter tests run. Triton reads `TRITON_INTERPRET` when it is imported (its own
+`tl.max`/`tl.sum` are `@triton.jit` functions) and when each kernel is decorated, so one
+process cannot hold interpreted and compiled kernels side by side, and setting the variable
+here would leak into every test module collected after this one. Instead,
+`test_kernels_under_the_triton_interpreter` starts a child pytest on this file with
+`TRITON_INTERPRET=1 NANOSERVE_TRITON_INTERPRET=1` set from the start and `-k test_interp_`;
+in the parent those `test_interp_*` tests skip (one grouped SKIPPED line), in the child they
+run. So a plain `pytest` (or `pytest tests/test_kernels.py`) runs everything; CI needs no
+extra invocation or environment. To run or debug the interpreter tests directly:
+`TRITON_INTERPRET=1 NANOSERVE_TRITON_INTERPRET=1 pytest tests/test_kernels.py -k test_interp_`.
+
+Interpreter runs are slow per program (~0.4 ms plus numpy per op), so the shapes are small and
+the programs few. The same checks in bfloat16 on the GPU are in `test_kernels_gpu.py`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.kv_store import store_kv_reference
+from kernels.paged_attention import paged_decode_attention_reference
+from kernels.prefill_attention import prefill_attention_reference
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TOLERANCE = {  # (atol, rtol) of a kernel against the reference, by input dtype
+    torch.float32: (2e-5, 1e-4),
+    torch.float16: (2e-3, 2e-3),
+}
+
+
+# --- helpers ---------------------------------------------------------------------------------
+
+
+def make_decode_case(
+    *,
+    seed: int,
+    context_lens: list[int],
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: str = "cpu",
+    spare_blocks: int = 3,
+):
+    """A random paged cache. Rows own disjoint, shuffled blocks numbered from 1; block 0 is
+    never anyone's: it is the padding entry of every block table. Returns the tensors and the
+    set of (block, offset) slots that hold real context."""
+    gen = torch.Generator().manual_seed(seed)
+    batch = len(context_lens)
+    blocks_per_row = [math.ceil(n / block_size) for n in context_lens]
+    max_blocks = max(blocks_per_row) + 1  # one padding column even for the longest row
+    num_blocks = 1 + sum(blocks_per_row) + spare_blocks
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    q = torch.randn((batch, num_kv_heads * group, head_dim), generator=gen).to(dtype)
+    order = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    block_tables = torch.zeros((batch, max_blocks), dtype=torch.int32)
+    used = set()
+    for row, (n, nb) in enumerate(zip(context_lens, blocks_per_row)):
+        mine, order = order[:nb], order[nb:]
+        block_tables[row, :nb] = torch.tensor(mine, dtype=torch.int32)
+        used.update((mine[t // block_size], t % block_size) for t in range(n))
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    tensors = [x.to(device) for x in (q, k_cache, v_cache, block_tables, lens)]
+    return tensors, used
+
+
+def poison_unused(
+    cache: torch.Tensor, used: set[tuple[int, int]], value: float = 1e4
+) -> torch.Tensor:
+    """A copy of `cache` with `value` in every slot that is not real context (block 0, spare
+    blocks, the tails of partly filled blocks)."""
+    poisoned = cache.clone()
+    keep = torch.zeros(cache.shape[:2], dtype=torch.bool)
+    for block, offset in used:
+        keep[block, offset] = True
+    poisoned[~keep.to(cache.device)] = value
+    return poisoned
+
+
+def make_prefill_case(*, seed, lengths, num_kv_heads, group, head_dim, dtype, device="cpu"):
+    gen = torch.Generator().manual_seed(seed)
+    n = sum(lengths)
+    q = torch.randn((n, num_kv_heads * group, head_dim), generator=gen).to(dtype)
+    k = torch.randn((n, num_kv_heads, head_dim), generator=gen).to(dtype)
+    v = torch.randn((n, num_kv_heads, head_dim), generator=gen).to(dtype)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    return [x.to(device) for x in (q, k, v, cu)]
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    atol, rtol = TOLERANCE[dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol)
+
+
+# --- the references against independent math --------------------------------------------------
+
+
+@pytest.mark.parametrize("group", [1, 3])
+def test_decode_reference_matches_dense_sdpa_per_row(group):
+    (q, k_cache, v_cache, tables, lens), _ = make_decode_case(
+        seed=1, context_lens=[1, 16, 23, 48], num_kv_heads=2, group=group, head_dim=32,
+        block_size=16, dtype=torch.float64,
+    )  # fmt: skip
+    scale = 0.3
+    out = paged_decode_attention_reference(q, k_cache, v_cache, tables, lens, scale)
+    for row, n in enumerate(lens.tolist()):
+        slots = [(int(tables[row, t // 16]), t % 16) for t in range(n)]
+        k = torch.stack([k_cache[b, o] for b, o in slots])  # [n, Hkv, D]
+        v = torch.stack([v_cache[b, o] for b, o in slots])
+        k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, n, D]
+        v = v.repeat_interleave(group, dim=1).transpose(0, 1)
+        expected = F.scaled_dot_product_attention(q[row][:, None, :], k, v, scale=scale)
+        torch.testing.assert_close(out[row], expected[:, 0, :])
+
+
+def test_decode_reference_refuses_empty_rows_and_short_tables():
+    (q, k_cache, v_cache, tables, lens), _ = make_decode_case(
+        seed=2, context_lens=[5, 9], num_kv_heads=1, group=2, head_dim=16, block_size=16,
+        dtype=torch.float32,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="context_lens >= 1"):
+        paged_decode_attention_reference(
+            q, k_cache, v_cache, tables, torch.tensor([5, 0], dtype=torch.int32), 1.0
+        )
+    with pytest.raises(ValueError, match="blocks"):
+        too_long = torch.tensor([5, 16 * tables.shape[1] + 1], dtype=torch.int32)
+        paged_decode_attention_reference(q, k_cache, v_cache, tables, too_long, 1.0)
+    with pytest.raises(ValueError, match="multiple"):
+        two_kv_heads = k_cache.expand(-1, -1, 2, -1)
+        q3 = torch.zeros((2, 3, 16))
+        paged_decode_attention_reference(q3, two_kv_heads, two_kv_heads, tables, lens, 1.0)
+    with pytest.raises(ValueError, match="int32"):
+        paged_decode_attention_reference(q, k_cache, v_cache, tables.float(), lens, 1.0)
+
+
+def test_decode_reference_ignores_padding_and_unused_slots():
+    (q, k_cache, v_cache, tables, lens), used = make_decode_case(
+        seed=3, context_lens=[1, 16, 20], num_kv_heads=2, group=4, head_dim=16, block_size=16,
+        dtype=torch.float32,
+    )  # fmt: skip
+    before = paged_decode_attention_reference(q, k_cache, v_cache, tables, lens, 0.25)
+    after = paged_decode_attention_reference(
+        q, poison_unused(k_cache, used), poison_unused(v_cache, used), tables, lens, 0.25
+    )
+    torch.testing.assert_close(after, before, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_prefill_reference_matches_causal_sdpa_per_prompt(group):
+    lengths = [1, 7, 0, 20]
+    q, k, v, cu = make_prefill_case(
+        seed=4, lengths=lengths, num_kv_heads=2, group=group, head_dim=16, dtype=torch.float64
+    )
+    out = prefill_attention_reference(q, k, v, cu, max(lengths), 0.2)
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        if a == b:
+            continue
+        ks = k[a:b].repeat_interleave(group, dim=1).transpose(0, 1)
+        vs = v[a:b].repeat_interleave(group, dim=1).transpose(0, 1)
+        expected = F.scaled_dot_product_attention(
+            q[a:b].transpose(0, 1), ks, vs, is_causal=True, scale=0.2
+        )
+        torch.testing.assert_close(out[a:b], expected.transpose(0, 1))
+
+
+def test_prefill_reference_checks_cu_seqlens():
+    q, k, v, cu = make_prefill_case(
+        seed=5, lengths=[3, 4], num_kv_heads=1, group=1, head_dim=8, dtype=torch.float32
+    )
+    with pytest.raises(ValueError, match="max_seqlen"):
+        prefill_attention_reference(q, k, v, cu, 3, 1.0)
+    with pytest.raises(ValueError, match="rise from 0"):
+        prefill_attention_reference(q, k, v, torch.tensor([0, 3, 6], dtype=torch.int32), 4, 1.0)
+    with pytest.raises(ValueError, match="int32"):
+        prefill_attention_reference(q, k, v, cu.long(), 4, 1.0)
+
+
+def test_store_kv_reference_writes_each_slot_and_skips_negative_ones():
+    gen = torch.Generator().manual_seed(6)
+    k = torch.randn((5, 2, 8), generator=gen)
+    v = torch.randn((5, 2, 8), generator=gen)
+    k_cache = torch.zeros((4, 4, 2, 8))
+    v_cache = torch.zeros((4, 4, 2, 8))
+    slots = torch.tensor([0, 5, -1, 15, 9], dtype=torch.int64)
+    store_kv_reference(k, v, k_cache, v_cache, slots)
+    for n, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            assert torch.equal(k_cache[slot // 4, slot % 4], k[n])
+            assert torch.equal(v_cache[slot // 4, slot % 4], v[n])
+    assert int((k_cache.abs().sum(dim=(2, 3)) > 0).sum()) == 4  # token 2 was not stored
+    with pytest.raises(ValueError, match="outside the pool"):
+        store_kv_reference(k, v, k_cache, v_cache, torch.tensor([0, 1, 2, 3, 16]))
+    with pytest.raises(ValueError, match="int64"):
+        store_kv_reference(k, v, k_cache, v_cache, slots.int())
+
+
+# --- the backend switch ---------------------------------------------------------------------
+
+
+def test_backend_uses_references_on_cpu_by_default(monkeypatch):
+    import kernels
+
+    monkeypatch.delenv("NANOSERVE_TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert not kernels.use_triton("cpu")
+    assert not kernels.use_triton(torch.device("meta"))
+    (q, k_cache, v_cache, tables, lens), _ = make_decode_case(
+        seed=7, context_lens=[3, 17], num_kv_heads=1, group=3, head_dim=16, block_size=16,
+        dtype=torch.float32,
+    )  # fmt: skip
+    torch.testing.assert_close(
+        kernels.decode_attention(q, k_cache, v_cache, tables, lens, 0.5),
+        paged_decode_attention_reference(q, k_cache, v_cache, tables, lens, 0.5),
+        atol=0,
+        rtol=0,
+    )
+
+
+_INTERPRETER_SWITCH_SCRIPT = """
+import torch, kernels
+from kernels.paged_attention import paged_decode_attention_reference
+assert kernels.use_triton("cpu"), "NANOSERVE_TRITON_INTERPRET=1 did not select the kernels"
+g = torch.Generator().manual_seed(0)
+kc, vc = torch.randn(4, 16, 2, 64, generator=g), torch.randn(4, 16, 2, 64, generator=g)
+q = torch.randn(2, 4, 64, generator=g)
+tables = torch.tensor([[1, 2], [3, 0]], dtype=torch.int32)
+lens = torch.tensor([20, 9], dtype=torch.int32)
+out = kernels.decode_attention(q, kc, vc, tables, lens, 0.125)
+ref = paged_decode_attention_reference(q, kc, vc, tables, lens, 0.125)
+torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+print("triton-interpreter-ok")
+"""
+
+
+def test_nanoserve_triton_interpret_switches_cpu_to_the_kernels():
+    pytest.importorskip("triton")
+    pytest.importorskip("numpy")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["NANOSERVE_TRITON_INTERPRET"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
+    result = subprocess.run(
+        [sys.executable, "-c", _INTERPRETER_SWITCH_SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "triton-interpreter-ok" in result.stdout
+
+
+# --- our `kernels` package and transformers' probe for the hub `kernels` distribution -------
+
+
+def test_transformers_does_not_take_our_package_for_hub_kernels():
+    """The package index has an unrelated `kernels` distribution that transformers probes
+    for (`is_kernels_available`). Our top-level `kernels` is importable, so the probe finds
+    it; it must still answer False (the version it reads is nanoserve's, outside the
+    window transformers accepts), and transformers' Llama must build and run."""
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils.import_utils import is_kernels_available
+
+    assert is_kernels_available() is False
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([[1, 2, 3]])).logits
+    assert logits.shape == (1, 3, 64)
+    assert torch.isfinite(logits).all()
+
+
+# --- the Triton kernels under the CPU interpreter --------------------------------------------
+
+
+def _kernels_interpreted() -> bool:
+    """Whether this process runs Triton (its standard library included) in the interpreter."""
+    try:
+        import triton.language as tl
+    except ImportError:
+        return False
+    from kernels import paged_attention
+
+    return paged_attention.INTERPRETED and type(tl.max).__name__ == "InterpretedFunction"
+
+
+def test_kernels_under_the_triton_interpreter():
+    """Runs this file's `test_interp_*` tests in a child pytest with `TRITON_INTERPRET=1`
+    set from the start (Triton reads it when it is imported); see the module docstring."""
+    pytest.importorskip("triton")
+    pytest.importorskip("numpy")
+    if _kernels_interpreted():
+        pytest.skip("already inside the interpreter run")
+    env = dict(os.environ, TRITON_INTERPRET="1", NANOSERVE_TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "test_interp_"]
+    result = subprocess.run(
+        [*command, str(Path(__file__).resolve())],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    report = result.stdout[-6000:] + result.stderr[-2000:]
+    assert result.returncode == 0, report
+    assert re.search(r"\b\d+ passed", report) and "skipped" not in report, report
+
+
+@pytest.fixture(scope="module")
+def interp():
+    """The kernel modules, defined for the interpreter (only inside the child run)."""
+    if not _kernels_interpreted():
+        pytest.skip("run by test_kernels_under_the_triton_interpreter in a child process")
+    from kernels import kv_store, paged_attention
+
+    return {
+        "paged_attention": paged_attention,
+        "prefill_attention": sys.modules["kernels.prefill_attention"],
+        "kv_store": kv_store,
+    }
+
+
+def test_interp_backend_selects_the_kernels(interp):
+    import kernels
+
+    assert kernels.use_triton("cpu")
+    (q, k_cache, v_cache, tables, lens), _ = make_decode_case(
+        seed=8, context_lens=[20, 9], num_kv_heads=2, group=2, head_dim=64, block_size=16,
+        dtype=torch.float32,
+    )  # fmt: skip
+    out = kernels.decode_attention(q, k_cache, v_cache, tables, lens, 0.125)
+    expected = paged_decode_attention_reference(q, k_cache, v_cache, tables, lens, 0.125)
+    assert_close(out, expected, torch.float32)
+
+
+# (query heads per KV head, head_dim, block_size, dtype): every value of each axis appears in
+# both float32 and float16.
+DECODE_CASES = [
+    (1, 64, 16, torch.float32),
+    (3, 128, 32, torch.float16),
+    (4, 64, 32, torch.float16),
+    (8, 128, 16, torch.float32),
+    (3, 64, 16, torch.float32),
+    (8, 64, 32, torch.float16),
+    (1, 128, 32, torch.float16),
+    (4, 128, 16, torch.float32),
+]
+
+
+@pytest.mark.parametrize("group,head_dim,block_size,dtype", DECODE_CASES)
+def test_interp_decode_kernel_matches_reference(interp, group, head_dim, block_size, dtype):
+    paged = interp["paged_attention"]
+    seed = group * 1000 + head_dim + block_size
+    rand_len = int(
+        torch.randint(2, 4 * block_size, (1,), generator=torch.Generator().manual_seed(seed))
+    )
+    # ragged: one token, exact multiples of the block size, and one random length
+    context_lens = [1, block_size, 2 * block_size, rand_len]
+    (q, k_cache, v_cache, tables, lens), used = make_decode_case(
+        seed=seed, context_lens=context_lens, num_kv_heads=2, group=group, head_dim=head_dim,
+        block_size=block_size, dtype=dtype,
+    )  # fmt: skip
+    scale = 1.0 / math.sqrt(head_dim)
+    expected = paged_decode_attention_reference(q, k_cache, v_cache, tables, lens, scale)
+    # one program per (row, KV head) over the whole context, and the split-K path
+    for splits in (None, 3):
+        out = paged.paged_decode_attention(
+            q, k_cache, v_cache, tables, lens, scale, num_splits=splits
+        )
+        assert out.shape == q.shape and out.dtype == dtype
+        assert_close(out, expected, dtype)
+    # padding (block 0), spare blocks and the tails of partly filled blocks are never read
+    k_bad, v_bad = poison_unused(k_cache, used), poison_unused(v_cache, used)
+    for splits in (1, 2):
+        clean = paged.paged_decode_attention(
+            q, k_cache, v_cache, tables, lens, scale, num_splits=splits
+        )
+        dirty = paged.paged_decode_attention(
+            q, k_bad, v_bad, tables, lens, scale, num_splits=splits
+        )
+        torch.testing.assert_close(dirty, clean, atol=0, rtol=0)
+
+
+def test_interp_decode_kernel_split_k_many_partitions(interp):
+    """More partitions than some rows have tokens: empty partitions must not count."""
+    paged = interp["paged_attention"]
+    (q, k_cache, v_cache, tables, lens), _ = make_decode_case(
+        seed=11, context_lens=[1, 70, 200], num_kv_heads=1, group=4, head_dim=64,
+        block_size=16, dtype=torch.float32,
+    )  # fmt: skip
+    expected = paged_decode_attention_reference(q, k_cache, v_cache, tables, lens, 0.125)
+    for splits in (4, 8):
+        out = paged.paged_decode_attention(
+            q, k_cache, v_cache, tables, lens, 0.125, num_splits=splits, block_n=16
+        )
+        assert_close(out, expected, torch.float32)
+    # a host-side bound on the context that is too small still covers every token
+    out = paged.paged_decode_attention(
+        q, k_cache, v_cache, tables, lens, 0.125, num_splits=4, max_context_len=64, block_n=16
+    )
+    assert_close(out, expected, torch.float32)
+
+
+def test_interp_decode_kernel_reads_strided_queries(interp):
+    """q as a view into a wider projection output (non-contiguous rows)."""
+    paged = interp["paged_attention"]
+    (q, k_cache, v_cache, tables, lens), _ = make_decode_case(
+        seed=12, context_lens=[5, 33], num_kv_heads=2, group=2, head_dim=64, block_size=16,
+        dtype=torch.float32,
+    )  # fmt: skip
+    wide = torch.zeros((2, 4 + 4, 64))
+    wide[:, :4] = q
+    q_view = wide[:, :4]
+    assert not q_view.is_contiguous()
+    out = paged.paged_decode_attention(q_view, k_cache, v_cache, tables, lens, 0.125)
+    assert_close(
+        out,
+        paged_decode_attention_reference(q, k_cache, v_cache, tables, lens, 0.125),
+        torch.float32,
+    )
+
+
+# (query heads per KV head, head_dim, dtype, block_m, block_n)
+PREFILL_CASES = [
+    (1, 64, torch.float32, None, None),
+    (3, 128, torch.float16, None, None),
+    (4, 64, torch.float16, 16, 32),
+    (8, 128, torch.float32, 32, 16),
+]
+
+
+@pytest.mark.parametrize("group,head_dim,dtype,block_m,block_n", PREFILL_CASES)
+def test_interp_prefill_kernel_matches_reference(interp, group, head_dim, dtype, block_m, block_n):
+    prefill = interp["prefill_attention"]
+    seed = group * 100 + head_dim
+    rand_len = int(torch.randint(2, 130, (1,), generator=torch.Generator().manual_seed(seed)))
+    lengths = [1, 64, 0, rand_len, 32]  # one token, tile multiples, an empty prompt
+    q, k, v, cu = make_prefill_case(
+        seed=seed, lengths=lengths, num_kv_heads=2, group=group, head_dim=head_dim, dtype=dtype
+    )
+    scale = 1.0 / math.sqrt(head_dim)
+    expected = prefill_attention_reference(q, k, v, cu, max(lengths), scale)
+    out = prefill.prefill_attention(
+        q, k, v, cu, max(lengths), scale, block_m=block_m, block_n=block_n
+    )
+    assert out.shape == q.shape and out.dtype == dtype
+    assert_close(out, expected, dtype)
+
+
+@pytest.mark.parametrize(
+    "num_kv_heads,head_dim,block_size,src_dtype,cache_dtype",
+    [
+        (2, 64, 16, torch.float32, torch.float32),
+        (3, 128, 32, torch.float16, torch.float16),
+        (1, 64, 32, torch.float32, torch.float16),
+    ],
+)
+def test_interp_store_kv_kernel_matches_reference(
+    interp, num_kv_heads, head_dim, block_size, src_dtype, cache_dtype
+):
+    kv = interp["kv_store"]
+    gen = torch.Generator().manual_seed(num_kv_heads * head_dim + block_size)
+    num_tokens, num_blocks = 24, 5
+    # k and v as views into one wider projection output: strided rows
+    qkv = torch.randn((num_tokens, (2 + 2 * num_kv_heads) * head_dim), generator=gen).to(src_dtype)
+    k = qkv[:, 2 * head_dim : (2 + num_kv_heads) * head_dim].view(
+        num_tokens, num_kv_heads, head_dim
+    )
+    v = qkv[:, (2 + num_kv_heads) * head_dim :].view(num_tokens, num_kv_heads, head_dim)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[3] = -1  # a padding token: not stored
+    caches = [
+        torch.randn((num_blocks, block_size, num_kv_heads, head_dim), generator=gen).to(cache_dtype)
+        for _ in range(2)
+    ]
+    expected = [c.clone() for c in caches]
+    store_kv_reference(k, v, *expected, slots)
+    kv.store_kv(k, v, *caches, slots)
+    assert torch.equal(caches[0], expected[0])
+    assert torch.equal(caches[1], expected[1])

@@ -1,0 +1,193 @@
+"""Kernels on a CUDA device: the Triton kernels against their PyTorch references in bfloat16
+(plus float16 and float32), with larger shapes than the CPU interpreter allows.
+
+Skipped cleanly where Triton or a CUDA device is missing. Tolerances, kernel vs reference
+(the reference computes in float32 from the same low-precision inputs, then rounds):
+- float32: atol 1e-4, rtol 1e-4 (dots in IEEE float32);
+- float16: atol 2e-3, rtol 2e-3;
+- bfloat16: atol 2e-2, rtol 2e-2 (the kernels round the softmax weights to bfloat16 before
+  the weights x values product, as flash attention does; bfloat16 keeps 8 mantissa bits).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+pytest.importorskip("triton")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+from kernels import decode_attention, use_triton  # noqa: E402
+from kernels.kv_store import store_kv, store_kv_reference  # noqa: E402
+from kernels.paged_attention import (  # noqa: E402
+    paged_decode_attention,
+    paged_decode_attention_reference,
+)
+from kernels.prefill_attention import (  # noqa: E402
+    prefill_attention,
+    prefill_attention_reference,
+)
+
+DEVICE = "cuda"
+TOLERANCE = {
+    torch.float32: (1e-4, 1e-4),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (2e-2, 2e-2),
+}
+
+
+def assert_close(actual, expected, dtype):
+    atol, rtol = TOLERANCE[dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol)
+
+
+def make_decode_case(*, seed, context_lens, num_kv_heads, group, head_dim, block_size, dtype):
+    """Random paged cache on the GPU; rows own disjoint shuffled blocks numbered from 1, block
+    0 is only padding. Returns the tensors and a [num_blocks, block_size] mask of real slots."""
+    gen = torch.Generator().manual_seed(seed)
+    batch = len(context_lens)
+    blocks_per_row = [math.ceil(n / block_size) for n in context_lens]
+    max_blocks = max(blocks_per_row) + 1
+    num_blocks = 1 + sum(blocks_per_row) + 4
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    q = torch.randn((batch, num_kv_heads * group, head_dim), generator=gen).to(dtype)
+    order = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    tables = torch.zeros((batch, max_blocks), dtype=torch.int32)
+    real = torch.zeros((num_blocks, block_size), dtype=torch.bool)
+    for row, (n, nb) in enumerate(zip(context_lens, blocks_per_row)):
+        mine, order = order[:nb], order[nb:]
+        tables[row, :nb] = torch.tensor(mine, dtype=torch.int32)
+        for t in range(n):
+            real[mine[t // block_size], t % block_size] = True
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    tensors = [x.to(DEVICE) for x in (q, k_cache, v_cache, tables, lens)]
+    return tensors, real.to(DEVICE)
+
+
+def ragged_lengths(seed, count, block_size, longest):
+    gen = torch.Generator().manual_seed(seed)
+    fixed = [1, block_size, 2 * block_size, longest]
+    rand = torch.randint(2, longest, (count - len(fixed),), generator=gen).tolist()
+    return fixed + rand
+
+
+DECODE_CASES = [  # (query heads per KV head, head_dim, block_size)
+    (1, 64, 16),
+    (3, 128, 32),
+    (4, 64, 16),
+    (8, 128, 16),
+    (4, 128, 32),
+    (8, 64, 32),
+]
+
+
+@pytest.mark.parametrize("group,head_dim,block_size", DECODE_CASES)
+def test_decode_kernel_matches_reference_bf16(group, head_dim, block_size):
+    lens = ragged_lengths(group + head_dim, 24, block_size, longest=2000)
+    (q, k_cache, v_cache, tables, ctx), real = make_decode_case(
+        seed=group * 7 + head_dim, context_lens=lens, num_kv_heads=4, group=group,
+        head_dim=head_dim, block_size=block_size, dtype=torch.bfloat16,
+    )  # fmt: skip
+    scale = 1.0 / math.sqrt(head_dim)
+    expected = paged_decode_attention_reference(q, k_cache, v_cache, tables, ctx, scale)
+    for splits in (None, 1, 5):  # heuristic, one program per (row, KV head), split-K
+        out = paged_decode_attention(q, k_cache, v_cache, tables, ctx, scale, num_splits=splits)
+        assert out.dtype == torch.bfloat16 and out.shape == q.shape
+        assert_close(out, expected, torch.bfloat16)
+    # padding block 0, spare blocks and tails of partly filled blocks are never read
+    k_bad = k_cache.masked_fill(~real[:, :, None, None], 1e4)
+    v_bad = v_cache.masked_fill(~real[:, :, None, None], 1e4)
+    for splits in (1, 5):
+        clean = paged_decode_attention(q, k_cache, v_cache, tables, ctx, scale, num_splits=splits)
+        dirty = paged_decode_attention(q, k_bad, v_bad, tables, ctx, scale, num_splits=splits)
+        assert torch.equal(clean, dirty)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_decode_kernel_matches_reference_other_dtypes(dtype):
+    lens = ragged_lengths(3, 12, 16, longest=700)
+    (q, k_cache, v_cache, tables, ctx), _ = make_decode_case(
+        seed=3, context_lens=lens, num_kv_heads=2, group=4, head_dim=64, block_size=16,
+        dtype=dtype,
+    )  # fmt: skip
+    expected = paged_decode_attention_reference(q, k_cache, v_cache, tables, ctx, 0.125)
+    for splits in (1, 4):
+        out = paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.125, num_splits=splits)
+        assert_close(out, expected, dtype)
+
+
+def test_decode_heuristic_splits_small_batch_long_context():
+    """Batch 2 x 8 KV heads cannot fill the GPU: the default call takes the split-K path."""
+    lens = [8000, 5]
+    (q, k_cache, v_cache, tables, ctx), _ = make_decode_case(
+        seed=5, context_lens=lens, num_kv_heads=8, group=4, head_dim=64, block_size=16,
+        dtype=torch.bfloat16,
+    )  # fmt: skip
+    expected = paged_decode_attention_reference(q, k_cache, v_cache, tables, ctx, 0.125)
+    assert_close(
+        paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.125), expected, torch.bfloat16
+    )
+    assert use_triton(q.device)
+    assert_close(
+        decode_attention(q, k_cache, v_cache, tables, ctx, 0.125), expected, torch.bfloat16
+    )
+
+
+@pytest.mark.parametrize("group,head_dim", [(1, 64), (3, 128), (4, 64), (8, 128)])
+def test_prefill_kernel_matches_reference_bf16(group, head_dim):
+    gen = torch.Generator().manual_seed(group + head_dim)
+    lengths = [1, 64, 128, 0, 1000, *torch.randint(2, 600, (5,), generator=gen).tolist()]
+    n = sum(lengths)
+    q = torch.randn((n, 4 * group, head_dim), generator=gen).to(torch.bfloat16).to(DEVICE)
+    k = torch.randn((n, 4, head_dim), generator=gen).to(torch.bfloat16).to(DEVICE)
+    v = torch.randn((n, 4, head_dim), generator=gen).to(torch.bfloat16).to(DEVICE)
+    cu = torch.tensor(
+        [0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE
+    )
+    scale = 1.0 / math.sqrt(head_dim)
+    expected = prefill_attention_reference(q, k, v, cu, max(lengths), scale)
+    out = prefill_attention(q, k, v, cu, max(lengths), scale)
+    assert out.dtype == torch.bfloat16
+    assert_close(out, expected, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_prefill_kernel_matches_reference_other_dtypes(dtype):
+    gen = torch.Generator().manual_seed(11)
+    lengths = [1, 63, 65, 300]
+    n = sum(lengths)
+    q, k, v = (torch.randn((n, h, 64), generator=gen).to(dtype).to(DEVICE) for h in (8, 2, 2))
+    cu = torch.tensor(
+        [0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE
+    )
+    expected = prefill_attention_reference(q, k, v, cu, 300, 0.125)
+    assert_close(prefill_attention(q, k, v, cu, 300, 0.125), expected, dtype)
+
+
+@pytest.mark.parametrize("num_kv_heads,head_dim,block_size", [(8, 64, 16), (3, 128, 32)])
+def test_store_kv_kernel_matches_reference(num_kv_heads, head_dim, block_size):
+    gen = torch.Generator().manual_seed(num_kv_heads)
+    num_tokens, num_blocks = 3000, 400
+    qkv = torch.randn((num_tokens, (4 + 2 * num_kv_heads) * head_dim), generator=gen)
+    qkv = qkv.to(torch.bfloat16).to(DEVICE)
+    k = qkv[:, 4 * head_dim : (4 + num_kv_heads) * head_dim].view(
+        num_tokens, num_kv_heads, head_dim
+    )
+    v = qkv[:, (4 + num_kv_heads) * head_dim :].view(num_tokens, num_kv_heads, head_dim)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[::7] = -1  # padding tokens: not stored
+    slots = slots.to(DEVICE)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    caches = [torch.randn(shape, generator=gen).to(torch.bfloat16).to(DEVICE) for _ in range(2)]
+    expected = [c.clone() for c in caches]
+    store_kv_reference(k, v, *expected, slots)
+    store_kv(k, v, *caches, slots)
+    assert torch.equal(caches[0], expected[0])
+    assert torch.equal(caches[1], expected[1])
