@@ -1,0 +1,18 @@
+"""User-facing error types. The CLI prints their message as one line and exits non-zero;
+anything else is a bug and keeps its traceback."""
+
+
+class NanoserveError(Exception):
+    """Base class of the errors a user can act on."""
+
+
+class ModelError(NanoserveError):
+    """The model files are missing, corrupt, mismatched or of an unsupported kind."""
+
+
+class InputError(NanoserveError):
+    """The job's input is unusable as a whole (no file, no prompt column, ...)."""
+
+
+class CacheFullError(NanoserveError):
+    """The KV block pool cannot hold what was asked of it; nothing was changed."""
