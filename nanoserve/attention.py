@@ -1,0 +1,114 @@
+"""Grouped-query attention over the three kinds of cache, and the step metadata.
+
+Shapes: q [B, T, Hq, D]; k, v [B, T, Hkv, D]; query head h reads KV head h // (Hq/Hkv).
+
+The branches of `gqa_attention`:
+- no cache: dense causal attention over this step's tokens (a pure forward);
+- `DenseKVCache`: append, then attend over everything held, causally by position;
+- paged cache with a mask (prefill): store each row's real K/V in its blocks, then
+  attend densely over this step's own tokens, which on a prefill are the whole history;
+- paged cache without a mask (decode, T == 1): store, then the batched paged read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kernels import backend as kernel_backend
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """What a forward step needs beyond token ids and positions.
+
+    valid: [B, T] bool, True on real (non-pad) columns: present on a prefill, None on
+    a decode step (every row contributes exactly its one real token).
+    """
+
+    valid: torch.Tensor | None = None
+    is_prefill: bool = True
+
+    @classmethod
+    def prefill(cls, valid: torch.Tensor | None = None) -> AttentionMetadata:
+        return cls(valid=valid, is_prefill=True)
+
+    @classmethod
+    def decode(cls) -> AttentionMetadata:
+        return cls(valid=None, is_prefill=False)
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """[B, S, Hkv, D] -> [B, S, Hkv * n_rep, D]; KV head j serves query heads j*n_rep.."""
+    if n_rep == 1:
+        return x
+    return x.repeat_interleave(n_rep, dim=2)
+
+
+def dense_attention(q, k, v, allowed: torch.Tensor) -> torch.Tensor:
+    """q [B, T, Hq, D], k/v [B, S, Hkv, D], allowed [B, T, S] bool -> [B, T, Hq, D]."""
+    n_rep = q.shape[2] // k.shape[2]
+    k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=allowed[:, None]
+    )
+    return out.transpose(1, 2)
+
+
+def _causal_allowed(valid: torch.Tensor | None, B: int, T: int, offset: int, device) -> torch.Tensor:
+    """[B, T, offset + T] bool: query t sees keys j <= offset + t that are real.
+    A query always sees itself, so pad queries never meet an all-masked row."""
+    S = offset + T
+    qpos = torch.arange(T, device=device)[:, None] + offset
+    kpos = torch.arange(S, device=device)[None, :]
+    allowed = (kpos <= qpos).expand(B, T, S)
+    if valid is not None:
+        allowed = allowed & valid[:, None, :]
+        allowed = allowed | (kpos == qpos)
+    return allowed
+
+
+def _prefill_packed(q, k, v, valid: torch.Tensor) -> torch.Tensor:
+    """Ragged causal attention through the prefill kernel: pack the real tokens of a
+    right-padded rectangle, attend per sequence (cu_seqlens), scatter back."""
+    B, T = valid.shape
+    lens = valid.sum(dim=1)
+    cu = torch.zeros(B + 1, dtype=torch.int32, device=q.device)
+    cu[1:] = torch.cumsum(lens, 0)
+    out_packed = kernel_backend.prefill_attention(
+        q[valid], k[valid], v[valid], cu, int(lens.max()), q.shape[-1] ** -0.5
+    )  # [N, Hq, D]
+    out = torch.zeros_like(q)
+    out[valid] = out_packed
+    return out
+
+
+def _is_right_padded(valid: torch.Tensor) -> bool:
+    lens = valid.sum(dim=1, keepdim=True)
+    return bool((valid == (torch.arange(valid.shape[1], device=valid.device)[None] < lens)).all())
+
+
+def gqa_attention(q, k, v, layer: int, cache, meta: AttentionMetadata) -> torch.Tensor:
+    from nanoserve.cache import BatchedPagedKVCache, DenseKVCache
+
+    B, T = q.shape[:2]
+    if cache is None:
+        return dense_attention(q, k, v, _causal_allowed(meta.valid, B, T, 0, q.device))
+    if isinstance(cache, DenseKVCache):
+        keys, values = cache.write(layer, k, v)
+        allowed = _causal_allowed(None, B, T, cache.step_start, q.device)
+        return dense_attention(q, keys, values, allowed)
+    if not isinstance(cache, BatchedPagedKVCache):
+        raise TypeError(f"unknown cache type {type(cache).__name__}")
+    if meta.is_prefill:
+        valid = meta.valid if meta.valid is not None else torch.ones(B, T, dtype=torch.bool, device=q.device)
+        cache.write(layer, k, v, valid)
+        if kernel_backend.use_triton(q.device) and _is_right_padded(valid):
+            return _prefill_packed(q, k, v, valid)
+        return dense_attention(q, k, v, _causal_allowed(valid, B, T, 0, q.device))
+    if T != 1:
+        raise ValueError(f"a decode step carries one token per row, got {T}")
+    cache.write(layer, k, v, None)
+    return cache.paged_attention(layer, q[:, 0])[:, None]  # [B, 1, Hq, D]

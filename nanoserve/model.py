@@ -1,0 +1,184 @@
+"""The Llama forward pass in PyTorch.
+
+One file, one model: token embedding, RMSNorm, rotary embeddings (plain or llama3
+scaled), grouped-query attention, SwiGLU MLP, tied or untied LM head. Parameter names
+equal transformers' `LlamaForCausalLM` state dict, so a checkpoint loads by name.
+
+The forward is explicit: token ids, absolute positions, a KV cache and the step's
+`AttentionMetadata` come in as arguments; nothing is kept in module-level state.
+Shapes: B rows, T tokens per row this step, d = hidden_size, Hq/Hkv heads, D head_dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanoserve.attention import AttentionMetadata, gqa_attention
+from nanoserve.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32, cast back, then scale: the order transformers uses.
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables computed per step from absolute positions (no fixed length)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        inv_freq = torch.tensor(config.rope_inv_freq(), dtype=torch.float32)  # [D/2]
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions [B, T] -> cos, sin [B, T, D]
+        freqs = positions.float()[..., None] * self.inv_freq.to(positions.device)  # [B, T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [B, T, H, D]; cos/sin [B, T, D]
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    return x * cos + _rotate_half(x) * sin
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        d, D = config.hidden_size, config.head_dim
+        self.q_proj = nn.Linear(d, self.num_heads * D, bias=False)
+        self.k_proj = nn.Linear(d, self.num_kv_heads * D, bias=False)
+        self.v_proj = nn.Linear(d, self.num_kv_heads * D, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * D, d, bias=False)
+
+    def forward(self, x, cos, sin, cache, meta: AttentionMetadata) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)  # [B, T, Hq, D]
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)  # [B, T, Hkv, D]
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = gqa_attention(q, k, v, self.layer_idx, cache, meta)  # [B, T, Hq, D]
+        return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        d, inner = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(d, inner, bias=False)
+        self.up_proj = nn.Linear(d, inner, bias=False)
+        self.down_proj = nn.Linear(inner, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, cache, meta) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+
+    def forward(self, input_ids, positions, cache, meta) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [B, T, d]
+        cos, sin = self.rotary_emb(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, cache, meta)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def hidden_states(self, input_ids, positions, cache, meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions [B, T] -> final normed hidden states [B, T, d]."""
+        return self.model(input_ids, positions, cache, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., d] -> [..., V] in float32."""
+        return self.lm_head(hidden).float()
+
+    def forward(self, input_ids, positions, cache, meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions [B, T] -> logits [B, T, V] (float32)."""
+        return self.compute_logits(self.hidden_states(input_ids, positions, cache, meta))
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+
+def build_model(
+    config: ModelConfig,
+    state_dict: dict[str, torch.Tensor],
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> LlamaForCausalLM:
+    """Build on the meta device, then assign the checkpoint's tensors (no init work,
+    no copy beyond the dtype/device cast). The caller has checked names and shapes."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    tensors = {
+        name: t.to(device=device, dtype=dtype)
+        for name, t in state_dict.items()
+        if not (config.tie_word_embeddings and name == "lm_head.weight")
+    }
+    missing, _ = model.load_state_dict(tensors, strict=False, assign=True)
+    missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]
+    if missing:
+        from nanoserve.errors import ModelError
+
+        raise ModelError(f"checkpoint is missing tensors: {', '.join(missing[:5])}")
+    model.tie_weights()
+    # Non-persistent buffers are still on meta: rebuild them on the target device.
+    model.model.rotary_emb = RotaryEmbedding(config).to(device)
+    return model.eval().requires_grad_(False)
