@@ -1,0 +1,223 @@
+"""KV caches: a dense per-sequence cache, and the paged cache with one shared block
+pool and one block table per sequence.
+
+Pool layout, per layer: `k[layer], v[layer]: [num_blocks, block_size, Hkv, D]`; the
+flat view `[num_slots, Hkv, D]` is indexed by slot = block * block_size + offset.
+
+Lessons kept as invariants (see the design notes):
+1. The attention mask is a prefill-time object. A masked write stores only the real
+   columns of the padded rectangle; after it, only a `[batch]` vector of context
+   lengths survives, and the batched decode read refuses a mask.
+2. Padding in the read's slot mapping and block tables is a real memory access in the
+   reference, so it is slot/block 0 (always in range), never -1.
+3. Reservation is all-or-nothing for the whole batch, checked before any row moves;
+   bookkeeping (growing tables, "is this the first write?") happens on layer 0 only,
+   because by layer 1 the rows already hold this step's tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels import backend as kernel_backend
+from nanoserve.block_manager import (
+    BlockAllocator,
+    BlockTable,
+    check_integrity,
+    reserve_all_or_nothing,
+)
+from nanoserve.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, config: ModelConfig) -> CacheShape:
+        return cls(config.num_hidden_layers, config.num_key_value_heads, config.head_dim)
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+
+class DenseKVCache:
+    """One contiguous buffer per layer for B rows of equal length (no padding).
+    k[layer]: [B, max_len, Hkv, D]. The oracle the paged cache is held to."""
+
+    def __init__(self, shape: CacheShape, max_len: int, batch_size: int = 1,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+        size = (batch_size, max_len, shape.num_kv_heads, shape.head_dim)
+        self.k = [torch.zeros(size, dtype=dtype, device=device) for _ in range(shape.num_layers)]
+        self.v = [torch.zeros(size, dtype=dtype, device=device) for _ in range(shape.num_layers)]
+        self.max_len = max_len
+        self.seq_len = 0  # tokens held per row, after layer 0's write of this step
+        self._start = 0  # where this step's tokens begin
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append this step's k, v [B, T, Hkv, D]; return all keys/values held [B, S, Hkv, D]."""
+        T = k.shape[1]
+        if layer == 0:
+            if self.seq_len + T > self.max_len:
+                raise ValueError(f"dense cache holds {self.max_len} tokens, asked for {self.seq_len + T}")
+            self._start = self.seq_len
+            self.seq_len += T
+        self.k[layer][:, self._start:self.seq_len] = k
+        self.v[layer][:, self._start:self.seq_len] = v
+        return self.k[layer][:, :self.seq_len], self.v[layer][:, :self.seq_len]
+
+    @property
+    def step_start(self) -> int:
+        return self._start
+
+
+class KVPool:
+    """The shared block pool: per-layer K/V tensors and the allocator over their blocks."""
+
+    def __init__(self, shape: CacheShape, num_blocks: int, block_size: int = 16,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+        size = (num_blocks, block_size, shape.num_kv_heads, shape.head_dim)
+        # Zeroed, not empty: pad reads of slot 0 must not meet NaN bit patterns.
+        self.k = [torch.zeros(size, dtype=dtype, device=device) for _ in range(shape.num_layers)]
+        self.v = [torch.zeros(size, dtype=dtype, device=device) for _ in range(shape.num_layers)]
+        self.shape = shape
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.allocator = BlockAllocator(num_blocks)
+        self.device = torch.device(device)
+        self.dtype = dtype
+
+    @classmethod
+    def for_memory(cls, shape: CacheShape, num_bytes: int, block_size: int = 16,
+                   dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> KVPool:
+        per_block = shape.bytes_per_token(dtype) * block_size
+        return cls(shape, max(1, num_bytes // per_block), block_size, dtype, device)
+
+    def flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[num_slots, Hkv, D] views of one layer."""
+        s = self.shape
+        return (self.k[layer].view(-1, s.num_kv_heads, s.head_dim),
+                self.v[layer].view(-1, s.num_kv_heads, s.head_dim))
+
+
+class BatchedPagedKVCache:
+    """N sequences, N block tables, one allocator and one pool underneath.
+
+    Step protocol, driven by the model's forward: every layer calls `write` in order
+    0..L-1 with this step's k/v; layer 0 reserves slots for the whole batch (or raises
+    CacheFullError having changed nothing) and fixes the step's slot tensors, which
+    layers 1..L-1 reuse.
+    """
+
+    def __init__(self, pool: KVPool, batch_size: int) -> None:
+        self.pool = pool
+        self.tables = [BlockTable(pool.block_size) for _ in range(batch_size)]
+        self._write_slots: torch.Tensor | None = None  # [N] int64, this step's new slots
+        self._block_tables: torch.Tensor | None = None  # [B, max_blocks] int32
+        self._context_lens: torch.Tensor | None = None  # [B] int32
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.tables)
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return [t.num_tokens for t in self.tables]
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(self.seq_lens)
+
+    def blocks_needed(self, num_new_tokens: list[int]) -> int:
+        return sum(t.blocks_needed(n) for t, n in zip(self.tables, num_new_tokens))
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor,
+              valid: torch.Tensor | None = None) -> None:
+        """Store this step's real K/V. k, v: [B, T, Hkv, D]; valid: [B, T] bool key mask
+        (a prefill) or None (every column is real: a decode step, T == 1 usually)."""
+        B, T = k.shape[:2]
+        if B != self.batch_size:
+            raise ValueError(f"cache holds {self.batch_size} rows, write has {B}")
+        if layer == 0:
+            self._begin_step(valid, B, T, k.device)
+        elif self._write_slots is None:
+            raise RuntimeError("layer 0 must write first in each step")
+        if valid is not None:
+            k, v = k[valid], v[valid]  # [N, Hkv, D], row-major over the real columns
+        else:
+            k, v = k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:])
+        k_pool, v_pool = self.pool.k[layer], self.pool.v[layer]
+        kernel_backend.store_kv(k, v, k_pool, v_pool, self._write_slots)
+
+    def _begin_step(self, valid: torch.Tensor | None, B: int, T: int, device) -> None:
+        if valid is not None:
+            if self.cached_tokens != 0:
+                raise ValueError("a masked prefill lands only on an empty cache")
+            counts = valid.sum(dim=1).tolist()
+        else:
+            counts = [T] * B
+        slots = reserve_all_or_nothing(self.tables, counts, self.pool.allocator)
+        flat = [s for row in slots for s in row]
+        self._write_slots = torch.tensor(flat, dtype=torch.int64, device=device)
+        self._block_tables = self.block_table_tensor()
+        self._context_lens = torch.tensor(self.seq_lens, dtype=torch.int32, device=device)
+
+    def block_table_tensor(self) -> torch.Tensor:
+        """[B, max_blocks] int32, padded with block 0 (in range: see invariant 2)."""
+        width = max(1, max(len(t.blocks) for t in self.tables))
+        rows = [t.blocks + [0] * (width - len(t.blocks)) for t in self.tables]
+        return torch.tensor(rows, dtype=torch.int32, device=self.pool.device)
+
+    def slot_mapping(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The read's addressing: slots [B, max_ctx] int64 padded with slot 0, and
+        context_lens [B] int32."""
+        width = max(1, max(self.seq_lens))
+        rows = [t.slots() + [0] * (width - t.num_tokens) for t in self.tables]
+        slots = torch.tensor(rows, dtype=torch.int64, device=self.pool.device)
+        lens = torch.tensor(self.seq_lens, dtype=torch.int32, device=self.pool.device)
+        return slots, lens
+
+    def paged_attention(self, layer: int, q: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Batched decode read: q [B, Hq, D] -> [B, Hq, D], each row over its own
+        context. Refuses a mask: after the ragged write, context lengths say it all."""
+        if mask is not None:
+            raise ValueError("the batched decode read takes no mask: context_lens replace it")
+        if self._block_tables is None:
+            self._block_tables = self.block_table_tensor()
+            self._context_lens = torch.tensor(self.seq_lens, dtype=torch.int32, device=q.device)
+        scale = q.shape[-1] ** -0.5
+        return kernel_backend.decode_attention(
+            q, self.pool.k[layer], self.pool.v[layer], self._block_tables, self._context_lens, scale
+        )
+
+    def free_row(self, i: int) -> None:
+        self.tables[i].free(self.pool.allocator)
+
+    def free_all(self) -> None:
+        for i in range(self.batch_size):
+            self.free_row(i)
+        self._write_slots = self._block_tables = self._context_lens = None
+
+    def check_integrity(self) -> None:
+        """Assumes this cache is the pool's only user."""
+        check_integrity(self.pool.allocator, self.tables)
+
+
+class PagedKVCache(BatchedPagedKVCache):
+    """One sequence over a pool: the batched cache with a single table."""
+
+    def __init__(self, pool: KVPool) -> None:
+        super().__init__(pool, 1)
+
+    @property
+    def table(self) -> BlockTable:
+        return self.tables[0]
+
+    @property
+    def seq_len(self) -> int:
+        return self.tables[0].num_tokens

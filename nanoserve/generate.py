@@ -1,0 +1,147 @@
+"""Generation loops: dense, paged, and static batched.
+
+Static batching (`generate_batch`): one padded prefill over the rectangle of prompts
+(right-padded: row i's real tokens are columns 0..len_i-1), then one token per row
+per step, each row at its own absolute position, until every row has finished.
+A finished row keeps its query, its slot and its blocks until the slowest row is
+done: that is the waste `BatchStats` counts and continuous batching removes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nanoserve.attention import AttentionMetadata
+from nanoserve.cache import BatchedPagedKVCache, CacheShape, DenseKVCache, KVPool
+from nanoserve.errors import CacheFullError
+from nanoserve.model import LlamaForCausalLM
+from nanoserve.sampling import SamplingParams, sample_next
+from nanoserve.sequence import Sequence, SequenceOutput
+
+
+@dataclass
+class BatchStats:
+    """Where a static batch spent slots and steps on nothing."""
+
+    num_rows: int = 0
+    prefill_slots: int = 0  # rows x longest prompt: the padded rectangle
+    prefill_real_tokens: int = 0  # what the rows actually hold
+    decode_row_steps: int = 0  # rows x decode steps
+    finished_row_steps: int = 0  # of those, steps run for rows that had already finished
+
+    @property
+    def padding_waste(self) -> float:
+        return 1 - self.prefill_real_tokens / self.prefill_slots if self.prefill_slots else 0.0
+
+    @property
+    def early_finish_waste(self) -> float:
+        return self.finished_row_steps / self.decode_row_steps if self.decode_row_steps else 0.0
+
+    def add(self, other: BatchStats) -> None:
+        for f in ("num_rows", "prefill_slots", "prefill_real_tokens", "decode_row_steps",
+                  "finished_row_steps"):
+            setattr(self, f, getattr(self, f) + getattr(other, f))
+
+
+def _greedy_params(max_new_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_new_tokens, temperature=0.0)
+
+
+@torch.inference_mode()
+def greedy_generate(model: LlamaForCausalLM, prompt_ids: list[int], max_new_tokens: int,
+                    eos_token_ids: tuple[int, ...] = ()) -> list[int]:
+    """One sequence through a dense cache: the oracle for the paged paths."""
+    seq = Sequence(prompt_ids, _greedy_params(max_new_tokens), eos_token_ids,
+                   model.config.max_position_embeddings)
+    cache = DenseKVCache(CacheShape.of(model.config), len(prompt_ids) + max_new_tokens,
+                         dtype=model.dtype, device=model.device)
+    ids = torch.tensor([prompt_ids], device=model.device)
+    positions = torch.arange(len(prompt_ids), device=model.device)[None]
+    while True:
+        logits = model(ids, positions, cache, AttentionMetadata.prefill())[:, -1]
+        seq.append(int(torch.argmax(logits, dim=-1)))
+        if seq.finished:
+            return seq.output_ids
+        ids = torch.tensor([[seq.output_ids[-1]]], device=model.device)
+        positions = torch.tensor([[seq.num_tokens - 1]], device=model.device)
+
+
+@torch.inference_mode()
+def greedy_generate_paged(model: LlamaForCausalLM, prompt_ids: list[int], max_new_tokens: int,
+                          eos_token_ids: tuple[int, ...] = (), pool: KVPool | None = None) -> list[int]:
+    """One sequence through the paged cache (a batch of one)."""
+    return greedy_generate_batch(model, [prompt_ids], max_new_tokens, eos_token_ids, pool)[0]
+
+
+@torch.inference_mode()
+def greedy_generate_batch(model: LlamaForCausalLM, prompts: list[list[int]], max_new_tokens: int,
+                          eos_token_ids: tuple[int, ...] = (), pool: KVPool | None = None) -> list[list[int]]:
+    params = [_greedy_params(max_new_tokens)] * len(prompts)
+    outs, _ = generate_batch(model, prompts, params, eos_token_ids, pool)
+    return [o.token_ids for o in outs]
+
+
+def pool_for(model: LlamaForCausalLM, prompts: list[list[int]], max_new_tokens: int,
+             block_size: int = 16) -> KVPool:
+    """A pool just big enough for this static batch (tests and one-off calls)."""
+    need = sum(-(-(len(p) + max_new_tokens) // block_size) for p in prompts)
+    return KVPool(CacheShape.of(model.config), need, block_size, model.dtype, model.device)
+
+
+def blocks_for_batch(prompt_lens: list[int], max_steps: int, block_size: int) -> int:
+    """Blocks a static batch holds at its peak: every row writes its prompt and then one
+    token per decode step (max_steps - 1 of them), finished or not."""
+    return sum(-(-(n + max_steps - 1) // block_size) for n in prompt_lens)
+
+
+@torch.inference_mode()
+def generate_batch(model: LlamaForCausalLM, prompts: list[list[int]], params: list[SamplingParams],
+                   eos_token_ids: tuple[int, ...] = (), pool: KVPool | None = None,
+                   tokenizer=None) -> tuple[list[SequenceOutput], BatchStats]:
+    """Static batched generation with per-row sampling. Raises CacheFullError, having
+    changed nothing, when the batch cannot fit the pool at its peak."""
+    config, device = model.config, model.device
+    seqs = [Sequence(p, sp, eos_token_ids, config.max_position_embeddings, tokenizer)
+            for p, sp in zip(prompts, params)]
+    max_steps = max(s.max_new for s in seqs)
+    if pool is None:
+        pool = pool_for(model, prompts, max_steps)
+    lens = [len(p) for p in prompts]
+    need = blocks_for_batch(lens, max_steps, pool.block_size)
+    if need > pool.allocator.num_free:
+        raise CacheFullError(f"batch needs {need} KV blocks at its peak, pool has {pool.allocator.num_free} free")
+    B, T = len(prompts), max(lens)
+    stats = BatchStats(num_rows=B, prefill_slots=B * T, prefill_real_tokens=sum(lens))
+    ids = torch.zeros(B, T, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, : len(p)] = torch.tensor(p)
+    lens_t = torch.tensor(lens)
+    valid = torch.arange(T)[None] < lens_t[:, None]  # [B, T]
+    positions = torch.arange(T).expand(B, T)
+    cache = BatchedPagedKVCache(pool, B)
+    try:
+        hidden = model.hidden_states(ids.to(device), positions.to(device), cache,
+                                     AttentionMetadata.prefill(valid.to(device)))
+        last = hidden[torch.arange(B, device=device), (lens_t - 1).to(device)]  # [B, d]
+        _append(seqs, model.compute_logits(last))
+        while not all(s.finished for s in seqs):
+            stats.decode_row_steps += B
+            stats.finished_row_steps += sum(s.finished for s in seqs)
+            step_ids = torch.tensor([[s.output_ids[-1]] for s in seqs], device=device)
+            step_pos = torch.tensor([[n] for n in cache.seq_lens], device=device)
+            hidden = model.hidden_states(step_ids, step_pos, cache, AttentionMetadata.decode())
+            _append(seqs, model.compute_logits(hidden[:, 0]))
+    finally:
+        cache.free_all()
+    return [s.output() for s in seqs], stats
+
+
+def _append(seqs: list[Sequence], logits: torch.Tensor) -> None:
+    """Sample one token for every unfinished row. logits: [B, V]."""
+    live = [i for i, s in enumerate(seqs) if not s.finished]
+    tokens = sample_next(logits[live], [seqs[i].params for i in live],
+                         [seqs[i].generator for i in live])
+    for i, t in zip(live, tokens):
+        seqs[i].append(t)
