@@ -1,0 +1,132 @@
+"""`LLM`: the engine as one object. Loads a model and its tokenizer, owns one KV block
+pool, and generates for lists of prompts in static batches that fit that pool.
+
+    llm = LLM()                                   # the default model, CPU or GPU
+    outs = llm.generate([llm.tokenizer.encode("Hello")], [SamplingParams(max_tokens=8)])
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nanoserve.cache import CacheShape, KVPool
+from nanoserve.errors import CacheFullError, NanoserveError
+from nanoserve.generate import BatchStats, blocks_for_batch, generate_batch
+from nanoserve.model import build_model
+from nanoserve.model_store import DEFAULT_MODEL, resolve_model
+from nanoserve.sampling import SamplingParams
+from nanoserve.sequence import SequenceOutput as Completion
+from nanoserve.tokenizer import Tokenizer
+from nanoserve.weights import load_checkpoint
+
+__all__ = ["LLM", "Completion", "resolve_device", "resolve_dtype"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CPU_KV_CACHE_BYTES = 1 << 30  # a CPU pool of 1 GiB unless told otherwise
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """'auto' is bfloat16 on a GPU and float32 on the CPU."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise NanoserveError(f"unknown dtype {dtype!r}; choose auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+class LLM:
+    def __init__(self, model: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto",
+                 device: str = "auto", kv_cache_fraction: float = 0.8,
+                 kv_cache_bytes: int | None = None, block_size: int = 16,
+                 max_batch_size: int = 256) -> None:
+        """kv_cache_fraction: share of the GPU's free memory (after the weights) given to
+        the KV pool. kv_cache_bytes: an exact pool size instead (the CPU default is 1 GiB)."""
+        self.model_path = resolve_model(model)
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        config, state_dict = load_checkpoint(self.model_path)
+        self.tokenizer = Tokenizer.from_path(self.model_path)
+        self.model = build_model(config, state_dict, self.dtype, self.device)
+        del state_dict
+        self.config = config
+        self.eos_token_ids = tuple(sorted(set(config.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
+        self.max_batch_size = max_batch_size
+        if kv_cache_bytes is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                kv_cache_bytes = int(free * kv_cache_fraction)
+            else:
+                kv_cache_bytes = CPU_KV_CACHE_BYTES
+        self.pool = KVPool.for_memory(CacheShape.of(config), kv_cache_bytes, block_size,
+                                      self.dtype, self.device)
+        self.last_stats = BatchStats()
+
+    @property
+    def max_context(self) -> int:
+        return self.config.max_position_embeddings
+
+    def generate(self, prompt_token_ids: list[list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[Completion]:
+        """One completion per prompt, in order. Prompts are cut into static batches that
+        fit the pool at their peak; a batch the device cannot hold is halved and retried."""
+        if params is None:
+            params = SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompt_token_ids)
+        if len(params) != len(prompt_token_ids):
+            raise ValueError("one SamplingParams per prompt, or one for all")
+        self.last_stats = BatchStats()
+        out: list[Completion] = []
+        for batch in self._plan(prompt_token_ids, params):
+            out.extend(self._run(prompt_token_ids, params, batch))
+        return out
+
+    def _max_new(self, prompt: list[int], p: SamplingParams) -> int:
+        return max(1, min(p.max_tokens, self.max_context - len(prompt)))
+
+    def _plan(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
+        """Consecutive rows grouped while the batch fits the pool and max_batch_size."""
+        batches: list[list[int]] = []
+        cur: list[int] = []
+        bs, total = self.pool.block_size, self.pool.num_blocks
+        for i in range(len(prompts)):
+            trial = cur + [i]
+            steps = max(self._max_new(prompts[j], params[j]) for j in trial)
+            need = blocks_for_batch([len(prompts[j]) for j in trial], steps, bs)
+            if cur and (need > total or len(trial) > self.max_batch_size):
+                batches.append(cur)
+                trial = [i]
+                steps = self._max_new(prompts[i], params[i])
+                need = blocks_for_batch([len(prompts[i])], steps, bs)
+            if need > total:
+                raise CacheFullError(
+                    f"prompt {i} ({len(prompts[i])} tokens + {steps} new) needs {need} KV blocks; "
+                    f"the pool has {total}: give the cache more memory or ask for fewer tokens"
+                )
+            cur = trial
+        if cur:
+            batches.append(cur)
+        return batches
+
+    def _run(self, prompts, params, batch: list[int]) -> list[Completion]:
+        try:
+            outs, stats = generate_batch(
+                self.model, [prompts[i] for i in batch], [params[i] for i in batch],
+                self.eos_token_ids, self.pool, self.tokenizer,
+            )
+        except torch.OutOfMemoryError:
+            if len(batch) == 1:
+                raise
+            torch.cuda.empty_cache()
+            half = len(batch) // 2
+            return self._run(prompts, params, batch[:half]) + self._run(prompts, params, batch[half:])
+        self.last_stats.add(stats)
+        return outs
