@@ -33,3 +33,70 @@ def hf_smollm2(smollm2_gguf_path):
 
 
 # --- end of weights / model store fixtures ---------------------------------------------------
+
+
+# --- engine: a tiny random Llama, saved and loaded through the real checkpoint path ---------
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny random LlamaForCausalLM (GQA ratio 3, untied) saved by transformers."""
+    import torch
+    from transformers import LlamaConfig
+    from transformers import LlamaForCausalLM as HFLlama
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=96, intermediate_size=160, num_hidden_layers=2,
+                      num_attention_heads=6, num_key_value_heads=2, head_dim=16,
+                      max_position_embeddings=256, tie_word_embeddings=False,
+                      bos_token_id=1, eos_token_id=2)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    HFLlama(cfg).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_model_dir):
+    from nanoserve.model import build_model
+    from nanoserve.weights import load_checkpoint
+
+    config, sd = load_checkpoint(tiny_model_dir)
+    return build_model(config, sd)
+
+
+# --- end of engine fixtures ------------------------------------------------------------------
+
+
+# --- batch job (ray_jobs): one local Ray and the engine the job is checked against ----------
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray shared by the batch-job tests: bound to 127.0.0.1, no dashboard, token
+    authentication off (nothing written under ~/.ray), session files in a private temp dir
+    (short: Ray's socket paths must stay under 108 characters). Shut down at the end."""
+    import os
+    import shutil
+    import tempfile
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+
+    temp_dir = tempfile.mkdtemp(prefix="ns-ray-")
+    ray.init(address="local", num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False,
+             _temp_dir=temp_dir, logging_level="WARNING")
+    yield ray
+    ray.shutdown()
+    shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm(smollm2_gguf_path):
+    """The default model as `nanoserve.llm.LLM` on the CPU (float32), loaded once: the oracle
+    the batch job's rows are compared with, one prompt at a time."""
+    from nanoserve.llm import LLM
+
+    return LLM(model=str(smollm2_gguf_path), device="cpu")
+
+
+# --- end of batch job fixtures ---------------------------------------------------------------
