@@ -11,7 +11,8 @@ before each call); the kernel and SDPA are also timed as CUDA-graph replays, whi
 the host's launch cost the way the engine's captured decode step will.
 
 Then: prefill kernel time against its reference, and the KV store kernel.
-`--sweep` adds a small tuning sweep of the decode kernel (tile size, warps, stages, splits).
+`--sweep` adds a small tuning sweep of the decode kernel (tile size, warps, stages, splits);
+`default_tiling` and `choose_num_splits` in `kernels/paged_attention.py` encode its findings.
 
 Run from the repository root: `python benchmarks/kernels.py` or `python -m benchmarks.kernels`.
 """
@@ -101,6 +102,7 @@ def run_decode(copy_bw: float) -> list[dict]:
 def decode_row(batch: int, ctx: int, copy_bw: float) -> dict:
     from kernels.paged_attention import (
         choose_num_splits,
+        default_tiling,
         paged_decode_attention,
         paged_decode_attention_reference,
     )
@@ -131,6 +133,7 @@ def decode_row(batch: int, ctx: int, copy_bw: float) -> dict:
 
     row = {"batch": batch, "ctx": ctx, "mbytes": nbytes / 1e6}
     row["splits"] = choose_num_splits(batch, HKV, ctx, q.device)
+    row["block_n"] = default_tiling(batch * HKV * row["splits"], HEAD_DIM, q.device)[0]
     expected = reference().float()
     row["err"] = float((kernel().float() - expected).abs().max())
     row["sdpa_err"] = float((sdpa()[:, :, 0].float() - expected).abs().max())
@@ -147,7 +150,7 @@ def decode_row(batch: int, ctx: int, copy_bw: float) -> dict:
     for key in ("kernel", "kernel_plain", "ref", "sdpa"):
         row[f"{key}_frac"] = nbytes / (row[f"{key}_us"] * 1e-6) / copy_bw
     print(
-        f"decode B={batch:4d} ctx={ctx:5d} splits={row['splits']:2d} "
+        f"decode B={batch:4d} ctx={ctx:5d} splits={row['splits']:2d} block_n={row['block_n']:3d} "
         f"kernel {row['kernel_us']:8.1f} us ({row['kernel_frac']:6.1%} of copy) "
         f"plain {row['kernel_plain_us']:8.1f} us | ref {row['ref_us']:9.1f} us "
         f"({row['ref_frac']:6.1%}) | sdpa {row['sdpa_us']:8.1f} us ({row['sdpa_frac']:6.1%}) "
@@ -174,9 +177,9 @@ def sweep_shape(batch: int, ctx: int, copy_bw: float) -> None:
         return paged_decode_attention(*case, SCALE, **tuning)
 
     results = []
-    for block_n in (32, 64, 128):
-        for num_warps in (2, 4, 8):
-            for num_stages in (None, 2, 4):
+    for block_n in (64, 128):
+        for num_warps in (4, 8):
+            for num_stages in (2, 3):
                 name = f"block_n={block_n} warps={num_warps} stages={num_stages}"
                 tuning = {"block_n": block_n, "num_warps": num_warps, "num_stages": num_stages}
                 try:
@@ -189,8 +192,8 @@ def sweep_shape(batch: int, ctx: int, copy_bw: float) -> None:
     for us, name in results[:4]:
         frac = nbytes / (us * 1e-6) / copy_bw
         print(f"  B={batch:4d} ctx={ctx:5d} {name:36s} {us:8.1f} us {frac:6.1%}", flush=True)
-    if batch <= 8:
-        for splits in (1, 2, 4, 8, 16, 32):
+    if batch <= 64:
+        for splits in (1, 2, 4, 8):
             us = 1e3 * bench_ms(graphed(lambda splits=splits: call(num_splits=splits)), rep=40)
             frac = nbytes / (us * 1e-6) / copy_bw
             name = f"splits={splits}"
@@ -266,14 +269,14 @@ def markdown(copy_bw: float, decode: list[dict], prefill: list[dict], store: dic
     lines = [
         f"Copy bandwidth (1 GiB device-to-device, read + write): {copy_bw / 1e12:.2f} TB/s",
         "",
-        "| batch | context | KV+q+out MB | splits | kernel us (graph) | kernel % copy | "
+        "| batch | context | KV+q+out MB | splits | block_n | kernel us (graph) | kernel % copy | "
         "kernel us (plain call) | reference us | reference % copy | SDPA dense us | "
         "SDPA % copy | max abs err vs ref |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in decode:
         lines.append(
-            f"| {r['batch']} | {r['ctx']} | {r['mbytes']:.1f} | {r['splits']} | "
+            f"| {r['batch']} | {r['ctx']} | {r['mbytes']:.1f} | {r['splits']} | {r['block_n']} | "
             f"{r['kernel_us']:.1f} | {r['kernel_frac']:.0%} | {r['kernel_plain_us']:.1f} | "
             f"{r['ref_us']:.1f} | {r['ref_frac']:.1%} | {r['sdpa_us']:.1f} | "
             f"{r['sdpa_frac']:.0%} | {r['err']:.1e} |"

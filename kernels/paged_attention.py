@@ -307,6 +307,17 @@ def choose_num_splits(
     return max(1, min(by_fill, by_length, _MAX_SPLITS))
 
 
+def default_tiling(programs: int, head_dim: int, device: torch.device) -> tuple[int, int | None]:
+    """Tokens per loop step and software-pipelining depth, as measured best on an H200 with
+    `benchmarks/kernels.py --sweep`: two stages (three hold more shared memory per program and
+    leave fewer programs per SM), and 128-token steps when fewer than 8 programs per SM
+    (head_dim <= 64), else 64. Off CUDA: 64 tokens, Triton's default stages."""
+    if device.type != "cuda":
+        return 64, None
+    few = programs < 8 * _num_sms(device.index if device.index is not None else 0)
+    return (128 if few and head_dim <= 64 else 64), 2
+
+
 def paged_decode_attention(
     q: torch.Tensor,  # [B, Hq, D]
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
@@ -329,7 +340,7 @@ def paged_decode_attention(
       kernel never reads it from the device, so a call does not synchronize.
     - `num_splits`: force this many context partitions (1 = no second kernel).
     - `block_n`, `num_warps`, `num_stages`: tokens per loop step, warps per program and
-      software-pipelining depth (tuning; defaults chosen on an H200).
+      software-pipelining depth (tuning; defaults from `default_tiling`).
     Values are not checked on the device: a row with `context_lens[i] == 0` yields zeros,
     and a length beyond the row's blocks reads whatever its padding blocks hold.
     """
@@ -346,9 +357,13 @@ def paged_decode_attention(
     group = num_q_heads // num_kv_heads
     capacity = block_tables.shape[1] * block_size
     max_ctx = capacity if max_context_len is None else max(1, min(int(max_context_len), capacity))
-    block_n = block_n or 64
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads, max_ctx, q.device)
+    default_block_n, default_stages = default_tiling(
+        batch * num_kv_heads * num_splits, head_dim, q.device
+    )
+    block_n = block_n or default_block_n
+    num_stages = num_stages or default_stages
     num_splits = max(1, min(int(num_splits), _cdiv(max_ctx, block_n)))
     partition = _cdiv(_cdiv(max_ctx, num_splits), block_n) * block_n  # a multiple of BLOCK_N
     num_splits = _cdiv(max_ctx, partition)
@@ -422,6 +437,7 @@ def paged_decode_attention(
 __all__ = [
     "check_decode_args",
     "choose_num_splits",
+    "default_tiling",
     "paged_decode_attention",
     "paged_decode_attention_reference",
 ]

@@ -408,9 +408,9 @@ def test_interp_decode_kernel_split_k_many_partitions(interp):
         block_size=16, dtype=torch.float32,
     )  # fmt: skip
     expected = paged_decode_attention_reference(q, k_cache, v_cache, tables, lens, 0.125)
-    for splits in (4, 8):
+    for splits, block_n in ((4, 16), (8, 16), (2, 128)):
         out = paged.paged_decode_attention(
-            q, k_cache, v_cache, tables, lens, 0.125, num_splits=splits, block_n=16
+            q, k_cache, v_cache, tables, lens, 0.125, num_splits=splits, block_n=block_n
         )
         assert_close(out, expected, torch.float32)
     # a host-side bound on the context that is too small still covers every token
