@@ -1,0 +1,139 @@
+"""Throughput of the engine and of the Ray batch job on one GPU.
+
+Workload (DESIGN.md's target): N sequences (default 256) of random token ids, prompt
+length uniform in [100, 1024], output length uniform in [100, 1024], ignore_eos, on a
+Llama-3.2-1B-shaped model (hidden 2048, 16 layers, 32 heads, 8 KV heads, head_dim 64,
+vocab 128256, tied) with random bf16 weights. Prints one table: the engine called
+directly (`LLM.generate`) and the same rows through `run_batch_job` (one actor per GPU),
+plus, when the default model is in the cache, the batch job over examples/prompts.jsonl.
+
+    python benchmarks/gpu_job.py [--rows 256] [--skip-job] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+LLAMA_1B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
+    "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+    "rope_theta": 500000.0, "bos_token_id": 128000, "eos_token_id": 128001,
+    "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+}
+
+
+def make_random_model(folder: Path, device: str) -> Path:
+    """A checkpoint folder with random bf16 weights and a word-level tokenizer over the
+    whole vocabulary (so every id decodes)."""
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer, models
+
+    from nanoserve.config import ModelConfig
+    from nanoserve.weights import expected_shapes
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(LLAMA_1B))
+    g = torch.Generator(device=device).manual_seed(0)
+    tensors = {}
+    for name, shape in expected_shapes(ModelConfig.from_hf_dict(LLAMA_1B)).items():
+        if name.endswith("norm.weight"):
+            t = torch.ones(shape, dtype=torch.bfloat16, device=device)
+        else:
+            t = (torch.randn(shape, generator=g, device=device) * 0.02).to(torch.bfloat16)
+        tensors[name] = t.cpu()
+    save_file(tensors, str(folder / "model.safetensors"))
+    vocab = {f"<t{i}>": i for i in range(LLAMA_1B["vocab_size"])}
+    Tokenizer(models.WordLevel(vocab, unk_token="<t0>")).save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def make_workload(path: Path, rows: int, vocab: int, seed: int = 0) -> tuple[list, list]:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(100, 1024))] for _ in range(rows)]
+    max_tokens = [rng.randint(100, 1024) for _ in range(rows)]
+    pq.write_table(pa.table({"id": list(range(rows)), "prompt_token_ids": prompts,
+                             "max_tokens": max_tokens}), path)
+    return prompts, max_tokens
+
+
+def bench_engine(model_dir: Path, prompts, max_tokens) -> dict:
+    from nanoserve.llm import LLM
+    from nanoserve.sampling import SamplingParams
+
+    llm = LLM(str(model_dir), device="cuda")
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens]
+    llm.generate(prompts[:4], params[:4])  # warm-up: kernel compilation, allocator
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t
+    n_out = sum(len(o.token_ids) for o in outs)
+    assert [len(o.token_ids) for o in outs] == max_tokens
+    stats = llm.last_stats
+    del llm
+    torch.cuda.empty_cache()
+    return {"what": "engine LLM.generate (1B random, bf16)", "rows": len(prompts),
+            "output_tokens": n_out, "wall_s": wall, "tok_s": n_out / wall,
+            "padding_waste": stats.padding_waste, "early_finish_waste": stats.early_finish_waste}
+
+
+def bench_job(input_path: Path, out_dir: Path, model: str, what: str, **options) -> dict:
+    from ray_jobs import run_batch_job
+
+    t = time.perf_counter()
+    s = run_batch_job(str(input_path), str(out_dir), model=model, overwrite=True,
+                      progress=False, **options)
+    wall = time.perf_counter() - t
+    table = pq.read_table(out_dir)
+    assert table.num_rows == s.rows, (table.num_rows, s.rows)
+    return {"what": what, "rows": s.rows, "output_tokens": s.output_tokens, "wall_s": wall,
+            "tok_s": s.output_tokens / wall, "padding_waste": s.padding_waste,
+            "early_finish_waste": float("nan"), "error_rows": s.error_rows}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=256)
+    ap.add_argument("--skip-job", action="store_true", help="only the engine")
+    ap.add_argument("--out", type=Path, default=None, help="write results JSON here")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU")
+    work = Path(tempfile.mkdtemp(prefix="nanoserve-bench-"))
+    model_dir = make_random_model(work / "llama-1b-random", "cuda")
+    prompts, max_tokens = make_workload(work / "workload.parquet", args.rows, LLAMA_1B["vocab_size"])
+    results = [bench_engine(model_dir, prompts, max_tokens)]
+    if not args.skip_job:
+        results.append(bench_job(work / "workload.parquet", work / "out-1b", str(model_dir),
+                                 "batch job, 1 actor (1B random, bf16)", ignore_eos=True,
+                                 batch_size=256, num_workers=1))
+        from nanoserve.model_store import default_model_path
+
+        if default_model_path().exists():
+            results.append(bench_job(Path("examples/prompts.jsonl"), work / "out-smollm2",
+                                     "smollm2-135m-instruct", "batch job, examples (SmolLM2, bf16)",
+                                     max_tokens=256, num_workers=1))
+    print("\n| run | rows | output tokens | wall s | output tok/s | padding waste | early-finish waste |")
+    print("|---|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['what']} | {r['rows']} | {r['output_tokens']} | {r['wall_s']:.1f} | "
+              f"{r['tok_s']:.0f} | {r['padding_waste']:.1%} | {r['early_finish_waste']:.1%} |")
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
