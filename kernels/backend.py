@@ -1,7 +1,8 @@
 """The one place that chooses between the Triton kernels and their PyTorch references.
 
 The engine calls only `decode_attention`, `prefill_attention` and `store_kv` from here.
-`use_triton(device)` is the rule:
+`use_triton(device)` is the rule (`NANOSERVE_KERNELS=reference` forces the references
+everywhere, for side-by-side checks of the two paths):
 - CUDA: the Triton kernels whenever Triton is installed;
 - CPU: the references, unless the environment asks for Triton's interpreter
   (`NANOSERVE_TRITON_INTERPRET=1` or `TRITON_INTERPRET=1`) *and* the kernels were defined
@@ -36,7 +37,7 @@ def interpreter_requested() -> bool:
 def use_triton(device: torch.device | str) -> bool:
     """Whether the Triton kernels (rather than the references) serve tensors on `device`."""
     device = torch.device(device)
-    if not HAS_TRITON:
+    if not HAS_TRITON or os.environ.get("NANOSERVE_KERNELS", "").strip().lower() == "reference":
         return False
     if device.type == "cuda":
         return True
