@@ -118,8 +118,11 @@ class BatchedPagedKVCache:
         self.pool = pool
         self.tables = [BlockTable(pool.block_size) for _ in range(batch_size)]
         self._write_slots: torch.Tensor | None = None  # [N] int64, this step's new slots
-        self._block_tables: torch.Tensor | None = None  # [B, max_blocks] int32
+        self._block_tables: torch.Tensor | None = None  # [B, max_blocks] int32, on the device
         self._context_lens: torch.Tensor | None = None  # [B] int32
+        # Host mirror of the block tables, updated only where a row gained blocks, so a
+        # decode step does not rebuild B x max_blocks Python lists. Padding stays 0.
+        self._bt_host = torch.zeros(batch_size, 8, dtype=torch.int32)
 
     @property
     def batch_size(self) -> int:
@@ -161,11 +164,25 @@ class BatchedPagedKVCache:
             counts = valid.sum(dim=1).tolist()
         else:
             counts = [T] * B
+        held = [len(t.blocks) for t in self.tables]
         slots = reserve_all_or_nothing(self.tables, counts, self.pool.allocator)
         flat = [s for row in slots for s in row]
         self._write_slots = torch.tensor(flat, dtype=torch.int64, device=device)
-        self._block_tables = self.block_table_tensor()
+        self._mirror_new_blocks(held)
+        width = max(1, max(len(t.blocks) for t in self.tables))
+        self._block_tables = self._bt_host[:, :width].to(device, non_blocking=True)
         self._context_lens = torch.tensor(self.seq_lens, dtype=torch.int32, device=device)
+
+    def _mirror_new_blocks(self, held: list[int]) -> None:
+        width = max(len(t.blocks) for t in self.tables)
+        if width > self._bt_host.shape[1]:
+            grown = torch.zeros(self.batch_size, max(width, 2 * self._bt_host.shape[1]),
+                                dtype=torch.int32)
+            grown[:, : self._bt_host.shape[1]] = self._bt_host
+            self._bt_host = grown
+        for i, (t, n) in enumerate(zip(self.tables, held)):
+            if len(t.blocks) > n:
+                self._bt_host[i, n:len(t.blocks)] = torch.tensor(t.blocks[n:], dtype=torch.int32)
 
     def block_table_tensor(self) -> torch.Tensor:
         """[B, max_blocks] int32, padded with block 0 (in range: see invariant 2)."""
@@ -197,6 +214,7 @@ class BatchedPagedKVCache:
 
     def free_row(self, i: int) -> None:
         self.tables[i].free(self.pool.allocator)
+        self._bt_host[i] = 0
 
     def free_all(self) -> None:
         for i in range(self.batch_size):

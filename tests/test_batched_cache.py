@@ -135,6 +135,8 @@ def test_blocks_interleave_and_return():
     # Step 2: row 0's fifth token opens block 5, row 2's third opens block 6.
     assert [t.blocks for t in cache.tables] == [[0, 1, 5], [2, 4], [3, 6]]
     assert cache.seq_lens == [5, 4, 3] and cache.cached_tokens == 12
+    # The incrementally kept device tables equal the tables rebuilt from scratch.
+    assert torch.equal(cache._block_tables, cache.block_table_tensor())
     cache.free_all()
     assert sorted(pool.allocator.free_blocks()) == list(range(10))
     cache.check_integrity()
