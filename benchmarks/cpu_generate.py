@@ -1,0 +1,179 @@
+"""CPU tokens/s at batch 1: nanoserve against Hugging Face transformers, side by side.
+
+Both load the same GGUF file (SmolLM2-135M-Instruct by default, dequantized to float32) and
+generate greedily for the same prompts, a fixed number of new tokens each, with ignore_eos
+semantics: nanoserve through `generate_batch` with `SamplingParams(ignore_eos=True)` (the path
+`LLM.generate` takes: paged KV cache, static batch of one); transformers through
+`LlamaForCausalLM.generate(do_sample=False)` with its EOS ids cleared, so that, like
+`ignore_eos`, it keeps taking the argmax past an EOS token. (`min_new_tokens` would instead
+mask EOS out of the argmax, and the two would part ways wherever the model wants to stop.)
+
+Runs are interleaved (for each repeat and prompt: nanoserve then transformers, the order
+flipped every other run) so that load on a shared machine falls on both sides alike.
+Each call is timed whole (prefill plus decode); tokens/s = new tokens / seconds. The table
+gives per-prompt medians, the ratio nanoserve / transformers, and whether both produced the
+same greedy tokens. One untimed warm-up call per side comes first.
+
+    python benchmarks/cpu_generate.py --threads 1 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# As a script, this folder leads sys.path, and `benchmarks/kernels.py` would shadow the
+# `kernels` package the engine imports: put the repository root there instead.
+if sys.path and pathlib.Path(sys.path[0] or ".").resolve() == ROOT / "benchmarks":
+    sys.path[0] = str(ROOT)
+elif str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from benchmarks.common import (  # noqa: E402
+    describe_run,
+    load_nanoserve,
+    markdown_table,
+    median,
+    set_threads,
+    timed,
+)
+
+PLAIN_PROMPTS = [
+    "The history of the printing press begins in the fifteenth century, when Johannes "
+    "Gutenberg combined several existing technologies, the screw press, oil-based ink and "
+    "movable metal type, into one machine that could print a page in seconds. Its effect on "
+    "Europe was",
+    'def merge_sorted(a: list[int], b: list[int]) -> list[int]:\n    """Merge two sorted '
+    'lists into one sorted list."""\n',
+    "Photosynthesis is the process by which green plants turn light into chemical energy. "
+    "In simple terms, the leaves",
+]
+CHAT_PROMPT = [{"role": "user", "content": "Explain in two sentences why the sky is blue."}]
+
+
+def build_prompts(tokenizer) -> list[list[int]]:
+    """Four prompts of about 20 to 60 tokens: three plain texts and one chat turn."""
+    texts = PLAIN_PROMPTS[:2] + [tokenizer.apply_chat_template(CHAT_PROMPT)] + PLAIN_PROMPTS[2:]
+    return [tokenizer.encode(t) for t in texts]
+
+
+def load_transformers(path: pathlib.Path):
+    """transformers' LlamaForCausalLM from the same GGUF file, float32, eval mode."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                             dtype=torch.float32, local_files_only=True)
+    return model.eval()
+
+
+def nanoserve_generate(model, prompt: list[int], new_tokens: int) -> list[int]:
+    from nanoserve.generate import generate_batch
+    from nanoserve.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    outs, _ = generate_batch(model, [prompt], [params], eos_token_ids=())
+    return outs[0].token_ids
+
+
+def transformers_generate(model, gen_config, prompt: list[int]) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen_config)
+    return out[0, len(prompt):].tolist()
+
+
+def ignore_eos_config(model, new_tokens: int, pad_token_id: int):
+    """A greedy generation config with no EOS: exactly `new_tokens` tokens, argmax each step."""
+    import copy
+
+    config = copy.deepcopy(model.generation_config)
+    config.eos_token_id = None
+    config.pad_token_id = pad_token_id
+    config.do_sample = False
+    config.max_new_tokens = new_tokens
+    config.min_new_tokens = None
+    return config
+
+
+def same_tokens(a: list[int], b: list[int]) -> str:
+    if a == b:
+        return "yes"
+    first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return f"no (from token {first})"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct",
+                    help="model name or .gguf file (default: %(default)s)")
+    ap.add_argument("--new-tokens", type=int, default=64, help="new tokens per call (default: 64)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="timed calls per prompt and side (default: 3)")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default: 1)")
+    args = ap.parse_args(argv)
+    if args.new_tokens < 1 or args.repeats < 1:
+        ap.error("--new-tokens and --repeats must be >= 1")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    threads = set_threads(args.threads)
+    print(describe_run(threads))
+    secs_ns, (ns_model, tokenizer, path) = timed(lambda: load_nanoserve(args.model))
+    secs_hf, hf_model = timed(lambda: load_transformers(path))
+    print(f"model: {path.name}; load seconds: nanoserve {secs_ns:.1f}, transformers {secs_hf:.1f}")
+    gen_config = ignore_eos_config(hf_model, args.new_tokens, tokenizer.eos_token_ids[0])
+    prompts = build_prompts(tokenizer)
+    n = args.new_tokens
+    sides = {
+        "nanoserve": lambda p: nanoserve_generate(ns_model, p, n),
+        "transformers": lambda p: transformers_generate(hf_model, gen_config, p),
+    }
+    for run in sides.values():  # warm-up, untimed
+        run(prompts[0])
+
+    rates = {s: [[] for _ in prompts] for s in sides}  # tokens/s per side, prompt, repeat
+    tokens = {s: [None] * len(prompts) for s in sides}
+    stable = True
+    for r in range(args.repeats):
+        for i, p in enumerate(prompts):
+            order = list(sides) if (r + i) % 2 == 0 else list(reversed(sides))
+            for side in order:
+                secs, out = timed(sides[side], p)
+                if len(out) != n:
+                    raise RuntimeError(f"{side} made {len(out)} tokens for prompt {i}, expected {n}")
+                rates[side][i].append(n / secs)
+                stable &= tokens[side][i] in (None, out)
+                tokens[side][i] = out
+            print(f"repeat {r + 1}/{args.repeats} prompt {i}: "
+                  + ", ".join(f"{s} {rates[s][i][-1]:.1f} tok/s" for s in sides), flush=True)
+
+    rows = []
+    for i, p in enumerate(prompts):
+        a, b = median(rates["nanoserve"][i]), median(rates["transformers"][i])
+        rows.append([i, len(p), f"{a:.1f}", f"{b:.1f}", f"{a / b:.2f}",
+                     same_tokens(tokens["nanoserve"][i], tokens["transformers"][i])])
+    all_a = median([x for xs in rates["nanoserve"] for x in xs])
+    all_b = median([x for xs in rates["transformers"] for x in xs])
+    n_same = sum(tokens["nanoserve"][i] == tokens["transformers"][i] for i in range(len(prompts)))
+    rows.append(["all", "-", f"{all_a:.1f}", f"{all_b:.1f}", f"{all_a / all_b:.2f}",
+                 f"{n_same}/{len(prompts)}"])
+    paired = median([x / y for xa, xb in zip(rates["nanoserve"], rates["transformers"])
+                     for x, y in zip(xa, xb)])
+    print()
+    print(f"batch 1, {n} new tokens (ignore_eos), greedy, float32, {args.repeats} repeats "
+          f"per prompt and side, interleaved; median tokens/s")
+    print(markdown_table(["prompt", "prompt tokens", "nanoserve tok/s", "transformers tok/s",
+                          "ratio", "same tokens"], rows))
+    print(f"median of paired ratios (same prompt, same repeat): {paired:.2f}")
+    if not stable:
+        print("warning: a side's greedy tokens changed between repeats of the same prompt")
+
+
+if __name__ == "__main__":
+    main()
