@@ -58,6 +58,7 @@ from ray_jobs.worker import (
     error_row,
 )
 
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 MAX_BATCH_ATTEMPTS = 3  # sends of one batch to workers that died, before the job gives up
 
 
@@ -92,6 +93,8 @@ class JobOptions:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop or ()))
+        if self.dtype not in DTYPES:
+            raise NanoserveError(f"unknown dtype {self.dtype!r}; choose {', '.join(DTYPES)}")
         if self.num_workers is not None and self.num_workers < 1:
             raise NanoserveError(f"num_workers must be >= 1, got {self.num_workers}")
         if not 0 < self.kv_cache_fraction <= 1:
@@ -199,10 +202,8 @@ class _RaySession:
     """Join the Ray cluster the job should use, or start a private local one.
 
     Order: an already initialized Ray (kept as it is); `address` (or RAY_ADDRESS); a running
-    cluster started with `ray start` on this machine; else a new local Ray bound to
-    127.0.0.1, without dashboard, in a temporary folder, with token authentication off
-    (RAY_AUTH_MODE=disabled unless set: nothing is written under ~/.ray). `address="local"`
-    always starts a new local Ray."""
+    cluster started with `ray start` on this machine; else a private local Ray
+    (`start_local_ray`). `address="local"` always starts the private local Ray."""
 
     def __init__(self, address: str | None) -> None:
         self.address = address
@@ -227,10 +228,7 @@ class _RaySession:
                     raise NanoserveError(f"cannot connect to Ray at {address}: {e}") from None
                 print(f"nanoserve: no running Ray cluster ({e}); starting a local one",
                       file=sys.stderr)
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        self.temp_dir = tempfile.mkdtemp(prefix="nanoserve-ray-")
-        ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
-                 _temp_dir=self.temp_dir, logging_level=logging.WARNING)
+        self.temp_dir = start_local_ray()
         self.owned = True
         return self
 
@@ -241,6 +239,32 @@ class _RaySession:
             ray.shutdown()
         if self.temp_dir is not None:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+SINGLE_MACHINE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray on 127.0.0.1 only
+
+
+def start_local_ray(num_cpus: int | None = None, num_gpus: int | None = None) -> str:
+    """Start a private single-machine Ray in this process and return its temp dir (the
+    caller removes it after `ray.shutdown()`).
+
+    Every Ray process listens on 127.0.0.1 only: Ray's single-machine mode
+    (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, inherited by the processes it starts) keeps it from
+    swapping 127.0.0.1 for the machine's network address. So token authentication can be
+    off (RAY_AUTH_MODE=disabled unless set), and nothing is written under ~/.ray or /tmp/ray.
+    No dashboard."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault(SINGLE_MACHINE_ENV, "0")
+    import ray
+    import ray._private.ray_constants as ray_constants
+
+    # Read once when ray is imported, which may have been before the line above.
+    ray_constants.ENABLE_RAY_CLUSTER = os.environ[SINGLE_MACHINE_ENV].lower() in ("1", "true")
+    temp_dir = tempfile.mkdtemp(prefix="ns-ray-")  # short: socket paths stay < 108 chars
+    ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus,
+             _node_ip_address="127.0.0.1", include_dashboard=False, _temp_dir=temp_dir,
+             logging_level=logging.WARNING)
+    return temp_dir
 
 
 def _running_cluster_address() -> str | None:
@@ -303,6 +327,10 @@ class _WorkerPool:
         actor_cls = ray.remote(_RayBatchWorker).options(
             max_restarts=opts.max_restarts, max_task_retries=opts.max_task_retries,
             **actor_options)
+        slots = num_gpus or int(resources.get("CPU", 0))
+        if count > slots:
+            print(f"nanoserve: {count} workers asked for, the cluster has room for {slots} now; "
+                  f"the others wait until the cluster grows", file=sys.stderr)
         if opts.progress:
             where = f"{num_gpus} GPU(s)" if num_gpus else "CPU"
             print(f"nanoserve: starting {count} worker(s) on {where}, loading {opts.model}",
@@ -488,4 +516,4 @@ class _JobRun:
         )
 
 
-__all__ = ["JobOptions", "JobSummary", "WorkerReport", "run_batch_job"]
+__all__ = ["JobOptions", "JobSummary", "WorkerReport", "run_batch_job", "start_local_ray"]

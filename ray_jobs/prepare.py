@@ -26,6 +26,7 @@ max_position_embeddings), or its per-row sampling values are invalid. Job-level 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -256,7 +257,14 @@ class RowPreparer:
 
 def load_model_meta(path: Path) -> tuple[ModelConfig, Any]:
     """The model's config and tokenizer, without its weights: from a folder's files, or from
-    the metadata of a `.gguf` file (opened once for both: parsing it takes seconds)."""
+    the metadata of a `.gguf` file (opened once for both: parsing it takes seconds). Kept
+    for the next job of this process while the file's size and mtime are unchanged."""
+    st = path.stat()
+    return _load_model_meta(path.resolve(), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _load_model_meta(path: Path, size: int, mtime_ns: int) -> tuple[ModelConfig, Any]:
     from nanoserve.tokenizer import Tokenizer
 
     if path.is_file() and path.suffix == ".gguf":

@@ -72,19 +72,16 @@ def tiny_model(tiny_model_dir):
 
 @pytest.fixture(scope="session")
 def ray_session():
-    """One local Ray shared by the batch-job tests: bound to 127.0.0.1, no dashboard, token
-    authentication off (nothing written under ~/.ray), session files in a private temp dir
-    (short: Ray's socket paths must stay under 108 characters). Shut down at the end."""
-    import os
+    """One local Ray shared by the batch-job tests, started the way the job starts its own:
+    on 127.0.0.1 only, no dashboard, token authentication off, session files in a private
+    temp dir (see `ray_jobs.driver.start_local_ray`). Shut down at the end."""
     import shutil
-    import tempfile
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
 
-    temp_dir = tempfile.mkdtemp(prefix="ns-ray-")
-    ray.init(address="local", num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False,
-             _temp_dir=temp_dir, logging_level="WARNING")
+    from ray_jobs.driver import start_local_ray
+
+    temp_dir = start_local_ray(num_cpus=2)
     yield ray
     ray.shutdown()
     shutil.rmtree(temp_dir, ignore_errors=True)
