@@ -12,7 +12,7 @@ waste = padded prefill slots holding no prompt token; early-finish waste = decod
 spent on rows that had already finished (both from `BatchStats`, summed over the point's
 batches). Rows are not sorted by length: this is static batching at its plainest.
 
-    python benchmarks/static_batching.py --threads 1          # about 5 minutes on 2 cores
+    python benchmarks/static_batching.py --threads 1          # about 4 minutes on 2 cores
     python benchmarks/static_batching.py --threads 1 --quick  # batch sizes 1, 4, 16
 """
 
@@ -73,8 +73,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="model name or .gguf file (default: %(default)s)")
     ap.add_argument("--batch-sizes", type=lambda s: tuple(int(x) for x in s.split(",")),
                     default=None, help=f"comma-separated (default: {','.join(map(str, BATCH_SIZES))})")
-    ap.add_argument("--min-rows", type=int, default=8,
-                    help="rows per batch size at least this many (default: 8); B rows when larger")
+    ap.add_argument("--min-rows", type=int, default=16,
+                    help="rows per batch size at least this many (default: 16); B rows when larger")
     ap.add_argument("--prompt-len", type=int_range, default=(8, 128),
                     help="prompt length range LO,HI (default: 8,128)")
     ap.add_argument("--max-tokens", type=int_range, default=(8, 64),
