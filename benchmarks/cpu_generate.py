@@ -4,9 +4,10 @@ Both load the same GGUF file (SmolLM2-135M-Instruct by default, dequantized to f
 generate greedily for the same prompts, a fixed number of new tokens each, with ignore_eos
 semantics: nanoserve through `generate_batch` with `SamplingParams(ignore_eos=True)` (the path
 `LLM.generate` takes: paged KV cache, static batch of one); transformers through
-`LlamaForCausalLM.generate(do_sample=False)` with its EOS ids cleared, so that, like
-`ignore_eos`, it keeps taking the argmax past an EOS token. (`min_new_tokens` would instead
-mask EOS out of the argmax, and the two would part ways wherever the model wants to stop.)
+`LlamaForCausalLM.generate(do_sample=False)` with the EOS ids cleared from its generation
+config, so that, like `ignore_eos`, it keeps taking the argmax past an EOS token.
+(`min_new_tokens` would instead mask EOS out of the argmax, and the two would part ways
+wherever the model wants to stop.)
 
 Runs are interleaved (for each repeat and prompt: nanoserve then transformers, the order
 flipped every other run) so that load on a shared machine falls on both sides alike.
@@ -79,24 +80,20 @@ def nanoserve_generate(model, prompt: list[int], new_tokens: int) -> list[int]:
     return outs[0].token_ids
 
 
-def transformers_generate(model, gen_config, prompt: list[int]) -> list[int]:
+def transformers_generate(model, prompt: list[int], new_tokens: int) -> list[int]:
     ids = torch.tensor([prompt])
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen_config)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=new_tokens)
     return out[0, len(prompt):].tolist()
 
 
-def ignore_eos_config(model, new_tokens: int, pad_token_id: int):
-    """A greedy generation config with no EOS: exactly `new_tokens` tokens, argmax each step."""
-    import copy
-
-    config = copy.deepcopy(model.generation_config)
-    config.eos_token_id = None
-    config.pad_token_id = pad_token_id
-    config.do_sample = False
-    config.max_new_tokens = new_tokens
-    config.min_new_tokens = None
-    return config
+def clear_eos(model, pad_token_id: int) -> None:
+    """Make the model's generation config EOS-free: exactly `max_new_tokens` tokens, argmax
+    each step. (`generate` fills any setting left None from `model.generation_config`, so the
+    EOS ids must be cleared there, not in a config passed per call.)"""
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = pad_token_id
 
 
 def same_tokens(a: list[int], b: list[int]) -> str:
@@ -127,12 +124,12 @@ def main(argv=None) -> None:
     secs_ns, (ns_model, tokenizer, path) = timed(lambda: load_nanoserve(args.model))
     secs_hf, hf_model = timed(lambda: load_transformers(path))
     print(f"model: {path.name}; load seconds: nanoserve {secs_ns:.1f}, transformers {secs_hf:.1f}")
-    gen_config = ignore_eos_config(hf_model, args.new_tokens, tokenizer.eos_token_ids[0])
+    clear_eos(hf_model, tokenizer.eos_token_ids[0])
     prompts = build_prompts(tokenizer)
     n = args.new_tokens
     sides = {
         "nanoserve": lambda p: nanoserve_generate(ns_model, p, n),
-        "transformers": lambda p: transformers_generate(hf_model, gen_config, p),
+        "transformers": lambda p: transformers_generate(hf_model, p, n),
     }
     for run in sides.values():  # warm-up, untimed
         run(prompts[0])
