@@ -20,7 +20,7 @@ from safetensors import SafetensorError, safe_open
 
 from nanoserve.config import ModelConfig
 from nanoserve.errors import ModelError
-from nanoserve.gguf_file import read_gguf
+from nanoserve.gguf_file import gguf_config_dict, hf_name, open_gguf, read_gguf
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -67,6 +67,50 @@ def load_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tens
     if path.exists():
         raise ModelError(f"{path} is neither a .gguf file nor a checkpoint folder")
     raise ModelError(f"no such checkpoint: {path}")
+
+
+def validate_checkpoint(path: str | Path) -> ModelConfig:
+    """What `load_checkpoint` would refuse, found from headers alone (no tensor data is
+    read): the config, every expected tensor's presence and shape, and that each file is
+    as long as its header says. Cheap enough for a job's driver to call before any worker
+    loads the model."""
+    path = Path(path)
+    if path.is_file() and path.suffix == ".gguf":
+        reader = open_gguf(path)  # memory-maps: a truncated file fails here
+        config = ModelConfig.from_hf_dict(gguf_config_dict(reader, path))
+        # GGUF shapes are innermost-first; ours are outermost-first.
+        shapes = {hf_name(t.name): tuple(int(x) for x in reversed(t.shape.tolist()))
+                  for t in reader.tensors}
+        _check_shapes(config, {k: v for k, v in shapes.items() if k}, str(path))
+        return config
+    if not path.is_dir():
+        return load_checkpoint(path)[0]  # raises the same clear error
+    config = _read_config(path)
+    shapes = {}
+    files = _safetensors_files(path)
+    for file in files:
+        try:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    shapes[name] = tuple(f.get_slice(name).get_shape())
+        except (SafetensorError, OSError) as e:
+            raise ModelError(
+                f"{file} is not a readable safetensors file (truncated or corrupt?): {e}"
+            ) from None
+    source = str(files[0]) if len(files) == 1 else f"{path} ({len(files)} safetensors shards)"
+    _check_shapes(config, shapes, source)
+    return config
+
+
+def _check_shapes(config: ModelConfig, shapes: dict[str, tuple[int, ...]], source: str) -> None:
+    for name, shape in expected_shapes(config).items():
+        if name not in shapes:
+            raise ModelError(f"tensor {name!r} is missing from {source}")
+        if shapes[name] != shape:
+            raise ModelError(
+                f"tensor {name!r} in {source} has shape {list(shapes[name])}, "
+                f"expected {list(shape)} from the config"
+            )
 
 
 def _read_config(folder: Path) -> ModelConfig:

@@ -18,7 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from nanoserve.config import ModelConfig
 from nanoserve.errors import ModelError
 from nanoserve.gguf_file import gguf_tokenizer_metadata
-from nanoserve.weights import expected_shapes, load_checkpoint
+from nanoserve.weights import expected_shapes, load_checkpoint, validate_checkpoint
 
 TINY = dict(
     vocab_size=128,
@@ -362,6 +362,13 @@ def test_config_4x_and_5x_spellings_give_same_config(tiny_hf, tmp_path, scaled):
     assert (configs[0].rope_scaling is not None) == scaled
 
 
+@pytest.fixture(params=["load", "validate"])
+def check(request):
+    """Each refusal is found both by a full load and by the header-only validation the
+    batch job's driver runs before any worker starts."""
+    return load_checkpoint if request.param == "load" else validate_checkpoint
+
+
 # --- refused Hugging Face folders ------------------------------------------------------------
 
 
@@ -379,61 +386,61 @@ def _rewrite_single(folder, change):
     save_file(sd, folder / "model.safetensors")
 
 
-def test_truncated_safetensors_is_refused(tiny_hf, tmp_path):
+def test_truncated_safetensors_is_refused(check, tiny_hf, tmp_path):
     folder = _copy(tiny_hf[1] / "single", tmp_path / "m")
     data = (folder / "model.safetensors").read_bytes()
     (folder / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(ModelError, match=r"model\.safetensors is not a readable safetensors file"):
-        load_checkpoint(folder)
+        check(folder)
 
 
-def test_missing_tensor_is_refused(tiny_hf, tmp_path):
+def test_missing_tensor_is_refused(check, tiny_hf, tmp_path):
     folder = _copy(tiny_hf[1] / "single", tmp_path / "m")
     _rewrite_single(folder, lambda sd: sd.pop("model.layers.1.mlp.up_proj.weight"))
     with pytest.raises(
         ModelError,
         match=r"tensor 'model\.layers\.1\.mlp\.up_proj\.weight' is missing from .*model\.safetensors",
     ):
-        load_checkpoint(folder)
+        check(folder)
 
 
-def test_missing_lm_head_of_untied_model_is_refused(tiny_hf, tmp_path):
+def test_missing_lm_head_of_untied_model_is_refused(check, tiny_hf, tmp_path):
     folder = _copy(tiny_hf[1] / "single", tmp_path / "m")
     _rewrite_single(folder, lambda sd: sd.pop("lm_head.weight"))
     with pytest.raises(ModelError, match=r"tensor 'lm_head\.weight' is missing"):
-        load_checkpoint(folder)
+        check(folder)
 
 
-def test_misshapen_tensor_is_refused(tiny_hf, tmp_path):
+def test_misshapen_tensor_is_refused(check, tiny_hf, tmp_path):
     folder = _copy(tiny_hf[1] / "single", tmp_path / "m")
     _rewrite_single(folder, lambda sd: sd.update({"model.norm.weight": torch.ones(65)}))
     with pytest.raises(
         ModelError, match=r"tensor 'model\.norm\.weight' in .* has shape \[65\], expected \[64\]"
     ):
-        load_checkpoint(folder)
+        check(folder)
 
 
-def test_missing_shard_is_refused(tiny_hf, tmp_path):
+def test_missing_shard_is_refused(check, tiny_hf, tmp_path):
     folder = _copy(tiny_hf[1] / "sharded", tmp_path / "m")
     shard = sorted(folder.glob("*.safetensors"))[1]
     shard.unlink()
     with pytest.raises(ModelError, match=rf"shard {shard.name} listed in .*index\.json is missing"):
-        load_checkpoint(folder)
+        check(folder)
 
 
-def test_missing_config_is_refused(tiny_hf, tmp_path):
+def test_missing_config_is_refused(check, tiny_hf, tmp_path):
     folder = _copy(tiny_hf[1] / "single", tmp_path / "m")
     (folder / "config.json").unlink()
     with pytest.raises(ModelError, match=r"no config\.json in .*m"):
-        load_checkpoint(folder)
+        check(folder)
 
 
-def test_pickle_only_folder_is_refused(tiny_hf, tmp_path):
+def test_pickle_only_folder_is_refused(check, tiny_hf, tmp_path):
     folder = _copy(tiny_hf[1] / "single", tmp_path / "m")
     (folder / "model.safetensors").unlink()
     (folder / "pytorch_model.bin").write_bytes(b"not read")
     with pytest.raises(ModelError, match=r"only PyTorch pickle weights.*safetensors only"):
-        load_checkpoint(folder)
+        check(folder)
 
 
 @pytest.mark.parametrize(
@@ -443,14 +450,22 @@ def test_pickle_only_folder_is_refused(tiny_hf, tmp_path):
         ({"architectures": ["LlamaForCausalLM"], "model_type": "gpt2"}, "gpt2"),
     ],
 )
-def test_unknown_architecture_is_refused(tiny_hf, tmp_path, change, expected):
+def test_unknown_architecture_is_refused(check, tiny_hf, tmp_path, change, expected):
     folder = _copy(tiny_hf[1] / "single", tmp_path / "m")
     d = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**d, **change}))
     with pytest.raises(ModelError, match=rf"unsupported architecture .*{expected}"):
-        load_checkpoint(folder)
+        check(folder)
 
 
-def test_no_such_checkpoint_is_refused(tmp_path):
+def test_no_such_checkpoint_is_refused(check, tmp_path):
     with pytest.raises(ModelError, match=r"no such checkpoint: .*nothing-here"):
-        load_checkpoint(tmp_path / "nothing-here")
+        check(tmp_path / "nothing-here")
+
+
+def test_truncated_gguf_is_refused_by_validation(smollm2_gguf_path, tmp_path):
+    data = smollm2_gguf_path.read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[: len(data) * 2 // 3])
+    with pytest.raises(ModelError, match=r"cut\.gguf is not a readable GGUF file"):
+        validate_checkpoint(tmp_path / "cut.gguf")
+    assert validate_checkpoint(smollm2_gguf_path).num_hidden_layers == 30
