@@ -65,7 +65,13 @@ def ray_head():
         [str(RAY), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
          f"--port={free_port()}", f"--temp-dir={temp_dir}", "--num-cpus=2",
          "--include-dashboard=true", "--dashboard-host=127.0.0.1",
-         f"--dashboard-port={dash_port}", "--disable-usage-stats"],
+         f"--dashboard-port={dash_port}", "--disable-usage-stats",
+         # Ports with fixed defaults (the job agent's 52365, the client server's 10001, ...)
+         # may be held by another Ray on this machine, e.g. the tests' session Ray.
+         f"--dashboard-agent-listen-port={free_port()}",
+         f"--dashboard-agent-grpc-port={free_port()}",
+         f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}",
+         f"--ray-client-server-port={free_port()}"],
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
     try:
