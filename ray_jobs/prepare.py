@@ -256,21 +256,19 @@ class RowPreparer:
 
 
 def load_model_meta(path: Path) -> tuple[ModelConfig, Any]:
-    """The model's config and tokenizer, without its weights: from a folder's files, or from
-    the metadata of a `.gguf` file (opened once for both: parsing it takes seconds). Kept
-    for the next job of this process while the file's size and mtime are unchanged."""
-    st = path.stat()
-    return _load_model_meta(path.resolve(), st.st_size, st.st_mtime_ns)
+    """The model's config and tokenizer, without loading its weights, after checking from
+    the checkpoint's headers that the workers will be able to load it
+    (`nanoserve.weights.validate_checkpoint`: a ModelError otherwise). Kept for the next job
+    of this process while the model's files keep their sizes and mtimes."""
+    path = path.resolve()
+    files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
+    stamp = tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+    return _load_model_meta(path, stamp)
 
 
 @functools.lru_cache(maxsize=2)
-def _load_model_meta(path: Path, size: int, mtime_ns: int) -> tuple[ModelConfig, Any]:
+def _load_model_meta(path: Path, stamp: tuple) -> tuple[ModelConfig, Any]:
     from nanoserve.tokenizer import Tokenizer
+    from nanoserve.weights import validate_checkpoint
 
-    if path.is_file() and path.suffix == ".gguf":
-        from nanoserve.gguf_file import gguf_config_dict, open_gguf
-
-        reader = open_gguf(path)
-        config = ModelConfig.from_hf_dict(gguf_config_dict(reader, path))
-        return config, Tokenizer.from_gguf(path, reader=reader)
-    return ModelConfig.from_json_file(path / "config.json"), Tokenizer.from_path(path)
+    return validate_checkpoint(path), Tokenizer.from_path(path)

@@ -267,3 +267,16 @@ def test_unknown_dtype_exits_2_before_any_worker(tmp_path, capsys, monkeypatch):
     rc = batch_main([str(path), "-o", str(tmp_path / "out"), "--dtype", "float8"])
     assert rc == 2
     assert capsys.readouterr().err.startswith("error: unknown dtype 'float8'")
+
+
+def test_truncated_model_file_exits_2_before_any_worker(tmp_path, capsys, monkeypatch,
+                                                         smollm2_gguf_path):
+    monkeypatch.setattr(driver._WorkerPool, "start", _no_workers)
+    bad = tmp_path / "cut.gguf"
+    with open(smollm2_gguf_path, "rb") as f:
+        bad.write_bytes(f.read(8 << 20))  # the header and part of the tensor data
+    path = _write(tmp_path / "in.jsonl", '{"prompt": "hi"}\n')
+    rc = batch_main([str(path), "-o", str(tmp_path / "out"), "--model", str(bad)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1
+    assert err[0].startswith("error: ") and "cut.gguf" in err[0], err
