@@ -63,6 +63,13 @@ class BatchWorker:
         self.llm = LLM(model=model, dtype=dtype, device=device or pick_device(),
                        kv_cache_fraction=kv_cache_fraction)
 
+    @classmethod
+    def from_llm(cls, llm: Any) -> BatchWorker:
+        """A worker around an already loaded `LLM`."""
+        worker = cls.__new__(cls)
+        worker.llm = llm
+        return worker
+
     def info(self) -> dict[str, Any]:
         """Where this worker runs: Ray's GPU ids, the torch device, the host and process."""
         return {"gpu_ids": ray_gpu_ids(), "device": str(self.llm.device),

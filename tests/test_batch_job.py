@@ -26,7 +26,9 @@ from nanoserve.errors import InputError
 from nanoserve.sampling import SamplingParams
 from ray_jobs import run_batch_job
 from ray_jobs.cli import main as batch_main
+from ray_jobs.io import RESULT_SCHEMA
 from ray_jobs.manifest import MANIFEST_NAME, SUCCESS_NAME, Manifest, part_name
+from ray_jobs.worker import BatchWorker, GenerationRequest
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_TOKENS = 4
@@ -280,3 +282,21 @@ def test_truncated_model_file_exits_2_before_any_worker(tmp_path, capsys, monkey
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1
     assert err[0].startswith("error: ") and "cut.gguf" in err[0], err
+
+
+def test_batch_worker_alone_matches_generate_and_isolates_a_bad_row(smollm2_llm):
+    """`BatchWorker` without Ray: rows in order, equal to `LLM.generate` alone; a row the
+    engine refuses becomes one error row instead of failing its batch."""
+    worker = BatchWorker.from_llm(smollm2_llm)
+    ids = smollm2_llm.tokenizer.encode("Hi there")
+    params = SamplingParams(max_tokens=3)
+    table = worker.run_batch([GenerationRequest(tuple(ids), params),
+                              GenerationRequest((1,) * 9000, params)])  # longer than the context
+    assert table.schema.equals(RESULT_SCHEMA)
+    (want,) = smollm2_llm.generate([ids], [params])
+    good, bad = table.to_pylist()
+    assert (good["generated_token_ids"], good["generated_text"], good["finish_reason"]) == (
+        want.token_ids, want.text, want.finish_reason)
+    assert good["num_input_tokens"] == len(ids) and good["error"] is None
+    assert bad["finish_reason"] == "error" and "9000 tokens" in bad["error"]
+    assert worker.gpu_ids() == []  # no GPU given by Ray to this process
