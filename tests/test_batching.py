@@ -104,3 +104,17 @@ def test_digest_tells_different_batches_apart():
 def test_bad_limits_are_input_errors(kwargs):
     with pytest.raises(InputError):
         BatchLimits(**kwargs)
+
+
+def test_batching_streams_one_window_at_a_time():
+    pulled = []
+
+    def rows():
+        for i in range(10_000):
+            pulled.append(i)
+            yield Row(i, 1 + i % 7, 4)
+
+    batches = make_batches(rows(), BatchLimits(batch_size=4, window_rows=32))
+    first = next(batches)
+    assert len(pulled) == 32  # one window read, not the input
+    assert len(first.rows) == 4
