@@ -31,7 +31,7 @@ lint: setup
 	$(VENV)/bin/ruff check .
 
 bench: setup
-	$(PY) benchmarks/cpu_generate.py
+	$(PY) -m benchmarks.cpu_generate
 
 clean:
 	rm -rf $(VENV) demo-output .pytest_cache

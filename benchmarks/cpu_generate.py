@@ -22,19 +22,10 @@ from __future__ import annotations
 
 import argparse
 import pathlib
-import sys
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-# As a script, this folder leads sys.path, and `benchmarks/kernels.py` would shadow the
-# `kernels` package the engine imports: put the repository root there instead.
-if sys.path and pathlib.Path(sys.path[0] or ".").resolve() == ROOT / "benchmarks":
-    sys.path[0] = str(ROOT)
-elif str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-
-from benchmarks.common import (  # noqa: E402
+from benchmarks.common import (
     describe_run,
     load_nanoserve,
     markdown_table,

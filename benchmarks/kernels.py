@@ -21,18 +21,11 @@ from __future__ import annotations
 
 import argparse
 import math
-import pathlib
 import sys
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-# As a script, this folder leads sys.path and this file (named `kernels`) would shadow the
-# `kernels` package; put the repository root there instead.
-if sys.path and pathlib.Path(sys.path[0] or ".").resolve() == ROOT / "benchmarks":
-    sys.path[0] = str(ROOT)
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
 HQ, HKV, HEAD_DIM, BLOCK = 32, 8, 64, 16
 DTYPE = torch.bfloat16
