@@ -7,7 +7,7 @@ vocab 128256, tied) with random bf16 weights. Prints one table: the engine calle
 directly (`LLM.generate`) and the same rows through `run_batch_job` (one actor per GPU),
 plus, when the default model is in the cache, the batch job over examples/prompts.jsonl.
 
-    python benchmarks/gpu_job.py [--rows 256] [--skip-job] [--out DIR]
+    python -m benchmarks.gpu_job [--rows 256] [--skip-job] [--out FILE] [--smoke]
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ LLAMA_1B = {
 }
 
 
-def make_random_model(folder: Path, device: str) -> Path:
+def make_random_model(folder: Path, device: str, config: dict = LLAMA_1B) -> Path:
     """A checkpoint folder with random bf16 weights and a word-level tokenizer over the
     whole vocabulary (so every id decodes)."""
     from safetensors.torch import save_file
@@ -44,48 +44,51 @@ def make_random_model(folder: Path, device: str) -> Path:
     from nanoserve.weights import expected_shapes
 
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(LLAMA_1B))
+    (folder / "config.json").write_text(json.dumps(config))
     g = torch.Generator(device=device).manual_seed(0)
     tensors = {}
-    for name, shape in expected_shapes(ModelConfig.from_hf_dict(LLAMA_1B)).items():
+    for name, shape in expected_shapes(ModelConfig.from_hf_dict(config)).items():
         if name.endswith("norm.weight"):
             t = torch.ones(shape, dtype=torch.bfloat16, device=device)
         else:
             t = (torch.randn(shape, generator=g, device=device) * 0.02).to(torch.bfloat16)
         tensors[name] = t.cpu()
     save_file(tensors, str(folder / "model.safetensors"))
-    vocab = {f"<t{i}>": i for i in range(LLAMA_1B["vocab_size"])}
+    vocab = {f"<t{i}>": i for i in range(config["vocab_size"])}
     Tokenizer(models.WordLevel(vocab, unk_token="<t0>")).save(str(folder / "tokenizer.json"))
     return folder
 
 
-def make_workload(path: Path, rows: int, vocab: int, seed: int = 0) -> tuple[list, list]:
+def make_workload(path: Path, rows: int, vocab: int, seed: int = 0,
+                  lo: int = 100, hi: int = 1024) -> tuple[list, list]:
     rng = random.Random(seed)
-    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(100, 1024))] for _ in range(rows)]
-    max_tokens = [rng.randint(100, 1024) for _ in range(rows)]
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(rows)]
+    max_tokens = [rng.randint(lo, hi) for _ in range(rows)]
     pq.write_table(pa.table({"id": list(range(rows)), "prompt_token_ids": prompts,
                              "max_tokens": max_tokens}), path)
     return prompts, max_tokens
 
 
-def bench_engine(model_dir: Path, prompts, max_tokens) -> dict:
+def bench_engine(model_dir: Path, prompts, max_tokens, device: str = "cuda") -> dict:
     from nanoserve.llm import LLM
     from nanoserve.sampling import SamplingParams
 
-    llm = LLM(str(model_dir), device="cuda")
+    llm = LLM(str(model_dir), device=device)
     params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens]
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     llm.generate(prompts[:4], params[:4])  # warm-up: kernel compilation, allocator
-    torch.cuda.synchronize()
+    sync()
     t = time.perf_counter()
     outs = llm.generate(prompts, params)
-    torch.cuda.synchronize()
+    sync()
     wall = time.perf_counter() - t
     n_out = sum(len(o.token_ids) for o in outs)
     assert [len(o.token_ids) for o in outs] == max_tokens
     stats = llm.last_stats
+    dtype = str(llm.dtype).removeprefix("torch.")
     del llm
     torch.cuda.empty_cache()
-    return {"what": "engine LLM.generate (1B random, bf16)", "rows": len(prompts),
+    return {"what": f"engine LLM.generate, Llama-1B shape, random ({dtype})", "rows": len(prompts),
             "output_tokens": n_out, "wall_s": wall, "tok_s": n_out / wall,
             "padding_waste": stats.padding_waste, "early_finish_waste": stats.early_finish_waste}
 
@@ -101,7 +104,11 @@ def bench_job(input_path: Path, out_dir: Path, model: str, what: str, **options)
     assert table.num_rows == s.rows, (table.num_rows, s.rows)
     return {"what": what, "rows": s.rows, "output_tokens": s.output_tokens, "wall_s": wall,
             "tok_s": s.output_tokens / wall, "padding_waste": s.padding_waste,
-            "early_finish_waste": float("nan"), "error_rows": s.error_rows}
+            "early_finish_waste": None, "error_rows": s.error_rows}
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.1%}"
 
 
 def main() -> None:
@@ -109,28 +116,35 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--skip-job", action="store_true", help="only the engine")
     ap.add_argument("--out", type=Path, default=None, help="write results JSON here")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a 2-layer model, 4 short rows, on the CPU: checks the script runs")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("needs a CUDA GPU")
+    device, config, lo, hi = "cuda", LLAMA_1B, 100, 1024
+    if args.smoke:
+        device, config, lo, hi = "cpu", {**LLAMA_1B, "num_hidden_layers": 2}, 4, 12
+        args.rows = 4
+    elif not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU (or --smoke)")
     work = Path(tempfile.mkdtemp(prefix="nanoserve-bench-"))
-    model_dir = make_random_model(work / "llama-1b-random", "cuda")
-    prompts, max_tokens = make_workload(work / "workload.parquet", args.rows, LLAMA_1B["vocab_size"])
-    results = [bench_engine(model_dir, prompts, max_tokens)]
+    model_dir = make_random_model(work / "llama-1b-random", device, config)
+    prompts, max_tokens = make_workload(work / "workload.parquet", args.rows,
+                                        config["vocab_size"], lo=lo, hi=hi)
+    results = [bench_engine(model_dir, prompts, max_tokens, device)]
     if not args.skip_job:
         results.append(bench_job(work / "workload.parquet", work / "out-1b", str(model_dir),
-                                 "batch job, 1 actor (1B random, bf16)", ignore_eos=True,
+                                 "batch job, 1 actor, Llama-1B shape, random", ignore_eos=True,
                                  batch_size=256, num_workers=1))
         from nanoserve.model_store import default_model_path
 
         if default_model_path().exists():
             results.append(bench_job(Path("examples/prompts.jsonl"), work / "out-smollm2",
-                                     "smollm2-135m-instruct", "batch job, examples (SmolLM2, bf16)",
+                                     "smollm2-135m-instruct", "batch job, 1 actor, examples/prompts.jsonl, SmolLM2",
                                      max_tokens=256, num_workers=1))
     print("\n| run | rows | output tokens | wall s | output tok/s | padding waste | early-finish waste |")
     print("|---|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r['what']} | {r['rows']} | {r['output_tokens']} | {r['wall_s']:.1f} | "
-              f"{r['tok_s']:.0f} | {r['padding_waste']:.1%} | {r['early_finish_waste']:.1%} |")
+              f"{r['tok_s']:.0f} | {r['padding_waste']:.1%} | {_pct(r['early_finish_waste'])} |")
     if args.out:
         args.out.write_text(json.dumps(results, indent=2))
 
