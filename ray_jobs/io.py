@@ -2,18 +2,34 @@
 output parts written atomically.
 
 Input: a `.parquet` file, a `.jsonl` file, or a folder of them (top level, sorted by name;
-names starting with `_` or `.` are skipped, as pyarrow skips them). `scan_input` checks every
-file before the job starts (Parquet: the footer; JSONL: one streaming parse pass) and returns
-the one Arrow schema all rows are read with; `iter_chunks` then streams the rows in that
-schema, a bounded number at a time.
+names starting with `_` or `.` are skipped, as pyarrow skips them; suffixes in any case).
+`scan_input` checks every file before the job starts (Parquet: the footer and the id column;
+JSONL: one streaming parse pass) and returns the one Arrow schema all rows are read with;
+`iter_chunks` then streams the rows in that schema, a bounded number at a time.
+
+What is a job-level problem (an `InputError` from `scan_input`, before any work) and what
+is a row-level one (a row error reported with its chunk: the row becomes an `error` output
+row and the job goes on):
+- job level: no such path; an unknown file type; a folder without input files; an input
+  without rows (empty files, or Parquet files with a schema and 0 rows: there is nothing to
+  do, and an empty output would hide a mistake); a JSONL line that is not JSON or not a
+  JSON object (named by file and line); an unreadable Parquet file; a Parquet file whose
+  column has another type than the rest of the input gives it; an id column (`id`, or the one
+  named) that holds values other than strings or integers, is null in every row, or repeats
+  an id (an example is named: output rows are matched to input rows by id);
+- row level: a JSONL line that is not valid UTF-8 (decoded with replacement characters so
+  its other fields still read) or that escapes an unpaired surrogate; in a JSONL file, a
+  value that does not fit its column's type, the type most of the column's values have
+  (e.g. one `messages` that is a string among lists of objects, one `temperature` that is a
+  string among numbers): that value reads as null and the row's error says which line,
+  which field and what was expected. (A row whose id alone is null
+  is an error row too; `prepare` makes it.)
 
 Invariants:
-- nothing here holds more than one chunk (`chunk_rows` rows) of one file in memory;
+- nothing here holds more than one chunk (`chunk_rows` rows) of one file in memory, except
+  that `scan_input` holds the id column (one value per row) to check that ids are unique;
 - rows come out in file order (sorted names), then row order within a file; a row's
   position in that stream is its default id;
-- a JSONL line that is not a JSON object is an `InputError` naming the file and line (the
-  whole job stops before any work); a line that is not valid UTF-8 becomes a row whose
-  read error is reported with the chunk, so it turns into an `error` output row;
 - an output part is visible under its final name only once completely written.
 """
 
@@ -21,17 +37,22 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
+import pyarrow.types as pat
 
 from nanoserve.errors import InputError
 
 INPUT_SUFFIXES = (".parquet", ".jsonl")
 DEFAULT_CHUNK_ROWS = 1024
+DEFAULT_ID_COLUMN = "id"  # the id column when the job names none
 
 # The columns every output row gets after `id` and the input's own columns.
 RESULT_SCHEMA = pa.schema([
@@ -44,25 +65,37 @@ RESULT_SCHEMA = pa.schema([
 ])
 RESULT_COLUMNS = tuple(RESULT_SCHEMA.names)
 
+_ARROW_ERRORS = (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OverflowError,
+                 UnicodeEncodeError)
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # JSON's \uD800-\uDFFF
+
 
 @dataclass(frozen=True)
 class InputInfo:
-    """What `scan_input` learned: the files in read order, the unified schema, the row count."""
+    """What `scan_input` learned: the files in read order, the unified schema, the row count,
+    and the id column it checked (None when the input has none: ids are positions)."""
 
     root: Path  # the path the user gave
     files: tuple[Path, ...]
     schema: pa.Schema
     num_rows: int
+    id_column: str | None = None
 
 
 @dataclass(frozen=True)
 class InputChunk:
     """Consecutive rows of one file. `row_errors` maps a row's index in `batch` to why it could
-    not be read (it is still a row: its other columns are null or best-effort)."""
+    not be read (it is still a row: the unreadable values are null). `lines`: each row's
+    1-based line number in a JSONL file (empty for Parquet)."""
 
     batch: pa.RecordBatch
     file: Path
     row_errors: dict[int, str] = field(default_factory=dict)
+    lines: tuple[int, ...] = ()
+
+
+def _suffix(path: Path) -> str:
+    return path.suffix.lower()
 
 
 def list_input_files(path: str | Path) -> list[Path]:
@@ -71,57 +104,120 @@ def list_input_files(path: str | Path) -> list[Path]:
     if not path.exists():
         raise InputError(f"no such file or folder: {path}")
     if path.is_file():
-        if path.suffix not in INPUT_SUFFIXES:
+        if _suffix(path) not in INPUT_SUFFIXES:
             raise InputError(
                 f"{path}: unknown input type {path.suffix or '(no suffix)'!r}; "
                 f"expected {' or '.join(INPUT_SUFFIXES)}"
             )
         return [path]
+    if not path.is_dir():
+        raise InputError(f"{path} is neither a file nor a folder")
+    try:
+        entries = list(path.iterdir())
+    except OSError as e:
+        raise InputError(f"{path}: cannot list the folder ({e.strerror})") from None
     files = sorted(
-        p for p in path.iterdir()
-        if p.is_file() and p.suffix in INPUT_SUFFIXES and not p.name.startswith(("_", "."))
+        p for p in entries
+        if p.is_file() and _suffix(p) in INPUT_SUFFIXES and not p.name.startswith(("_", "."))
     )
     if not files:
         raise InputError(f"{path}: the folder holds no {' or '.join(INPUT_SUFFIXES)} files")
     return files
 
 
-def scan_input(path: str | Path, chunk_rows: int = DEFAULT_CHUNK_ROWS) -> InputInfo:
-    """Check every input file and unify their schemas (nulls and ints widen; a column of
-    incompatible types across rows or files is an InputError). JSONL files are parsed once
-    here, streaming; Parquet files only have their footers read."""
+def scan_input(path: str | Path, chunk_rows: int = DEFAULT_CHUNK_ROWS,
+               id_column: str | None = None) -> InputInfo:
+    """Check every input file, unify their schemas and check the ids.
+
+    Types: nulls and ints widen. A JSONL column takes the type most of its values have
+    (values of other types become row errors when read); a Parquet file whose column does
+    not agree with that type, or an id column whose values disagree, is an InputError.
+    `id_column`: the column of row ids; None means `id` where the input has one (the rule
+    `prepare.plan_columns` follows). JSONL files are parsed once here, streaming; Parquet
+    files have their footers and id column read."""
     files = list_input_files(path)
-    schemas: list[pa.Schema] = []
+    id_name = id_column or DEFAULT_ID_COLUMN
+    ids = _IdScan(id_name)
+    layouts: list[pa.Schema | list[str]] = []  # per file: its schema, or (JSONL) its columns
+    jsonl_types: dict[str, dict[pa.DataType, int]] = {}  # column -> {type: values of it}
     num_rows = 0
     for f in files:
-        if f.suffix == ".parquet":
-            meta = _parquet_file(f).metadata
-            schemas.append(meta.schema.to_arrow_schema().remove_metadata())
-            num_rows += meta.num_rows
+        if _suffix(f) == ".parquet":
+            pfile = _parquet_file(f)
+            schema = pfile.schema_arrow.remove_metadata()
+            layouts.append(schema)
+            n = pfile.metadata.num_rows
+            if id_name in schema.names and n:
+                for batch in _parquet_batches(pfile, f, chunk_rows, columns=[id_name]):
+                    ids.add(f, batch.column(0))
+            elif n:
+                ids.add(f, pa.nulls(n))
+            num_rows += n
         else:
-            for chunk in _iter_jsonl(f, chunk_rows, schema=None):
-                schemas.append(chunk.batch.schema)
+            names: dict[str, None] = {}
+            for chunk in _iter_jsonl(f, chunk_rows, schema=None, id_column=id_name):
+                for fld, col in zip(chunk.batch.schema, chunk.batch.columns):
+                    names.setdefault(fld.name)
+                    counts = jsonl_types.setdefault(fld.name, {})
+                    counts[fld.type] = counts.get(fld.type, 0) + len(col) - col.null_count
+                i = chunk.batch.schema.get_field_index(id_name)
+                ids.add(f, chunk.batch.column(i) if i >= 0 else pa.nulls(chunk.batch.num_rows))
                 num_rows += chunk.batch.num_rows
-    schemas = [s for s in schemas if len(s)] or [pa.schema([])]
+            layouts.append(list(names))
     try:
-        schema = pa.unify_schemas(schemas, promote_options="permissive")
+        types = {name: _column_type(name, counts, strict=name == id_name)
+                 for name, counts in jsonl_types.items()}
+        schemas = [s if isinstance(s, pa.Schema) else pa.schema([(n, types[n]) for n in s])
+                   for s in layouts]
+        schema = pa.unify_schemas([s for s in schemas if len(s)] or [pa.schema([])],
+                                  promote_options="permissive")
     except (pa.ArrowTypeError, pa.ArrowInvalid) as e:
         raise InputError(f"{path}: the input's columns do not agree in type: {e}") from None
     if num_rows == 0:
-        raise InputError(f"{path}: the input has no rows")
-    return InputInfo(root=Path(path), files=tuple(files), schema=schema, num_rows=num_rows)
+        raise InputError(f"{path}: the input has no rows (nothing to do)")
+    has_ids = id_name in schema.names
+    if has_ids:
+        ids.check(schema.field(id_name).type)
+    return InputInfo(root=Path(path), files=tuple(files), schema=schema, num_rows=num_rows,
+                     id_column=id_name if has_ids else None)
+
+
+def _column_type(name: str, counts: dict[pa.DataType, int], strict: bool) -> pa.DataType:
+    """One JSONL column's type from its chunks' types (with how many values each holds):
+    the types that unify are merged, and the group holding the most values wins (ties: the
+    first seen). `strict`: every type must unify (ArrowTypeError otherwise)."""
+    groups: list[tuple[pa.DataType, int]] = []
+    for t, n in counts.items():
+        for k, (group_type, group_n) in enumerate(groups):
+            try:
+                merged = _unify(name, group_type, t)
+            except (pa.ArrowTypeError, pa.ArrowInvalid):
+                if strict:
+                    raise
+                continue
+            groups[k] = (merged, group_n + n)
+            break
+        else:
+            groups.append((t, n))
+    return max(groups, key=lambda g: g[1])[0]  # max keeps the first of equals
+
+
+def _unify(name: str, a: pa.DataType, b: pa.DataType) -> pa.DataType:
+    return pa.unify_schemas([pa.schema([(name, a)]), pa.schema([(name, b)])],
+                            promote_options="permissive").field(name).type
 
 
 def iter_chunks(info: InputInfo, chunk_rows: int = DEFAULT_CHUNK_ROWS) -> Iterator[InputChunk]:
     """Every row of the input, in read order, as chunks of at most `chunk_rows` rows in
-    `info.schema` (columns a file lacks are null)."""
+    `info.schema` (columns a file lacks are null). A file that became unreadable since the
+    scan is an InputError naming it."""
     for f in info.files:
-        if f.suffix == ".parquet":
-            for batch in _parquet_file(f).iter_batches(batch_size=chunk_rows):
+        if _suffix(f) == ".parquet":
+            for batch in _parquet_batches(_parquet_file(f), f, chunk_rows):
                 if batch.num_rows:
-                    yield InputChunk(conform(batch, info.schema), f)
+                    yield InputChunk(_conform_or_fail(batch, info.schema, f), f)
         else:
-            yield from _iter_jsonl(f, chunk_rows, schema=info.schema)
+            yield from _iter_jsonl(f, chunk_rows, schema=info.schema, id_column=info.id_column)
 
 
 def conform(batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:
@@ -137,6 +233,13 @@ def conform(batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:
     return pa.RecordBatch.from_arrays(columns, schema=schema)
 
 
+def _conform_or_fail(batch: pa.RecordBatch, schema: pa.Schema, path: Path) -> pa.RecordBatch:
+    try:
+        return conform(batch, schema)
+    except _ARROW_ERRORS as e:
+        raise InputError(f"{path}: a column does not fit the input's schema ({e})") from None
+
+
 def _parquet_file(path: Path) -> pq.ParquetFile:
     try:
         return pq.ParquetFile(path)
@@ -144,9 +247,100 @@ def _parquet_file(path: Path) -> pq.ParquetFile:
         raise InputError(f"{path}: not a readable Parquet file ({e})") from None
 
 
-def _iter_jsonl(path: Path, chunk_rows: int, schema: pa.Schema | None) -> Iterator[InputChunk]:
-    """Parse a JSONL file line by line into chunks. Blank lines are skipped. With `schema`
-    None each chunk's types are inferred (the scan); otherwise rows are built in `schema`."""
+def _parquet_batches(pfile: pq.ParquetFile, path: Path, chunk_rows: int,
+                     columns: list[str] | None = None) -> Iterator[pa.RecordBatch]:
+    batches = pfile.iter_batches(batch_size=chunk_rows, columns=columns)
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except (pa.ArrowException, OSError) as e:
+            raise InputError(f"{path}: not a readable Parquet file ({e})") from None
+        yield batch
+
+
+# --- ids ---------------------------------------------------------------------------------------
+
+
+class _IdScan:
+    """The id column's values over the whole input, checked once the input's schema is
+    known: strings or integers, not null in every row, unique. (A row whose id alone is null
+    is a row-level problem, left to `prepare`.)"""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.parts: list[tuple[Path, int, pa.Array]] = []  # (file, first row in file, values)
+        self._rows_in_file: dict[Path, int] = {}
+
+    def add(self, file: Path, values: pa.Array) -> None:
+        start = self._rows_in_file.get(file, 0)
+        self.parts.append((file, start, values))
+        self._rows_in_file[file] = start + len(values)
+
+    def check(self, typ: pa.DataType) -> None:
+        name = self.name
+        if pat.is_null(typ):
+            raise InputError(f"column {name!r} (the row ids) is null in every row: fill it in, "
+                             f"or drop the column to number rows by position")
+        if not (pat.is_integer(typ) or pat.is_string(typ) or pat.is_large_string(typ)):
+            raise InputError(f"column {name!r} (the row ids) must hold strings or integers, "
+                             f"not {typ}")
+        col = pa.chunked_array([_cast(values, typ) for _, _, values in self.parts], type=typ)
+        counts = pc.value_counts(col.drop_null())
+        repeated = pc.filter(counts, pc.greater(counts.field("counts"), 1))
+        if len(repeated):
+            value = repeated.field("values")[0].as_py()
+            at = pc.indices_nonzero(pc.equal(col, pa.scalar(value, typ)))
+            where = " and ".join(self._where(i.as_py()) for i in at[:2])
+            more = f" ({len(repeated) - 1} other ids repeat too)" if len(repeated) > 1 else ""
+            raise InputError(
+                f"column {name!r} (the row ids) holds duplicates: {value!r} appears "
+                f"{repeated.field('counts')[0].as_py()} times, at {where}{more}; ids must be "
+                f"unique (output rows are matched to input rows by id)"
+            )
+
+    def _where(self, position: int) -> str:
+        """Where the input's row `position` (0-based over all files) is, in words."""
+        for file, start, values in self.parts:
+            if position < len(values):
+                row = start + position
+                if _suffix(file) == ".jsonl":
+                    return f"{file.name} line {_jsonl_line_of_row(file, row)}"
+                return f"{file.name} row {row} (counting from 0)"
+            position -= len(values)
+        return f"row {position}"
+
+
+def _cast(values: pa.Array, typ: pa.DataType) -> pa.Array:
+    if values.type == typ:
+        return values
+    try:
+        return values.cast(typ)
+    except _ARROW_ERRORS as e:
+        raise InputError(f"the id column's values do not agree in type ({e})") from None
+
+
+def _jsonl_line_of_row(path: Path, row: int) -> int:
+    """The 1-based line number of the `row`-th (0-based) non-blank line of a JSONL file."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            if raw.strip():
+                if row == 0:
+                    return lineno
+                row -= 1
+    return 0
+
+
+# --- JSONL -------------------------------------------------------------------------------------
+
+
+def _iter_jsonl(path: Path, chunk_rows: int, schema: pa.Schema | None,
+                id_column: str | None = None) -> Iterator[InputChunk]:
+    """Parse a JSONL file line by line into chunks. Blank lines are skipped; a UTF-8 byte
+    order mark at the start is allowed. With `schema` None each chunk's types are inferred
+    (the scan); otherwise rows are built in `schema`. `id_column` is read strictly (a value
+    of another type is an InputError, not a row error)."""
     rows: list[dict] = []
     lines: list[int] = []
     row_errors: dict[int, str] = {}
@@ -156,33 +350,63 @@ def _iter_jsonl(path: Path, chunk_rows: int, schema: pa.Schema | None) -> Iterat
         raise InputError(f"{path}: cannot read ({e.strerror})") from None
     with f:
         for lineno, raw in enumerate(f, start=1):
+            if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                raw = raw[3:]
             if not raw.strip():
                 continue
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as e:
                 text = raw.decode("utf-8", errors="replace")
-                row_errors[len(rows)] = f"{path.name} line {lineno} is not valid UTF-8 ({e.reason})"
+                row_errors[len(rows)] = (f"{path.name} line {lineno} is not valid UTF-8 "
+                                         f"({e.reason} at byte {e.start})")
             try:
                 row = json.loads(text)
             except json.JSONDecodeError as e:
-                raise InputError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+                raise InputError(f"{path}:{lineno}: not valid JSON ({e.msg}, column {e.colno})"
+                                 ) from None
+            if _SURROGATE_ESCAPE.search(text):
+                row, scrubbed = _scrub_surrogates(row)
+                if scrubbed:
+                    message = (f"{path.name} line {lineno} holds an unpaired surrogate escape "
+                               f"(\\ud800-\\udfff alone is not valid Unicode)")
+                    i = len(rows)
+                    row_errors[i] = f"{row_errors[i]}; {message}" if i in row_errors else message
             if not isinstance(row, dict):
-                raise InputError(
-                    f"{path}:{lineno}: each line must be a JSON object, got {type(row).__name__}"
-                )
+                hint = " (a JSON array file? write one object per line)" if isinstance(
+                    row, list) and lineno == 1 else ""
+                raise InputError(f"{path}:{lineno}: each line must be a JSON object, got "
+                                 f"{_JSON_NAMES.get(type(row), type(row).__name__)}{hint}")
             rows.append(row)
             lines.append(lineno)
             if len(rows) == chunk_rows:
-                yield InputChunk(_rows_to_batch(rows, lines, path, schema), path, row_errors)
+                batch = _rows_to_batch(rows, lines, path, schema, id_column, row_errors)
+                yield InputChunk(batch, path, row_errors, tuple(lines))
                 rows, lines, row_errors = [], [], {}
     if rows:
-        yield InputChunk(_rows_to_batch(rows, lines, path, schema), path, row_errors)
+        batch = _rows_to_batch(rows, lines, path, schema, id_column, row_errors)
+        yield InputChunk(batch, path, row_errors, tuple(lines))
 
 
-def _rows_to_batch(rows: list[dict], lines: list[int], path: Path,
-                   schema: pa.Schema | None) -> pa.RecordBatch:
-    """Build one record batch column by column, so a type clash names its column and lines."""
+def _scrub_surrogates(v: Any) -> tuple[Any, bool]:
+    """`v` with every lone surrogate in its strings (keys too) replaced by "?", and
+    whether there was one. (json.loads joins valid surrogate pairs, so any left are lone.)"""
+    if isinstance(v, str):
+        clean = v.encode("utf-8", errors="replace").decode("utf-8")
+        return clean, clean != v
+    if isinstance(v, list):
+        items = [_scrub_surrogates(x) for x in v]
+        return [x for x, _ in items], any(c for _, c in items)
+    if isinstance(v, dict):
+        items = [(_scrub_surrogates(k), _scrub_surrogates(x)) for k, x in v.items()]
+        return {k: x for (k, _), (x, _) in items}, any(ck or cx for (_, ck), (_, cx) in items)
+    return v, False
+
+
+def _rows_to_batch(rows: list[dict], lines: list[int], path: Path, schema: pa.Schema | None,
+                   id_column: str | None, row_errors: dict[int, str]) -> pa.RecordBatch:
+    """Build one record batch column by column. A value that does not fit its column adds a
+    row error to `row_errors` and reads as null; in `id_column` it is an InputError."""
     if schema is None:
         names = list(dict.fromkeys(k for row in rows for k in row))
         types: list[pa.DataType | None] = [None] * len(names)
@@ -191,18 +415,179 @@ def _rows_to_batch(rows: list[dict], lines: list[int], path: Path,
     arrays = []
     for name, typ in zip(names, types):
         values = [row.get(name) for row in rows]
-        try:
-            arrays.append(pa.array(values, type=typ))
-        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError) as e:
-            raise InputError(
-                f"{path} (lines {lines[0]}-{lines[-1]}): column {name!r} holds values of "
-                f"incompatible types ({e})"
-            ) from None
+        array = _plain_array(values, typ)
+        if array is None:
+            if name == id_column:
+                raise InputError(
+                    f"{path} (lines {lines[0]}-{lines[-1]}): column {name!r} (the row ids) "
+                    f"holds values of incompatible types; ids must all be strings or all "
+                    f"integers"
+                )
+            array, misfits = _lenient_array(values, typ, name)
+            for i, why in misfits.items():
+                message = f"{path.name} line {lines[i]}: {why}"
+                row_errors[i] = f"{row_errors[i]}; {message}" if i in row_errors else message
+        arrays.append(array)
     if not arrays:  # rows without keys: keep the row count
         return pa.RecordBatch.from_struct_array(pa.array([{}] * len(rows), type=pa.struct([])))
     if schema is None:
         return pa.RecordBatch.from_arrays(arrays, names=names)
     return pa.RecordBatch.from_arrays(arrays, schema=schema)
+
+
+def _plain_array(values: list[Any], typ: pa.DataType | None) -> pa.Array | None:
+    """`values` as one Arrow array (of type `typ`, or inferred), or None when they do not
+    all fit one type. A string never fits a list type (Arrow would read it as characters),
+    nor true/false a number."""
+    try:
+        array = pa.array(values, type=typ)
+    except _ARROW_ERRORS:
+        return None
+    t = array.type
+    if _is_list(t) and any(isinstance(v, str) for v in values):
+        return None
+    if (pat.is_integer(t) or pat.is_floating(t)) and any(isinstance(v, bool) for v in values):
+        return None
+    return array
+
+
+def _lenient_array(values: list[Any], typ: pa.DataType | None, name: str
+                   ) -> tuple[pa.Array, dict[int, str]]:
+    """`values` as an array of `typ` (None: the type most rows agree on, by the JSON kind of
+    their values, ties to the first seen), with every value that does not fit it null.
+    Returns the array and, by index, why each misfit does not fit."""
+    if typ is None:
+        typ = _majority_type(values)
+    misfits = {}
+    for i, v in enumerate(values):
+        why = _misfit(v, typ, name)
+        if why is not None:
+            misfits[i] = why
+    array = pa.array([None if i in misfits else v for i, v in enumerate(values)], type=typ)
+    return array, misfits
+
+
+def _majority_type(values: list[Any]) -> pa.DataType:
+    groups: dict[str, list[pa.DataType]] = {}  # JSON kind -> types of its values, first seen first
+    for v in values:
+        if v is None:
+            continue
+        try:
+            t = pa.array([v]).type
+        except _ARROW_ERRORS:  # the value alone has no type (e.g. a list of mixed kinds)
+            continue
+        groups.setdefault(_coarse_kind(v), []).append(t)
+    if not groups:
+        return pa.null()
+    best = max(groups.values(), key=len)  # max keeps the first of equal lengths
+    typ = best[0]
+    for t in dict.fromkeys(best[1:]):
+        try:
+            typ = pa.unify_schemas([pa.schema([("v", typ)]), pa.schema([("v", t)])],
+                                   promote_options="permissive").field("v").type
+        except (pa.ArrowTypeError, pa.ArrowInvalid):
+            continue
+    return typ
+
+
+def _misfit(v: Any, t: pa.DataType, where: str) -> str | None:
+    """Why the JSON value `v` does not fit the Arrow type `t` (naming the innermost part
+    that does not, e.g. `messages[0].content`), or None if it fits."""
+    if v is None:
+        return None
+    if _is_list(t):
+        if not isinstance(v, list):
+            return _expected(v, t, where)
+        for i, x in enumerate(v):
+            why = _misfit(x, t.value_type, f"{where}[{i}]")
+            if why is not None:
+                return why
+        return None
+    if pat.is_struct(t):
+        if not isinstance(v, dict):
+            return _expected(v, t, where)
+        for f in t:
+            why = _misfit(v.get(f.name), f.type, f"{where}.{f.name}")
+            if why is not None:
+                return why
+        return None
+    if pat.is_boolean(t):
+        fits = isinstance(v, bool)
+    elif pat.is_integer(t):
+        fits = isinstance(v, int) and not isinstance(v, bool)
+    elif pat.is_floating(t):
+        fits = isinstance(v, (int, float)) and not isinstance(v, bool)
+    elif pat.is_string(t) or pat.is_large_string(t):
+        fits = isinstance(v, str)
+    else:
+        fits = not pat.is_null(t)
+    if fits or pat.is_null(t):
+        try:
+            pa.array([v], type=None if pat.is_null(t) else t)
+        except _ARROW_ERRORS as e:
+            return f"{where} cannot be read ({_short(v)}: {e})"
+        if fits:
+            return None
+    return _expected(v, t, where)
+
+
+def _expected(v: Any, t: pa.DataType, where: str) -> str:
+    return f"{where} is {_kind(v)}, but the other rows have {_words(t)} there"
+
+
+def _short(v: Any, limit: int = 60) -> str:
+    text = repr(v)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _is_list(t: pa.DataType) -> bool:
+    return pat.is_list(t) or pat.is_large_list(t) or pat.is_fixed_size_list(t)
+
+
+def _coarse_kind(v: Any) -> str:
+    if isinstance(v, bool):
+        return "boolean"
+    if isinstance(v, (int, float)):
+        return "number"
+    return type(v).__name__
+
+
+_JSON_NAMES = {list: "list", str: "string", int: "number", float: "number", bool: "true/false",
+               type(None): "null"}
+_KIND_NAMES = {bool: ("true/false", "true/false values"), int: ("an integer", "integers"),
+               float: ("a number", "numbers"), str: ("a string", "strings"),
+               dict: ("an object", "objects"), list: ("a list", "lists"),
+               type(None): ("null", "nulls")}
+
+
+def _kind(v: Any) -> str:
+    """The JSON kind of `v` in words: 'a string', 'a list of objects and strings', ..."""
+    if isinstance(v, list) and v:
+        inner = dict.fromkeys(_KIND_NAMES.get(type(x), ("", type(x).__name__))[1] for x in v)
+        return f"a list of {' and '.join(inner)}"
+    return _KIND_NAMES.get(type(v), (type(v).__name__, ""))[0]
+
+
+def _words(t: pa.DataType) -> str:
+    """An Arrow type as the JSON values it holds, in plural words."""
+    if _is_list(t):
+        return f"lists of {_words(t.value_type)}"
+    if pat.is_struct(t):
+        return "objects {" + ", ".join(f.name for f in t) + "}"
+    if pat.is_boolean(t):
+        return "true/false values"
+    if pat.is_integer(t):
+        return "integers"
+    if pat.is_floating(t):
+        return "numbers"
+    if pat.is_string(t) or pat.is_large_string(t):
+        return "strings"
+    if pat.is_null(t):
+        return "nulls"
+    return f"values of type {t}"
+
+
+# --- output --------------------------------------------------------------------------------------
 
 
 def write_part_atomic(table: pa.Table, path: Path) -> None:

@@ -15,12 +15,16 @@ chat messages are rendered with the model's chat template (generation prompt add
 encoded without adding special tokens (the template writes them); token ids are used as
 given (each must be in the vocabulary).
 
-A row becomes an error row (`PreparedRow.error` set) when its prompt is null or empty, its
-bytes are not UTF-8, its messages are malformed or rejected by the template, its token ids
-are out of range, its prompt leaves no room in the model's context (prompt tokens + 1 >
-max_position_embeddings), or its per-row sampling values are invalid. Job-level problems
-(no prompt column, a column of the wrong type, a name clash with an output column) are
-`InputError`s from `plan_columns`, raised before any model is loaded.
+A row becomes an error row (`PreparedRow.error` set) when it could not be read (the
+chunk's row errors), its id is null, its prompt is null, empty or only whitespace (text),
+its bytes are not UTF-8, its messages are malformed or the template fails on them (an
+unsafe operation included: a template problem touches only the chat rows, plain prompts
+still run), its token ids are out of range, its prompt leaves no room in the model's
+context (prompt tokens + 1 > max_position_embeddings), or its per-row sampling values are
+invalid. Job-level problems are `InputError`s, raised before any worker starts: from
+`plan_columns` (no prompt column, a column of the wrong type, a name clash with an output
+column) and from `RowPreparer` (invalid job sampling options; chat rows for a model whose
+chat template is missing or does not compile).
 """
 
 from __future__ import annotations
@@ -36,18 +40,21 @@ import pyarrow as pa
 import pyarrow.types as pat
 
 from nanoserve.config import ModelConfig
-from nanoserve.errors import InputError
+from nanoserve.errors import InputError, ModelError, NanoserveError
 from nanoserve.sampling import SamplingParams
-from ray_jobs.io import RESULT_COLUMNS, RESULT_SCHEMA, InputChunk
+from ray_jobs.io import DEFAULT_ID_COLUMN, RESULT_COLUMNS, RESULT_SCHEMA, InputChunk
 
 PROMPT_COLUMNS = ("prompt", "messages", "prompt_token_ids")  # default candidates, in order
-DEFAULT_ID_COLUMN = "id"
 INT_OVERRIDES = ("max_tokens", "top_k", "seed")
 FLOAT_OVERRIDES = ("temperature", "top_p")
 OVERRIDE_COLUMNS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
+SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes
 
 TEXT, MESSAGES, TOKEN_IDS = "text", "messages", "token_ids"
 _KIND_OF_NAME = {"prompt": TEXT, "messages": MESSAGES, "prompt_token_ids": TOKEN_IDS}
+_HINTS = {(MESSAGES, TEXT): " (JSON text? store each conversation as a list of objects, "
+                             "not as a string)",
+          (TOKEN_IDS, TEXT): " (for prompt text use a 'prompt' column)"}
 _KIND_WORDS = {TEXT: "text (string)", MESSAGES: "chat messages (list of {role, content})",
                TOKEN_IDS: "token ids (list of int)"}
 
@@ -114,10 +121,11 @@ def plan_columns(schema: pa.Schema, prompt_column: str | None = None,
                 f"'prompt_token_ids', or name one with --prompt-column; columns found: {found}"
             )
         for name, kind in prompts:
-            if _kind_of_type(schema.field(name).type) not in (kind, None):
+            found_kind = _kind_of_type(schema.field(name).type)
+            if found_kind not in (kind, None):
                 raise InputError(
                     f"column {name!r} has type {schema.field(name).type}; it must hold "
-                    f"{_KIND_WORDS[kind]}"
+                    f"{_KIND_WORDS[kind]}{_HINTS.get((kind, found_kind), '')}"
                 )
     if id_column is not None and id_column not in names:
         raise InputError(f"no column {id_column!r} (--id-column); columns found: {found}")
@@ -165,7 +173,11 @@ class PreparedRow:
 
 class RowPreparer:
     """Turns input chunks into `PreparedRow`s. `defaults` are SamplingParams fields (the
-    job's options); per-row override columns replace them where not null."""
+    job's options); per-row override columns replace them where not null.
+
+    Built before any worker starts, it refuses (InputError) what would fail every row:
+    invalid job sampling options, and chat rows for a model whose chat template is missing
+    or does not compile (a tokenizer without a `chat_template` attribute is not checked)."""
 
     def __init__(self, plan: ColumnPlan, tokenizer: Any, max_context: int, vocab_size: int,
                  defaults: dict[str, Any]) -> None:
@@ -175,9 +187,29 @@ class RowPreparer:
         self.vocab_size = vocab_size
         self.defaults = dict(defaults)
         try:
-            SamplingParams(**self.defaults)
+            check_sampling(self.defaults)
         except ValueError as e:
             raise InputError(f"invalid sampling options: {e}") from None
+        self._check_chat_template()
+
+    def _check_chat_template(self) -> None:
+        chat_columns = [c for c, kind in self.plan.prompt_columns if kind == MESSAGES
+                        and not pat.is_null(self.plan.input_schema.field(c).type)]
+        if not chat_columns or not hasattr(self.tokenizer, "chat_template"):
+            return
+        from nanoserve.chat_template import ChatTemplate
+
+        source = self.tokenizer.chat_template
+        if not source:
+            raise InputError(
+                f"the input has chat messages (column {chat_columns[0]!r}) but the model has "
+                f"no chat template; give prompt text or prompt token ids instead"
+            )
+        try:
+            ChatTemplate(source)
+        except NanoserveError as e:
+            raise InputError(f"the input has chat messages (column {chat_columns[0]!r}) but "
+                             f"{e}") from None
 
     def prepare(self, chunk: InputChunk, first_position: int) -> list[PreparedRow]:
         rows = chunk.batch.to_pylist()
@@ -186,6 +218,8 @@ class RowPreparer:
             position = first_position + i
             row_id = position if self.plan.id_column is None else values[self.plan.id_column]
             error = chunk.row_errors.get(i)
+            if error is None and row_id is None:
+                error = f"the row has no id (column {self.plan.id_column!r} is null)"
             ids: tuple[int, ...] = ()
             params = None
             if error is None:
@@ -222,9 +256,11 @@ class RowPreparer:
                     value = value.decode("utf-8")
                 except UnicodeDecodeError as e:
                     raise ValueError(f"column {column!r} is not valid UTF-8 ({e.reason})") from None
+            if value and value.isspace():
+                raise ValueError(f"empty prompt (column {column!r} holds only whitespace)")
             return tuple(self.tokenizer.encode(value)) if value else ()
         if kind == MESSAGES:
-            text = self.tokenizer.apply_chat_template(value, add_generation_prompt=True)
+            text = self._render_chat(value)
             return tuple(self.tokenizer.encode(text, add_special_tokens=False))
         bad = [t for t in value if t is None or not 0 <= t < self.vocab_size]
         if bad:
@@ -233,6 +269,21 @@ class RowPreparer:
                 f"[0, {self.vocab_size})"
             )
         return tuple(int(t) for t in value)
+
+    def _render_chat(self, messages: Any) -> str:
+        """The chat template's text for one row's messages. Keys whose value is null are
+        dropped first (Arrow gives every message every key any message has). The template is
+        untrusted code: whatever it raises is this row's error, never the job's."""
+        if isinstance(messages, list):
+            messages = [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict)
+                        else m for m in messages]
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except (ValueError, TypeError, NanoserveError):
+            raise
+        except Exception as e:  # e.g. ZeroDivisionError, RecursionError inside the template
+            raise ValueError(f"chat template failed on this conversation: "
+                             f"{type(e).__name__}: {e}") from None
 
     def _params(self, values: dict[str, Any], num_prompt_tokens: int) -> SamplingParams:
         fields = dict(self.defaults)
@@ -246,7 +297,7 @@ class RowPreparer:
                 value = int(value)
             fields[name] = value
         try:
-            params = SamplingParams(**fields)
+            params = check_sampling(fields)
         except ValueError as e:
             raise ValueError(f"invalid sampling values: {e}") from None
         room = self.max_context - num_prompt_tokens  # >= 1, checked with the prompt
@@ -255,15 +306,30 @@ class RowPreparer:
         return params
 
 
+def check_sampling(fields: dict[str, Any]) -> SamplingParams:
+    """`SamplingParams(**fields)`, also refusing a seed the sampler's generator cannot take.
+    ValueError with every problem otherwise."""
+    seed = fields.get("seed")
+    if isinstance(seed, int) and not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
+        raise ValueError(f"seed must be in [-2**63, 2**64), got {seed}")
+    return SamplingParams(**fields)
+
+
 def load_model_meta(path: Path) -> tuple[ModelConfig, Any]:
     """The model's config and tokenizer, without loading its weights, after checking from
     the checkpoint's headers that the workers will be able to load it
-    (`nanoserve.weights.validate_checkpoint`: a ModelError otherwise). Kept for the next job
-    of this process while the model's files keep their sizes and mtimes."""
+    (`nanoserve.weights.validate_checkpoint`: a ModelError naming the model otherwise).
+    Kept for the next job of this process while the model's files keep their sizes and
+    mtimes."""
     path = path.resolve()
     files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
     stamp = tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files)
-    return _load_model_meta(path, stamp)
+    try:
+        return _load_model_meta(path, stamp)
+    except ModelError as e:  # say which model, where the message does not
+        if str(path) in str(e) or path.name in str(e):
+            raise
+        raise ModelError(f"model {path}: {e}") from None
 
 
 @functools.lru_cache(maxsize=2)
