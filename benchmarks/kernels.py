@@ -11,7 +11,8 @@ before each call); the kernel and SDPA are also timed as CUDA-graph replays, whi
 the host's launch cost the way the engine's captured decode step will.
 
 Then: prefill kernel time against its reference, and the KV store kernel.
-`--sweep` adds a small tuning sweep of the decode kernel (tile size, warps, stages, splits);
+`--sweep` adds a tuning sweep of the decode kernel (program order, tile size, warps, stages,
+splits) and the host cost of one call;
 `default_tiling` and `choose_num_splits` in `kernels/paged_attention.py` encode its findings.
 
 Run from the repository root: `python benchmarks/kernels.py` or `python -m benchmarks.kernels`.
@@ -155,12 +156,19 @@ def decode_row(batch: int, ctx: int, copy_bw: float) -> dict:
 
 def run_sweep(copy_bw: float) -> None:
     print("\ndecode tuning sweep (CUDA-graph replay, % of copy bandwidth)", flush=True)
-    for batch, ctx in ((8, 1024), (8, 8192), (64, 1024), (256, 1024), (256, 8192)):
+    for batch, ctx in ((8, 1024), (8, 8192), (64, 1024), (64, 8192), (256, 1024), (256, 8192)):
         sweep_shape(batch, ctx, copy_bw)
         torch.cuda.empty_cache()
+    host_overhead()
 
 
-def sweep_shape(batch: int, ctx: int, copy_bw: float) -> None:
+# Split counts tried per shape: enough programs to fill the GPU, partitions >= 64 tokens.
+SWEEP_SPLITS = {(8, 1024): (2, 4, 8, 16), (8, 8192): (8, 16, 32), (64, 1024): (1, 2, 4)}
+SWEEP_TILINGS = ((64, 4), (128, 4), (128, 8))  # (block_n, num_warps)
+
+
+def sweep_shape(batch: int, ctx: int, copy_bw: float, show: int = 8) -> None:
+    """Every (order, splits, block_n, warps, stages) of the sweep for one shape, best first."""
     from kernels.paged_attention import paged_decode_attention
 
     case = decode_case(batch, ctx)
@@ -170,27 +178,70 @@ def sweep_shape(batch: int, ctx: int, copy_bw: float) -> None:
         return paged_decode_attention(*case, SCALE, **tuning)
 
     results = []
-    for block_n in (64, 128):
-        for num_warps in (4, 8):
-            for num_stages in (2, 3):
-                name = f"block_n={block_n} warps={num_warps} stages={num_stages}"
-                tuning = {"block_n": block_n, "num_warps": num_warps, "num_stages": num_stages}
-                try:
-                    us = 1e3 * bench_ms(graphed(lambda tuning=tuning: call(**tuning)), rep=40)
-                except Exception as exc:  # a config that does not compile or fit
-                    print(f"  B={batch} ctx={ctx} {name}: {exc!r:.80}")
-                    continue
-                results.append((us, name))
+    for heads_fastest in (False, True):
+        for splits in SWEEP_SPLITS.get((batch, ctx), (1,)):
+            for block_n, num_warps in SWEEP_TILINGS:
+                for num_stages in (2, 3):
+                    tuning = {
+                        "heads_fastest": heads_fastest,
+                        "num_splits": splits,
+                        "block_n": block_n,
+                        "num_warps": num_warps,
+                        "num_stages": num_stages,
+                    }
+                    name = (
+                        f"{'heads' if heads_fastest else 'rows '} splits={splits:2d} "
+                        f"block_n={block_n:3d} warps={num_warps} stages={num_stages}"
+                    )
+                    try:
+                        fn = graphed(lambda tuning=tuning: call(**tuning))
+                        us = 1e3 * bench_ms(fn, rep=20)
+                    except Exception as exc:  # a config that does not compile or fit
+                        print(f"  B={batch} ctx={ctx} {name}: {exc!r:.80}", flush=True)
+                        continue
+                    results.append((us, name))
     results.sort()
-    for us, name in results[:4]:
+    for us, name in results[:show]:
         frac = nbytes / (us * 1e-6) / copy_bw
-        print(f"  B={batch:4d} ctx={ctx:5d} {name:36s} {us:8.1f} us {frac:6.1%}", flush=True)
-    if batch <= 64:
-        for splits in (1, 2, 4, 8):
-            us = 1e3 * bench_ms(graphed(lambda splits=splits: call(num_splits=splits)), rep=40)
-            frac = nbytes / (us * 1e-6) / copy_bw
-            name = f"splits={splits}"
-            print(f"  B={batch:4d} ctx={ctx:5d} {name:36s} {us:8.1f} us {frac:6.1%}", flush=True)
+        print(f"  B={batch:4d} ctx={ctx:5d} {name:52s} {us:8.1f} us {frac:6.1%}", flush=True)
+
+
+def host_overhead(calls: int = 2000) -> None:
+    """Host microseconds per decode call and per piece of it (no device sync inside the loop)."""
+    from kernels.paged_attention import check_decode_args, paged_decode_attention
+
+    q, k_cache, v_cache, tables, lens = decode_case(1, 128)
+
+    def per_call_us(fn) -> float:
+        fn()
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        elapsed = time.perf_counter() - started
+        torch.cuda.synchronize()
+        return 1e6 * elapsed / calls
+
+    pieces = {
+        "check_decode_args": lambda: check_decode_args(q, k_cache, v_cache, tables, lens),
+        "torch.empty (output)": lambda: torch.empty_like(q),
+        "decode call, 1 split": lambda: paged_decode_attention(
+            q, k_cache, v_cache, tables, lens, SCALE, num_splits=1
+        ),
+        "decode call, 2 splits": lambda: paged_decode_attention(
+            q, k_cache, v_cache, tables, lens, SCALE, num_splits=2
+        ),
+    }
+    print("\ndecode host cost per call (batch 1 x 128, no sync):", flush=True)
+    for name, fn in pieces.items():
+        print(f"  {name:28s} {per_call_us(fn):7.1f} us", flush=True)
+    import cProfile
+    import pstats
+
+    profile = cProfile.Profile()
+    profile.runcall(per_call_us, pieces["decode call, 1 split"])
+    print(f"\nwhere the host time of {calls} one-split calls goes (cProfile, by own time):")
+    pstats.Stats(profile, stream=sys.stdout).sort_stats("tottime").print_stats(12)
 
 
 def run_prefill() -> list[dict]:

@@ -12,7 +12,9 @@ Two implementations with one signature:
   `>= context_lens[i]` to -inf before a float32 softmax.
 - `paged_decode_attention`: Triton. One program per (row, KV head, context split) serves the
   whole group of query heads sharing that KV head, walks only its row's own tokens block by
-  block through the block table, and keeps an online softmax in float32. With more than one
+  block through the block table, and keeps an online softmax in float32. The programs of one
+  row's KV heads are launched next to each other, so programs running together read
+  neighbouring bytes of each `[block_size, Hkv, D]` cache block. With more than one
   split (flash-decoding) each program covers one partition of the context and writes a
   partial output with its log-sum-exp; a second kernel combines the partitions.
 """
@@ -35,8 +37,11 @@ _LOG2E = 1.4426950408889634
 
 # Split heuristics: aim for this many programs per SM, never split below this many tokens.
 _PROGRAMS_PER_SM = 4
-_MIN_TOKENS_PER_SPLIT = 256
+_MIN_TOKENS_PER_SPLIT = 128
 _MAX_SPLITS = 64
+# Program order of the decode grid (see `paged_decode_attention`'s `heads_fastest`): KV heads
+# of a row side by side measured 1-4% faster than rows side by side on an H200.
+_HEADS_FASTEST = True
 
 
 def check_decode_args(
@@ -169,9 +174,14 @@ def _paged_decode_kernel(
     BLOCK_N: tl.constexpr,  # tokens per loop step
     SPLIT: tl.constexpr,  # write partial outputs + lse instead of the final output
     DOT_FP32: tl.constexpr,  # compute dots in float32 (fp32 inputs, CPU interpreter)
+    HEADS_FASTEST: tl.constexpr,  # grid (Hkv, B, S) instead of (B, Hkv, S)
 ):
-    row = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    if HEADS_FASTEST:  # the KV heads of one row run side by side and read adjacent bytes
+        kv_head = tl.program_id(0)
+        row = tl.program_id(1)
+    else:
+        row = tl.program_id(0)
+        kv_head = tl.program_id(1)
     split = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + row)
     start = split * partition_size
@@ -331,6 +341,7 @@ def paged_decode_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    heads_fastest: bool | None = None,
 ) -> torch.Tensor:  # [B, Hq, D], dtype of q
     """Triton paged decode attention; same contract as `paged_decode_attention_reference`.
 
@@ -341,6 +352,10 @@ def paged_decode_attention(
     - `num_splits`: force this many context partitions (1 = no second kernel).
     - `block_n`, `num_warps`, `num_stages`: tokens per loop step, warps per program and
       software-pipelining depth (tuning; defaults from `default_tiling`).
+    - `heads_fastest`: launch order of the programs. True: the KV heads of one row are
+      neighbouring programs, so programs running together read neighbouring bytes of each
+      cache block ([block_size, Hkv, D] is contiguous); False: the rows of one KV head are.
+      Default `_HEADS_FASTEST`.
     Values are not checked on the device: a row with `context_lens[i] == 0` yields zeros,
     and a length beyond the row's blocks reads whatever its padding blocks hold.
     """
@@ -385,7 +400,10 @@ def paged_decode_attention(
         t_strides = target.stride()
         l_strides = (lse.stride(0), lse.stride(1))
 
-    _paged_decode_kernel[(batch, num_kv_heads, num_splits)](
+    if heads_fastest is None:
+        heads_fastest = _HEADS_FASTEST
+    grid = (num_kv_heads, batch, num_splits) if heads_fastest else (batch, num_kv_heads, num_splits)
+    _paged_decode_kernel[grid](
         q,
         k_cache,
         v_cache,
@@ -410,6 +428,7 @@ def paged_decode_attention(
         BLOCK_N=block_n,
         SPLIT=num_splits > 1,
         DOT_FP32=dot_fp32,
+        HEADS_FASTEST=bool(heads_fastest),
         **launch,
     )
     if num_splits > 1:

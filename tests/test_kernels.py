@@ -388,6 +388,12 @@ def test_interp_decode_kernel_matches_reference(interp, group, head_dim, block_s
         )
         assert out.shape == q.shape and out.dtype == dtype
         assert_close(out, expected, dtype)
+    # the other launch order of the programs (KV heads of a row side by side, or rows)
+    out = paged.paged_decode_attention(
+        q, k_cache, v_cache, tables, lens, scale, num_splits=2,
+        heads_fastest=not paged._HEADS_FASTEST,
+    )  # fmt: skip
+    assert_close(out, expected, dtype)
     # padding (block 0), spare blocks and the tails of partly filled blocks are never read
     k_bad, v_bad = poison_unused(k_cache, used), poison_unused(v_cache, used)
     for splits in (1, 2):

@@ -101,6 +101,13 @@ def test_decode_kernel_matches_reference_bf16(group, head_dim, block_size):
         out = paged_decode_attention(q, k_cache, v_cache, tables, ctx, scale, num_splits=splits)
         assert out.dtype == torch.bfloat16 and out.shape == q.shape
         assert_close(out, expected, torch.bfloat16)
+    for splits in (1, 5):  # both launch orders of the programs
+        for heads_fastest in (False, True):
+            out = paged_decode_attention(
+                q, k_cache, v_cache, tables, ctx, scale, num_splits=splits,
+                heads_fastest=heads_fastest,
+            )  # fmt: skip
+            assert_close(out, expected, torch.bfloat16)
     # padding block 0, spare blocks and tails of partly filled blocks are never read
     k_bad = k_cache.masked_fill(~real[:, :, None, None], 1e4)
     v_bad = v_cache.masked_fill(~real[:, :, None, None], 1e4)
