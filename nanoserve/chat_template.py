@@ -227,8 +227,29 @@ def _plain(value: Any) -> Any:
     return f"<{type(value).__name__}>"
 
 
+MAX_PRODUCT_SIZE = 1 << 20  # longest string/list a template may build with * (and |int ** cap)
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """The sandbox, with `*` and `**` intercepted so a template cannot build a huge string,
+    list or number (`{{ 'a' * 10**9 }}`) and exhaust memory."""
+
+    intercepted_binops = frozenset(["*", "**"])
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "**":
+            if isinstance(right, int) and abs(right) > 64:
+                raise SecurityError("exponent too large in chat template")
+            return left**right
+        for seq, n in ((left, right), (right, left)):
+            if isinstance(seq, (str, list, tuple)) and isinstance(n, int):
+                if len(seq) * n > MAX_PRODUCT_SIZE:
+                    raise SecurityError("chat template tried to build a value over 1 MiB")
+        return left * right
+
+
 def _make_environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
+    env = _BoundedSandbox(
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=[_GenerationBlock, jinja2.ext.loopcontrols],

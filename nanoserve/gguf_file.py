@@ -66,7 +66,10 @@ def open_gguf(path: str | Path) -> GGUFReader:
     except FileNotFoundError:
         raise ModelError(f"no such GGUF file: {path}") from None
     except Exception as e:  # the reader raises ValueError, IndexError, ... on bad bytes
-        raise ModelError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
+        raise ModelError(
+            f"{path} is not a readable GGUF file: truncated (an interrupted download?) or "
+            f"corrupt ({type(e).__name__}: {e})"
+        ) from None
 
 
 def hf_name(gguf_name: str) -> str | None:

@@ -88,15 +88,12 @@ def resolve_model(name_or_path: str | Path) -> Path:
         return path
     if path.is_dir() and (path / "config.json").is_file():
         return path
-    why = ""
+    expected = f"expected the name {DEFAULT_MODEL}, a Hugging Face folder, or a .gguf file"
     if path.is_dir():
-        why = " (the folder has no config.json)"
-    elif path.is_file():
-        why = " (a file must end in .gguf)"
-    raise ModelError(
-        f"no such model: {name_or_path}{why}; expected the name {DEFAULT_MODEL}, "
-        f"a Hugging Face folder, or a .gguf file"
-    )
+        raise ModelError(f"cannot use {name_or_path} as a model: the folder has no config.json; {expected}")
+    if path.is_file():
+        raise ModelError(f"cannot use {name_or_path} as a model: a model file must end in .gguf; {expected}")
+    raise ModelError(f"no such model: {name_or_path}; {expected}")
 
 
 def _looks_complete(path: Path) -> bool:

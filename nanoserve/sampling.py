@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -50,6 +52,8 @@ class SamplingParams:
             out.append(f"top_p must be in (0, 1], got {p!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             out.append(f"seed must be an integer, got {self.seed!r}")
+        elif self.seed is not None and not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
+            out.append(f"seed must be in [-2**63, 2**64), got {self.seed}")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             out.append("stop strings must be non-empty strings")
         return out

@@ -77,11 +77,11 @@ def run_batch_cli(args: argparse.Namespace) -> int:
     """Run the job; print the summary on stdout. NanoserveError propagates to the caller
     (`nanoserve.cli.main` turns it into `error: ...` and exit status 2). The sampling
     options are checked first, so a typo is refused before the model's files are read."""
+    from nanoserve.sampling import SamplingParams
     from ray_jobs.driver import run_batch_job
-    from ray_jobs.prepare import check_sampling
 
     try:
-        check_sampling({"max_tokens": args.max_tokens, "temperature": args.temperature,
+        SamplingParams(**{"max_tokens": args.max_tokens, "temperature": args.temperature,
                         "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed,
                         "stop": tuple(args.stop), "ignore_eos": args.ignore_eos})
     except ValueError as e:

@@ -48,7 +48,6 @@ PROMPT_COLUMNS = ("prompt", "messages", "prompt_token_ids")  # default candidate
 INT_OVERRIDES = ("max_tokens", "top_k", "seed")
 FLOAT_OVERRIDES = ("temperature", "top_p")
 OVERRIDE_COLUMNS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
-SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes
 
 TEXT, MESSAGES, TOKEN_IDS = "text", "messages", "token_ids"
 _KIND_OF_NAME = {"prompt": TEXT, "messages": MESSAGES, "prompt_token_ids": TOKEN_IDS}
@@ -187,7 +186,7 @@ class RowPreparer:
         self.vocab_size = vocab_size
         self.defaults = dict(defaults)
         try:
-            check_sampling(self.defaults)
+            SamplingParams(**self.defaults)
         except ValueError as e:
             raise InputError(f"invalid sampling options: {e}") from None
         self._check_chat_template()
@@ -297,22 +296,13 @@ class RowPreparer:
                 value = int(value)
             fields[name] = value
         try:
-            params = check_sampling(fields)
+            params = SamplingParams(**fields)
         except ValueError as e:
             raise ValueError(f"invalid sampling values: {e}") from None
         room = self.max_context - num_prompt_tokens  # >= 1, checked with the prompt
         if params.max_tokens > room:
             params = dataclasses.replace(params, max_tokens=room)
         return params
-
-
-def check_sampling(fields: dict[str, Any]) -> SamplingParams:
-    """`SamplingParams(**fields)`, also refusing a seed the sampler's generator cannot take.
-    ValueError with every problem otherwise."""
-    seed = fields.get("seed")
-    if isinstance(seed, int) and not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
-        raise ValueError(f"seed must be in [-2**63, 2**64), got {seed}")
-    return SamplingParams(**fields)
 
 
 def load_model_meta(path: Path) -> tuple[ModelConfig, Any]:

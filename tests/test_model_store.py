@@ -110,8 +110,12 @@ def test_resolve_existing_gguf_file_and_hf_folder(tmp_path, cache, monkeypatch):
     assert resolve_model(str(folder)) == folder
 
 
-@pytest.mark.parametrize("kind", ["missing", "folder-without-config", "not-gguf-file"])
-def test_resolve_unknown_model_is_refused(tmp_path, cache, monkeypatch, kind):
+@pytest.mark.parametrize("kind,why", [
+    ("missing", "no such model: .*missing"),
+    ("folder-without-config", "cannot use .*folder-without-config as a model: the folder has no config.json"),
+    ("not-gguf-file", "cannot use .*not-gguf-file as a model: a model file must end in .gguf"),
+])
+def test_resolve_unknown_model_is_refused(tmp_path, cache, monkeypatch, kind, why):
     _refuse_pip(monkeypatch)
     target = tmp_path / kind
     if kind == "folder-without-config":
@@ -120,7 +124,7 @@ def test_resolve_unknown_model_is_refused(tmp_path, cache, monkeypatch, kind):
         target.write_text("x")
     with pytest.raises(
         ModelError,
-        match=rf"no such model: .*{kind}.*; expected the name smollm2-135m-instruct, "
+        match=rf"{why}; expected the name smollm2-135m-instruct, "
         r"a Hugging Face folder, or a \.gguf file",
     ):
         resolve_model(target)

@@ -391,3 +391,15 @@ def test_local_ray_listens_on_loopback_only(tmp_path, chat_model):
     addresses = {ip.removeprefix("::ffff:") for _, ip, _, _ in listening}
     assert addresses == {"127.0.0.1"}, listening
     assert "ROWS=1" in proc.stdout
+
+
+@pytest.mark.parametrize("body", ["{{ 'a' * 10**8 }}", "{{ [0] * 100000000 }}",
+                                  "{{ 100000000 * 'ab' }}", "{{ 2 ** 100000 }}"])
+def test_template_cannot_build_huge_values(body):
+    """Memory is a resource too: `*` and `**` are bounded inside the sandbox."""
+    from nanoserve.chat_template import ChatTemplate
+
+    with pytest.raises(ValueError, match="unsafe"):
+        ChatTemplate(body).render([{"role": "user", "content": "hi"}])
+    ok = ChatTemplate("{{ '-' * 3 }}{{ messages[0]['content'] }}{{ 2 ** 10 }}")
+    assert ok.render([{"role": "user", "content": "hi"}]) == "---hi1024"
