@@ -97,3 +97,21 @@ def smollm2_llm(smollm2_gguf_path):
 
 
 # --- end of batch job fixtures ---------------------------------------------------------------
+
+
+# --- job-level errors: found before Ray starts -----------------------------------------------
+
+
+class RaySessionReached(AssertionError):
+    """A job got as far as joining or starting Ray."""
+
+
+@pytest.fixture
+def no_ray(monkeypatch):
+    """Fail the test if the job joins or starts Ray (where its workers would start)."""
+    import ray_jobs.driver as driver
+
+    def refuse(*args, **kwargs):
+        raise RaySessionReached("a job-level error must be found before Ray is started")
+
+    monkeypatch.setattr(driver._RaySession, "__enter__", refuse)

@@ -17,22 +17,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-import ray_jobs.driver as driver
 from nanoserve.cli import main as nanoserve_main
-
-
-class RaySessionReached(AssertionError):
-    pass
-
-
-@pytest.fixture
-def no_ray(monkeypatch):
-    """Fail the test if the job joins or starts Ray (where its workers would start)."""
-
-    def refuse(*args, **kwargs):
-        raise RaySessionReached("a job-level error must be found before Ray is started")
-
-    monkeypatch.setattr(driver._RaySession, "__enter__", refuse)
 
 
 @pytest.fixture
@@ -132,7 +117,7 @@ def edit_tensors(folder: Path, edit) -> None:
 def test_intact_copies_pass_the_driver_checks(tmp_path, capsys, no_ray, prompts, hf_folder):
     """The control: unbroken, the folder passes every driver check and the job goes on to
     start Ray."""
-    with pytest.raises(RaySessionReached):
+    with pytest.raises(AssertionError, match="before Ray is started"):
         run_with_model(capsys, prompts, hf_folder)
 
 
