@@ -100,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        resume = " (rerun the same command to resume)" if args.command == "batch" else ""
+        print(f"interrupted{resume}", file=sys.stderr)
         return 130
 
 

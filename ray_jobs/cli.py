@@ -13,7 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from nanoserve.errors import InputError, NanoserveError
+from nanoserve.errors import InputError
 from nanoserve.model_store import DEFAULT_MODEL
 
 DESCRIPTION = """\
@@ -101,18 +101,10 @@ def run_batch_cli(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ray_jobs.cli", description=DESCRIPTION,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run_batch_cli(args)
-    except NanoserveError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted (rerun the same command to resume)", file=sys.stderr)
-        return 130
+    """`python -m ray_jobs.cli ARGS` is `nanoserve batch ARGS`."""
+    from nanoserve.cli import main as nanoserve_main
+
+    return nanoserve_main(["batch", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":
