@@ -6,20 +6,30 @@ Order of work (every job-level check comes before any model loads on a worker):
 1. scan the input (files, schema, row count) and plan its columns;
 2. resolve the model and load its tokenizer and config on the driver (cheap: no weights);
 3. open the output folder: fresh, or resume an earlier run with equal settings;
-4. start (or join) Ray and one `BatchWorker` actor per GPU (one CPU worker without GPUs);
+4. start (or join) Ray and one `BatchWorker` actor per GPU (one CPU worker without GPUs),
+   when the first batch needs a worker (a rerun with nothing left to compute starts none);
 5. stream the rows: tokenize a chunk at a time, cut them into batches (`batching`), send
    each batch's token ids to the least-loaded worker (at most `max_in_flight_per_worker`
    batches queued per worker), and write each finished batch as one Parquet part at once;
 6. when every batch is written, mark the folder complete (`_SUCCESS`).
 
 Memory stays flat: the driver holds one input chunk, one batching window, and the rows of
-the batches in flight. Output rows are grouped by batch (sorted by prompt length within a
-window), not in input order: join on `id`.
+the batches in flight (at most `max_in_flight_per_worker` per worker, plus retries); the
+manifest records done batch ids, never per-row data. Output rows are grouped by batch
+(sorted by prompt length within a window), not in input order: join on `id`.
 
-Failure handling lives in two places: `_submit` (the one place a batch is sent) and
-`_collect_one` (the one place a finished or failed batch is handled). Actors restart
-(`max_restarts`) and Ray retries their tasks (`max_task_retries`); a batch whose worker
-still died is sent again to another worker, up to `MAX_BATCH_ATTEMPTS` times.
+Nothing lost, nothing duplicated (see `_JobRun` for the bookkeeping):
+- a worker that dies is replaced and the batches it held run again; a batch that kills
+  its worker every time is cut in halves until the row at fault stands alone, and that
+  row alone becomes an `error` row;
+- a worker that cannot load the model fails the job with one line; no wait for a worker
+  is unbounded (`worker_start_timeout_s`); more workers than the cluster has GPUs (or
+  CPUs) are capped, with a warning;
+- a driver killed at any moment resumes on rerun: parts on disk are kept (see
+  `ray_jobs.manifest`), the rest is computed, each row written exactly once;
+- rows too big for a worker's KV pool are split into sub-batches by the engine, or become
+  `error` rows when even one alone cannot fit; a device out-of-memory error makes the
+  engine halve the batch, and the count is reported.
 """
 
 from __future__ import annotations
@@ -30,7 +40,9 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,7 +54,9 @@ from nanoserve.model_store import DEFAULT_MODEL, resolve_model
 from ray_jobs.batching import Batch, BatchLimits, make_batches
 from ray_jobs.io import DEFAULT_CHUNK_ROWS, InputInfo, iter_chunks, scan_input, write_part_atomic
 from ray_jobs.manifest import (
+    PART_DIGEST_KEY,
     Manifest,
+    adopt_part,
     input_identity,
     mark_complete,
     model_identity,
@@ -51,6 +65,8 @@ from ray_jobs.manifest import (
 )
 from ray_jobs.prepare import ColumnPlan, PreparedRow, RowPreparer, load_model_meta, plan_columns
 from ray_jobs.worker import (
+    FAULT_ENV_PREFIX,
+    OOM_KEY,
     PREFILL_SLOTS_KEY,
     PREFILL_TOKENS_KEY,
     BatchWorker,
@@ -59,7 +75,8 @@ from ray_jobs.worker import (
 )
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-MAX_BATCH_ATTEMPTS = 3  # sends of one batch to workers that died, before the job gives up
+MAX_BATCH_ATTEMPTS = 2  # deaths of its worker a batch may cause before it is cut in halves
+DEATH_SETTLE_TIMEOUT_S = 60.0  # wait for the other tasks of a dead actor to end
 
 
 @dataclass(frozen=True)
@@ -85,10 +102,11 @@ class JobOptions:
     address: str | None = None  # Ray address; None: RAY_ADDRESS, a running cluster, or local
     overwrite: bool = False
     kv_cache_fraction: float = 0.5  # of a GPU's free memory, for the KV pool
+    kv_cache_bytes: int | None = None  # the KV pool's exact size per worker (else the above)
     chunk_rows: int = DEFAULT_CHUNK_ROWS  # rows read and tokenized at a time
     max_in_flight_per_worker: int = 2
-    max_restarts: int = 3  # per actor
-    max_task_retries: int = 3  # per batch, on a restarted actor
+    worker_start_timeout_s: float = 600.0  # for an actor to be placed and load the model
+    max_deaths_in_a_row: int = 8  # worker deaths with no batch finished between them
     progress: bool = True  # a tqdm bar on stderr
 
     def __post_init__(self) -> None:
@@ -99,6 +117,11 @@ class JobOptions:
             raise NanoserveError(f"num_workers must be >= 1, got {self.num_workers}")
         if not 0 < self.kv_cache_fraction <= 1:
             raise NanoserveError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise NanoserveError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
+        if self.worker_start_timeout_s <= 0:
+            raise NanoserveError(
+                f"worker_start_timeout_s must be > 0, got {self.worker_start_timeout_s}")
 
     def sampling_defaults(self) -> dict[str, Any]:
         return {"max_tokens": self.max_tokens, "temperature": self.temperature,
@@ -112,8 +135,9 @@ class WorkerReport:
     gpu_ids: tuple
     device: str
     host: str
-    batches: int  # batches this worker generated in this run
+    batches: int  # batches (or pieces of batches) this worker generated in this run
     rows: int
+    restarts: int = 0  # times it died and was replaced by a fresh actor
 
 
 @dataclass(frozen=True)
@@ -132,6 +156,9 @@ class JobSummary:
     padding_waste: float  # padding / padded prefill rectangle, summed over batches
     num_batches: int
     workers: tuple[WorkerReport, ...] = ()
+    worker_restarts: int = 0  # workers that died and were replaced
+    device_oom_errors: int = 0  # device out-of-memory errors the engine retried smaller
+
 
     def format(self) -> str:
         lines = [
@@ -142,6 +169,9 @@ class JobSummary:
             f"padding waste: {self.padding_waste:.1%} of the padded prefill",
             f"batches: {self.num_batches} on {len(self.workers)} worker(s); output: {self.output_dir}",
         ]
+        if self.worker_restarts or self.device_oom_errors:
+            lines.append(f"recovered: {self.worker_restarts} worker restart(s), "
+                         f"{self.device_oom_errors} device out-of-memory error(s)")
         return "\n".join(lines)
 
 
@@ -165,13 +195,16 @@ def run_batch_job(input: str | Path, output_dir: str | Path, **options: Any) -> 
     if manifest.complete:
         return JobSummary(str(folder), 0, 0, manifest.rows_done, 0, 0,
                           time.perf_counter() - start, 0.0, 0.0, 0)
-    with _RaySession(opts.address):
-        pool = _WorkerPool.start(opts)
-        try:
-            run = _JobRun(opts, plan, folder, manifest, pool, info.num_rows)
-            run.execute(make_batches(_prepared_rows(info, preparer, opts.chunk_rows), limits))
-        finally:
-            pool.shutdown()
+    with ExitStack() as stack:
+
+        def start_pool() -> _WorkerPool:  # on the first batch that needs a worker
+            stack.enter_context(_RaySession(opts.address))
+            pool = _WorkerPool.start(opts)
+            stack.callback(pool.shutdown)
+            return pool
+
+        run = _JobRun(opts, plan, folder, manifest, start_pool, info.num_rows)
+        run.execute(make_batches(_prepared_rows(info, preparer, opts.chunk_rows), limits))
     mark_complete(folder, manifest)
     return run.summary(time.perf_counter() - start)
 
@@ -287,6 +320,8 @@ class _RayBatchWorker(BatchWorker):
             super().__init__(*args, **kwargs)
         except NanoserveError as e:
             self.load_error = str(e)
+        except Exception as e:  # torch, CUDA, files: whatever stops the model loading here
+            self.load_error = f"{type(e).__name__}: {_first_line(str(e))}"
 
     def info(self) -> dict[str, Any]:
         if self.load_error is not None:
@@ -299,17 +334,28 @@ class _Worker:
     handle: Any
     info: dict[str, Any]
     in_flight: int = 0
-    batches: int = 0
+    batches: int = 0  # pieces of batches this slot generated (a whole batch is one piece)
     rows: int = 0
+    restarts: int = 0  # times the actor died and was replaced
     alive: bool = True
+    holds_suspect: bool = False  # running a suspect piece, which it runs alone
 
 
 class _WorkerPool:
     """The job's actors: one per GPU (num_gpus=1), or CPU actors (num_cpus=1) when the
-    cluster has no GPUs. Started once; `start` returns when every model is loaded."""
+    cluster has no GPUs. `start` returns when every model is loaded; a worker that dies is
+    replaced by a fresh actor (`replace`), never restarted by Ray behind the driver's back
+    (max_restarts=0, max_task_retries=0: the driver alone decides what runs again).
 
-    def __init__(self, workers: list[_Worker]) -> None:
-        self.workers = workers
+    No wait is unbounded: an actor not ready within `worker_start_timeout_s` (the cluster
+    has no room for it, or the model loads too slowly) is given up; a worker that cannot
+    load the model fails the job with one line (ModelError)."""
+
+    def __init__(self, actor_cls: Any, kwargs: dict[str, Any], timeout_s: float) -> None:
+        self.actor_cls = actor_cls
+        self.kwargs = kwargs
+        self.timeout_s = timeout_s
+        self.workers: list[_Worker] = []
 
     @classmethod
     def start(cls, opts: JobOptions) -> _WorkerPool:
@@ -317,61 +363,123 @@ class _WorkerPool:
 
         resources = ray.cluster_resources()
         num_gpus = int(resources.get("GPU", 0))
+        num_cpus = int(resources.get("CPU", 0))
         count = opts.num_workers or max(1, num_gpus)
+        slots, unit = (num_gpus, "GPU") if num_gpus else (num_cpus, "CPU")
+        if 1 <= slots < count:
+            _log(f"nanoserve: {count} workers asked for, but the cluster has {slots} {unit}(s) "
+                 f"for one worker each; starting {slots}")
+            count = slots
         if num_gpus:
             actor_options: dict[str, Any] = {"num_gpus": 1}
             num_threads = None
         else:
             actor_options = {"num_cpus": 1}
-            num_threads = max(1, int(resources.get("CPU", 1)) // count)
-        actor_cls = ray.remote(_RayBatchWorker).options(
-            max_restarts=opts.max_restarts, max_task_retries=opts.max_task_retries,
-            **actor_options)
-        slots = num_gpus or int(resources.get("CPU", 0))
-        if count > slots:
-            print(f"nanoserve: {count} workers asked for, the cluster has room for {slots} now; "
-                  f"the others wait until the cluster grows", file=sys.stderr)
+            num_threads = max(1, num_cpus // count)
+        fault_env = {k: v for k, v in os.environ.items() if k.startswith(FAULT_ENV_PREFIX)}
+        if fault_env:  # testing hooks (see ray_jobs.worker), forwarded to the actors
+            actor_options["runtime_env"] = {"env_vars": fault_env}
+        actor_cls = ray.remote(_RayBatchWorker).options(max_restarts=0, max_task_retries=0,
+                                                        **actor_options)
+        kwargs = {"model": opts.model, "dtype": opts.dtype,
+                  "kv_cache_fraction": opts.kv_cache_fraction,
+                  "kv_cache_bytes": opts.kv_cache_bytes, "num_threads": num_threads}
+        pool = cls(actor_cls, kwargs, opts.worker_start_timeout_s)
         if opts.progress:
             where = f"{num_gpus} GPU(s)" if num_gpus else "CPU"
-            print(f"nanoserve: starting {count} worker(s) on {where}, loading {opts.model}",
-                  file=sys.stderr)
-        handles = [actor_cls.remote(opts.model, dtype=opts.dtype,
-                                    kv_cache_fraction=opts.kv_cache_fraction,
-                                    num_threads=num_threads) for _ in range(count)]
-        try:
-            infos = ray.get([h.info.remote() for h in handles])
-        except ray.exceptions.RayActorError as e:
-            cls(_workers(handles, [{}] * len(handles))).shutdown()
-            raise ModelError(f"a worker could not start: {_first_line(str(e))}") from None
-        failed = [i["load_error"] for i in infos if "load_error" in i]
-        if failed:
-            cls(_workers(handles, infos)).shutdown()
-            raise ModelError(f"the workers could not load the model: {failed[0]}")
-        return cls(_workers(handles, infos))
+            _log(f"nanoserve: starting {count} worker(s) on {where}, loading {opts.model}")
+        handles = [actor_cls.remote(**kwargs) for _ in range(count)]
+        infos = pool._wait_ready(handles)
+        late = [h for h, info in zip(handles, infos) if info is None]
+        for h in late:
+            ray.kill(h, no_restart=True)
+        pool.workers = [_Worker(h, info) for h, info in zip(handles, infos) if info is not None]
+        if not pool.workers:
+            raise NanoserveError(
+                f"no worker was ready within {opts.worker_start_timeout_s:g} s: the cluster has "
+                f"no free {unit} for one, or the model loads more slowly than that"
+            )
+        if late:
+            _log(f"nanoserve: {len(late)} of {count} workers were not ready within "
+                 f"{opts.worker_start_timeout_s:g} s (no free {unit}?); going on with "
+                 f"{len(pool.workers)}")
+        return pool
 
-    def pick(self, avoid: int | None = None) -> int:
-        """The live worker with the fewest batches in flight (ties: lowest index), preferring
-        any other than `avoid`. NanoserveError when none is alive."""
+    def _wait_ready(self, handles: list[Any]) -> list[dict[str, Any] | None]:
+        """Each actor's `info()` once its model is loaded; None for one not ready within the
+        timeout. ModelError (after killing these actors) if any could not load the model."""
+        import ray
+
+        refs = [h.info.remote() for h in handles]
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s)
+        done_set = set(done)
+        infos: list[dict[str, Any] | None] = []
+        for ref in refs:
+            if ref not in done_set:
+                infos.append(None)
+                continue
+            try:
+                info = ray.get(ref)
+            except ray.exceptions.RayError as e:
+                self._kill(handles)
+                raise ModelError(f"a worker died while loading the model: "
+                                 f"{_first_line(str(e))}") from None
+            if "load_error" in info:
+                self._kill(handles)
+                raise ModelError(f"a worker could not load the model: {info['load_error']}")
+            infos.append(info)
+        return infos
+
+    def replace(self, index: int) -> None:
+        """Kill worker `index` (it died or failed) and start a fresh actor in its place.
+        If the new one is not ready in time the slot is left dead (the job goes on with
+        the others, or stops when none is left); a load failure is a ModelError."""
+        import ray
+
+        worker = self.workers[index]
+        ray.kill(worker.handle, no_restart=True)
+        handle = self.actor_cls.remote(**self.kwargs)
+        (info,) = self._wait_ready([handle])
+        worker.restarts += 1
+        if info is None:
+            ray.kill(handle, no_restart=True)
+            worker.alive = False
+            _log(f"nanoserve: worker {index} died and its replacement was not ready within "
+                 f"{self.timeout_s:g} s; going on without it")
+            return
+        worker.handle, worker.info = handle, info
+
+    def pick(self, alone: bool, limit: int) -> int | None:
+        """The live worker with the fewest pieces in flight (ties: lowest index) that can
+        take one more: `alone`, an idle one; else one holding fewer than `limit` pieces
+        and no suspect. None if none can now; NanoserveError when none is alive."""
         alive = [i for i, w in enumerate(self.workers) if w.alive]
         if not alive:
-            raise NanoserveError("every worker died; the job stopped (rerun it to resume)")
-        others = [i for i in alive if i != avoid] or alive
-        return min(others, key=lambda i: (self.workers[i].in_flight, i))
+            raise NanoserveError("no worker is left; the job stopped (rerun it to resume)")
+        if alone:
+            free = [i for i in alive if self.workers[i].in_flight == 0]
+        else:
+            free = [i for i in alive
+                    if self.workers[i].in_flight < limit and not self.workers[i].holds_suspect]
+        return min(free, key=lambda i: (self.workers[i].in_flight, i)) if free else None
+
+    def num_alive(self) -> int:
+        return sum(w.alive for w in self.workers)
 
     def reports(self) -> tuple[WorkerReport, ...]:
         return tuple(WorkerReport(i, tuple(w.info.get("gpu_ids", ())), w.info.get("device", "?"),
-                                  w.info.get("host", "?"), w.batches, w.rows)
+                                  w.info.get("host", "?"), w.batches, w.rows, w.restarts)
                      for i, w in enumerate(self.workers))
 
     def shutdown(self) -> None:
+        self._kill([w.handle for w in self.workers])
+
+    @staticmethod
+    def _kill(handles: list[Any]) -> None:
         import ray
 
-        for w in self.workers:
-            ray.kill(w.handle, no_restart=True)
-
-
-def _workers(handles: list[Any], infos: list[dict[str, Any]]) -> list[_Worker]:
-    return [_Worker(h, i) for h, i in zip(handles, infos)]
+        for h in handles:
+            ray.kill(h, no_restart=True)
 
 
 def _first_line(text: str) -> str:
@@ -379,18 +487,79 @@ def _first_line(text: str) -> str:
     return lines[0] if lines else text
 
 
+def _log(message: str) -> None:
+    """One line on stderr that does not break the progress bar."""
+    from tqdm import tqdm
+
+    tqdm.write(message, file=sys.stderr)
+
+
 @dataclass
-class _InFlight:
+class _Pending:
+    """A batch sent to the workers whose rows are not all answered yet."""
+
     batch: Batch
+    results: list[dict[str, Any] | None]  # one per row, in batch order
+    left: int  # rows without a result
+
+
+@dataclass
+class _Piece:
+    """Rows of one batch that go to a worker together: the whole batch, or, once the batch
+    killed its worker MAX_BATCH_ATTEMPTS times, a half of it (then a half of that...).
+
+    A suspect piece was in flight on a worker that died. It runs alone on an idle worker
+    (nothing else is sent there until it ends), so if that worker dies, the piece did it."""
+
+    pending: _Pending
+    rows: tuple[int, ...]  # indexes into pending.batch.rows
+    split: bool = False  # a part of a batch that kept killing its worker
+    suspect: bool = False
+    deaths: int = 0  # worker deaths blamed on this piece
+
+    def requests(self) -> list[GenerationRequest]:
+        rows = self.pending.batch.rows
+        return [GenerationRequest(rows[i].prompt_token_ids, rows[i].params) for i in self.rows]
+
+
+@dataclass
+class _Sent:
+    piece: _Piece
     worker: int
-    attempt: int
+    seq: int  # order of sending: an actor runs its tasks in that order
 
 
 class _JobRun:
-    """One pass over the batches: submit, collect, write, record. See the module docstring."""
+    """One pass over the batches: admit, submit, collect, write, record.
+
+    Bookkeeping: `queue` holds pieces waiting for a worker (retries first, in order),
+    `in_flight` maps each task's ObjectRef to what was sent. `_submit` is the one place a piece is
+    sent; `_collect_one` (with `_worker_died` for deaths) the one place a finished or
+    failed piece is handled; `_write` the one place a part is written. A row's result is
+    stored once in its batch's `_Pending`, and a batch is written once when all its rows
+    have one: no row is lost or written twice, whatever dies.
+
+    Failures:
+    - the model raising on a piece (a Python exception in `run_batch`): its rows become
+      `error` rows (the worker already isolates bad rows, so this is rare);
+    - a worker dying (its process killed, crashed, its node lost): every piece in flight
+      on it ends, and the worker is replaced. The earliest sent of those that failed was
+      most likely running (an actor runs its tasks in order; the one before may have
+      finished with its reply lost) and is blamed for the death; all that failed become
+      suspects, which run alone from then on, so every later death is blamed exactly. A
+      piece blamed MAX_BATCH_ATTEMPTS times (once, if already a split piece) is cut in
+      halves; a single row blamed becomes an `error` row saying the worker died while
+      processing it. The guess (earliest sent) only ever blames a piece that was not yet
+      a suspect, i.e. a whole batch with no death yet, and one death is below
+      MAX_BATCH_ATTEMPTS: a wrong guess never cuts a piece or makes an error row;
+    - `max_deaths_in_a_row` deaths without any piece finishing on a worker between them
+      stop the job (NanoserveError): workers that die on everything are not a row's fault.
+    """
 
     def __init__(self, opts: JobOptions, plan: ColumnPlan, folder: Path, manifest: Manifest,
-                 pool: _WorkerPool, total_rows: int) -> None:
+                 start_pool: Callable[[], _WorkerPool], total_rows: int) -> None:
+        """`start_pool` is called when the first piece is sent: a rerun with nothing left
+        to compute starts neither Ray nor a worker."""
         from tqdm import tqdm
 
         self.opts = opts
@@ -398,80 +567,190 @@ class _JobRun:
         self.input_fields = [f for f in plan.input_schema if f.name != "id"]
         self.folder = folder
         self.manifest = manifest
-        self.pool = pool
-        self.in_flight: dict[Any, _InFlight] = {}
+        self.start_pool = start_pool
+        self.pool: _WorkerPool | None = None
+        self.queue: deque[_Piece] = deque()
+        self.in_flight: dict[Any, _Sent] = {}
+        self.sent = 0
+        self.deaths_in_a_row = 0
         self.rows = self.error_rows = self.rows_resumed = self.num_batches = 0
         self.input_tokens = self.output_tokens = 0
         self.padded_slots = self.padded_real = 0
+        self.oom_errors = 0
         self.t0 = time.perf_counter()
         self.bar = tqdm(total=total_rows, unit="row", file=sys.stderr, disable=not opts.progress,
                         dynamic_ncols=True, desc="nanoserve batch")
 
     def execute(self, batches: Iterator[Batch]) -> None:
+        """Hold at most `max_in_flight_per_worker` pieces per live worker plus the queue;
+        take the next batch from `batches` only when the queue is empty and a slot is free."""
+        source = iter(batches)
+        more = True
         try:
-            for batch in batches:
-                if batch.batch_id in self.manifest.done:
-                    self.rows_resumed += len(batch.rows)
-                    self.bar.update(len(batch.rows))
-                elif batch.is_error:
-                    self._write(batch, [error_row(r.error) for r in batch.rows], None, None)
-                else:
-                    while self.in_flight and len(self.in_flight) >= \
-                            self.opts.max_in_flight_per_worker * self._num_alive():
-                        self._collect_one()
-                    self._submit(batch, attempt=0)
-            while self.in_flight:
+            while True:
+                while self.queue and (index := self._worker_for(self.queue[0])) is not None:
+                    self._submit(self.queue.popleft(), index)
+                if more and not self.queue and self._has_room():
+                    batch = next(source, None)
+                    if batch is None:
+                        more = False
+                    else:
+                        self._admit(batch)
+                    continue
+                if not self.in_flight:
+                    break  # every worker idle, so any piece could go: the queue is empty too
                 self._collect_one()
         finally:
             self.bar.close()
 
-    def _num_alive(self) -> int:
-        return sum(w.alive for w in self.pool.workers)
+    def _has_room(self) -> bool:
+        """Whether a new batch could be sent now (before the pool starts: yes)."""
+        if self.pool is None:
+            return True
+        return self.pool.pick(False, self.opts.max_in_flight_per_worker) is not None
 
-    def _submit(self, batch: Batch, attempt: int, avoid: int | None = None) -> None:
-        """The one place a batch is sent to a worker."""
-        index = self.pool.pick(avoid)
+    def _worker_for(self, piece: _Piece) -> int | None:
+        """The worker `piece` goes to now, or None while none can take it. Starts the pool
+        when the first piece is ready to go."""
+        if self.pool is None:
+            self.pool = self.start_pool()
+        return self.pool.pick(piece.suspect, self.opts.max_in_flight_per_worker)
+
+    def _admit(self, batch: Batch) -> None:
+        """Skip a batch an earlier run wrote, write an error batch, or queue the batch."""
+        n = len(batch.rows)
+        if batch.batch_id in self.manifest.done or adopt_part(
+                self.folder, self.manifest, batch.batch_id, batch.digest(), n):
+            self.rows_resumed += n
+            self.bar.update(n)
+        elif batch.is_error:
+            self._write(batch, [error_row(r.error) for r in batch.rows])
+        else:
+            self.queue.append(_Piece(_Pending(batch, [None] * n, n), tuple(range(n))))
+
+    def _submit(self, piece: _Piece, index: int) -> None:
+        """The one place a piece is sent to a worker (`index`, from `_worker_for`)."""
         worker = self.pool.workers[index]
-        requests = [GenerationRequest(r.prompt_token_ids, r.params) for r in batch.rows]
-        ref = worker.handle.run_batch.remote(requests)
+        ref = worker.handle.run_batch.remote(piece.requests())
         worker.in_flight += 1
-        self.in_flight[ref] = _InFlight(batch, index, attempt)
+        worker.holds_suspect = piece.suspect
+        self.sent += 1
+        self.in_flight[ref] = _Sent(piece, index, self.sent)
 
     def _collect_one(self) -> None:
-        """The one place a finished or failed batch is handled: wait for any batch in flight,
-        then write it, turn it into error rows, or send it again."""
+        """The one place a finished or failed piece is handled: wait for any piece in
+        flight, then store its rows' results, or handle its worker's death."""
         import ray
 
         ready, _ = ray.wait(list(self.in_flight), num_returns=1)
-        item = self.in_flight.pop(ready[0])
-        worker = self.pool.workers[item.worker]
-        worker.in_flight -= 1
-        try:
-            table = ray.get(ready[0])
-        except ray.exceptions.RayActorError as e:
-            if isinstance(e, ray.exceptions.ActorDiedError):
-                worker.alive = False
-            if item.attempt + 1 >= MAX_BATCH_ATTEMPTS:
-                raise NanoserveError(
-                    f"batch {item.batch.batch_id} failed {MAX_BATCH_ATTEMPTS} times on dying "
-                    f"workers ({_first_line(str(e))}); rerun the job to resume"
-                ) from None
-            self._submit(item.batch, item.attempt + 1, avoid=item.worker)
-            return
-        except ray.exceptions.RayTaskError as e:  # the batch itself made the worker raise
-            message = f"generation failed: {_first_line(str(e.cause or e))}"
-            self._write(item.batch, [error_row(message, r.num_prompt_tokens)
-                                     for r in item.batch.rows], item.worker, None)
-            return
-        self._write(item.batch, table.to_pylist(), item.worker, table.schema.metadata)
+        sent = self._pop(ready[0])
+        outcome, value = _fetch(ready[0])
+        if outcome == "died":
+            self._worker_died(sent, value)
+        else:
+            self._settle(sent, outcome, value)
 
-    def _write(self, batch: Batch, results: list[dict[str, Any]], worker: int | None,
-               metadata: dict[bytes, bytes] | None) -> None:
+    def _pop(self, ref: Any) -> _Sent:
+        sent = self.in_flight.pop(ref)
+        worker = self.pool.workers[sent.worker]
+        worker.in_flight -= 1
+        if sent.piece.suspect:
+            worker.holds_suspect = False
+        return sent
+
+    def _settle(self, sent: _Sent, outcome: str, value: Any) -> None:
+        """A piece the worker answered: with a table, or with an exception it raised."""
+        worker = self.pool.workers[sent.worker]
+        piece = sent.piece
+        if outcome == "raised":
+            message = f"generation failed: {_first_line(str(value.cause or value))}"
+            rows = piece.pending.batch.rows
+            self._answer(piece, [error_row(message, rows[i].num_prompt_tokens)
+                                 for i in piece.rows])
+            return
+        meta = value.schema.metadata or {}
+        self.padded_slots += int(meta.get(PREFILL_SLOTS_KEY, 0))
+        self.padded_real += int(meta.get(PREFILL_TOKENS_KEY, 0))
+        ooms = int(meta.get(OOM_KEY, 0))
+        if ooms:
+            self.oom_errors += ooms
+            _log(f"nanoserve: worker {sent.worker} ran out of device memory {ooms} time(s) on "
+                 f"batch {piece.pending.batch.batch_id}; the engine retried it in smaller "
+                 f"sub-batches")
+        worker.batches += 1
+        worker.rows += len(piece.rows)
+        self.deaths_in_a_row = 0
+        self._answer(piece, value.to_pylist())
+
+    def _worker_died(self, sent: _Sent, error: Exception) -> None:
+        """Every piece in flight on the dead worker ends now: those that ran before the
+        death have their results, the others failed with it. Blame the earliest sent of
+        the failed ones, make them all suspects, replace the worker, send them again."""
+        import ray
+
+        index = sent.worker
+        others = [ref for ref, s in self.in_flight.items() if s.worker == index]
+        if others:
+            ray.wait(others, num_returns=len(others), timeout=DEATH_SETTLE_TIMEOUT_S)
+        failed = [sent]
+        for ref in others:
+            other = self._pop(ref)
+            outcome, value = _fetch(ref, timeout=0)
+            if outcome == "died":
+                failed.append(other)
+            else:
+                self._settle(other, outcome, value)
+        failed.sort(key=lambda s: s.seq)
+        for s in failed:
+            s.piece.suspect = True
+        suspect = failed[0].piece
+        cause = _first_line(str(error))
+        self.deaths_in_a_row += 1
+        batch = suspect.pending.batch
+        _log(f"nanoserve: worker {index} died while running batch {batch.batch_id} "
+             f"({len(suspect.rows)} of its {len(batch.rows)} rows): {cause}; replacing it")
+        if self.deaths_in_a_row > self.opts.max_deaths_in_a_row:
+            raise NanoserveError(
+                f"workers died {self.deaths_in_a_row} times in a row without finishing a "
+                f"batch (last: {cause}); the job stopped (rerun it to resume)"
+            )
+        self.pool.replace(index)
+        retry = [s.piece for s in failed[1:]] + self._blame(suspect, cause)
+        self.queue.extendleft(reversed(retry))
+
+    def _blame(self, piece: _Piece, cause: str) -> list[_Piece]:
+        """A piece that was running when its worker died: what to send again (itself, or
+        its two halves), or nothing when it is one row, which becomes an `error` row."""
+        piece.deaths += 1
+        if piece.deaths < (1 if piece.split else MAX_BATCH_ATTEMPTS):
+            return [piece]
+        if len(piece.rows) > 1:
+            half = len(piece.rows) // 2
+            return [_Piece(piece.pending, piece.rows[:half], split=True, suspect=True),
+                    _Piece(piece.pending, piece.rows[half:], split=True, suspect=True)]
+        row = piece.pending.batch.rows[piece.rows[0]]
+        self._answer(piece, [error_row(
+            f"the worker died while processing this row ({cause}); isolated after its batch "
+            f"killed the worker {MAX_BATCH_ATTEMPTS} times", row.num_prompt_tokens)])
+        return []
+
+    def _answer(self, piece: _Piece, results: list[dict[str, Any]]) -> None:
+        """Store a piece's results; write the batch once every row has one."""
+        pending = piece.pending
+        for i, res in zip(piece.rows, results, strict=True):
+            pending.results[i] = res
+        pending.left -= len(piece.rows)
+        if pending.left == 0:
+            self._write(pending.batch, pending.results)
+
+    def _write(self, batch: Batch, results: list[dict[str, Any]]) -> None:
+        """The one place a part is written (then recorded in the manifest)."""
         table = self._assemble(batch, results)
+        table = table.replace_schema_metadata({PART_DIGEST_KEY: batch.digest().encode()})
         write_part_atomic(table, self.folder / part_name(batch.batch_id))
         self.manifest.record(batch.batch_id, len(batch.rows))
         self.manifest.save(self.folder)
-        self._count(batch, results, worker, metadata)
+        self._count(batch, results)
 
     def _assemble(self, batch: Batch, results: list[dict[str, Any]]) -> pa.Table:
         """`id`, the input columns, then the results: one output row per batch row."""
@@ -483,24 +762,13 @@ class _JobRun:
         arrays += [pa.array([res[f.name] for res in results], type=f.type) for f in result_fields]
         return pa.Table.from_arrays(arrays, schema=self.schema)
 
-    def _count(self, batch: Batch, results: list[dict[str, Any]], worker: int | None,
-               metadata: dict[bytes, bytes] | None) -> None:
+    def _count(self, batch: Batch, results: list[dict[str, Any]]) -> None:
         n = len(batch.rows)
         self.rows += n
         self.num_batches += 1
         self.error_rows += sum(res["finish_reason"] == "error" for res in results)
         self.input_tokens += sum(res["num_input_tokens"] or 0 for res in results)
         self.output_tokens += sum(res["num_generated_tokens"] or 0 for res in results)
-        if worker is not None:
-            w = self.pool.workers[worker]
-            w.batches += 1
-            w.rows += n
-            if metadata and PREFILL_SLOTS_KEY in metadata and int(metadata[PREFILL_SLOTS_KEY]):
-                self.padded_slots += int(metadata[PREFILL_SLOTS_KEY])
-                self.padded_real += int(metadata[PREFILL_TOKENS_KEY])
-            elif not batch.is_error:
-                self.padded_slots += batch.padded_prompt_tokens
-                self.padded_real += batch.num_prompt_tokens
         elapsed = max(time.perf_counter() - self.t0, 1e-9)
         self.bar.update(n)
         self.bar.set_postfix_str(f"{self.output_tokens / elapsed:.1f} out tok/s", refresh=False)
@@ -512,8 +780,24 @@ class _JobRun:
             rows_resumed=self.rows_resumed, input_tokens=self.input_tokens,
             output_tokens=self.output_tokens, wall_time_s=wall_time_s,
             output_tokens_per_s=self.output_tokens / wall_time_s if wall_time_s > 0 else 0.0,
-            padding_waste=waste, num_batches=self.num_batches, workers=self.pool.reports(),
+            padding_waste=waste, num_batches=self.num_batches,
+            workers=self.pool.reports() if self.pool is not None else (),
+            worker_restarts=sum(w.restarts for w in self.pool.workers) if self.pool is not None else 0,
+            device_oom_errors=self.oom_errors,
         )
+
+
+def _fetch(ref: Any, timeout: float | None = None) -> tuple[str, Any]:
+    """A task's outcome: ('ok', table), ('raised', RayTaskError) when `run_batch` raised,
+    or ('died', error) when its worker died (or did not answer within `timeout`)."""
+    import ray
+
+    try:
+        return "ok", ray.get(ref, timeout=timeout)
+    except ray.exceptions.RayTaskError as e:
+        return "raised", e
+    except ray.exceptions.RayError as e:  # actor died, unreachable, killed for memory, timeout
+        return "died", e
 
 
 __all__ = ["JobOptions", "JobSummary", "WorkerReport", "run_batch_job", "start_local_ray"]

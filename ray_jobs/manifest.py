@@ -14,7 +14,15 @@ first and last MiB (larger files, e.g. model weights: cheap for any size).
 
 Invariants: the manifest is replaced atomically (temporary `.` name, then rename), and a
 batch is recorded as done only after its part was renamed into place, so a crash at any
-point leaves a folder that resumes correctly.
+point leaves a folder that resumes correctly:
+- temporary files (`.`-names) of an interrupted run are removed on resume;
+- a part renamed into place but not yet recorded (the run died between the two steps) is
+  kept if its footer carries the batch digest (`PART_DIGEST_KEY`): the driver adopts it
+  when it rebuilds a batch with the same id, digest and row count (`adopt_part`), so it is
+  not computed again; otherwise it is removed and the batch is redone;
+- a part recorded as done but missing from the folder is refused (InputError): its rows
+  would be lost silently otherwise.
+The manifest holds per-batch data only (done ids, as ranges), never per-row data.
 """
 
 from __future__ import annotations
@@ -27,9 +35,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from nanoserve.errors import InputError
 
 MANIFEST_NAME = "_nanoserve_manifest.json"
+PART_DIGEST_KEY = b"nanoserve.batch_digest"  # in each part's Parquet footer: `Batch.digest()`
 SUCCESS_NAME = "_SUCCESS"
 FORMAT = 1
 FULL_HASH_MAX_BYTES = 64 << 20
@@ -166,16 +178,58 @@ def open_output_dir(folder: Path, settings: dict[str, Any], overwrite: bool) -> 
             f"output folder {folder} holds the output of a job with other settings "
             f"({', '.join(diffs)} differ); use --overwrite to replace it, or another folder"
         )
-    for name in parts:  # written after the last manifest update: redone
-        if int(_PART_RE.fullmatch(name).group(1)) not in old.done:
-            (folder / name).unlink()
+    on_disk = {_part_id(n) for n in parts}
+    missing = sorted(old.done - on_disk)
+    if missing:
+        raise InputError(
+            f"output folder {folder} lacks {len(missing)} part(s) recorded as written "
+            f"({', '.join(part_name(i) for i in missing[:3])}{', ...' if len(missing) > 3 else ''})"
+            f"; use --overwrite to start the job afresh"
+        )
+    for i in on_disk - old.done:  # renamed into place after the last manifest update
+        if part_digest(folder / part_name(i)) is None:
+            (folder / part_name(i)).unlink()
     return old
 
 
+def part_digest(path: Path) -> str | None:
+    """The batch digest in a part's footer; None if it has none or cannot be read."""
+    try:
+        meta = pq.read_schema(path).metadata or {}
+    except (OSError, pa.ArrowInvalid):
+        return None
+    value = meta.get(PART_DIGEST_KEY)
+    return value.decode() if value is not None else None
+
+
+def adopt_part(folder: Path, manifest: Manifest, batch_id: int, digest: str,
+               num_rows: int) -> bool:
+    """Record an unrecorded part already in the folder as done, if it holds exactly this
+    batch (same digest and row count); then the batch is not computed again."""
+    path = folder / part_name(batch_id)
+    if batch_id in manifest.done or not path.exists() or part_digest(path) != digest:
+        return False
+    if pq.read_metadata(path).num_rows != num_rows:
+        return False
+    manifest.record(batch_id, num_rows)
+    manifest.save(folder)
+    return True
+
+
 def mark_complete(folder: Path, manifest: Manifest) -> None:
+    """Mark the job done: parts not recorded (none, when every batch was written) are
+    removed first, so the folder holds exactly the recorded rows."""
+    for path in folder.glob("part-*.parquet"):
+        m = _PART_RE.fullmatch(path.name)
+        if m and int(m.group(1)) not in manifest.done:
+            path.unlink()
     manifest.complete = True
     manifest.save(folder)
     (folder / SUCCESS_NAME).write_text("")
+
+
+def _part_id(name: str) -> int:
+    return int(_PART_RE.fullmatch(name).group(1))
 
 
 def _to_ranges(ids: set[int]) -> list[list[int]]:

@@ -6,26 +6,52 @@ The device is chosen inside the worker: `cuda` when Ray gave it a GPU and torch 
 else `cpu` (so logical GPUs on a CPU machine still work, on the CPU).
 
 `run_batch` takes `GenerationRequest`s (token ids and their `SamplingParams`) and returns an
-Arrow table with one row per request, in order, in `RESULT_SCHEMA`. A batch that fails as a
-whole is retried row by row, so one bad row becomes one `error` row instead of failing its
-batch; the table's schema metadata carries the engine's prefill counts (padding waste).
+Arrow table with one row per request, in order, in `RESULT_SCHEMA`. Memory is handled in
+three layers, none of which fails the batch:
+- a row that cannot fit the worker's KV pool even alone becomes an `error` row at once;
+- the other rows go to `LLM.generate`, which cuts them into sub-batches that fit the pool
+  and halves a sub-batch the device runs out of memory on (torch.OutOfMemoryError);
+- a batch that still fails as a whole is run row by row, so one bad row becomes one
+  `error` row.
+The table's schema metadata carries the engine's prefill counts (padding waste) and how
+many device out-of-memory errors the model's forward raised (`OOM_KEY`), so the driver can
+report them.
+
+Testing hooks (fault injection; environment variables read by the worker process, which
+the driver forwards to its actors; never set them in production):
+- `NANOSERVE_FAULT_KILL_ON_TEXT=<marker>`: the worker SIGKILLs its own process, a moment
+  into the batch, when a row's prompt, decoded, contains the marker (a "poison row");
+- `NANOSERVE_FAULT_OOM_ABOVE_ROWS=<n>`: the model's forward raises torch.OutOfMemoryError
+  on inputs of more than n rows (0: on every input);
+- `NANOSERVE_FAULT_LOAD=raise|exit`: loading the model raises a ModelError, or the
+  process exits.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import signal
 import socket
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
 
-from nanoserve.errors import NanoserveError
+from nanoserve.errors import ModelError, NanoserveError
+from nanoserve.generate import blocks_for_batch
 from nanoserve.sampling import SamplingParams
 from ray_jobs.io import RESULT_SCHEMA
 
 PREFILL_SLOTS_KEY = b"nanoserve.prefill_slots"  # rows x longest prompt, summed over sub-batches
 PREFILL_TOKENS_KEY = b"nanoserve.prefill_real_tokens"
+OOM_KEY = b"nanoserve.device_oom_errors"  # torch.OutOfMemoryError raised while running the batch
+
+FAULT_ENV_PREFIX = "NANOSERVE_FAULT_"
+FAULT_KILL_ON_TEXT = "NANOSERVE_FAULT_KILL_ON_TEXT"
+FAULT_OOM_ABOVE_ROWS = "NANOSERVE_FAULT_OOM_ABOVE_ROWS"
+FAULT_LOAD = "NANOSERVE_FAULT_LOAD"
 
 
 @dataclass(frozen=True)
@@ -51,57 +77,149 @@ def pick_device() -> str:
 
 class BatchWorker:
     def __init__(self, model: str, dtype: str = "auto", kv_cache_fraction: float = 0.5,
-                 device: str | None = None, num_threads: int | None = None) -> None:
+                 device: str | None = None, num_threads: int | None = None,
+                 kv_cache_bytes: int | None = None) -> None:
         """Load the model once. `device` None picks one (see the module docstring);
-        `num_threads` caps torch's CPU threads (at most the machine's cores)."""
+        `num_threads` caps torch's CPU threads (at most the machine's cores);
+        `kv_cache_bytes` sizes the KV pool exactly (else `kv_cache_fraction` of a GPU's free
+        memory, or the engine's CPU default)."""
         import torch
 
         from nanoserve.llm import LLM
 
+        _fault_on_load()
         if num_threads is not None:
             torch.set_num_threads(max(1, min(num_threads, os.cpu_count() or 1)))
-        self.llm = LLM(model=model, dtype=dtype, device=device or pick_device(),
-                       kv_cache_fraction=kv_cache_fraction)
+        llm = LLM(model=model, dtype=dtype, device=device or pick_device(),
+                  kv_cache_fraction=kv_cache_fraction, kv_cache_bytes=kv_cache_bytes)
+        self._attach(llm)
 
     @classmethod
     def from_llm(cls, llm: Any) -> BatchWorker:
         """A worker around an already loaded `LLM`."""
         worker = cls.__new__(cls)
-        worker.llm = llm
+        worker._attach(llm)
         return worker
 
+    def _attach(self, llm: Any) -> None:
+        self.llm = llm
+        self._ooms = _watch_model(llm.model)
+
+    @property
+    def oom_errors(self) -> int:
+        """torch.OutOfMemoryError raised by the model's forward, over the model's life."""
+        return self._ooms[0]
+
     def info(self) -> dict[str, Any]:
-        """Where this worker runs: Ray's GPU ids, the torch device, the host and process."""
+        """Where this worker runs: Ray's GPU ids, the torch device, the host and process,
+        and the KV pool's size in blocks."""
         return {"gpu_ids": ray_gpu_ids(), "device": str(self.llm.device),
-                "host": socket.gethostname(), "pid": os.getpid()}
+                "host": socket.gethostname(), "pid": os.getpid(),
+                "kv_blocks": self.llm.pool.num_blocks, "block_size": self.llm.pool.block_size}
 
     def gpu_ids(self) -> list:
         return ray_gpu_ids()
 
     def run_batch(self, batch_rows: list[GenerationRequest]) -> pa.Table:
-        prompts = [list(r.prompt_token_ids) for r in batch_rows]
-        params = [r.params for r in batch_rows]
+        _fault_kill_on_text(self.llm.tokenizer, batch_rows)
+        ooms_before = self.oom_errors
+        results: list[dict[str, Any] | None] = [self._too_big_for_pool(r) for r in batch_rows]
+        todo = [i for i, res in enumerate(results) if res is None]
+        prompts = [list(batch_rows[i].prompt_token_ids) for i in todo]
+        params = [batch_rows[i].params for i in todo]
+        stats = []
         try:
-            results = [_completion_row(c) for c in self.llm.generate(prompts, params)]
-            stats = [getattr(self.llm, "last_stats", None)]
-        except (NanoserveError, ValueError, RuntimeError):
-            if len(batch_rows) == 1:
-                raise
-            results, stats = [], []
-            for p, sp in zip(prompts, params):
-                results.append(self._run_alone(p, sp))
+            if todo:
+                done = self.llm.generate(prompts, params)
+                stats.append(getattr(self.llm, "last_stats", None))
+                for i, c in zip(todo, done):
+                    results[i] = _completion_row(c)
+        except (NanoserveError, ValueError, RuntimeError):  # torch.OutOfMemoryError included
+            for i, p, sp in zip(todo, prompts, params):
+                results[i] = self._run_alone(p, sp)
                 stats.append(getattr(self.llm, "last_stats", None))
         table = pa.Table.from_pylist(results, schema=RESULT_SCHEMA)
         slots = sum(getattr(s, "prefill_slots", 0) for s in stats if s is not None)
         real = sum(getattr(s, "prefill_real_tokens", 0) for s in stats if s is not None)
-        return table.replace_schema_metadata({PREFILL_SLOTS_KEY: str(slots).encode(),
-                                              PREFILL_TOKENS_KEY: str(real).encode()})
+        return table.replace_schema_metadata({
+            PREFILL_SLOTS_KEY: str(slots).encode(), PREFILL_TOKENS_KEY: str(real).encode(),
+            OOM_KEY: str(self.oom_errors - ooms_before).encode()})
+
+    def _too_big_for_pool(self, r: GenerationRequest) -> dict[str, Any] | None:
+        """An error row for a request that cannot fit the KV pool even alone, else None.
+        (The step count is `LLM.generate`'s: max_tokens, capped by the context.)"""
+        n = len(r.prompt_token_ids)
+        steps = max(1, min(r.params.max_tokens, self.llm.max_context - n))
+        pool = self.llm.pool
+        need = blocks_for_batch([n], steps, pool.block_size)
+        if need <= pool.num_blocks:
+            return None
+        return error_row(
+            f"does not fit the worker's KV cache even alone: {n} prompt tokens + {steps} new "
+            f"need {need} blocks of {pool.block_size} tokens, the cache holds {pool.num_blocks}; "
+            f"give the cache more memory or ask for fewer tokens", n)
 
     def _run_alone(self, prompt: list[int], params: SamplingParams) -> dict[str, Any]:
+        import torch
+
         try:
             return _completion_row(self.llm.generate([prompt], [params])[0])
+        except torch.OutOfMemoryError as e:
+            return error_row(f"the device ran out of memory even for this row alone: "
+                             f"{_first_line(str(e))}", len(prompt))
         except (NanoserveError, ValueError, RuntimeError) as e:
             return error_row(f"generation failed: {type(e).__name__}: {e}", len(prompt))
+
+
+def _watch_model(model: Any) -> list[int]:
+    """Count the torch.OutOfMemoryError the model's forward raises (`LLM.generate` answers
+    each by halving its batch); returns the one-item counter. The wrappers sit on this
+    model instance only, installed once; the `NANOSERVE_FAULT_OOM_ABOVE_ROWS` hook lives in
+    the same place."""
+    import torch
+
+    counter = model.__dict__.get("_nanoserve_oom_errors")
+    if counter is not None:
+        return counter
+    counter = [0]
+    object.__setattr__(model, "_nanoserve_oom_errors", counter)
+    limit = os.environ.get(FAULT_OOM_ABOVE_ROWS)
+    for name in ("hidden_states", "compute_logits"):
+        method = getattr(model, name)
+
+        @functools.wraps(method)
+        def watched(first: torch.Tensor, *args: Any, _method: Any = method, **kwargs: Any) -> Any:
+            try:
+                if limit is not None and first.shape[0] > int(limit):  # rows: dim 0
+                    raise torch.OutOfMemoryError(
+                        f"{FAULT_OOM_ABOVE_ROWS}={limit}: injected on {first.shape[0]} rows")
+                return _method(first, *args, **kwargs)
+            except torch.OutOfMemoryError:
+                counter[0] += 1
+                raise
+
+        object.__setattr__(model, name, watched)
+    return counter
+
+
+def _fault_on_load() -> None:
+    how = os.environ.get(FAULT_LOAD)
+    if how == "raise":
+        raise ModelError(f"{FAULT_LOAD}=raise: the model could not be loaded on this worker")
+    if how == "exit":
+        os._exit(3)
+
+
+def _fault_kill_on_text(tokenizer: Any, rows: list[GenerationRequest]) -> None:
+    marker = os.environ.get(FAULT_KILL_ON_TEXT)
+    if marker and any(marker in tokenizer.decode(list(r.prompt_token_ids)) for r in rows):
+        time.sleep(0.2)  # as a crash in the middle of generation would
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _first_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return lines[0] if lines else text
 
 
 def _completion_row(c: Any) -> dict[str, Any]:

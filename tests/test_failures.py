@@ -1,0 +1,249 @@
+"""The batch job under failure, on the tests' local Ray (CPU): workers killed mid-batch,
+a row that kills its worker every time, workers that cannot start, too many workers, a KV
+pool too small for a batch, device out-of-memory errors.
+
+Model: a tiny random Llama (hidden 64, 2 layers) that uses the default model's tokenizer,
+so a worker starts in a few seconds and a restart is cheap. Oracle: every answered row
+must equal `LLM.generate` on that prompt alone (same model files, greedy), the prompt
+tokenized here independently of the job; every input row must be in the output exactly
+once. Faults are injected through the worker's documented testing hooks
+(`NANOSERVE_FAULT_*`, see `ray_jobs.worker`) or by SIGKILLing a worker's process by pid.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+
+import pyarrow.dataset as ds
+import pytest
+
+import ray_jobs.driver as driver
+from nanoserve.errors import NanoserveError
+from nanoserve.sampling import SamplingParams
+from ray_jobs import run_batch_job
+from ray_jobs.cli import main as batch_main
+
+MAX_TOKENS = 3
+KV_BYTES = 32 << 20  # a small KV pool: workers start faster than with the 1 GiB CPU default
+PROMPTS = [f"Item {i}: the {w} fox jumps over {i * 7} lazy dogs"
+           for i, w in enumerate(["quick", "slow", "red", "blue", "tall", "small", "old", "new",
+                                  "calm", "loud", "shy", "bold"])]
+
+
+def save_tiny_llama(folder, tokenizer_source):
+    """A tiny random LlamaForCausalLM saved by transformers, with the tokenizer of
+    `tokenizer_source` (a model path) as its tokenizer.json."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from nanoserve.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_path(tokenizer_source)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=16, max_position_embeddings=512, tie_word_embeddings=True,
+                      bos_token_id=1, eos_token_id=2)
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    tok.backend.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_job_model(tmp_path_factory, smollm2_gguf_path):
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-job-model"), smollm2_gguf_path)
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(tiny_job_model):
+    """The oracle: the same model files as `nanoserve.llm.LLM` in this process."""
+    from nanoserve.llm import LLM
+
+    return LLM(model=str(tiny_job_model), device="cpu", kv_cache_bytes=KV_BYTES)
+
+
+def write_prompts(path, prompts):
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    return path
+
+
+def output_rows(out):
+    return ds.dataset(out).to_table().to_pylist()
+
+
+def assert_every_row_once(rows, n):
+    ids = [r["id"] for r in rows]
+    assert sorted(ids) == list(range(n)), ids
+
+
+def assert_matches_oracle(llm, prompts, row):
+    ids = llm.tokenizer.encode(prompts[row["id"]])
+    (want,) = llm.generate([ids], [SamplingParams(max_tokens=MAX_TOKENS)])  # this prompt alone
+    assert row["error"] is None, row["error"]
+    assert row["num_input_tokens"] == len(ids)
+    assert row["generated_token_ids"] == want.token_ids, row["id"]
+    assert row["generated_text"] == want.text
+    assert row["finish_reason"] == want.finish_reason
+
+
+def run_job(tiny_job_model, path, out, **options):
+    options = {"model": str(tiny_job_model), "max_tokens": MAX_TOKENS, "batch_size": 2,
+               "kv_cache_bytes": KV_BYTES, "progress": False, **options}
+    return run_batch_job(path, out, **options)
+
+
+def test_worker_killed_mid_batch_is_replaced_and_its_batches_run_again(
+        ray_session, tiny_job_model, tiny_llm, tmp_path, monkeypatch):
+    """SIGKILL the worker's process (pid from the actor's own `info()`) right after the
+    third batch is sent to it, while the second is running: both run again on a fresh
+    actor; every row is written once and equals the engine's output."""
+    original = driver._JobRun._submit
+    killed = []
+
+    def submit_then_kill(self, piece, index):
+        original(self, piece, index)
+        if self.sent == 3 and not killed:
+            pid = self.pool.workers[index].info["pid"]
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+
+    monkeypatch.setattr(driver._JobRun, "_submit", submit_then_kill)
+    path = write_prompts(tmp_path / "in.jsonl", PROMPTS)
+    summary = run_job(tiny_job_model, path, tmp_path / "out")
+    assert killed
+    assert summary.worker_restarts == 1 and summary.workers[0].restarts == 1
+    assert summary.rows == len(PROMPTS) and summary.error_rows == 0
+    assert "1 worker restart(s)" in summary.format()
+    rows = output_rows(tmp_path / "out")
+    assert_every_row_once(rows, len(PROMPTS))
+    for row in rows:
+        assert_matches_oracle(tiny_llm, PROMPTS, row)
+
+
+def test_poison_row_is_isolated_and_only_it_becomes_an_error_row(
+        ray_session, tiny_job_model, tiny_llm, tmp_path, monkeypatch, capsys):
+    """A row whose prompt kills its worker every time: its batch (4 rows) kills the worker
+    twice, is cut in halves, the half holding it kills it and is cut again, the row alone
+    kills it: 4 restarts (5 if the batch sent before it finished but its reply was lost in
+    the first death), then that row is an `error` row and every other row is answered."""
+    monkeypatch.setenv("NANOSERVE_FAULT_KILL_ON_TEXT", "POISON")
+    prompts = PROMPTS[:8]
+    prompts[5] = "This POISON row kills its worker"
+    path = write_prompts(tmp_path / "in.jsonl", prompts)
+    summary = run_job(tiny_job_model, path, tmp_path / "out", batch_size=4)
+    assert summary.worker_restarts in (2 + 1 + 1, 1 + 2 + 1 + 1)
+    assert summary.rows == 8 and summary.error_rows == 1
+    rows = output_rows(tmp_path / "out")
+    assert_every_row_once(rows, 8)
+    for row in rows:
+        if row["id"] == 5:
+            assert row["finish_reason"] == "error" and row["generated_token_ids"] is None
+            assert "the worker died while processing this row" in row["error"]
+        else:
+            assert_matches_oracle(tiny_llm, prompts, row)
+    err = capsys.readouterr().err
+    deaths = re.findall(r"nanoserve: worker 0 died while running batch \d+", err)
+    assert len(deaths) == summary.worker_restarts
+
+
+@pytest.mark.parametrize("how, message", [
+    ("raise", "error: a worker could not load the model: .*NANOSERVE_FAULT_LOAD=raise"),
+    ("exit", "error: a worker died while loading the model: "),
+])
+def test_worker_that_cannot_load_the_model_fails_the_job_in_one_line(
+        ray_session, tiny_job_model, tmp_path, monkeypatch, capsys, how, message):
+    monkeypatch.setenv("NANOSERVE_FAULT_LOAD", how)
+    path = write_prompts(tmp_path / "in.jsonl", PROMPTS[:2])
+    rc = batch_main([str(path), "-o", str(tmp_path / "out"), "--model", str(tiny_job_model),
+                     "--max-tokens", "2", "--no-progress"])
+    assert rc == 2
+    errors = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and re.match(message, errors[0]), errors
+
+
+def test_more_workers_than_the_cluster_can_place_are_capped_with_a_warning(
+        ray_session, tiny_job_model, tiny_llm, tmp_path, capsys):
+    path = write_prompts(tmp_path / "in.jsonl", PROMPTS[:6])
+    summary = run_job(tiny_job_model, path, tmp_path / "out", num_workers=5)
+    assert "5 workers asked for, but the cluster has 2 CPU(s)" in capsys.readouterr().err
+    assert len(summary.workers) == 2
+    rows = output_rows(tmp_path / "out")
+    assert_every_row_once(rows, 6)
+    for row in rows:
+        assert_matches_oracle(tiny_llm, PROMPTS, row)
+
+
+def test_no_room_for_any_worker_fails_after_the_start_timeout(
+        ray_session, tiny_job_model, tmp_path):
+    """Every CPU of the cluster held by another actor: the job's worker cannot be placed,
+    and the job says so after `worker_start_timeout_s` instead of waiting forever."""
+    ray = ray_session
+
+    @ray.remote(num_cpus=2)
+    class Holder:
+        def ready(self):
+            return True
+
+    holder = Holder.remote()
+    try:
+        ray.get(holder.ready.remote())
+        path = write_prompts(tmp_path / "in.jsonl", PROMPTS[:2])
+        with pytest.raises(NanoserveError, match=r"no worker was ready within 3 s: the cluster "
+                                                 r"has no free CPU"):
+            run_job(tiny_job_model, path, tmp_path / "out", worker_start_timeout_s=3)
+    finally:
+        ray.kill(holder)
+
+
+def test_batch_bigger_than_the_kv_pool_is_split_and_a_row_too_big_alone_is_an_error(
+        ray_session, tiny_job_model, tiny_llm, tmp_path):
+    """A KV pool of 4 blocks (64 tokens): a batch of 4 rows needing 8 blocks is run in
+    sub-batches that fit; a prompt that needs more than 4 blocks alone is an `error` row."""
+    prompts = PROMPTS[:8]
+    prompts[3] = " ".join(["word"] * 80)  # 80 tokens: 6 blocks of 16 tokens alone
+    path = write_prompts(tmp_path / "in.jsonl", prompts)
+    per_block = 2 * 2 * 2 * 16 * 4 * 16  # layers x (k, v) x kv heads x head dim x fp32 x tokens
+    summary = run_job(tiny_job_model, path, tmp_path / "out", batch_size=4,
+                      kv_cache_bytes=4 * per_block)
+    assert summary.rows == 8 and summary.error_rows == 1
+    rows = output_rows(tmp_path / "out")
+    assert_every_row_once(rows, 8)
+    for row in rows:
+        if row["id"] == 3:
+            assert row["finish_reason"] == "error"
+            assert "does not fit the worker's KV cache even alone" in row["error"]
+            assert "the cache holds 4" in row["error"]
+        else:
+            assert_matches_oracle(tiny_llm, prompts, row)
+
+
+def test_device_out_of_memory_is_retried_smaller_and_reported(
+        ray_session, tiny_job_model, tiny_llm, tmp_path, monkeypatch, capsys):
+    """The model's forward raises torch.OutOfMemoryError on more than one row: the engine
+    halves each batch of 4 until rows run alone; no row fails, and the count is reported."""
+    monkeypatch.setenv("NANOSERVE_FAULT_OOM_ABOVE_ROWS", "1")
+    prompts = PROMPTS[:8]
+    path = write_prompts(tmp_path / "in.jsonl", prompts)
+    summary = run_job(tiny_job_model, path, tmp_path / "out", batch_size=4)
+    assert summary.error_rows == 0
+    assert summary.device_oom_errors == 2 * (1 + 2)  # per batch: 4 rows, then 2 and 2
+    assert "6 device out-of-memory error(s)" in summary.format()
+    assert "ran out of device memory 3 time(s)" in capsys.readouterr().err
+    rows = output_rows(tmp_path / "out")
+    assert_every_row_once(rows, 8)
+    for row in rows:
+        assert_matches_oracle(tiny_llm, prompts, row)
+
+
+def test_out_of_memory_even_for_one_row_is_an_error_row_not_a_failed_job(
+        ray_session, tiny_job_model, tmp_path, monkeypatch):
+    monkeypatch.setenv("NANOSERVE_FAULT_OOM_ABOVE_ROWS", "0")
+    path = write_prompts(tmp_path / "in.jsonl", PROMPTS[:3])
+    summary = run_job(tiny_job_model, path, tmp_path / "out")
+    assert summary.rows == 3 and summary.error_rows == 3
+    rows = output_rows(tmp_path / "out")
+    assert_every_row_once(rows, 3)
+    assert all("ran out of memory even for this row alone" in r["error"] for r in rows)
