@@ -1,0 +1,195 @@
+"""The batch job's driver memory against the number of input rows: it must stay flat.
+
+For each size (20k, 100k, 200k rows by default) the script writes a JSONL input of that many
+prompts and runs the real command in a child process,
+
+    nanoserve batch IN.jsonl -o OUT --model TINY --max-tokens 1 --batch-size 128 \\
+        --address local --no-progress
+
+with a private local Ray. The child is the driver: it runs `nanoserve.cli.main` and, when
+the job ends, prints its own peak resident set (`ru_maxrss`, RUSAGE_SELF: the driver process
+only, not Ray's processes or the worker). While it runs, the parent samples the child's
+/proc/PID/status (VmHWM, the peak so far) with the rows written so far (the manifest's
+`rows_done`), which gives the driver's peak at 20k, 100k and 200k rows within the largest run.
+
+The model is a tiny random Llama (hidden 64, 2 layers) that uses the default model's
+tokenizer, saved to a temp folder, so the job's cost is the driver's own work (reading,
+tokenizing, batching, writing) rather than generation; `--model NAME` runs another one.
+
+    python -m benchmarks.driver_memory              # 20k, 100k, 200k rows
+    python -m benchmarks.driver_memory --rows 5000  # a quick check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.common import (
+    ROOT,
+    cpu_model_name,
+    git_commit,
+    load_average,
+    markdown_table,
+    mem_gib,
+)
+
+CHILD_FLAG = "--as-driver"
+PEAK_PREFIX = "DRIVER_PEAK_KIB="
+WORDS = ("apple", "river", "stone", "cloud", "lantern", "violin", "harbor", "meadow")
+
+
+def save_tiny_llama(folder: Path, tokenizer_source: Path) -> Path:
+    """A tiny random LlamaForCausalLM saved by transformers, with the tokenizer of
+    `tokenizer_source` (a model path) as its tokenizer.json."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from nanoserve.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_path(tokenizer_source)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=16, max_position_embeddings=512, tie_word_embeddings=True,
+                      bos_token_id=1, eos_token_id=2)
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    tok.backend.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def write_input(path: Path, rows: int) -> None:
+    """`rows` prompts of 5 to 40 words, one JSON object a line."""
+    with open(path, "w") as f:
+        for i in range(rows):
+            words = " ".join(WORDS[(i * 7 + k) % len(WORDS)] for k in range(5 + i % 36))
+            f.write(json.dumps({"id": i, "prompt": f"Row {i}: {words}"}) + "\n")
+
+
+def status_kib(pid: int) -> dict[str, int]:
+    """VmRSS and VmHWM of a live process, in KiB ({} once it is gone)."""
+    out = {}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                key = line.split(":", 1)[0]
+                if key in ("VmRSS", "VmHWM"):
+                    out[key] = int(line.split()[1])
+    except OSError:
+        return {}
+    return out
+
+
+def rows_done(out: Path) -> int:
+    try:
+        return json.loads((out / "_nanoserve_manifest.json").read_text())["rows_done"]
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+def run_driver(input_path: Path, out: Path, model: str, batch_size: int,
+               marks: list[int]) -> dict:
+    """Run the job in a child driver; return its peak, wall time and the peak seen as the
+    rows written passed each of `marks`."""
+    command = [sys.executable, "-m", "benchmarks.driver_memory", CHILD_FLAG, "batch",
+               str(input_path), "-o", str(out), "--model", model, "--max-tokens", "1",
+               "--batch-size", str(batch_size), "--address", "local", "--no-progress"]
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("RAY_ADDRESS", None)
+    t0 = time.perf_counter()
+    child = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    at_mark: dict[int, int] = {}
+    last_poll = 0.0
+    while child.poll() is None:
+        status = status_kib(child.pid)
+        if status and time.perf_counter() - last_poll > 0.5:
+            last_poll = time.perf_counter()
+            done = rows_done(out)
+            for m in marks:
+                if m not in at_mark and done >= m:
+                    at_mark[m] = status["VmHWM"]
+        time.sleep(0.05)
+    wall = time.perf_counter() - t0
+    stdout = child.stdout.read()
+    if child.returncode != 0:
+        raise SystemExit(f"the job failed (exit {child.returncode}):\n{stdout[-3000:]}")
+    peak = next(int(ln[len(PEAK_PREFIX):]) for ln in stdout.splitlines()
+                if ln.startswith(PEAK_PREFIX))
+    for m in marks:  # passed between the last poll and the end: the final peak bounds it
+        at_mark.setdefault(m, peak)
+    return {"peak_kib": peak, "wall_s": wall, "at_mark": at_mark, "summary": stdout}
+
+
+def as_driver(argv: list[str]) -> int:
+    """The child: the `nanoserve` command itself, then this process's peak RSS."""
+    from nanoserve.cli import main
+
+    rc = main(argv)
+    print(f"{PEAK_PREFIX}{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}", flush=True)
+    return rc
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == CHILD_FLAG:
+        sys.exit(as_driver(sys.argv[2:]))
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", type=int, nargs="+", default=[20_000, 100_000, 200_000])
+    p.add_argument("--model", default=None, help="default: a tiny random Llama in a temp folder")
+    p.add_argument("--batch-size", type=int, default=128)
+    args = p.parse_args()
+
+    from nanoserve.model_store import DEFAULT_MODEL, resolve_model
+
+    work = Path(tempfile.mkdtemp(prefix="ns-mem-"))
+    try:
+        model = args.model or str(save_tiny_llama(work / "tiny", resolve_model(DEFAULT_MODEL)))
+        largest = max(args.rows)
+        marks = sorted(set(args.rows))
+        results = {}
+        for n in sorted(set(args.rows)):
+            write_input(work / "in.jsonl", n)
+            results[n] = run_driver(work / "in.jsonl", work / f"out-{n}", model,
+                                    args.batch_size, marks if n == largest else [])
+            shutil.rmtree(work / f"out-{n}")
+            print(f"{n} rows: peak {results[n]['peak_kib'] / 1024:.1f} MiB, "
+                  f"{results[n]['wall_s']:.0f} s", file=sys.stderr)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    import platform
+
+    import pyarrow
+    import ray
+
+    print(f"commit: {git_commit()}")
+    print(f"machine: {os.cpu_count()}-core {platform.machine()} CPU ({cpu_model_name()}), "
+          f"{mem_gib():.0f} GiB; python {platform.python_version()}, ray {ray.__version__}, "
+          f"pyarrow {pyarrow.__version__}")
+    print(f"load average at the end (1/5/15 min): {load_average()}")
+    print(f"model: {args.model or 'tiny random Llama (hidden 64, 2 layers, default tokenizer)'}, "
+          f"--max-tokens 1, --batch-size {args.batch_size}, one CPU worker, private local Ray")
+    print()
+    print("Driver peak RSS per run (ru_maxrss of the driver process at exit):")
+    print(markdown_table(
+        ["input rows", "driver peak RSS (MiB)", "wall time (s)", "rows/s"],
+        [[f"{n:,}", f"{r['peak_kib'] / 1024:.1f}", f"{r['wall_s']:.0f}",
+          f"{n / r['wall_s']:.0f}"] for n, r in sorted(results.items())]))
+    print()
+    print(f"Within the {largest:,}-row run, the driver's peak so far (VmHWM) once N rows were "
+          f"written:")
+    at = results[largest]["at_mark"]
+    print(markdown_table(["rows written", "driver peak so far (MiB)"],
+                         [[f"{m:,}", f"{at[m] / 1024:.1f}"] for m in marks]))
+
+
+if __name__ == "__main__":
+    main()
