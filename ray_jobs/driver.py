@@ -706,14 +706,14 @@ class _JobRun:
         suspect = failed[0].piece
         cause = _first_line(str(error))
         self.deaths_in_a_row += 1
-        batch = suspect.pending.batch
-        _log(f"nanoserve: worker {index} died while running batch {batch.batch_id} "
-             f"({len(suspect.rows)} of its {len(batch.rows)} rows): {cause}; replacing it")
         if self.deaths_in_a_row > self.opts.max_deaths_in_a_row:
             raise NanoserveError(
                 f"workers died {self.deaths_in_a_row} times in a row without finishing a "
                 f"batch (last: {cause}); the job stopped (rerun it to resume)"
             )
+        batch = suspect.pending.batch
+        _log(f"nanoserve: worker {index} died while running batch {batch.batch_id} "
+             f"({len(suspect.rows)} of its {len(batch.rows)} rows): {cause}; replacing it")
         self.pool.replace(index)
         retry = [s.piece for s in failed[1:]] + self._blame(suspect, cause)
         self.queue.extendleft(reversed(retry))

@@ -149,6 +149,20 @@ def test_poison_row_is_isolated_and_only_it_becomes_an_error_row(
     assert len(deaths) == summary.worker_restarts
 
 
+def test_workers_that_die_on_every_batch_stop_the_job(ray_session, tiny_job_model, tmp_path,
+                                                      monkeypatch):
+    """Every row kills its worker (a broken node, not a bad row): after
+    `max_deaths_in_a_row` deaths with nothing finished in between the job stops, rather
+    than turning every row into an error row one restart at a time."""
+    monkeypatch.setenv("NANOSERVE_FAULT_KILL_ON_TEXT", "Item")
+    path = write_prompts(tmp_path / "in.jsonl", PROMPTS[:4])
+    with pytest.raises(NanoserveError, match=r"workers died 3 times in a row without finishing "
+                                             r"a batch \(last: .*\); the job stopped \(rerun it "
+                                             r"to resume\)"):
+        run_job(tiny_job_model, path, tmp_path / "out", max_deaths_in_a_row=2)
+    assert list((tmp_path / "out").glob("part-*")) == []
+
+
 @pytest.mark.parametrize("how, message", [
     ("raise", "error: a worker could not load the model: .*NANOSERVE_FAULT_LOAD=raise"),
     ("exit", "error: a worker died while loading the model: "),
