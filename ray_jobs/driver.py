@@ -181,7 +181,7 @@ def run_batch_job(input: str | Path, output_dir: str | Path, **options: Any) -> 
     starts; row-level problems become `error` rows."""
     start = time.perf_counter()
     opts = JobOptions(**options)
-    info = scan_input(input, opts.chunk_rows)
+    info = scan_input(input, opts.chunk_rows, opts.id_column)
     plan = plan_columns(info.schema, opts.prompt_column, opts.id_column)
     limits = BatchLimits(opts.batch_size, opts.max_batch_tokens,
                          opts.window_batches * opts.batch_size)
