@@ -338,10 +338,6 @@ def test_good_rows_equal_the_prompt_generated_alone(row_job, smollm2_llm, case):
     assert got["finish_reason"] == want.finish_reason
 
 
-
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="the driver does not pass --id-column to scan_input yet, so a named "
-                          "id column is not checked for duplicates before the job starts")
 def test_duplicate_ids_in_a_named_id_column(tmp_path, capsys, no_ray):
     rows = [{"uid": "a", "prompt": "hi"}, {"uid": "a", "prompt": "yo"}]
     path = write_jsonl(tmp_path / "in.jsonl", rows)
