@@ -64,6 +64,11 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--batch-size", type=int, default=64, help="rows per batch (default: 64)")
     r.add_argument("--max-batch-tokens", type=int, default=None,
                    help="cap on rows x max(prompt + max_tokens) per batch (default: none)")
+    r.add_argument("--kv-cache-fraction", type=float, default=0.5,
+                   help="share of each GPU's free memory for the KV block pool (default: 0.5)")
+    r.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
+                   help="exact KV pool size per worker in GiB, instead of the fraction "
+                        "(default on the CPU: 1)")
     r.add_argument("--address", default=None,
                    help="Ray address (default: RAY_ADDRESS, a running cluster, else a "
                         "private local Ray; 'local' forces the latter)")
@@ -86,6 +91,8 @@ def run_batch_cli(args: argparse.Namespace) -> int:
                         "stop": tuple(args.stop), "ignore_eos": args.ignore_eos})
     except ValueError as e:
         raise InputError(f"invalid sampling options: {e}") from None
+    if args.kv_cache_memory is not None and args.kv_cache_memory <= 0:
+        raise InputError(f"--kv-cache-memory must be > 0 GiB, got {args.kv_cache_memory}")
 
     summary = run_batch_job(
         args.input, args.output_dir, model=args.model, max_tokens=args.max_tokens,
@@ -94,7 +101,8 @@ def run_batch_cli(args: argparse.Namespace) -> int:
         num_workers=args.num_workers, batch_size=args.batch_size,
         max_batch_tokens=args.max_batch_tokens, address=args.address,
         overwrite=args.overwrite, prompt_column=args.prompt_column, id_column=args.id_column,
-        progress=args.progress,
+        progress=args.progress, kv_cache_fraction=args.kv_cache_fraction,
+        kv_cache_bytes=None if args.kv_cache_memory is None else int(args.kv_cache_memory * 2**30),
     )
     print(summary.format())
     return 0
