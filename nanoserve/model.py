@@ -181,4 +181,4 @@ def build_model(
     model.tie_weights()
     # Non-persistent buffers are still on meta: rebuild them on the target device.
     model.model.rotary_emb = RotaryEmbedding(config).to(device)
-    return model.eval().requires_grad_(False)
+    return model.train(False).requires_grad_(False)

@@ -33,38 +33,6 @@ PROMPTS = [f"Item {i}: the {w} fox jumps over {i * 7} lazy dogs"
                                   "calm", "loud", "shy", "bold"])]
 
 
-def save_tiny_llama(folder, tokenizer_source):
-    """A tiny random LlamaForCausalLM saved by transformers, with the tokenizer of
-    `tokenizer_source` (a model path) as its tokenizer.json."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from nanoserve.tokenizer import Tokenizer
-
-    tok = Tokenizer.from_path(tokenizer_source)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=16, max_position_embeddings=512, tie_word_embeddings=True,
-                      bos_token_id=1, eos_token_id=2)
-    LlamaForCausalLM(cfg).save_pretrained(folder)
-    tok.backend.save(str(folder / "tokenizer.json"))
-    return folder
-
-
-@pytest.fixture(scope="session")
-def tiny_job_model(tmp_path_factory, smollm2_gguf_path):
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny-job-model"), smollm2_gguf_path)
-
-
-@pytest.fixture(scope="session")
-def tiny_llm(tiny_job_model):
-    """The oracle: the same model files as `nanoserve.llm.LLM` in this process."""
-    from nanoserve.llm import LLM
-
-    return LLM(model=str(tiny_job_model), device="cpu", kv_cache_bytes=KV_BYTES)
-
-
 def write_prompts(path, prompts):
     path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     return path

@@ -24,7 +24,6 @@ from pathlib import Path
 
 import pyarrow.dataset as ds
 import pytest
-from test_failures import save_tiny_llama
 
 import ray_jobs.driver as driver
 from nanoserve.errors import InputError
@@ -36,18 +35,6 @@ from ray_jobs.manifest import MANIFEST_NAME, SUCCESS_NAME, Manifest, part_name
 REPO = Path(__file__).resolve().parents[1]
 MAX_TOKENS = 2
 LIMIT_S = 300
-
-
-@pytest.fixture(scope="session")
-def resume_model(tmp_path_factory, smollm2_gguf_path):
-    return save_tiny_llama(tmp_path_factory.mktemp("resume-model"), smollm2_gguf_path)
-
-
-@pytest.fixture(scope="session")
-def resume_llm(resume_model):
-    from nanoserve.llm import LLM
-
-    return LLM(model=str(resume_model), device="cpu", kv_cache_bytes=32 << 20)
 
 
 def prompts_of(n):
@@ -108,7 +95,7 @@ def assert_rows_match_oracle(llm, prompts, rows):
         assert row["generated_token_ids"] == want.token_ids, row["id"]
 
 
-def test_driver_killed_mid_job_resumes_keeping_written_parts(resume_model, resume_llm, tmp_path,
+def test_driver_killed_mid_job_resumes_keeping_written_parts(tiny_job_model, tiny_llm, tmp_path,
                                                             request):
     prompts = prompts_of(120)
     path = write_prompts(tmp_path / "in.jsonl", prompts)
@@ -119,7 +106,7 @@ def test_driver_killed_mid_job_resumes_keeping_written_parts(resume_model, resum
            "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("RAY_ADDRESS", None)
     command = [sys.executable, "-m", "nanoserve.cli", "batch", str(path), "-o", str(out),
-               "--model", str(resume_model), "--batch-size", "2", "--max-tokens", str(MAX_TOKENS),
+               "--model", str(tiny_job_model), "--batch-size", "2", "--max-tokens", str(MAX_TOKENS),
                "--address", "local", "--no-progress"]
     with open(tmp_path / "first.log", "w") as log:
         first = subprocess.Popen(command, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
@@ -149,11 +136,11 @@ def test_driver_killed_mid_job_resumes_keeping_written_parts(resume_model, resum
         assert after[name] == (mtime_ns, data), f"{name} was rewritten"
     assert [p.name for p in out.iterdir() if p.name.startswith(".")] == []
     assert (out / SUCCESS_NAME).exists() and Manifest.load(out).rows_done == len(prompts)
-    assert_rows_match_oracle(resume_llm, prompts, output_rows(out))
+    assert_rows_match_oracle(tiny_llm, prompts, output_rows(out))
 
 
 @pytest.fixture(scope="module")
-def finished_job(ray_session, resume_model, tmp_path_factory):
+def finished_job(ray_session, tiny_job_model, tmp_path_factory):
     """A finished job of 6 rows in 3 batches, run once. On the way it checks that the
     driver never holds more than its in-flight limit of batches (1 worker x 2)."""
     original = driver._JobRun._submit
@@ -165,7 +152,7 @@ def finished_job(ray_session, resume_model, tmp_path_factory):
 
     folder = tmp_path_factory.mktemp("finished-job")
     path = write_prompts(folder / "in" / "in.jsonl", prompts_of(6))
-    options = {"model": str(resume_model), "max_tokens": MAX_TOKENS, "batch_size": 2,
+    options = {"model": str(tiny_job_model), "max_tokens": MAX_TOKENS, "batch_size": 2,
                "kv_cache_bytes": 32 << 20, "progress": False}
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(driver._JobRun, "_submit", submit)
@@ -199,7 +186,7 @@ def test_manifest_holds_batch_ids_not_rows(small_job):
     assert saved["done_batches"] == [[0, 2]] and saved["rows_done"] == 6
 
 
-def test_unrecorded_parts_are_adopted_if_theirs_and_recomputed_if_not(small_job, resume_llm):
+def test_unrecorded_parts_are_adopted_if_theirs_and_recomputed_if_not(small_job, tiny_llm):
     """The run died after renaming parts 1 and 2 into place, before recording them; part 2
     then got batch 0's bytes. Part 1 is kept as it is (not computed again); part 2 holds
     other rows (its footer's batch digest says so), so batch 2 is computed again."""
@@ -214,7 +201,7 @@ def test_unrecorded_parts_are_adopted_if_theirs_and_recomputed_if_not(small_job,
     assert after[part_name(0)] == before[part_name(0)]
     assert after[part_name(1)] == before[part_name(1)]
     assert Manifest.load(out).done == {0, 1, 2} and (out / SUCCESS_NAME).exists()
-    assert_rows_match_oracle(resume_llm, prompts, output_rows(out))
+    assert_rows_match_oracle(tiny_llm, prompts, output_rows(out))
 
 
 def test_rerun_with_everything_written_starts_no_worker(small_job, monkeypatch):
