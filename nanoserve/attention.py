@@ -22,18 +22,33 @@ from kernels import backend as kernel_backend
 
 @dataclass(frozen=True)
 class AttentionMetadata:
-    """What a forward step needs beyond token ids and positions.
+    """What a forward step needs beyond token ids and positions, computed once per step
+    (not once per layer).
 
     valid: [B, T] bool, True on real (non-pad) columns: present on a prefill, None on
     a decode step (every row contributes exactly its one real token).
+    cu_seqlens: [B + 1] int32 offsets of each row's real tokens once packed, and
+    max_seqlen the longest row: set when `valid` is right-padded (real tokens first),
+    which is what lets the ragged prefill kernel skip the padded rectangle.
     """
 
     valid: torch.Tensor | None = None
     is_prefill: bool = True
+    cu_seqlens: torch.Tensor | None = None
+    max_seqlen: int = 0
 
     @classmethod
     def prefill(cls, valid: torch.Tensor | None = None) -> AttentionMetadata:
-        return cls(valid=valid, is_prefill=True)
+        if valid is None:
+            return cls(valid=None, is_prefill=True)
+        B, T = valid.shape
+        lens = valid.sum(dim=1)  # [B]
+        right_padded = torch.arange(T, device=valid.device)[None] < lens[:, None]
+        if not bool((valid == right_padded).all()):
+            return cls(valid=valid, is_prefill=True)
+        cu = torch.zeros(B + 1, dtype=torch.int32, device=valid.device)
+        cu[1:] = torch.cumsum(lens, 0)
+        return cls(valid=valid, is_prefill=True, cu_seqlens=cu, max_seqlen=int(lens.max()))
 
     @classmethod
     def decode(cls) -> AttentionMetadata:
@@ -70,24 +85,16 @@ def _causal_allowed(valid: torch.Tensor | None, B: int, T: int, offset: int, dev
     return allowed
 
 
-def _prefill_packed(q, k, v, valid: torch.Tensor) -> torch.Tensor:
+def _prefill_packed(q, k, v, meta: AttentionMetadata) -> torch.Tensor:
     """Ragged causal attention through the prefill kernel: pack the real tokens of a
     right-padded rectangle, attend per sequence (cu_seqlens), scatter back."""
-    B, T = valid.shape
-    lens = valid.sum(dim=1)
-    cu = torch.zeros(B + 1, dtype=torch.int32, device=q.device)
-    cu[1:] = torch.cumsum(lens, 0)
+    valid = meta.valid
     out_packed = kernel_backend.prefill_attention(
-        q[valid], k[valid], v[valid], cu, int(lens.max()), q.shape[-1] ** -0.5
+        q[valid], k[valid], v[valid], meta.cu_seqlens, meta.max_seqlen, q.shape[-1] ** -0.5
     )  # [N, Hq, D]
     out = torch.zeros_like(q)
     out[valid] = out_packed
     return out
-
-
-def _is_right_padded(valid: torch.Tensor) -> bool:
-    lens = valid.sum(dim=1, keepdim=True)
-    return bool((valid == (torch.arange(valid.shape[1], device=valid.device)[None] < lens)).all())
 
 
 def gqa_attention(q, k, v, layer: int, cache, meta: AttentionMetadata) -> torch.Tensor:
@@ -103,11 +110,12 @@ def gqa_attention(q, k, v, layer: int, cache, meta: AttentionMetadata) -> torch.
     if not isinstance(cache, BatchedPagedKVCache):
         raise TypeError(f"unknown cache type {type(cache).__name__}")
     if meta.is_prefill:
-        valid = meta.valid if meta.valid is not None else torch.ones(B, T, dtype=torch.bool, device=q.device)
-        cache.write(layer, k, v, valid)
-        if kernel_backend.use_triton(q.device) and _is_right_padded(valid):
-            return _prefill_packed(q, k, v, valid)
-        return dense_attention(q, k, v, _causal_allowed(valid, B, T, 0, q.device))
+        if meta.valid is None:
+            raise ValueError("a paged prefill needs the step's valid mask (AttentionMetadata.prefill(valid))")
+        cache.write(layer, k, v, meta.valid)
+        if meta.cu_seqlens is not None and kernel_backend.use_triton(q.device):
+            return _prefill_packed(q, k, v, meta)
+        return dense_attention(q, k, v, _causal_allowed(meta.valid, B, T, 0, q.device))
     if T != 1:
         raise ValueError(f"a decode step carries one token per row, got {T}")
     cache.write(layer, k, v, None)

@@ -213,3 +213,14 @@ def test_batch_too_big_for_pool_is_refused_before_work(tiny_model):
     with pytest.raises(CacheFullError):
         greedy_generate_batch(tiny_model, [[3] * 10, [4] * 10], 8, (), pool)
     assert pool.allocator.num_free == 3
+
+
+def test_prefill_metadata_packs_right_padded_rows_once():
+    from nanoserve.attention import AttentionMetadata
+
+    lens = torch.tensor([3, 1, 5])
+    valid = torch.arange(5)[None] < lens[:, None]
+    meta = AttentionMetadata.prefill(valid)
+    assert meta.cu_seqlens.tolist() == [0, 3, 4, 9] and meta.max_seqlen == 5
+    # Left padding cannot be packed by offsets: no cu_seqlens, the dense path is used.
+    assert AttentionMetadata.prefill(valid.flip(1)).cu_seqlens is None
