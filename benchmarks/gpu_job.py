@@ -8,6 +8,9 @@ directly (`LLM.generate`) and the same rows through `run_batch_job` (one actor p
 plus, when the default model is in the cache, the batch job over examples/prompts.jsonl.
 
     python -m benchmarks.gpu_job [--rows 256] [--skip-job] [--out FILE] [--smoke]
+
+The engine runs twice, side by side: decode steps launched kernel by kernel ("eager") and
+replayed as a CUDA graph ("graph"; "static" with --smoke on the CPU).
 """
 
 from __future__ import annotations
@@ -69,11 +72,12 @@ def make_workload(path: Path, rows: int, vocab: int, seed: int = 0,
     return prompts, max_tokens
 
 
-def bench_engine(model_dir: Path, prompts, max_tokens, device: str = "cuda") -> dict:
+def bench_engine(model_dir: Path, prompts, max_tokens, device: str = "cuda",
+                 decode_step: str = "auto") -> dict:
     from nanoserve.llm import LLM
     from nanoserve.sampling import SamplingParams
 
-    llm = LLM(str(model_dir), device=device)
+    llm = LLM(str(model_dir), device=device, decode_step=decode_step)
     params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens]
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     llm.generate(prompts[:4], params[:4])  # warm-up: kernel compilation, allocator
@@ -88,7 +92,8 @@ def bench_engine(model_dir: Path, prompts, max_tokens, device: str = "cuda") -> 
     dtype = str(llm.dtype).removeprefix("torch.")
     del llm
     torch.cuda.empty_cache()
-    return {"what": f"engine LLM.generate, Llama-1B shape, random ({dtype})", "rows": len(prompts),
+    return {"what": f"engine LLM.generate, Llama-1B shape, random ({dtype}), decode_step={decode_step}",
+            "rows": len(prompts), "token_ids": [o.token_ids for o in outs],
             "output_tokens": n_out, "wall_s": wall, "tok_s": n_out / wall,
             "padding_waste": stats.padding_waste, "early_finish_waste": stats.early_finish_waste}
 
@@ -129,7 +134,11 @@ def main() -> None:
     model_dir = make_random_model(work / "llama-1b-random", device, config)
     prompts, max_tokens = make_workload(work / "workload.parquet", args.rows,
                                         config["vocab_size"], lo=lo, hi=hi)
-    results = [bench_engine(model_dir, prompts, max_tokens, device)]
+    # Side by side: each kernel launched from Python, then the CUDA-graph decode step.
+    results = [bench_engine(model_dir, prompts, max_tokens, device, mode)
+               for mode in (("eager", "graph") if device == "cuda" else ("eager", "static"))]
+    same = sum(a == b for a, b in zip(results[0].pop("token_ids"), results[1].pop("token_ids")))
+    print(f"rows with identical tokens in the two engine runs: {same} of {len(prompts)}")
     if not args.skip_job:
         results.append(bench_job(work / "workload.parquet", work / "out-1b", str(model_dir),
                                  "batch job, 1 actor, Llama-1B shape, random", ignore_eos=True,

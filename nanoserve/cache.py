@@ -123,6 +123,7 @@ class BatchedPagedKVCache:
         # Host mirror of the block tables, updated only where a row gained blocks, so a
         # decode step does not rebuild B x max_blocks Python lists. Padding stays 0.
         self._bt_host = torch.zeros(batch_size, 8, dtype=torch.int32)
+        self._static: _StaticStepTensors | None = None  # set by use_static_step_tensors
 
     @property
     def batch_size(self) -> int:
@@ -146,7 +147,11 @@ class BatchedPagedKVCache:
         B, T = k.shape[:2]
         if B != self.batch_size:
             raise ValueError(f"cache holds {self.batch_size} rows, write has {B}")
-        if layer == 0:
+        if self._static is not None:
+            if valid is not None or T != 1:
+                raise ValueError("static step tensors serve decode steps only (T == 1, no mask)")
+            # The step was begun by begin_decode_step() before this forward (or replay).
+        elif layer == 0:
             self._begin_step(valid, B, T, k.device)
         elif self._write_slots is None:
             raise RuntimeError("layer 0 must write first in each step")
@@ -175,6 +180,10 @@ class BatchedPagedKVCache:
 
     def _mirror_new_blocks(self, held: list[int]) -> None:
         width = max(len(t.blocks) for t in self.tables)
+        if width > self._bt_host.shape[1] and self._static is not None:
+            raise RuntimeError(
+                f"a row needs {width} blocks; the static block tables hold {self._bt_host.shape[1]}"
+            )
         if width > self._bt_host.shape[1]:
             grown = torch.zeros(self.batch_size, max(width, 2 * self._bt_host.shape[1]),
                                 dtype=torch.int32)
@@ -220,6 +229,53 @@ class BatchedPagedKVCache:
         for i in range(self.batch_size):
             self.free_row(i)
         self._write_slots = self._block_tables = self._context_lens = None
+        self._static = None
+
+    # --- static step tensors (what a captured decode graph reads) -------------------------
+
+    def use_static_step_tensors(self, max_blocks: int) -> None:
+        """From now on, decode steps only: this step's slots, the block tables and the
+        context lengths live in fixed device tensors refilled in place by
+        `begin_decode_step`, so a CUDA graph captured over a forward keeps reading the
+        current step. `max_blocks` fixes the block tables' width (the batch's peak), and
+        with it the decode kernel's split count. Layer 0's write no longer begins a step:
+        call `begin_decode_step()` before each forward or replay."""
+        held = max(len(t.blocks) for t in self.tables)
+        if max_blocks < max(1, held):
+            raise ValueError(f"max_blocks={max_blocks} is below the {held} blocks a row holds")
+        B, device = self.batch_size, self.pool.device
+        pin = device.type == "cuda"
+        mirror = torch.zeros(B, max_blocks, dtype=torch.int32, pin_memory=pin)
+        width = min(self._bt_host.shape[1], max_blocks)
+        mirror[:, :width] = self._bt_host[:, :width]
+        self._bt_host = mirror
+        self._static = _StaticStepTensors(B, max_blocks, device)
+        self._write_slots = self._static.slots
+        self._block_tables = self._static.block_tables
+        self._context_lens = self._static.context_lens
+
+    def fill_idle_step(self) -> None:
+        """A step that stores nothing (slots -1) and reads one token of block 0 per row,
+        for warming up and capturing a graph without touching any row's cache."""
+        st = self._require_static()
+        st.slots.fill_(-1)
+        st.context_lens.fill_(1)
+        st.block_tables.zero_()
+
+    def begin_decode_step(self) -> None:
+        """Reserve one slot per row (all or nothing: CacheFullError changes nothing) and
+        refill the static tensors with this step's slots, tables and context lengths."""
+        st = self._require_static()
+        st.wait_for_copies()  # the last step's copies still read the pinned mirror
+        held = [len(t.blocks) for t in self.tables]
+        slots = reserve_all_or_nothing(self.tables, [1] * self.batch_size, self.pool.allocator)
+        self._mirror_new_blocks(held)
+        st.refill([row[0] for row in slots], self.seq_lens, self._bt_host)
+
+    def _require_static(self) -> _StaticStepTensors:
+        if self._static is None:
+            raise RuntimeError("call use_static_step_tensors(max_blocks) first")
+        return self._static
 
     def check_integrity(self) -> None:
         """Assumes this cache is the pool's only user."""
@@ -239,3 +295,34 @@ class PagedKVCache(BatchedPagedKVCache):
     @property
     def seq_len(self) -> int:
         return self.tables[0].num_tokens
+
+
+class _StaticStepTensors:
+    """Fixed device tensors of a decode step, refilled in place from pinned host staging.
+
+    Invariant: host staging (and the cache's pinned block-table mirror) is rewritten only
+    after `wait_for_copies()`, which waits for the previous refill's non-blocking copies,
+    so a copy never reads half-rewritten host memory."""
+
+    def __init__(self, batch: int, max_blocks: int, device: torch.device) -> None:
+        pin = device.type == "cuda"
+        self.slots = torch.full((batch,), -1, dtype=torch.int64, device=device)  # [B]
+        self.context_lens = torch.ones(batch, dtype=torch.int32, device=device)  # [B]
+        self.block_tables = torch.zeros(batch, max_blocks, dtype=torch.int32, device=device)
+        self._slots_host = torch.zeros(batch, dtype=torch.int64, pin_memory=pin)
+        self._lens_host = torch.zeros(batch, dtype=torch.int32, pin_memory=pin)
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None
+
+    def wait_for_copies(self) -> None:
+        if self._copied is not None:
+            self._copied.synchronize()
+
+    def refill(self, slots: list[int], context_lens: list[int], block_tables_host: torch.Tensor) -> None:
+        """Call after wait_for_copies(). block_tables_host: [B, max_blocks] int32, pinned."""
+        self._slots_host.copy_(torch.tensor(slots, dtype=torch.int64))
+        self._lens_host.copy_(torch.tensor(context_lens, dtype=torch.int32))
+        self.slots.copy_(self._slots_host, non_blocking=True)
+        self.context_lens.copy_(self._lens_host, non_blocking=True)
+        self.block_tables.copy_(block_tables_host, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()

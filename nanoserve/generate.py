@@ -15,6 +15,7 @@ import torch
 
 from nanoserve.attention import AttentionMetadata
 from nanoserve.cache import BatchedPagedKVCache, CacheShape, DenseKVCache, KVPool
+from nanoserve.cuda_graph import graphs_wanted, make_decode_step
 from nanoserve.errors import CacheFullError
 from nanoserve.model import LlamaForCausalLM
 from nanoserve.sampling import SamplingParams, sample_next
@@ -43,6 +44,9 @@ class BatchStats:
         for f in ("num_rows", "prefill_slots", "prefill_real_tokens", "decode_row_steps",
                   "finished_row_steps"):
             setattr(self, f, getattr(self, f) + getattr(other, f))
+
+
+DECODE_STEP_MODES = ("auto", "eager", "static", "graph")
 
 
 def _greedy_params(max_new_tokens: int) -> SamplingParams:
@@ -99,9 +103,17 @@ def blocks_for_batch(prompt_lens: list[int], max_steps: int, block_size: int) ->
 @torch.inference_mode()
 def generate_batch(model: LlamaForCausalLM, prompts: list[list[int]], params: list[SamplingParams],
                    eos_token_ids: tuple[int, ...] = (), pool: KVPool | None = None,
-                   tokenizer=None) -> tuple[list[SequenceOutput], BatchStats]:
+                   tokenizer=None, decode_step: str = "auto") -> tuple[list[SequenceOutput], BatchStats]:
     """Static batched generation with per-row sampling. Raises CacheFullError, having
-    changed nothing, when the batch cannot fit the pool at its peak."""
+    changed nothing, when the batch cannot fit the pool at its peak.
+
+    decode_step: how decode steps run (the tokens are the same): "eager" launches each
+    kernel from Python with per-step tensors; "graph" replays a CUDA graph captured once
+    per batch (nanoserve/cuda_graph.py); "static" is the graph's bookkeeping without the
+    capture (any device; for tests); "auto" is "graph" where `graphs_wanted` says so,
+    else "eager"."""
+    if decode_step not in DECODE_STEP_MODES:
+        raise ValueError(f"decode_step must be one of {DECODE_STEP_MODES}, got {decode_step!r}")
     config, device = model.config, model.device
     seqs = [Sequence(p, sp, eos_token_ids, config.max_position_embeddings, tokenizer)
             for p, sp in zip(prompts, params)]
@@ -121,19 +133,29 @@ def generate_batch(model: LlamaForCausalLM, prompts: list[list[int]], params: li
     valid = torch.arange(T)[None] < lens_t[:, None]  # [B, T]
     positions = torch.arange(T).expand(B, T)
     cache = BatchedPagedKVCache(pool, B)
+    step = None
     try:
         hidden = model.hidden_states(ids.to(device), positions.to(device), cache,
                                      AttentionMetadata.prefill(valid.to(device)))
         last = hidden[torch.arange(B, device=device), (lens_t - 1).to(device)]  # [B, d]
         _append(seqs, model.compute_logits(last))
+        if decode_step == "auto":
+            decode_step = "graph" if graphs_wanted(device, max_steps - 1) else "eager"
+        if not all(s.finished for s in seqs):
+            peak_blocks = max(-(-(n + max_steps - 1) // pool.block_size) for n in lens)
+            step = make_decode_step(model, cache, peak_blocks, decode_step)
         while not all(s.finished for s in seqs):
             stats.decode_row_steps += B
             stats.finished_row_steps += sum(s.finished for s in seqs)
+            if step is not None:
+                _append(seqs, step([s.output_ids[-1] for s in seqs]))
+                continue
             step_ids = torch.tensor([[s.output_ids[-1]] for s in seqs], device=device)
             step_pos = torch.tensor([[n] for n in cache.seq_lens], device=device)
             hidden = model.hidden_states(step_ids, step_pos, cache, AttentionMetadata.decode())
             _append(seqs, model.compute_logits(hidden[:, 0]))
     finally:
+        del step  # a captured graph's memory goes back to the allocator with it
         cache.free_all()
     return [s.output() for s in seqs], stats
 

@@ -11,7 +11,7 @@ import torch
 
 from nanoserve.cache import CacheShape, KVPool
 from nanoserve.errors import CacheFullError, NanoserveError
-from nanoserve.generate import BatchStats, blocks_for_batch, generate_batch
+from nanoserve.generate import DECODE_STEP_MODES, BatchStats, blocks_for_batch, generate_batch
 from nanoserve.model import build_model
 from nanoserve.model_store import DEFAULT_MODEL, resolve_model
 from nanoserve.sampling import SamplingParams
@@ -46,9 +46,15 @@ class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto",
                  device: str = "auto", kv_cache_fraction: float = 0.8,
                  kv_cache_bytes: int | None = None, block_size: int = 16,
-                 max_batch_size: int = 256) -> None:
+                 max_batch_size: int = 256, decode_step: str = "auto") -> None:
         """kv_cache_fraction: share of the GPU's free memory (after the weights) given to
-        the KV pool. kv_cache_bytes: an exact pool size instead (the CPU default is 1 GiB)."""
+        the KV pool. kv_cache_bytes: an exact pool size instead (the CPU default is 1 GiB).
+        decode_step: "auto" (a CUDA graph per batch on a GPU, see nanoserve/cuda_graph.py),
+        "eager", "static" or "graph", as `generate_batch` takes it."""
+        if decode_step not in DECODE_STEP_MODES:
+            raise NanoserveError(f"decode_step must be one of {', '.join(DECODE_STEP_MODES)}, "
+                                 f"got {decode_step!r}")
+        self.decode_step = decode_step
         self.model_path = resolve_model(model)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
@@ -120,7 +126,7 @@ class LLM:
         try:
             outs, stats = generate_batch(
                 self.model, [prompts[i] for i in batch], [params[i] for i in batch],
-                self.eos_token_ids, self.pool, self.tokenizer,
+                self.eos_token_ids, self.pool, self.tokenizer, self.decode_step,
             )
         except torch.OutOfMemoryError:
             if len(batch) == 1:

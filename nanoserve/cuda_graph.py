@@ -1,0 +1,128 @@
+"""A static batch's decode step over fixed tensors, replayed as one CUDA graph.
+
+Why: one decode step of a 16-layer model is a few hundred kernel launches. Launched one
+by one from Python they cost the host more time than the GPU needs to run them, so the
+GPU idles between kernels. Captured once as a CUDA graph, the whole step (forward and LM
+head) is one launch.
+
+Why one capture serves every step of a static batch:
+- the batch size never changes (a finished row keeps its place until the batch ends);
+- the block tables are as wide as the batch needs at its peak (`max_blocks`), so their
+  shape, and the decode kernel's split count chosen from that width, never change;
+- every input the step reads lives in a fixed tensor refilled in place before each
+  replay: the token ids and positions (here), the write slots, block tables and context
+  lengths (the cache's static step tensors, `BatchedPagedKVCache.use_static_step_tensors`).
+The output, logits [B, V] float32, is a fixed tensor too: it is overwritten by the next
+step, so read it first.
+
+Modes (`DecodeStep(..., capture=...)`): `capture=True` records the graph (CUDA only);
+`capture=False` runs the same forward eagerly over the same fixed tensors, which is how
+the CPU tests hold this file's bookkeeping to the plain decode path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from kernels import backend as kernel_backend
+from nanoserve.attention import AttentionMetadata
+from nanoserve.cache import BatchedPagedKVCache
+from nanoserve.model import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+MIN_DECODE_STEPS = 8  # fewer steps than this do not repay a capture
+_OFF = ("0", "false", "no", "off")
+
+
+def graphs_wanted(device: torch.device, decode_steps: int) -> bool:
+    """The "auto" rule: capture on CUDA when the Triton kernels serve the step (the
+    reference kernels synchronize with the host, which a capture cannot hold), the batch
+    runs at least MIN_DECODE_STEPS steps, and NANOSERVE_CUDA_GRAPH is not 0/false/off."""
+    if os.environ.get("NANOSERVE_CUDA_GRAPH", "1").strip().lower() in _OFF:
+        return False
+    return (device.type == "cuda" and kernel_backend.use_triton(device)
+            and decode_steps >= MIN_DECODE_STEPS)
+
+
+class DecodeStep:
+    """The decode step of one static batch. Build after the prefill; call once per step
+    with each row's last token; returns logits [B, V] float32 (valid until the next call)."""
+
+    def __init__(self, model: LlamaForCausalLM, cache: BatchedPagedKVCache, max_blocks: int,
+                 capture: bool) -> None:
+        B, device = cache.batch_size, model.device
+        self.model, self.cache = model, cache
+        self.ids = torch.zeros(B, 1, dtype=torch.long, device=device)  # [B, 1]
+        self.positions = torch.zeros(B, 1, dtype=torch.long, device=device)  # [B, 1]
+        pin = device.type == "cuda"
+        self._stage = torch.zeros(2, B, 1, dtype=torch.long, pin_memory=pin)  # ids, positions
+        self._copied = torch.cuda.Event() if pin else None
+        cache.use_static_step_tensors(max_blocks)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None
+        if capture:
+            self._capture()
+
+    def _forward(self) -> torch.Tensor:
+        hidden = self.model.hidden_states(self.ids, self.positions, self.cache,
+                                          AttentionMetadata.decode())
+        return self.model.compute_logits(hidden[:, 0])  # [B, V]
+
+    def _capture(self) -> None:
+        """Warm up on a side stream (kernels compiled, library handles made), then record.
+        The idle step stores nothing, so neither touches any row's cache."""
+        self.cache.fill_idle_step()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._forward()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.logits = self._forward()
+        self.graph = graph
+
+    def __call__(self, last_tokens: list[int]) -> torch.Tensor:
+        """One step: reserve each row's next slot, refill the inputs, run. last_tokens: [B]."""
+        positions = self.cache.seq_lens  # each row's next token sits at its current length
+        if self._copied is not None:
+            self._copied.synchronize()  # the last step's copies have read the staging
+        self.cache.begin_decode_step()
+        self._stage[0, :, 0] = torch.tensor(last_tokens, dtype=torch.long)
+        self._stage[1, :, 0] = torch.tensor(positions, dtype=torch.long)
+        self.ids.copy_(self._stage[0], non_blocking=True)
+        self.positions.copy_(self._stage[1], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+        if self.graph is None:
+            return self._forward()
+        self.graph.replay()
+        return self.logits
+
+
+def make_decode_step(model: LlamaForCausalLM, cache: BatchedPagedKVCache, max_blocks: int,
+                     mode: str) -> DecodeStep | None:
+    """The step for `generate_batch`'s decode_step mode: None for "eager" (the plain path),
+    a DecodeStep over fixed tensors for "static", a captured one for "graph". A capture
+    that fails for any reason but memory falls back to "static" with a warning: the same
+    tokens, launched one by one."""
+    if mode == "eager":
+        return None
+    if mode == "static":
+        return DecodeStep(model, cache, max_blocks, capture=False)
+    if mode != "graph":
+        raise ValueError(f"decode_step must be auto, eager, static or graph, got {mode!r}")
+    if model.device.type != "cuda":
+        raise ValueError("decode_step='graph' needs a CUDA device")
+    try:
+        return DecodeStep(model, cache, max_blocks, capture=True)
+    except torch.OutOfMemoryError:
+        raise
+    except RuntimeError as exc:
+        log.warning("CUDA graph capture of the decode step failed (%s); running it uncaptured", exc)
+        torch.cuda.synchronize()
+        return DecodeStep(model, cache, max_blocks, capture=False)
