@@ -143,7 +143,10 @@ def generate_batch(model: LlamaForCausalLM, prompts: list[list[int]], params: li
             decode_step = "graph" if graphs_wanted(device, max_steps - 1) else "eager"
         if not all(s.finished for s in seqs):
             peak_blocks = max(-(-(n + max_steps - 1) // pool.block_size) for n in lens)
-            step = make_decode_step(model, cache, peak_blocks, decode_step)
+            feedback = all(s.params.greedy for s in seqs)
+            step = make_decode_step(model, cache, peak_blocks, decode_step, feedback)
+        if step is not None and step.feedback:
+            _decode_pipelined(step, seqs, stats, max_steps - 1)
         while not all(s.finished for s in seqs):
             stats.decode_row_steps += B
             stats.finished_row_steps += sum(s.finished for s in seqs)
@@ -155,9 +158,36 @@ def generate_batch(model: LlamaForCausalLM, prompts: list[list[int]], params: li
             hidden = model.hidden_states(step_ids, step_pos, cache, AttentionMetadata.decode())
             _append(seqs, model.compute_logits(hidden[:, 0]))
     finally:
+        if step is not None:
+            step.close()  # nothing queued may still write into blocks freed below
         del step  # a captured graph's memory goes back to the allocator with it
         cache.free_all()
     return [s.output() for s in seqs], stats
+
+
+def _decode_pipelined(step, seqs: list[Sequence], stats: BatchStats, max_decode_steps: int) -> None:
+    """Decode an all-greedy batch with step t+1 queued before step t's tokens are read
+    (DecodeStep feedback). The tokens, finish reasons and stats equal the plain loop's; at
+    most one step more runs on the device after the last row finishes (never more than
+    `max_decode_steps` in all, so the batch's peak blocks still bound it)."""
+    B = len(seqs)
+    step.start([s.output_ids[-1] for s in seqs])
+    step.launch()
+    launched = 1
+    while True:
+        if launched < max_decode_steps and not all(s.finished for s in seqs):
+            step.launch()
+            launched += 1
+        if step.unread == 0:
+            return  # every step read: the rows have finished (max_decode_steps bounds them)
+        tokens = step.read_tokens()
+        stats.decode_row_steps += B
+        stats.finished_row_steps += sum(s.finished for s in seqs)
+        for s, t in zip(seqs, tokens):
+            if not s.finished:
+                s.append(t)
+        if all(s.finished for s in seqs):
+            return
 
 
 def _append(seqs: list[Sequence], logits: torch.Tensor) -> None:

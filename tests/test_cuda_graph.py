@@ -120,3 +120,42 @@ def test_modes_and_the_auto_rule(tiny_model, monkeypatch):
         assert graphs_wanted(cuda, 100) and not graphs_wanted(cuda, 2)
         monkeypatch.setenv("NANOSERVE_CUDA_GRAPH", "0")
         assert not graphs_wanted(cuda, 100)
+
+
+def test_pipelined_greedy_rows_stopping_early_equal_eager(tiny_model):
+    """All-greedy batches queue step t+1 before reading step t. Make rows stop at EOS at
+    different steps (EOS = tokens they are known to produce) and every row finish well
+    before the cap: tokens, finish reasons and waste counts equal the plain loop's, and
+    the extra step queued past the end leaks no block."""
+    prompts = _prompts(4, (3, 18, 9, 33, 1))
+    params = [SamplingParams(max_tokens=40, temperature=0.0)] * len(prompts)
+    free_run, _ = _run(tiny_model, prompts, params, "eager", eos=())
+    eos = tuple(sorted({ids[k] for (ids, _), k in zip(free_run, (2, 5, 9, 1, 7))}))
+    pool = pool_for(tiny_model, prompts, 40)
+    eager, eager_stats = _run(tiny_model, prompts, params, "eager", pool, eos=eos)
+    assert any(reason == "stop" for _, reason in eager)
+    static, static_stats = _run(tiny_model, prompts, params, "static", pool, eos=eos)
+    assert static == eager and static_stats == eager_stats
+    assert pool.allocator.num_free == pool.num_blocks
+
+
+def test_feedback_step_queues_at_most_two(tiny_model):
+    pool = KVPool(CacheShape.of(tiny_model.config), 16, block_size=4)
+    cache = BatchedPagedKVCache(pool, 1)
+    tiny_model.hidden_states(torch.tensor([[5, 6, 7]]), torch.arange(3)[None], cache,
+                             AttentionMetadata.prefill(torch.ones(1, 3, dtype=torch.bool)))
+    step = DecodeStep(tiny_model, cache, max_blocks=4, capture=False, feedback=True)
+    with pytest.raises(RuntimeError, match="start/launch"):
+        step([9])
+    step.start([9])
+    step.launch()
+    step.launch()
+    with pytest.raises(RuntimeError, match="third"):
+        step.launch()
+    first, second = step.read_tokens(), step.read_tokens()
+    assert step.unread == 0 and cache.seq_lens == [5]
+    # The second step's input was the first step's argmax, at the next position.
+    assert step.ids[:, 0].tolist() == second and len(first) == 1
+    with pytest.raises(RuntimeError, match="no queued"):
+        step.read_tokens()
+    cache.free_all()
