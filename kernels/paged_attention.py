@@ -14,17 +14,13 @@ Two implementations with one signature:
   whole group of query heads sharing that KV head, walks only its row's own tokens block by
   block through the block table, and keeps an online softmax in float32. The programs of one
   row's KV heads are launched next to each other, so programs running together read
-  neighbouring bytes of each `[block_size, Hkv, D]` cache block. K/V slots past a row's
-  context are never read (the first tile may read block-table entries past it, up to the
-  table's width: padding, in range). With more than one split (flash-decoding) each program
-  covers one partition of the context and writes a partial output with its log-sum-exp; the
-  last program of each (row, KV head) to finish combines them (an atomic arrival counter per
-  (row, KV head), see `arrival_counters`), or, with `combine="separate"`, a second kernel does.
+  neighbouring bytes of each `[block_size, Hkv, D]` cache block. With more than one
+  split (flash-decoding) each program covers one partition of the context and writes a
+  partial output with its log-sum-exp; a second kernel combines the partitions.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import torch
@@ -140,96 +136,17 @@ def paged_decode_attention_reference(
 
 
 @triton.jit
-def _load_kv(
-    blocks, t, t_mask, k_head, v_head,
-    stride_kb, stride_ko, stride_kd, stride_vb, stride_vo, stride_vd, d, d_mask,
-    PAGE: tl.constexpr,
-):  # fmt: skip
-    """K and V [BLOCK_N, D_PAD] of the tokens `t` [BLOCK_N] held by `blocks` [BLOCK_N];
-    both loads are issued before either is used. Slots outside `t_mask` are not read (0)."""
-    blocks = blocks.to(tl.int64)
-    offset = t % PAGE
-    kv_mask = t_mask[:, None] & d_mask[None, :]
-    k_ptrs = k_head + blocks[:, None] * stride_kb + offset[:, None] * stride_ko
-    v_ptrs = v_head + blocks[:, None] * stride_vb + offset[:, None] * stride_vo
-    k = tl.load(k_ptrs + d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-    v = tl.load(v_ptrs + d[None, :] * stride_vd, mask=kv_mask, other=0.0)
-    return k, v
-
-
-@triton.jit
-def _attend_tile(q, k, v, t_mask, m_i, l_i, acc, qk_scale, DOT_FP32: tl.constexpr):
-    """One online-softmax step (float32, log2 units) of the queries `q` [GROUP_PAD, D_PAD]
-    over one tile of keys/values [BLOCK_N, D_PAD]; positions outside `t_mask` weigh 0. A tile
-    without any position leaves (m_i, l_i, acc) as they were, also before the first token
-    (m_i = -inf)."""
-    if DOT_FP32:
-        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))
-    s = tl.where(t_mask[None, :], s * qk_scale, float("-inf"))  # [GROUP_PAD, BLOCK_N]
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no position yet: weights exp2(-inf)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    if DOT_FP32:
-        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-    else:
-        pv = tl.dot(p.to(v.dtype), v)
-    acc = acc * alpha[:, None] + pv
-    return m_new, l_i, acc
-
-
-@triton.jit
-def _combine_group(
-    part_row, lse_row, stride_ph, stride_ps, stride_lh, heads, h_mask, d, d_mask, used,
-    G: tl.constexpr, D_PAD: tl.constexpr, S_CHUNK: tl.constexpr,
-):  # fmt: skip
-    """The attention output [G, D_PAD] float32 of query heads `heads` [G] from the first `used`
-    partitions of their row: partial outputs weighted by exp2(lse), online over chunks of
-    S_CHUNK partitions. Loads bypass L1 (`.cg`): other programs wrote them during this launch."""
-    s_range = tl.arange(0, S_CHUNK)
-    m = tl.full([G], float("-inf"), dtype=tl.float32)  # running max of lse
-    total = tl.zeros([G], dtype=tl.float32)  # running sum of the weights
-    acc = tl.zeros([G, D_PAD], dtype=tl.float32)
-    for s0 in range(0, used, S_CHUNK):
-        s = s0 + s_range
-        sh_mask = (s < used)[:, None] & h_mask[None, :]  # [S_CHUNK, G]
-        lse = tl.load(
-            lse_row + heads[None, :] * stride_lh + s[:, None],
-            mask=sh_mask, other=float("-inf"), cache_modifier=".cg",
-        )  # fmt: skip
-        part = tl.load(
-            part_row + heads[None, :, None] * stride_ph + s[:, None, None] * stride_ps
-            + d[None, None, :],
-            mask=sh_mask[:, :, None] & d_mask[None, None, :], other=0.0, cache_modifier=".cg",
-        )  # fmt: skip  # [S_CHUNK, G, D_PAD]
-        m_new = tl.maximum(m, tl.max(lse, 0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_safe)
-        w = tl.exp2(lse - m_safe[None, :])  # [S_CHUNK, G], 0 for empty or unused partitions
-        total = total * alpha + tl.sum(w, 0)
-        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * part, 0)
-        m = m_new
-    return acc / tl.where(total > 0.0, total, 1.0)[:, None]
-
-
-@triton.jit
 def _paged_decode_kernel(
     q_ptr,  # [B, Hq, D]
     k_ptr,  # [num_blocks, block_size, Hkv, D]
     v_ptr,  # [num_blocks, block_size, Hkv, D]
     block_tables_ptr,  # [B, max_blocks]
     context_lens_ptr,  # [B]
-    out_ptr,  # [B, Hq, D] final output (written unless SPLIT and not FUSED)
-    part_ptr,  # [B, Hq, S, D] float32 partial outputs, D contiguous (SPLIT only)
-    lse_ptr,  # [B, Hq, S] float32 log2-sum-exp of each partition, S contiguous (SPLIT only)
-    counter_ptr,  # [>= B * Hkv] int32 arrival counters, all 0 between launches (FUSED only)
+    out_ptr,  # [B, Hq, D] (one split) or partial outputs [B, Hq, S, D] float32
+    lse_ptr,  # [B, Hq, S] float32 log2-sum-exp of each partition (unused with one split)
     qk_scale,  # softmax scale * log2(e)
     partition_size,  # tokens per split, a multiple of BLOCK_N
     num_splits,  # the last split also takes any tokens beyond num_splits * partition_size
-    max_blocks,  # block_tables.shape[1]
     stride_qb,
     stride_qh,
     stride_qd,
@@ -245,114 +162,84 @@ def _paged_decode_kernel(
     stride_btn,
     stride_ob,
     stride_oh,
+    stride_os,
     stride_od,
-    stride_pb,
-    stride_ph,
-    stride_ps,
     stride_lb,
     stride_lh,
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_PAD: tl.constexpr,  # GROUP padded to a tl.dot-able power of two (>= 16)
-    GROUP_POW2: tl.constexpr,  # GROUP padded to a power of two (the fused combine)
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     PAGE: tl.constexpr,  # block_size of the cache
     BLOCK_N: tl.constexpr,  # tokens per loop step
-    SPLIT: tl.constexpr,  # write partial outputs + lse (num_splits > 1)
-    FUSED: tl.constexpr,  # SPLIT: the last program of a (row, KV head) combines them
-    S_CHUNK: tl.constexpr,  # partitions per step of the fused combine
+    SPLIT: tl.constexpr,  # write partial outputs + lse instead of the final output
     DOT_FP32: tl.constexpr,  # compute dots in float32 (fp32 inputs, CPU interpreter)
     HEADS_FASTEST: tl.constexpr,  # grid (Hkv, B, S) instead of (B, Hkv, S)
 ):
     if HEADS_FASTEST:  # the KV heads of one row run side by side and read adjacent bytes
         kv_head = tl.program_id(0)
         row = tl.program_id(1)
-        num_kv_heads = tl.num_programs(0)
     else:
         row = tl.program_id(0)
         kv_head = tl.program_id(1)
-        num_kv_heads = tl.num_programs(1)
     split = tl.program_id(2)
-    row64 = row.to(tl.int64)
+    context_len = tl.load(context_lens_ptr + row)
     start = split * partition_size
+    end = tl.minimum(start + partition_size, context_len)
+    end = tl.where(split == num_splits - 1, context_len, end)
+
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, D_PAD)
     g_mask = g < GROUP
     d_mask = d < HEAD_DIM
     heads = kv_head * GROUP + g  # [GROUP_PAD] query heads of this KV head
-    bt_row = block_tables_ptr + row64 * stride_btb
-
-    # The first tile is peeled off the loop so that independent loads go out together: the
-    # context length, the block-table entries of the first tile (masked by the table's width,
-    # not by the context: padding entries are block 0, in range) and the queries; its K and V
-    # then wait for one round trip, not two. The loop after it is software-pipelined.
-    t = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] token positions of the first tile
-    context_len = tl.load(context_lens_ptr + row)
-    first_blocks = tl.load(bt_row + (t // PAGE) * stride_btn, mask=t // PAGE < max_blocks, other=0)
+    row64 = row.to(tl.int64)
     q_ptrs = q_ptr + row64 * stride_qb + heads[:, None] * stride_qh + d[None, :] * stride_qd
     q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [GROUP_PAD, D_PAD]
     if DOT_FP32:
         q = q.to(tl.float32)
-    end = tl.minimum(start + partition_size, context_len)
-    end = tl.where(split == num_splits - 1, context_len, end)
 
-    k_head = k_ptr + kv_head * stride_kh
-    v_head = v_ptr + kv_head * stride_vh
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)  # running max (log2 units)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)  # running sum of exp2
     acc = tl.zeros([GROUP_PAD, D_PAD], dtype=tl.float32)
-    t_mask = t < end
-    k, v = _load_kv(
-        first_blocks, t, t_mask, k_head, v_head,
-        stride_kb, stride_ko, stride_kd, stride_vb, stride_vo, stride_vd, d, d_mask, PAGE,
-    )  # fmt: skip
-    m_i, l_i, acc = _attend_tile(q, k, v, t_mask, m_i, l_i, acc, qk_scale, DOT_FP32)
-    for t0 in range(start + BLOCK_N, end, BLOCK_N):
-        t = t0 + tl.arange(0, BLOCK_N)
+    bt_row = block_tables_ptr + row64 * stride_btb
+    k_head = k_ptr + kv_head * stride_kh
+    v_head = v_ptr + kv_head * stride_vh
+    for t0 in range(start, end, BLOCK_N):
+        t = t0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] token positions
         t_mask = t < end
-        blocks = tl.load(bt_row + (t // PAGE) * stride_btn, mask=t_mask, other=0)
-        k, v = _load_kv(
-            blocks, t, t_mask, k_head, v_head,
-            stride_kb, stride_ko, stride_kd, stride_vb, stride_vo, stride_vd, d, d_mask, PAGE,
-        )  # fmt: skip
-        m_i, l_i, acc = _attend_tile(q, k, v, t_mask, m_i, l_i, acc, qk_scale, DOT_FP32)
+        block = tl.load(bt_row + (t // PAGE) * stride_btn, mask=t_mask, other=0).to(tl.int64)
+        offset = t % PAGE
+        kv_mask = t_mask[:, None] & d_mask[None, :]
+        k_ptrs = k_head + block[:, None] * stride_kb + offset[:, None] * stride_ko
+        v_ptrs = v_head + block[:, None] * stride_vb + offset[:, None] * stride_vo
+        k = tl.load(k_ptrs + d[None, :] * stride_kd, mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
+        v = tl.load(v_ptrs + d[None, :] * stride_vd, mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
+        if DOT_FP32:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(t_mask[None, :], s * qk_scale, float("-inf"))  # [GROUP_PAD, BLOCK_N]
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DOT_FP32:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
 
     has_tokens = l_i > 0.0  # False only for an empty partition (or a row of length 0)
     out = acc / tl.where(has_tokens, l_i, 1.0)[:, None]
     out_mask = g_mask[:, None] & d_mask[None, :]
+    out_ptrs = out_ptr + row64 * stride_ob + heads[:, None] * stride_oh + d[None, :] * stride_od
     if SPLIT:
-        part_row = part_ptr + row64 * stride_pb
-        lse_row = lse_ptr + row64 * stride_lb
-        part_ptrs = part_row + heads[:, None] * stride_ph + split * stride_ps + d[None, :]
-        tl.store(part_ptrs, out, mask=out_mask)
+        tl.store(out_ptrs + split * stride_os, out, mask=out_mask)
         lse = tl.where(has_tokens, m_i + tl.log2(tl.where(has_tokens, l_i, 1.0)), float("-inf"))
-        tl.store(lse_row + heads * stride_lh + split, lse, mask=g_mask)
-        if FUSED:
-            # Every thread's stores above happen before the counter's release; the program
-            # that arrives last acquires all the others' and combines the partitions.
-            tl.debug_barrier()
-            counter = counter_ptr + row * num_kv_heads + kv_head
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if arrived == num_splits - 1:
-                used = tl.minimum((context_len + partition_size - 1) // partition_size, num_splits)
-                c = tl.arange(0, GROUP_POW2)
-                c_heads = kv_head * GROUP + c
-                c_mask = c < GROUP
-                final = _combine_group(
-                    part_row, lse_row, stride_ph, stride_ps, stride_lh, c_heads, c_mask, d,
-                    d_mask, used, GROUP_POW2, D_PAD, S_CHUNK,
-                )  # fmt: skip
-                out_ptrs = (
-                    out_ptr + row64 * stride_ob + c_heads[:, None] * stride_oh
-                    + d[None, :] * stride_od
-                )  # fmt: skip
-                tl.store(
-                    out_ptrs, final.to(out_ptr.dtype.element_ty),
-                    mask=c_mask[:, None] & d_mask[None, :],
-                )  # fmt: skip
-                tl.store(counter, 0)  # every program of this (row, KV head) has arrived
+        tl.store(lse_ptr + row64 * stride_lb + heads * stride_lh + split, lse, mask=g_mask)
     else:
-        out_ptrs = out_ptr + row64 * stride_ob + heads[:, None] * stride_oh + d[None, :] * stride_od
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
@@ -441,83 +328,6 @@ def default_tiling(programs: int, head_dim: int, device: torch.device) -> tuple[
     return (128 if few and head_dim <= 64 else 64), 2
 
 
-@dataclasses.dataclass(frozen=True)
-class DecodePlan:
-    """How one call of `paged_decode_attention` is launched (all decided on the host)."""
-
-    num_splits: int  # context partitions per (row, KV head); 1 = no partial outputs
-    partition: int  # tokens per partition, a multiple of block_n (the last takes any rest)
-    block_n: int  # tokens per loop step
-    num_stages: int | None  # software-pipelining depth (None: Triton's default)
-
-
-def plan_decode(
-    batch: int,
-    num_kv_heads: int,
-    head_dim: int,
-    max_context_len: int,
-    device: torch.device,
-    *,
-    num_splits: int | None = None,
-    block_n: int | None = None,
-    num_stages: int | None = None,
-) -> DecodePlan:
-    """The launch of a call whose contexts are at most `max_context_len` (>= 1) tokens: the
-    requested or heuristic split count (`choose_num_splits`), cut down so that partitions are
-    whole loop steps and none is empty at `max_context_len`."""
-    max_ctx = max(1, int(max_context_len))
-    if num_splits is None:
-        num_splits = choose_num_splits(batch, num_kv_heads, max_ctx, device)
-    default_block_n, default_stages = default_tiling(
-        batch * num_kv_heads * num_splits, head_dim, device
-    )
-    block_n = block_n or default_block_n
-    num_stages = num_stages or default_stages
-    num_splits = max(1, min(int(num_splits), _cdiv(max_ctx, block_n)))
-    partition = _cdiv(_cdiv(max_ctx, num_splits), block_n) * block_n  # a multiple of BLOCK_N
-    return DecodePlan(_cdiv(max_ctx, partition), partition, block_n, num_stages)
-
-
-# Arrival counters of the fused split combine, one int32 per (row, KV head), per device.
-# Every launch leaves them at 0 (the last program of each (row, KV head) resets its counter),
-# so one zeroed buffer serves all calls that run one after another. A buffer outgrown is kept
-# alive, never freed: a captured CUDA graph may still point at it.
-_MIN_COUNTERS = 1 << 14
-_counters: dict[tuple[str, int | None], torch.Tensor] = {}
-_outgrown_counters: list[torch.Tensor] = []
-
-
-def arrival_counters(count: int, device: torch.device) -> torch.Tensor:
-    """At least `count` int32 zeros on `device` for the fused combine's arrival counters.
-
-    The per-device buffer when it is large enough (also during CUDA-graph capture: the graph
-    then reads and resets that same buffer on every replay). Outside capture a too small
-    buffer is replaced by a zeroed one of at least `max(count, _MIN_COUNTERS)` (rounded up to
-    a power of two). During capture no buffer is replaced: a zeroed buffer private to this
-    call is allocated inside the graph (its zeroing becomes a memset node of the graph).
-    """
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    key = (device.type, device.index)
-    buffer = _counters.get(key)
-    if buffer is not None and buffer.numel() >= count:
-        return buffer
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return torch.zeros(count, dtype=torch.int32, device=device)
-    if buffer is not None:
-        _outgrown_counters.append(buffer)
-    buffer = torch.zeros(
-        max(_MIN_COUNTERS, next_power_of_2(count)), dtype=torch.int32, device=device
-    )
-    _counters[key] = buffer
-    return buffer
-
-
-_COMBINES = ("fused", "separate")
-# Elements of the fused combine's [partitions, query heads, D] tile per step (registers).
-_COMBINE_TILE = 4096
-
-
 def paged_decode_attention(
     q: torch.Tensor,  # [B, Hq, D]
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
@@ -528,7 +338,6 @@ def paged_decode_attention(
     *,
     max_context_len: int | None = None,
     num_splits: int | None = None,
-    combine: str = "fused",
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
@@ -540,10 +349,7 @@ def paged_decode_attention(
     - `max_context_len`: an upper bound on `context_lens` known on the host (default:
       `block_tables.shape[1] * block_size`), used only to choose the number of splits; the
       kernel never reads it from the device, so a call does not synchronize.
-    - `num_splits`: force this many context partitions (1 = no partial outputs).
-    - `combine`: how a split call merges its partitions. "fused" (default): the last program
-      of each (row, KV head) to finish, found with an atomic arrival counter, combines them
-      in the same launch. "separate": a second kernel does (one more launch).
+    - `num_splits`: force this many context partitions (1 = no second kernel).
     - `block_n`, `num_warps`, `num_stages`: tokens per loop step, warps per program and
       software-pipelining depth (tuning; defaults from `default_tiling`).
     - `heads_fastest`: launch order of the programs. True: the KV heads of one row are
@@ -552,132 +358,105 @@ def paged_decode_attention(
       Default `_HEADS_FASTEST`.
     Values are not checked on the device: a row with `context_lens[i] == 0` yields zeros,
     and a length beyond the row's blocks reads whatever its padding blocks hold.
-
-    Streams and CUDA graphs: a fused split call uses the device's arrival-counter buffer
-    (`arrival_counters`), which every launch leaves zeroed. Calls on one device must
-    therefore run one after another: issue them on one stream (or order the streams), and
-    do not replay a captured graph holding such calls concurrently with other calls on the
-    same device. Capture is safe: the graph keeps reading and resetting the buffer it was
-    captured with (kept alive), or a zeroed private one when the device's buffer was too
-    small at capture time. `combine="separate"` and one-split calls use no shared state.
     """
     if not HAS_TRITON:
         raise RuntimeError("paged_decode_attention needs Triton; use the reference instead")
     check_decode_args(q, k_cache, v_cache, block_tables, context_lens)
     if q.dtype not in _KERNEL_DTYPES:
         raise ValueError(f"the kernel takes {_KERNEL_DTYPES}, got {q.dtype}")
-    if combine not in _COMBINES:
-        raise ValueError(f"combine must be one of {_COMBINES}, got {combine!r}")
     batch, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     out = torch.empty((batch, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
     group = num_q_heads // num_kv_heads
-    max_blocks = block_tables.shape[1]
-    capacity = max_blocks * block_size
+    capacity = block_tables.shape[1] * block_size
     max_ctx = capacity if max_context_len is None else max(1, min(int(max_context_len), capacity))
-    plan = plan_decode(
-        batch, num_kv_heads, head_dim, max_ctx, q.device,
-        num_splits=num_splits, block_n=block_n, num_stages=num_stages,
-    )  # fmt: skip
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, num_kv_heads, max_ctx, q.device)
+    default_block_n, default_stages = default_tiling(
+        batch * num_kv_heads * num_splits, head_dim, q.device
+    )
+    block_n = block_n or default_block_n
+    num_stages = num_stages or default_stages
+    num_splits = max(1, min(int(num_splits), _cdiv(max_ctx, block_n)))
+    partition = _cdiv(_cdiv(max_ctx, num_splits), block_n) * block_n  # a multiple of BLOCK_N
+    num_splits = _cdiv(max_ctx, partition)
     d_pad = next_power_of_2(head_dim)
-    group_pow2 = next_power_of_2(group)
     dot_fp32 = INTERPRETED or q.dtype == torch.float32
     launch = {"num_warps": num_warps or 4}
-    if plan.num_stages is not None:
-        launch["num_stages"] = plan.num_stages
+    if num_stages is not None:
+        launch["num_stages"] = num_stages
 
-    split = plan.num_splits > 1
-    fused = split and combine == "fused"
-    if split:
-        # partial outputs [B, Hq, S, D] and their lse [B, Hq, S] in one float32 allocation
-        part_numel = batch * num_q_heads * plan.num_splits * head_dim
-        scratch = torch.empty(
-            part_numel + batch * num_q_heads * plan.num_splits, dtype=torch.float32, device=q.device
-        )
-        part = scratch[:part_numel].view(batch, num_q_heads, plan.num_splits, head_dim)
-        lse = scratch[part_numel:].view(batch, num_q_heads, plan.num_splits)
-        p_strides = part.stride()[:3]
-        l_strides = lse.stride()[:2]
+    if num_splits == 1:
+        target, lse = out, out  # lse unused
+        t_strides = (out.stride(0), out.stride(1), 0, out.stride(2))
+        l_strides = (0, 0)
     else:
-        part, lse = out, out  # unused
-        p_strides, l_strides = (0, 0, 0), (0, 0)
-    counters = arrival_counters(batch * num_kv_heads, q.device) if fused else out  # unused
-    s_chunk = min(next_power_of_2(plan.num_splits), max(1, _COMBINE_TILE // (group_pow2 * d_pad)))
-    s_chunk = 1 << (s_chunk.bit_length() - 1)  # a power of two
+        target = torch.empty(
+            (batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
+        )
+        lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
+        t_strides = target.stride()
+        l_strides = (lse.stride(0), lse.stride(1))
 
     if heads_fastest is None:
         heads_fastest = _HEADS_FASTEST
-    grid = (
-        (num_kv_heads, batch, plan.num_splits)
-        if heads_fastest
-        else (batch, num_kv_heads, plan.num_splits)
-    )
+    grid = (num_kv_heads, batch, num_splits) if heads_fastest else (batch, num_kv_heads, num_splits)
     _paged_decode_kernel[grid](
         q,
         k_cache,
         v_cache,
         block_tables,
         context_lens,
-        out,
-        part,
+        target,
         lse,
-        counters,
         float(scale) * _LOG2E,
-        plan.partition,
-        plan.num_splits,
-        max_blocks,
+        partition,
+        num_splits,
         *q.stride(),
         *k_cache.stride(),
         *v_cache.stride(),
         *block_tables.stride(),
-        *out.stride(),
-        *p_strides,
+        *t_strides,
         *l_strides,
         GROUP=group,
         GROUP_PAD=max(16, next_power_of_2(group)),
-        GROUP_POW2=group_pow2,
         HEAD_DIM=head_dim,
         D_PAD=d_pad,
         PAGE=block_size,
-        BLOCK_N=plan.block_n,
-        SPLIT=split,
-        FUSED=fused,
-        S_CHUNK=s_chunk,
+        BLOCK_N=block_n,
+        SPLIT=num_splits > 1,
         DOT_FP32=dot_fp32,
         HEADS_FASTEST=bool(heads_fastest),
         **launch,
     )
-    if split and not fused:
+    if num_splits > 1:
         _combine_splits_kernel[(batch, num_q_heads)](
-            part,
+            target,
             lse,
             context_lens,
             out,
-            plan.num_splits,
-            plan.partition,
-            part.stride(0),
-            part.stride(1),
-            part.stride(2),
+            num_splits,
+            partition,
+            target.stride(0),
+            target.stride(1),
+            target.stride(2),
             lse.stride(0),
             lse.stride(1),
             *out.stride(),
             HEAD_DIM=head_dim,
             D_PAD=d_pad,
-            S_PAD=next_power_of_2(plan.num_splits),
-            num_warps=4 if d_pad * next_power_of_2(plan.num_splits) >= 2048 else 1,
+            S_PAD=next_power_of_2(num_splits),
+            num_warps=4 if d_pad * next_power_of_2(num_splits) >= 2048 else 1,
         )
     return out
 
 
 __all__ = [
-    "DecodePlan",
-    "arrival_counters",
     "check_decode_args",
     "choose_num_splits",
     "default_tiling",
     "paged_decode_attention",
     "paged_decode_attention_reference",
-    "plan_decode",
 ]

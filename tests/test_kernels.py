@@ -381,11 +381,10 @@ def test_interp_decode_kernel_matches_reference(interp, group, head_dim, block_s
     )  # fmt: skip
     scale = 1.0 / math.sqrt(head_dim)
     expected = paged_decode_attention_reference(q, k_cache, v_cache, tables, lens, scale)
-    # one program per (row, KV head) over the whole context, and the split-K path with the
-    # partitions combined in the same launch (fused) or by a second kernel (separate)
-    for splits, combine in ((None, "fused"), (3, "fused"), (3, "separate")):
+    # one program per (row, KV head) over the whole context, and the split-K path
+    for splits in (None, 3):
         out = paged.paged_decode_attention(
-            q, k_cache, v_cache, tables, lens, scale, num_splits=splits, combine=combine
+            q, k_cache, v_cache, tables, lens, scale, num_splits=splits
         )
         assert out.shape == q.shape and out.dtype == dtype
         assert_close(out, expected, dtype)
@@ -416,47 +415,15 @@ def test_interp_decode_kernel_split_k_many_partitions(interp):
     )  # fmt: skip
     expected = paged_decode_attention_reference(q, k_cache, v_cache, tables, lens, 0.125)
     for splits, block_n in ((4, 16), (8, 16), (2, 128)):
-        for combine in ("fused", "separate"):
-            out = paged.paged_decode_attention(
-                q, k_cache, v_cache, tables, lens, 0.125, num_splits=splits, block_n=block_n,
-                combine=combine,
-            )  # fmt: skip
-            assert_close(out, expected, torch.float32)
+        out = paged.paged_decode_attention(
+            q, k_cache, v_cache, tables, lens, 0.125, num_splits=splits, block_n=block_n
+        )
+        assert_close(out, expected, torch.float32)
     # a host-side bound on the context that is too small still covers every token
     out = paged.paged_decode_attention(
         q, k_cache, v_cache, tables, lens, 0.125, num_splits=4, max_context_len=64, block_n=16
     )
     assert_close(out, expected, torch.float32)
-
-
-def test_interp_decode_fused_combine_leaves_its_counters_zeroed(interp):
-    """Two fused split calls in a row on other data are both right: the first one's last
-    programs reset the arrival counters the second one counts with."""
-    paged = interp["paged_attention"]
-    cases = [
-        make_decode_case(
-            seed=seed, context_lens=lens, num_kv_heads=2, group=2, head_dim=64, block_size=16,
-            dtype=torch.float16,
-        )[0]
-        for seed, lens in ((13, [40, 1, 64]), (14, [17, 50, 33]))
-    ]  # fmt: skip
-    for q, k_cache, v_cache, tables, lens in cases:
-        out = paged.paged_decode_attention(
-            q, k_cache, v_cache, tables, lens, 0.125, num_splits=3, block_n=16
-        )
-        expected = paged_decode_attention_reference(q, k_cache, v_cache, tables, lens, 0.125)
-        assert_close(out, expected, torch.float16)
-        assert not paged.arrival_counters(1, q.device).any()
-
-
-def test_interp_decode_kernel_refuses_an_unknown_combine(interp):
-    paged = interp["paged_attention"]
-    (q, k_cache, v_cache, tables, lens), _ = make_decode_case(
-        seed=15, context_lens=[3], num_kv_heads=1, group=1, head_dim=16, block_size=16,
-        dtype=torch.float32,
-    )  # fmt: skip
-    with pytest.raises(ValueError, match="combine"):
-        paged.paged_decode_attention(q, k_cache, v_cache, tables, lens, 1.0, combine="both")
 
 
 def test_interp_decode_kernel_reads_strided_queries(interp):

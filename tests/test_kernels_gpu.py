@@ -97,12 +97,8 @@ def test_decode_kernel_matches_reference_bf16(group, head_dim, block_size):
     )  # fmt: skip
     scale = 1.0 / math.sqrt(head_dim)
     expected = paged_decode_attention_reference(q, k_cache, v_cache, tables, ctx, scale)
-    # heuristic, one program per (row, KV head), split-K combined in the same launch (fused)
-    # or by a second kernel (separate)
-    for splits, combine in ((None, "fused"), (1, "fused"), (5, "fused"), (5, "separate")):
-        out = paged_decode_attention(
-            q, k_cache, v_cache, tables, ctx, scale, num_splits=splits, combine=combine
-        )
+    for splits in (None, 1, 5):  # heuristic, one program per (row, KV head), split-K
+        out = paged_decode_attention(q, k_cache, v_cache, tables, ctx, scale, num_splits=splits)
         assert out.dtype == torch.bfloat16 and out.shape == q.shape
         assert_close(out, expected, torch.bfloat16)
     for splits in (1, 5):  # both launch orders of the programs
@@ -129,10 +125,8 @@ def test_decode_kernel_matches_reference_other_dtypes(dtype):
         dtype=dtype,
     )  # fmt: skip
     expected = paged_decode_attention_reference(q, k_cache, v_cache, tables, ctx, 0.125)
-    for splits, combine in ((1, "fused"), (4, "fused"), (4, "separate")):
-        out = paged_decode_attention(
-            q, k_cache, v_cache, tables, ctx, 0.125, num_splits=splits, combine=combine
-        )
+    for splits in (1, 4):
+        out = paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.125, num_splits=splits)
         assert_close(out, expected, dtype)
 
 
@@ -151,65 +145,6 @@ def test_decode_heuristic_splits_small_batch_long_context():
     assert_close(
         decode_attention(q, k_cache, v_cache, tables, ctx, 0.125), expected, torch.bfloat16
     )
-
-
-def test_decode_fused_combine_many_calls_leave_counters_zeroed():
-    """Fused split calls one after another, over caches of other shapes and more rows than
-    the last call: each is right, and the arrival counters are all 0 after each."""
-    import kernels.paged_attention as paged
-
-    for seed, (batch, splits) in enumerate(((3, 7), (40, 3), (5, 16), (40, 2))):
-        lens = ragged_lengths(seed, batch, 16, longest=900) if batch >= 4 else [1, 16, 900]
-        (q, k_cache, v_cache, tables, ctx), _ = make_decode_case(
-            seed=100 + seed, context_lens=lens, num_kv_heads=4, group=4, head_dim=64,
-            block_size=16, dtype=torch.bfloat16,
-        )  # fmt: skip
-        expected = paged_decode_attention_reference(q, k_cache, v_cache, tables, ctx, 0.125)
-        out = paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.125, num_splits=splits)
-        assert_close(out, expected, torch.bfloat16)
-        torch.cuda.synchronize()
-        assert not paged.arrival_counters(batch * 4, q.device).any()
-
-
-@pytest.mark.parametrize("counters_at_capture", ["cached", "none"])
-def test_decode_fused_split_call_replays_from_a_cuda_graph(monkeypatch, counters_at_capture):
-    """One fused split call captured in a CUDA graph; q and context_lens change in place
-    between replays, the output is poisoned (NaN) before each: every replay equals the
-    reference. "none": no counter buffer exists at capture time, so the graph gets its own."""
-    import kernels.paged_attention as paged
-
-    longest = 1500
-    lens = ragged_lengths(21, 12, 16, longest=longest)
-    (q, k_cache, v_cache, tables, ctx), _ = make_decode_case(
-        seed=21, context_lens=lens, num_kv_heads=4, group=4, head_dim=64, block_size=16,
-        dtype=torch.bfloat16,
-    )  # fmt: skip
-
-    def call():
-        return paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.125, num_splits=6)
-
-    call()  # warm-up outside the capture: compiles, and allocates the counter buffer
-    torch.cuda.synchronize()
-    if counters_at_capture == "none":
-        monkeypatch.setattr(paged, "_counters", {})
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = call()
-    torch.cuda.synchronize()
-    gen = torch.Generator().manual_seed(22)
-    for step in range(4):
-        q.copy_(torch.randn(q.shape, generator=gen).to(torch.bfloat16))
-        new_lens = torch.randint(1, longest + 1, (len(lens),), generator=gen)
-        new_lens[step % len(lens)] = 1
-        new_lens = torch.minimum(new_lens, torch.tensor(lens))  # within each row's blocks
-        ctx.copy_(new_lens.to(torch.int32))
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        expected = paged_decode_attention_reference(q, k_cache, v_cache, tables, ctx, 0.125)
-        assert_close(out, expected, torch.bfloat16)
-    if counters_at_capture == "cached":
-        assert not paged.arrival_counters(len(lens) * 4, q.device).any()
 
 
 @pytest.mark.parametrize("group,head_dim", [(1, 64), (3, 128), (4, 64), (8, 128)])
