@@ -43,7 +43,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -138,6 +138,8 @@ class WorkerReport:
     batches: int  # batches (or pieces of batches) this worker generated in this run
     rows: int
     restarts: int = 0  # times it died and was replaced by a fresh actor
+    ready_s: float | None = None  # seconds from the job's start to its first actor's model loaded
+    last_result_s: float | None = None  # seconds from the job's start to its last result
 
 
 @dataclass(frozen=True)
@@ -158,7 +160,9 @@ class JobSummary:
     workers: tuple[WorkerReport, ...] = ()
     worker_restarts: int = 0  # workers that died and were replaced
     device_oom_errors: int = 0  # device out-of-memory errors the engine retried smaller
-
+    # Seconds per phase of this run, in order (see `PHASES`); they add up to wall_time_s.
+    # A phase the run never reached (nothing left to compute: no Ray, no worker) is absent.
+    timings: dict[str, float] = field(default_factory=dict)
 
     def format(self) -> str:
         lines = [
@@ -172,14 +176,52 @@ class JobSummary:
         if self.worker_restarts or self.device_oom_errors:
             lines.append(f"recovered: {self.worker_restarts} worker restart(s), "
                          f"{self.device_oom_errors} device out-of-memory error(s)")
+        if self.timings:
+            lines.append("time: " + ", ".join(f"{PHASES[k]} {v:.1f} s"
+                                              for k, v in self.timings.items()))
         return "\n".join(lines)
+
+
+# A run's phases, in order, as `JobSummary.timings` names them (and as `format` says them).
+PHASES = {
+    "prepare": "prepare",  # scan the input, load the tokenizer, open the output, first batch
+    "ray": "Ray",  # start or join Ray
+    "workers": "workers",  # start the actors until each has loaded the model (or is late)
+    "first_batch": "first batch",  # until the first batch's result is back
+    "generate": "generate",  # until the last result is back
+    "shutdown": "shutdown",  # stop the actors (and a private Ray), mark the output complete
+}
+
+
+class _Timeline:
+    """When each phase of a run ended, in seconds from the job's start (the first mark of
+    a phase counts); `timings` turns the marks into the phases' lengths."""
+
+    def __init__(self, start: float) -> None:
+        self.start = start
+        self.marks: dict[str, float] = {}
+
+    def now(self) -> float:
+        return time.perf_counter() - self.start
+
+    def mark(self, phase: str) -> None:
+        self.marks.setdefault(phase, self.now())
+
+    def timings(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        before = 0.0
+        for phase in PHASES:
+            if phase in self.marks:
+                out[phase] = self.marks[phase] - before
+                before = self.marks[phase]
+        return out
 
 
 def run_batch_job(input: str | Path, output_dir: str | Path, **options: Any) -> JobSummary:
     """Run the batch job of `nanoserve batch INPUT -o OUTPUT_DIR`; see the module docstring.
     Job-level problems raise `NanoserveError` (InputError, ModelError) before any worker
     starts; row-level problems become `error` rows."""
-    start = time.perf_counter()
+    timeline = _Timeline(time.perf_counter())
     opts = JobOptions(**options)
     info = scan_input(input, opts.chunk_rows, opts.id_column)
     plan = plan_columns(info.schema, opts.prompt_column, opts.id_column)
@@ -193,20 +235,25 @@ def run_batch_job(input: str | Path, output_dir: str | Path, **options: Any) -> 
     folder = Path(output_dir)
     manifest = open_output_dir(folder, settings, opts.overwrite)
     if manifest.complete:
-        return JobSummary(str(folder), 0, 0, manifest.rows_done, 0, 0,
-                          time.perf_counter() - start, 0.0, 0.0, 0)
+        timeline.mark("prepare")
+        return JobSummary(str(folder), 0, 0, manifest.rows_done, 0, 0, timeline.marks["prepare"],
+                          0.0, 0.0, 0, timings=timeline.timings())
     with ExitStack() as stack:
 
         def start_pool() -> _WorkerPool:  # on the first batch that needs a worker
+            timeline.mark("prepare")
             stack.enter_context(_RaySession(opts.address))
-            pool = _WorkerPool.start(opts)
+            timeline.mark("ray")
+            pool = _WorkerPool.start(opts, timeline)
             stack.callback(pool.shutdown)
+            timeline.mark("workers")
             return pool
 
-        run = _JobRun(opts, plan, folder, manifest, start_pool, info.num_rows)
+        run = _JobRun(opts, plan, folder, manifest, start_pool, info.num_rows, timeline)
         run.execute(make_batches(_prepared_rows(info, preparer, opts.chunk_rows), limits))
     mark_complete(folder, manifest)
-    return run.summary(time.perf_counter() - start)
+    timeline.mark("shutdown")
+    return run.summary(timeline.marks["shutdown"])
 
 
 def _job_settings(opts: JobOptions, info: InputInfo, model_path: Path,
@@ -268,10 +315,10 @@ class _RaySession:
     def __exit__(self, *exc: Any) -> None:
         import ray
 
-        if self.owned:
-            ray.shutdown()
         if self.temp_dir is not None:
-            shutil.rmtree(self.temp_dir, ignore_errors=True)
+            stop_local_ray(self.temp_dir)
+        elif self.owned:
+            ray.shutdown()
 
 
 SINGLE_MACHINE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray on 127.0.0.1 only
@@ -298,6 +345,34 @@ def start_local_ray(num_cpus: int | None = None, num_gpus: int | None = None) ->
              _node_ip_address="127.0.0.1", include_dashboard=False, _temp_dir=temp_dir,
              logging_level=logging.WARNING)
     return temp_dir
+
+
+def stop_local_ray(temp_dir: str) -> None:
+    """Stop the private local Ray `start_local_ray` started in this process, and remove
+    its temp dir.
+
+    `ray.shutdown()` stops Ray's processes one after another, each with SIGTERM and up to
+    1 s to exit. The autoscaler monitor, stopped after the GCS, spends that whole second
+    trying to report its own SIGTERM to the GCS that is already gone; it holds nothing a
+    private single-machine Ray needs at its end, so it is SIGKILLed first. Every other
+    process is stopped by `ray.shutdown()` as usual."""
+    import ray
+
+    for process in _monitor_processes():
+        process.kill()
+    ray.shutdown()
+    shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _monitor_processes() -> list[Any]:
+    """The autoscaler monitor process(es) of the Ray this process started ([] if none, or
+    if this Ray version keeps them elsewhere: then `ray.shutdown()` alone stops them)."""
+    import ray._private.ray_constants as ray_constants
+    import ray._private.worker as ray_worker
+
+    node = getattr(ray_worker, "_global_node", None)
+    infos = getattr(node, "all_processes", {}).get(ray_constants.PROCESS_TYPE_MONITOR, [])
+    return [info.process for info in infos if getattr(info, "process", None) is not None]
 
 
 def _running_cluster_address() -> str | None:
@@ -337,6 +412,8 @@ class _Worker:
     batches: int = 0  # pieces of batches this slot generated (a whole batch is one piece)
     rows: int = 0
     restarts: int = 0  # times the actor died and was replaced
+    ready_s: float | None = None  # seconds from the job's start to the first actor ready
+    last_result_s: float | None = None  # seconds from the job's start to its last result
     alive: bool = True
     holds_suspect: bool = False  # running a suspect piece, which it runs alone
 
@@ -351,14 +428,16 @@ class _WorkerPool:
     has no room for it, or the model loads too slowly) is given up; a worker that cannot
     load the model fails the job with one line (ModelError)."""
 
-    def __init__(self, actor_cls: Any, kwargs: dict[str, Any], timeout_s: float) -> None:
+    def __init__(self, actor_cls: Any, kwargs: dict[str, Any], timeout_s: float,
+                 timeline: _Timeline) -> None:
         self.actor_cls = actor_cls
         self.kwargs = kwargs
         self.timeout_s = timeout_s
+        self.timeline = timeline
         self.workers: list[_Worker] = []
 
     @classmethod
-    def start(cls, opts: JobOptions) -> _WorkerPool:
+    def start(cls, opts: JobOptions, timeline: _Timeline) -> _WorkerPool:
         import ray
 
         resources = ray.cluster_resources()
@@ -384,16 +463,18 @@ class _WorkerPool:
         kwargs = {"model": opts.model, "dtype": opts.dtype,
                   "kv_cache_fraction": opts.kv_cache_fraction,
                   "kv_cache_bytes": opts.kv_cache_bytes, "num_threads": num_threads}
-        pool = cls(actor_cls, kwargs, opts.worker_start_timeout_s)
+        pool = cls(actor_cls, kwargs, opts.worker_start_timeout_s, timeline)
         if opts.progress:
             where = f"{num_gpus} GPU(s)" if num_gpus else "CPU"
             _log(f"nanoserve: starting {count} worker(s) on {where}, loading {opts.model}")
         handles = [actor_cls.remote(**kwargs) for _ in range(count)]
-        infos = pool._wait_ready(handles)
-        late = [h for h, info in zip(handles, infos) if info is None]
+        ready = pool._wait_ready(handles)
+        late = [h for h, r in zip(handles, ready) if r is None]
         for h in late:
             ray.kill(h, no_restart=True)
-        pool.workers = [_Worker(h, info) for h, info in zip(handles, infos) if info is not None]
+        for h, r in zip(handles, ready):
+            if r is not None:
+                pool.workers.append(_Worker(h, r[0], ready_s=r[1]))
         if not pool.workers:
             raise NanoserveError(
                 f"no worker was ready within {opts.worker_start_timeout_s:g} s: the cluster has "
@@ -405,21 +486,24 @@ class _WorkerPool:
                  f"{len(pool.workers)}")
         return pool
 
-    def _wait_ready(self, handles: list[Any]) -> list[dict[str, Any] | None]:
-        """Each actor's `info()` once its model is loaded; None for one not ready within the
-        timeout. ModelError (after killing these actors) if any could not load the model."""
+    def _wait_ready(self, handles: list[Any]) -> list[tuple[dict[str, Any], float] | None]:
+        """Each actor's `info()` once its model is loaded, with when that was (seconds from
+        the job's start); None for one not ready within the timeout. Answers are taken as
+        they come: the first worker that cannot load the model raises ModelError at once
+        (after killing these actors), without waiting for the others or the timeout."""
         import ray
 
         refs = [h.info.remote() for h in handles]
-        done, _ = ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s)
-        done_set = set(done)
-        infos: list[dict[str, Any] | None] = []
-        for ref in refs:
-            if ref not in done_set:
-                infos.append(None)
-                continue
+        ready: dict[Any, tuple[dict[str, Any], float]] = {}
+        deadline = time.monotonic() + self.timeout_s
+        waiting = list(refs)
+        while waiting:
+            done, waiting = ray.wait(waiting, num_returns=1,
+                                     timeout=max(0.0, deadline - time.monotonic()))
+            if not done:
+                break  # the timeout: the rest are late
             try:
-                info = ray.get(ref)
+                info = ray.get(done[0])
             except ray.exceptions.RayError as e:
                 self._kill(handles)
                 raise ModelError(f"a worker died while loading the model: "
@@ -427,8 +511,8 @@ class _WorkerPool:
             if "load_error" in info:
                 self._kill(handles)
                 raise ModelError(f"a worker could not load the model: {info['load_error']}")
-            infos.append(info)
-        return infos
+            ready[done[0]] = (info, self.timeline.now())
+        return [ready.get(ref) for ref in refs]
 
     def replace(self, index: int) -> None:
         """Kill worker `index` (it died or failed) and start a fresh actor in its place.
@@ -439,15 +523,15 @@ class _WorkerPool:
         worker = self.workers[index]
         ray.kill(worker.handle, no_restart=True)
         handle = self.actor_cls.remote(**self.kwargs)
-        (info,) = self._wait_ready([handle])
+        (ready,) = self._wait_ready([handle])
         worker.restarts += 1
-        if info is None:
+        if ready is None:
             ray.kill(handle, no_restart=True)
             worker.alive = False
             _log(f"nanoserve: worker {index} died and its replacement was not ready within "
                  f"{self.timeout_s:g} s; going on without it")
             return
-        worker.handle, worker.info = handle, info
+        worker.handle, worker.info = handle, ready[0]
 
     def pick(self, alone: bool, limit: int) -> int | None:
         """The live worker with the fewest pieces in flight (ties: lowest index) that can
@@ -468,7 +552,8 @@ class _WorkerPool:
 
     def reports(self) -> tuple[WorkerReport, ...]:
         return tuple(WorkerReport(i, tuple(w.info.get("gpu_ids", ())), w.info.get("device", "?"),
-                                  w.info.get("host", "?"), w.batches, w.rows, w.restarts)
+                                  w.info.get("host", "?"), w.batches, w.rows, w.restarts,
+                                  w.ready_s, w.last_result_s)
                      for i, w in enumerate(self.workers))
 
     def shutdown(self) -> None:
@@ -557,7 +642,8 @@ class _JobRun:
     """
 
     def __init__(self, opts: JobOptions, plan: ColumnPlan, folder: Path, manifest: Manifest,
-                 start_pool: Callable[[], _WorkerPool], total_rows: int) -> None:
+                 start_pool: Callable[[], _WorkerPool], total_rows: int,
+                 timeline: _Timeline) -> None:
         """`start_pool` is called when the first piece is sent: a rerun with nothing left
         to compute starts neither Ray nor a worker."""
         from tqdm import tqdm
@@ -577,6 +663,7 @@ class _JobRun:
         self.input_tokens = self.output_tokens = 0
         self.padded_slots = self.padded_real = 0
         self.oom_errors = 0
+        self.timeline = timeline
         self.t0 = time.perf_counter()
         self.bar = tqdm(total=total_rows, unit="row", file=sys.stderr, disable=not opts.progress,
                         dynamic_ncols=True, desc="nanoserve batch")
@@ -600,6 +687,9 @@ class _JobRun:
                 if not self.in_flight:
                     break  # every worker idle, so any piece could go: the queue is empty too
                 self._collect_one()
+            self.timeline.mark("prepare")  # (marked already unless no worker was needed)
+            if "first_batch" in self.timeline.marks:
+                self.timeline.mark("generate")
         finally:
             self.bar.close()
 
@@ -645,6 +735,7 @@ class _JobRun:
         ready, _ = ray.wait(list(self.in_flight), num_returns=1)
         sent = self._pop(ready[0])
         outcome, value = _fetch(ready[0])
+        self.timeline.mark("first_batch")
         if outcome == "died":
             self._worker_died(sent, value)
         else:
@@ -679,6 +770,7 @@ class _JobRun:
                  f"sub-batches")
         worker.batches += 1
         worker.rows += len(piece.rows)
+        worker.last_result_s = self.timeline.now()
         self.deaths_in_a_row = 0
         self._answer(piece, value.to_pylist())
 
@@ -783,7 +875,7 @@ class _JobRun:
             padding_waste=waste, num_batches=self.num_batches,
             workers=self.pool.reports() if self.pool is not None else (),
             worker_restarts=sum(w.restarts for w in self.pool.workers) if self.pool is not None else 0,
-            device_oom_errors=self.oom_errors,
+            device_oom_errors=self.oom_errors, timings=self.timeline.timings(),
         )
 
 

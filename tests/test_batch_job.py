@@ -300,3 +300,25 @@ def test_batch_worker_alone_matches_generate_and_isolates_a_bad_row(smollm2_llm)
     assert good["num_input_tokens"] == len(ids) and good["error"] is None
     assert bad["finish_reason"] == "error" and "9000 tokens" in bad["error"]
     assert worker.gpu_ids() == []  # no GPU given by Ray to this process
+
+
+def test_summary_splits_the_wall_time_into_phases(jsonl_job):
+    """`timings` names each phase of the run once, in order, and the phases add up to the
+    wall time; each worker was ready before its last result, within the run."""
+    summary, _ = jsonl_job
+    assert list(summary.timings) == list(driver.PHASES)
+    assert all(v >= 0 for v in summary.timings.values())
+    assert sum(summary.timings.values()) == pytest.approx(summary.wall_time_s)
+    (worker,) = summary.workers
+    assert 0 < worker.ready_s <= worker.last_result_s <= summary.wall_time_s
+    line = summary.format().splitlines()[-1]
+    assert line.startswith("time: prepare ") and ", shutdown " in line
+
+
+def test_rerun_with_nothing_left_has_only_a_prepare_phase(jsonl_job):
+    summary, out = jsonl_job
+    again = run_batch_job(out.parent / "prompts.jsonl", out, max_tokens=MAX_TOKENS, batch_size=3,
+                          progress=False)
+    assert (again.rows, again.rows_resumed) == (0, summary.rows)
+    assert list(again.timings) == ["prepare"]
+    assert again.timings["prepare"] == pytest.approx(again.wall_time_s)

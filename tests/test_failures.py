@@ -21,7 +21,7 @@ import pyarrow.dataset as ds
 import pytest
 
 import ray_jobs.driver as driver
-from nanoserve.errors import NanoserveError
+from nanoserve.errors import ModelError, NanoserveError
 from nanoserve.sampling import SamplingParams
 from ray_jobs import run_batch_job
 from ray_jobs.cli import main as batch_main
@@ -229,3 +229,29 @@ def test_out_of_memory_even_for_one_row_is_an_error_row_not_a_failed_job(
     rows = output_rows(tmp_path / "out")
     assert_every_row_once(rows, 3)
     assert all("ran out of memory even for this row alone" in r["error"] for r in rows)
+
+
+def test_load_failure_stops_the_job_without_waiting_for_a_worker_still_unplaced(
+        ray_session, tiny_job_model, tmp_path, monkeypatch):
+    """Two workers on a cluster with room for one: the placed one cannot load the model.
+    The job stops with that worker's error as soon as it reports it, rather than waiting
+    out `worker_start_timeout_s` (here far longer than the test) for the other one."""
+    ray = ray_session
+    monkeypatch.setenv("NANOSERVE_FAULT_LOAD", "raise")
+
+    @ray.remote(num_cpus=1)
+    class Holder:
+        def ready(self):
+            return True
+
+    holder = Holder.remote()
+    try:
+        ray.get(holder.ready.remote())
+        path = write_prompts(tmp_path / "in.jsonl", PROMPTS[:2])
+        with pytest.raises(ModelError, match=r"a worker could not load the model: "
+                                             r".*NANOSERVE_FAULT_LOAD=raise"):
+            run_job(tiny_job_model, path, tmp_path / "out", num_workers=2,
+                    worker_start_timeout_s=600)
+    finally:
+        ray.kill(holder)
+    assert list((tmp_path / "out").glob("part-*")) == []
