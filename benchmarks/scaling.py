@@ -71,7 +71,11 @@ def run_once(workload: Path, model_dir: Path, out_dir: Path, workers: int,
     rows = pq.read_table(out_dir, columns=["id"]).num_rows
     return {"workers": workers, "rows": s.rows, "rows_read_back": rows,
             "error_rows": s.error_rows, "output_tokens": s.output_tokens, "wall_s": wall,
-            "tok_s": s.output_tokens / wall, "gpu_busy_pct": gpus.mean_busy()}
+            "tok_s": s.output_tokens / wall, "gpu_busy_pct": gpus.mean_busy(),
+            "timings": s.timings,
+            "worker_ready_s": [w.ready_s for w in s.workers],
+            "worker_last_result_s": [w.last_result_s for w in s.workers],
+            "worker_rows": [w.rows for w in s.workers]}
 
 
 def main() -> None:
@@ -112,6 +116,11 @@ def main() -> None:
         busy = ", ".join(f"{i}: {b:.0f}" for i, b in r["gpu_busy_pct"].items())
         print(f"| {r['workers']} | {r['rows']} | {r['rows_read_back']} | {r['error_rows']} | "
               f"{r['output_tokens']} | {r['wall_s']:.1f} | {r['tok_s']:.0f} | {busy} |")
+    for r in results:
+        phases = ", ".join(f"{k} {v:.1f} s" for k, v in r["timings"].items())
+        ends = ", ".join(f"{t:.1f}" for t in r["worker_last_result_s"] if t is not None)
+        print(f"{r['workers']} workers: {phases}; each worker's last result at {ends} s; "
+              f"rows per worker {r['worker_rows']}")
     base = [r for r in results if r["workers"] == 1]
     for r in results:
         if base and r["workers"] > 1:

@@ -110,7 +110,10 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Given its weight, nn.Embedding skips its random init, which would import
+        # torch._dynamo (~1 s per process) only to fill a tensor the checkpoint replaces.
+        weight = torch.empty(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)
         )

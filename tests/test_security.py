@@ -337,8 +337,8 @@ LISTEN_SCRIPT = textwrap.dedent("""
     seen = []
     start = driver._WorkerPool.start.__func__
 
-    def start_and_look(cls, opts):
-        pool = start(cls, opts)  # every Ray process of the job exists now, workers included
+    def start_and_look(cls, *args, **kwargs):
+        pool = start(cls, *args, **kwargs)  # every Ray process of the job exists now, workers included
         me = psutil.Process()
         for proc in [me] + me.children(recursive=True):
             try:
