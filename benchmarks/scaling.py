@@ -88,9 +88,30 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/tmp/nanoserve-scaling"))
     ap.add_argument("--no-warmup", action="store_true",
                     help="skip the untimed 16-row job that fills Triton's kernel cache first")
+    ap.add_argument("--shared-ray", action="store_true",
+                    help="start Ray once, before the runs, as a running cluster would be: each "
+                         "job then joins it (actors and model loads still count) instead of "
+                         "starting and stopping its own")
     ap.add_argument("--out", type=Path, default=None, help="append each result as a JSON line")
     args = ap.parse_args()
+    ray_dir = None
+    if args.shared_ray:
+        import torch
 
+        from ray_jobs.driver import start_local_ray
+
+        ray_dir = start_local_ray(num_gpus=torch.cuda.device_count())
+    try:
+        results = run_all(args)
+    finally:
+        if ray_dir is not None:
+            from ray_jobs.driver import stop_local_ray
+
+            stop_local_ray(ray_dir)
+    report(results, "shared (started before the runs)" if args.shared_ray else "private per job")
+
+
+def run_all(args) -> list[dict]:
     args.work.mkdir(parents=True, exist_ok=True)
     model_dir = args.work / "llama-1b-random"
     if not (model_dir / "model.safetensors").exists():
@@ -108,7 +129,12 @@ def main() -> None:
                                 args.batch_size))
         if args.out:
             with args.out.open("a") as f:
-                f.write(json.dumps(results[-1]) + "\n")
+                f.write(json.dumps({**results[-1], "shared_ray": args.shared_ray}) + "\n")
+    return results
+
+
+def report(results: list[dict], ray_mode: str) -> None:
+    print(f"Ray: {ray_mode}")
     print("| workers | rows | rows read back | error rows | output tokens | wall s | output tok/s "
           "| GPU busy (mean %) |")
     print("|---|---|---|---|---|---|---|---|")
