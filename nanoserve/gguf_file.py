@@ -15,6 +15,7 @@ dequantized with `gguf.quants.dequantize` to float32.
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 from typing import Any
@@ -59,8 +60,22 @@ _INTEGER_TYPES = {
 
 
 def open_gguf(path: str | Path) -> GGUFReader:
-    """Open (memory-map) a GGUF file; an unreadable or malformed file is a ModelError."""
+    """Open (memory-map) a GGUF file; an unreadable or malformed file is a ModelError.
+
+    Parsing the header takes seconds for a vocabulary-sized metadata block, and a process
+    reads the same file for its config, its tensors and its tokenizer: the reader of the
+    last two files opened is kept, keyed by path, size and modification time (a rewritten
+    file is parsed again). Readers are only read from, never changed."""
     path = Path(path)
+    try:
+        stat = path.resolve().stat()
+    except FileNotFoundError:
+        raise ModelError(f"no such GGUF file: {path}") from None
+    return _open_gguf_cached(path.resolve(), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _open_gguf_cached(path: Path, size: int, mtime_ns: int) -> GGUFReader:
     try:
         return GGUFReader(path)
     except FileNotFoundError:
