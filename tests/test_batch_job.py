@@ -322,3 +322,42 @@ def test_rerun_with_nothing_left_has_only_a_prepare_phase(jsonl_job):
     assert (again.rows, again.rows_resumed) == (0, summary.rows)
     assert list(again.timings) == ["prepare"]
     assert again.timings["prepare"] == pytest.approx(again.wall_time_s)
+
+
+def test_last_batch_is_cut_for_idle_workers_and_written_once(ray_session, tiny_job_model,
+                                                             tiny_llm, tmp_path, monkeypatch):
+    """Two workers, 8 batches of 32 rows, at most 2 pieces in flight per worker: when the
+    input runs out, the last batch is still in the driver's queue, and the first worker to
+    go idle finds fewer pieces queued than workers, so that batch is cut into two halves of
+    16 rows (too small to cut again), one per worker. Its part is written once, with all
+    32 rows; every row equals the engine's output for its prompt alone."""
+    prompts = [f"Row {i}: count the {i % 7} sheep" + " again" * (i % 5) for i in range(256)]
+    path = _write(tmp_path / "in.jsonl", "".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    writes = []
+    original = driver.write_part_atomic
+
+    def counting_write(table, dest):
+        writes.append(Path(dest).name)
+        original(table, dest)
+
+    monkeypatch.setattr(driver, "write_part_atomic", counting_write)
+    out = tmp_path / "out"
+    summary = run_batch_job(path, out, model=str(tiny_job_model), max_tokens=3, batch_size=32,
+                            num_workers=2, kv_cache_bytes=32 << 20, progress=False)
+    assert summary.tail_splits == 1
+    assert "(1 cut in halves at the end to balance the workers)" in summary.format()
+    assert summary.num_batches == 8 and summary.rows == 256 and summary.error_rows == 0
+    assert len(summary.workers) == 2 and all(w.batches >= 1 for w in summary.workers)
+    assert sum(w.batches for w in summary.workers) == 8 + 1  # pieces: 7 batches, 2 halves
+    assert sum(w.rows for w in summary.workers) == 256
+    assert sorted(writes) == [part_name(b) for b in range(8)]  # each part written once
+    assert pq.read_table(out / part_name(7)).num_rows == 32
+    rows = ds.dataset(out).to_table().to_pylist()
+    assert sorted(r["id"] for r in rows) == list(range(256))
+    for row in rows:
+        ids = tiny_llm.tokenizer.encode(prompts[row["id"]])
+        (want,) = tiny_llm.generate([ids], [SamplingParams(max_tokens=3)])  # this prompt alone
+        assert row["error"] is None and row["num_input_tokens"] == len(ids)
+        assert row["generated_token_ids"] == want.token_ids, row["id"]
+        assert row["generated_text"] == want.text
+        assert row["finish_reason"] == want.finish_reason
