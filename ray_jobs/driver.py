@@ -11,16 +11,12 @@ Order of work (every job-level check comes before any model loads on a worker):
 5. stream the rows: tokenize a chunk at a time, cut them into batches (`batching`), send
    each batch's token ids to the least-loaded worker (at most `max_in_flight_per_worker`
    batches queued per worker), and write each finished batch as one Parquet part at once;
-   once the input is exhausted, the last batches go only to idle workers, cut in halves
-   when fewer are left than workers (see `_JobRun`), so no GPU idles while another still
-   has a batch waiting;
 6. when every batch is written, mark the folder complete (`_SUCCESS`).
 
 Memory stays flat: the driver holds one input chunk, one batching window, and the rows of
-the batches in flight (at most `max_in_flight_per_worker` per worker) or queued (about one
-per worker, plus retries); the manifest records done batch ids, never per-row data.
-Output rows are grouped by batch (sorted by prompt length within a window), not in input
-order: join on `id`.
+the batches in flight (at most `max_in_flight_per_worker` per worker, plus retries); the
+manifest records done batch ids, never per-row data. Output rows are grouped by batch
+(sorted by prompt length within a window), not in input order: join on `id`.
 
 Nothing lost, nothing duplicated (see `_JobRun` for the bookkeeping):
 - a worker that dies is replaced and the batches it held run again; a batch that kills
@@ -81,7 +77,6 @@ from ray_jobs.worker import (
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 MAX_BATCH_ATTEMPTS = 2  # deaths of its worker a batch may cause before it is cut in halves
 DEATH_SETTLE_TIMEOUT_S = 60.0  # wait for the other tasks of a dead actor to end
-TAIL_SPLIT_MIN_ROWS = 16  # the smallest half the end-of-job balancing cuts a batch into
 
 
 @dataclass(frozen=True)
@@ -165,7 +160,6 @@ class JobSummary:
     workers: tuple[WorkerReport, ...] = ()
     worker_restarts: int = 0  # workers that died and were replaced
     device_oom_errors: int = 0  # device out-of-memory errors the engine retried smaller
-    tail_splits: int = 0  # pieces cut in halves at the job's end to keep every worker busy
     # Seconds per phase of this run, in order (see `PHASES`); they add up to wall_time_s.
     # A phase the run never reached (nothing left to compute: no Ray, no worker) is absent.
     timings: dict[str, float] = field(default_factory=dict)
@@ -177,9 +171,7 @@ class JobSummary:
             f"tokens: {self.input_tokens} input, {self.output_tokens} output",
             f"wall time: {self.wall_time_s:.1f} s, {self.output_tokens_per_s:.1f} output tokens/s",
             f"padding waste: {self.padding_waste:.1%} of the padded prefill",
-            f"batches: {self.num_batches} on {len(self.workers)} worker(s)"
-            + (f" ({self.tail_splits} cut in halves at the end to balance the workers)"
-               if self.tail_splits else "") + f"; output: {self.output_dir}",
+            f"batches: {self.num_batches} on {len(self.workers)} worker(s); output: {self.output_dir}",
         ]
         if self.worker_restarts or self.device_oom_errors:
             lines.append(f"recovered: {self.worker_restarts} worker restart(s), "
@@ -599,16 +591,14 @@ class _Pending:
 @dataclass
 class _Piece:
     """Rows of one batch that go to a worker together: the whole batch, or, once the batch
-    killed its worker MAX_BATCH_ATTEMPTS times, a half of it (then a half of that...), or
-    a half cut at the job's end to balance the workers (`_JobRun._split_for_tail`: a plain
-    piece, `split` stays False, so it is handled as a whole batch would be if it fails).
+    killed its worker MAX_BATCH_ATTEMPTS times, a half of it (then a half of that...).
 
     A suspect piece was in flight on a worker that died. It runs alone on an idle worker
     (nothing else is sent there until it ends), so if that worker dies, the piece did it."""
 
     pending: _Pending
     rows: tuple[int, ...]  # indexes into pending.batch.rows
-    split: bool = False  # a part of a batch that kept killing its worker (not a tail half)
+    split: bool = False  # a part of a batch that kept killing its worker
     suspect: bool = False
     deaths: int = 0  # worker deaths blamed on this piece
 
@@ -649,17 +639,6 @@ class _JobRun:
       MAX_BATCH_ATTEMPTS: a wrong guess never cuts a piece or makes an error row;
     - `max_deaths_in_a_row` deaths without any piece finishing on a worker between them
       stop the job (NanoserveError): workers that die on everything are not a row's fault.
-
-    End of the job (balancing): batches are taken from the input ahead of dispatch, while
-    the queue holds fewer than one per live worker, so the driver learns that the input is
-    exhausted while the last batches are still in its queue. From then on (the tail):
-    - a piece goes only to an idle worker (no piece in flight), never behind a running one;
-    - when an idle worker finds fewer pieces queued than there are live workers, the
-      largest plain piece queued (not a suspect, not a part cut for a death; at least
-      2 x TAIL_SPLIT_MIN_ROWS rows) is cut in halves first (`_split_for_tail`, counted in
-      `tail_splits`). Its halves are plain pieces of the same `_Pending`: the batch's part
-      is still written once, when all its rows are back; a half that kills its worker is
-      handled as a whole batch would be (no death is counted for the cut).
     """
 
     def __init__(self, opts: JobOptions, plan: ColumnPlan, folder: Path, manifest: Manifest,
@@ -678,9 +657,7 @@ class _JobRun:
         self.pool: _WorkerPool | None = None
         self.queue: deque[_Piece] = deque()
         self.in_flight: dict[Any, _Sent] = {}
-        self.exhausted = False  # every batch of the input was admitted: the tail
         self.sent = 0
-        self.tail_splits = 0
         self.deaths_in_a_row = 0
         self.rows = self.error_rows = self.rows_resumed = self.num_batches = 0
         self.input_tokens = self.output_tokens = 0
@@ -693,16 +670,17 @@ class _JobRun:
 
     def execute(self, batches: Iterator[Batch]) -> None:
         """Hold at most `max_in_flight_per_worker` pieces per live worker plus the queue;
-        take the next batch from `batches` while the queue holds fewer pieces than
-        `_lookahead()`. Batches are admitted in order, one at a time."""
+        take the next batch from `batches` only when the queue is empty and a slot is free."""
         source = iter(batches)
+        more = True
         try:
             while True:
-                self._dispatch()
-                if not self.exhausted and len(self.queue) < self._lookahead():
+                while self.queue and (index := self._worker_for(self.queue[0])) is not None:
+                    self._submit(self.queue.popleft(), index)
+                if more and not self.queue and self._has_room():
                     batch = next(source, None)
                     if batch is None:
-                        self.exhausted = True
+                        more = False
                     else:
                         self._admit(batch)
                     continue
@@ -715,40 +693,18 @@ class _JobRun:
         finally:
             self.bar.close()
 
-    def _lookahead(self) -> int:
-        """How many pieces the queue may hold before the next batch is taken: one before
-        the pool starts (the first piece queued starts it), then one per live worker."""
-        return 1 if self.pool is None else max(1, self.pool.num_alive())
+    def _has_room(self) -> bool:
+        """Whether a new batch could be sent now (before the pool starts: yes)."""
+        if self.pool is None:
+            return True
+        return self.pool.pick(False, self.opts.max_in_flight_per_worker) is not None
 
-    def _dispatch(self) -> None:
-        """Send queued pieces, head first, while a worker can take the head. Starts the pool
-        when the first piece is ready to go. In the tail, a piece goes only to an idle
-        worker, and the queue is first topped up by cutting a piece in halves when it
-        holds fewer pieces than there are live workers (see the class docstring)."""
-        while self.queue:
-            if self.pool is None:
-                self.pool = self.start_pool()
-            alone = self.queue[0].suspect or self.exhausted
-            index = self.pool.pick(alone, self.opts.max_in_flight_per_worker)
-            if index is None:
-                return
-            if self.exhausted and len(self.queue) < self.pool.num_alive():
-                self._split_for_tail()
-            self._submit(self.queue.popleft(), index)
-
-    def _split_for_tail(self) -> None:
-        """Cut the largest plain queued piece (not suspect, not cut for a death, at least
-        2 x TAIL_SPLIT_MIN_ROWS rows) in halves, in its place in the queue; none: no cut."""
-        plain = [i for i, p in enumerate(self.queue)
-                 if not p.suspect and not p.split and len(p.rows) >= 2 * TAIL_SPLIT_MIN_ROWS]
-        if not plain:
-            return
-        at = max(plain, key=lambda i: (len(self.queue[i].rows), -i))
-        piece = self.queue[at]
-        half = len(piece.rows) // 2
-        self.queue[at] = _Piece(piece.pending, piece.rows[:half])
-        self.queue.insert(at + 1, _Piece(piece.pending, piece.rows[half:]))
-        self.tail_splits += 1
+    def _worker_for(self, piece: _Piece) -> int | None:
+        """The worker `piece` goes to now, or None while none can take it. Starts the pool
+        when the first piece is ready to go."""
+        if self.pool is None:
+            self.pool = self.start_pool()
+        return self.pool.pick(piece.suspect, self.opts.max_in_flight_per_worker)
 
     def _admit(self, batch: Batch) -> None:
         """Skip a batch an earlier run wrote, write an error batch, or queue the batch."""
@@ -763,7 +719,7 @@ class _JobRun:
             self.queue.append(_Piece(_Pending(batch, [None] * n, n), tuple(range(n))))
 
     def _submit(self, piece: _Piece, index: int) -> None:
-        """The one place a piece is sent to a worker (`index`, from `_dispatch`)."""
+        """The one place a piece is sent to a worker (`index`, from `_worker_for`)."""
         worker = self.pool.workers[index]
         ref = worker.handle.run_batch.remote(piece.requests())
         worker.in_flight += 1
@@ -919,8 +875,7 @@ class _JobRun:
             padding_waste=waste, num_batches=self.num_batches,
             workers=self.pool.reports() if self.pool is not None else (),
             worker_restarts=sum(w.restarts for w in self.pool.workers) if self.pool is not None else 0,
-            device_oom_errors=self.oom_errors, tail_splits=self.tail_splits,
-            timings=self.timeline.timings(),
+            device_oom_errors=self.oom_errors, timings=self.timeline.timings(),
         )
 
 

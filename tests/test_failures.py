@@ -255,33 +255,3 @@ def test_load_failure_stops_the_job_without_waiting_for_a_worker_still_unplaced(
     finally:
         ray.kill(holder)
     assert list((tmp_path / "out").glob("part-*")) == []
-
-
-def test_poison_row_in_a_batch_cut_for_the_tail_is_isolated_as_in_a_whole_batch(
-        ray_session, tiny_job_model, tiny_llm, tmp_path, monkeypatch, capsys):
-    """Two workers, 8 batches of 4 rows; halves of at least 2 rows may be cut at the end
-    (TAIL_SPLIT_MIN_ROWS = 2 here). The last batch is cut in halves for the idle workers;
-    the poison row (the longest prompt: the last row of the last batch) is in the second
-    half. That cut is no death: the half kills its worker twice (MAX_BATCH_ATTEMPTS, as a
-    whole batch would), is cut in halves again, and the row alone kills it once more:
-    3 restarts, then that row alone is an `error` row and every other row is answered."""
-    monkeypatch.setattr(driver, "TAIL_SPLIT_MIN_ROWS", 2)
-    monkeypatch.setenv("NANOSERVE_FAULT_KILL_ON_TEXT", "POISON")
-    prompts = [f"Item {i}: the fox jumps over {i * 7} lazy dogs" for i in range(32)]
-    prompts[9] = "This POISON row kills its worker" + ", and it goes on and on" * 6
-    path = write_prompts(tmp_path / "in.jsonl", prompts)
-    summary = run_job(tiny_job_model, path, tmp_path / "out", batch_size=4, num_workers=2)
-    assert summary.tail_splits == 1
-    assert summary.worker_restarts == 3
-    assert summary.rows == 32 and summary.error_rows == 1
-    rows = output_rows(tmp_path / "out")
-    assert_every_row_once(rows, 32)
-    for row in rows:
-        if row["id"] == 9:
-            assert row["finish_reason"] == "error" and row["generated_token_ids"] is None
-            assert "the worker died while processing this row" in row["error"]
-        else:
-            assert_matches_oracle(tiny_llm, prompts, row)
-    deaths = re.findall(r"nanoserve: worker \d died while running batch 7 \((\d) of its 4 rows\)",
-                        capsys.readouterr().err)
-    assert deaths == ["2", "2", "1"]
