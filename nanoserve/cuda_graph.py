@@ -57,8 +57,12 @@ def graphs_wanted(device: torch.device, decode_steps: int) -> bool:
 
 
 class DecodeStep:
-    """The decode step of one static batch. Build after the prefill; call once per step
-    with each row's last token; returns logits [B, V] float32 (valid until the next call)."""
+    """The decode step of one static batch, built after the prefill.
+
+    Without feedback: call once per step with each row's last token; returns logits
+    [B, V] float32 (valid until the next call). With feedback (all rows greedy): `start`
+    with each row's last token once, then `launch` queues a step and `read_tokens` returns
+    the oldest queued step's argmax tokens, at most two steps queued and unread."""
 
     def __init__(self, model: LlamaForCausalLM, cache: BatchedPagedKVCache, max_blocks: int,
                  capture: bool, feedback: bool = False) -> None:

@@ -12,6 +12,7 @@ once. Faults are injected through the worker's documented testing hooks
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -158,13 +159,11 @@ def test_more_workers_than_the_cluster_can_place_are_capped_with_a_warning(
         assert_matches_oracle(tiny_llm, PROMPTS, row)
 
 
-def test_no_room_for_any_worker_fails_after_the_start_timeout(
-        ray_session, tiny_job_model, tmp_path):
-    """Every CPU of the cluster held by another actor: the job's worker cannot be placed,
-    and the job says so after `worker_start_timeout_s` instead of waiting forever."""
-    ray = ray_session
+@contextlib.contextmanager
+def cpus_held(ray, num_cpus: int):
+    """An actor holding `num_cpus` of the local cluster's CPUs for the block's duration."""
 
-    @ray.remote(num_cpus=2)
+    @ray.remote(num_cpus=num_cpus)
     class Holder:
         def ready(self):
             return True
@@ -172,12 +171,20 @@ def test_no_room_for_any_worker_fails_after_the_start_timeout(
     holder = Holder.remote()
     try:
         ray.get(holder.ready.remote())
+        yield
+    finally:
+        ray.kill(holder)
+
+
+def test_no_room_for_any_worker_fails_after_the_start_timeout(
+        ray_session, tiny_job_model, tmp_path):
+    """Every CPU of the cluster held by another actor: the job's worker cannot be placed,
+    and the job says so after `worker_start_timeout_s` instead of waiting forever."""
+    with cpus_held(ray_session, 2):
         path = write_prompts(tmp_path / "in.jsonl", PROMPTS[:2])
         with pytest.raises(NanoserveError, match=r"no worker was ready within 3 s: the cluster "
                                                  r"has no free CPU"):
             run_job(tiny_job_model, path, tmp_path / "out", worker_start_timeout_s=3)
-    finally:
-        ray.kill(holder)
 
 
 def test_batch_bigger_than_the_kv_pool_is_split_and_a_row_too_big_alone_is_an_error(
@@ -236,22 +243,11 @@ def test_load_failure_stops_the_job_without_waiting_for_a_worker_still_unplaced(
     """Two workers on a cluster with room for one: the placed one cannot load the model.
     The job stops with that worker's error as soon as it reports it, rather than waiting
     out `worker_start_timeout_s` (here far longer than the test) for the other one."""
-    ray = ray_session
     monkeypatch.setenv("NANOSERVE_FAULT_LOAD", "raise")
-
-    @ray.remote(num_cpus=1)
-    class Holder:
-        def ready(self):
-            return True
-
-    holder = Holder.remote()
-    try:
-        ray.get(holder.ready.remote())
+    with cpus_held(ray_session, 1):
         path = write_prompts(tmp_path / "in.jsonl", PROMPTS[:2])
         with pytest.raises(ModelError, match=r"a worker could not load the model: "
                                              r".*NANOSERVE_FAULT_LOAD=raise"):
             run_job(tiny_job_model, path, tmp_path / "out", num_workers=2,
                     worker_start_timeout_s=600)
-    finally:
-        ray.kill(holder)
     assert list((tmp_path / "out").glob("part-*")) == []
