@@ -57,6 +57,7 @@ from ray_jobs.manifest import (
     PART_DIGEST_KEY,
     Manifest,
     adopt_part,
+    hold_output_dir,
     input_identity,
     mark_complete,
     model_identity,
@@ -233,12 +234,13 @@ def run_batch_job(input: str | Path, output_dir: str | Path, **options: Any) -> 
                            opts.sampling_defaults())
     settings = _job_settings(opts, info, model_path, limits)
     folder = Path(output_dir)
-    manifest = open_output_dir(folder, settings, opts.overwrite)
-    if manifest.complete:
-        timeline.mark("prepare")
-        return JobSummary(str(folder), 0, 0, manifest.rows_done, 0, 0, timeline.marks["prepare"],
-                          0.0, 0.0, 0, timings=timeline.timings())
     with ExitStack() as stack:
+        stack.enter_context(hold_output_dir(folder))  # one job per output folder at a time
+        manifest = open_output_dir(folder, settings, opts.overwrite)
+        if manifest.complete:
+            timeline.mark("prepare")
+            return JobSummary(str(folder), 0, 0, manifest.rows_done, 0, 0,
+                              timeline.marks["prepare"], 0.0, 0.0, 0, timings=timeline.timings())
 
         def start_pool() -> _WorkerPool:  # on the first batch that needs a worker
             timeline.mark("prepare")
@@ -251,7 +253,7 @@ def run_batch_job(input: str | Path, output_dir: str | Path, **options: Any) -> 
 
         run = _JobRun(opts, plan, folder, manifest, start_pool, info.num_rows, timeline)
         run.execute(make_batches(_prepared_rows(info, preparer, opts.chunk_rows), limits))
-    mark_complete(folder, manifest)
+        mark_complete(folder, manifest)
     timeline.mark("shutdown")
     return run.summary(timeline.marks["shutdown"])
 

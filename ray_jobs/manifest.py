@@ -27,10 +27,12 @@ The manifest holds per-batch data only (done ids, as ranges), never per-row data
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +45,7 @@ from nanoserve.errors import InputError
 MANIFEST_NAME = "_nanoserve_manifest.json"
 PART_DIGEST_KEY = b"nanoserve.batch_digest"  # in each part's Parquet footer: `Batch.digest()`
 SUCCESS_NAME = "_SUCCESS"
+LOCK_NAME = "_nanoserve.lock"  # held (flock) by the one job writing the folder
 FORMAT = 1
 FULL_HASH_MAX_BYTES = 64 << 20
 SAMPLE_BYTES = 1 << 20
@@ -50,7 +53,7 @@ SAMPLE_BYTES = 1 << 20
 _PART_RE = re.compile(r"part-(\d+)\.parquet")
 _OURS_RE = re.compile(r"(part-\d+\.parquet|\.part-\d+\.parquet\.tmp-\d+|"
                       rf"{re.escape(MANIFEST_NAME)}|\.{re.escape(MANIFEST_NAME)}\.tmp-\d+|"
-                      rf"{re.escape(SUCCESS_NAME)})")
+                      rf"{re.escape(SUCCESS_NAME)}|{re.escape(LOCK_NAME)})")
 
 
 def part_name(batch_id: int) -> str:
@@ -143,6 +146,40 @@ def settings_differences(old: Any, new: Any, prefix: str = "") -> list[str]:
     return [] if old == new else [prefix.rstrip(".")]
 
 
+@contextlib.contextmanager
+def hold_output_dir(folder: Path) -> Iterator[None]:
+    """Create `folder` if needed and hold it for one job: an exclusive `flock` on
+    `folder/_nanoserve.lock`, or InputError naming the process that holds it. Two jobs
+    writing one folder would delete each other's temporary files and record each other's
+    batches. The kernel drops the lock when the holder exits, however it dies (SIGKILL
+    included), so a killed job never leaves the folder locked. The lock file stays (Parquet
+    readers skip `_` names). Where `fcntl` is missing (not POSIX) nothing is locked."""
+    if folder.exists() and not folder.is_dir():
+        raise InputError(f"output {folder} exists and is not a folder")
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    path = folder / LOCK_NAME
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            raise InputError(
+                f"another nanoserve job (pid {holder}) is writing to output folder {folder}; "
+                f"wait for it to end, or choose another folder"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def open_output_dir(folder: Path, settings: dict[str, Any], overwrite: bool) -> Manifest:
     """Make `folder` ready for the job and return its manifest: fresh (empty folder, or
     `overwrite`), or the earlier run's one when resuming. Refuses (InputError) a folder with
@@ -168,7 +205,8 @@ def open_output_dir(folder: Path, settings: dict[str, Any], overwrite: bool) -> 
             raise InputError(f"output folder {folder} holds parts but no {MANIFEST_NAME}; "
                              f"use --overwrite to replace them")
         for name in entries:
-            (folder / name).unlink(missing_ok=True)
+            if name != LOCK_NAME:  # another job waits on this very file: keep its inode
+                (folder / name).unlink(missing_ok=True)
         manifest = Manifest(settings)
         manifest.save(folder)
         return manifest

@@ -30,7 +30,13 @@ from nanoserve.errors import InputError
 from nanoserve.sampling import SamplingParams
 from ray_jobs import run_batch_job
 from ray_jobs.cli import main as batch_main
-from ray_jobs.manifest import MANIFEST_NAME, SUCCESS_NAME, Manifest, part_name
+from ray_jobs.manifest import (
+    MANIFEST_NAME,
+    SUCCESS_NAME,
+    Manifest,
+    hold_output_dir,
+    part_name,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_TOKENS = 2
@@ -222,6 +228,27 @@ def test_recorded_part_that_went_missing_is_refused(small_job, monkeypatch):
     with pytest.raises(InputError, match=r"lacks 1 part\(s\) recorded as written "
                                          r"\(part-00002.parquet\); use --overwrite"):
         run_batch_job(path, out, **options)
+
+
+def test_a_folder_another_job_holds_is_refused_and_freed_when_it_ends(small_job, monkeypatch):
+    """One job per output folder: while another holds it (the lock's flock, taken here by
+    this process through a second open file), a job on it stops before touching a file or
+    starting a worker, naming the holder; once released, the same rerun goes through. A
+    job that ends in an error releases the folder too (the SIGKILL case is
+    test_driver_killed_mid_job_resumes_keeping_written_parts: its rerun takes the lock)."""
+    _, path, out, options = small_job
+    monkeypatch.setattr(driver._WorkerPool, "start", _no_workers)
+    forget(out, 99, 0)  # not complete, nothing missing: a rerun only marks it complete
+    before = part_files(out)
+    with hold_output_dir(out):
+        with pytest.raises(InputError, match=rf"another nanoserve job \(pid {os.getpid()}\) is "
+                                             r"writing to output folder .*choose another folder"):
+            run_batch_job(path, out, **options)
+    assert part_files(out) == before and not (out / SUCCESS_NAME).exists()
+    with pytest.raises(InputError, match="other settings"):
+        run_batch_job(path, out, **{**options, "max_tokens": MAX_TOKENS + 1})
+    summary = run_batch_job(path, out, **options)
+    assert (summary.rows, summary.rows_resumed) == (0, 6) and (out / SUCCESS_NAME).exists()
 
 
 def _no_workers(*args, **kwargs):
