@@ -3,7 +3,9 @@
 `OUTPUT_DIR/_nanoserve_manifest.json` records the job's settings (model identity, input
 identity, sampling defaults, batching and column options) and the ids of the batches whose
 parts (`part-<batch id>.parquet`) are written; `OUTPUT_DIR/_SUCCESS` appears only once every
-row is written. Both names start with `_`, so Parquet readers skip them.
+row is written; `OUTPUT_DIR/_nanoserve.lock` is held (flock) by the job writing the folder,
+so a second job on it is refused (`hold_output_dir`). These names start with `_`, so
+Parquet readers skip them.
 
 A rerun into the same folder resumes: the settings must be equal (else an InputError says
 which differ, before any work), batches recorded as done are skipped, and the rest are
