@@ -15,7 +15,7 @@ import torch
 
 from nanoserve.attention import AttentionMetadata
 from nanoserve.cache import BatchedPagedKVCache, CacheShape, DenseKVCache, KVPool
-from nanoserve.cuda_graph import graphs_wanted, make_decode_step
+from nanoserve.cuda_graph import DecodeStep, graphs_wanted, make_decode_step
 from nanoserve.errors import CacheFullError
 from nanoserve.model import LlamaForCausalLM
 from nanoserve.sampling import SamplingParams, sample_next
@@ -165,7 +165,8 @@ def generate_batch(model: LlamaForCausalLM, prompts: list[list[int]], params: li
     return [s.output() for s in seqs], stats
 
 
-def _decode_pipelined(step, seqs: list[Sequence], stats: BatchStats, max_decode_steps: int) -> None:
+def _decode_pipelined(step: DecodeStep, seqs: list[Sequence], stats: BatchStats,
+                      max_decode_steps: int) -> None:
     """Decode an all-greedy batch with step t+1 queued before step t's tokens are read
     (DecodeStep feedback). The tokens, finish reasons and stats equal the plain loop's; at
     most one step more runs on the device after the last row finishes (never more than
