@@ -1,8 +1,8 @@
 """Static batches by token length.
 
 Rows arrive in input order. They are taken a window at a time (`window_rows`, by default 8
-batches' worth); within a window the rows that can be generated are sorted by prompt length
-(ties by input position) and cut, in that order, into batches bounded by
+batches' worth); within a window the rows that can be generated are sorted by prompt length,
+longest first (ties by input position), and cut, in that order, into batches bounded by
 
 - `batch_size` rows, and
 - `max_batch_tokens` (if set): a batch's cost is `rows x max(prompt tokens + max_tokens)`,
@@ -12,6 +12,14 @@ batches' worth); within a window the rows that can be generated are sorted by pr
 
 The window's error rows (prepared as errors on the driver) form their own batches first;
 they are written by the driver and never sent to a worker.
+
+Longest first: a batch of longer prompts takes longer (prefill, and attention over a longer
+context at every step), so the window's batches go out in decreasing cost. The driver gives
+the next batch to whichever worker frees up first, so the worker that drew a longer batch
+draws the next, shorter one later: several workers end a window together. In increasing
+order the same dispatch hands every second batch, always the longer of a pair, to the same
+worker, and the gap between the workers grows with every pair (measured on two GPUs: 3.5 s
+at the end of a 70 s job, against 0.7 s simulated for longest first).
 
 Invariants: every row is in exactly one batch; batch ids count up from 0 in emission order;
 the batches (ids, rows, order) are a function of the input rows and the limits only, so a
@@ -116,10 +124,10 @@ def make_batches(rows: Iterable[BatchRow], limits: BatchLimits) -> Iterator[Batc
 
 def cut_window(window: list[BatchRow], limits: BatchLimits) -> list[list[BatchRow]]:
     """One window's batches: its error rows first (in input order), then the other rows
-    sorted by (prompt length, position) and cut greedily at the bounds."""
+    sorted by (prompt length descending, position) and cut greedily at the bounds."""
     errors = [r for r in window if r.error is not None]
     good = sorted((r for r in window if r.error is None),
-                  key=lambda r: (r.num_prompt_tokens, r.position))
+                  key=lambda r: (-r.num_prompt_tokens, r.position))
     groups = [errors[i:i + limits.batch_size] for i in range(0, len(errors), limits.batch_size)]
     current: list[BatchRow] = []
     longest = 0  # max(prompt + max_tokens) over `current`

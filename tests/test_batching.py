@@ -58,7 +58,7 @@ def test_batches_are_deterministic(rows, limits):
 
 @settings(max_examples=100, deadline=None)
 @given(rows=rows_strategy, limits=limits_strategy)
-def test_batches_stay_within_their_window_sorted_by_length(rows, limits):
+def test_batches_stay_within_their_window_longest_prompts_first(rows, limits):
     w = limits.window_rows
     flat = []
     for b in make_batches(iter(rows), limits):
@@ -68,7 +68,7 @@ def test_batches_stay_within_their_window_sorted_by_length(rows, limits):
             flat.append((windows.pop(), b.rows))
     for window in {k for k, _ in flat}:
         order = [r for k, rs in flat if k == window for r in rs]
-        keys = [(r.num_prompt_tokens, r.position) for r in order]
+        keys = [(-r.num_prompt_tokens, r.position) for r in order]
         assert keys == sorted(keys)
 
 
@@ -76,21 +76,21 @@ def test_sorting_by_length_cuts_padding():
     # Alternating short and long prompts: sorted within the window, each batch is uniform.
     rows = [Row(i, 10 if i % 2 else 100, 8) for i in range(8)]
     batches = list(make_batches(rows, BatchLimits(batch_size=4)))
-    assert [[r.num_prompt_tokens for r in b.rows] for b in batches] == [[10] * 4, [100] * 4]
+    assert [[r.num_prompt_tokens for r in b.rows] for b in batches] == [[100] * 4, [10] * 4]
     assert sum(b.padded_prompt_tokens for b in batches) == sum(r.num_prompt_tokens for r in rows)
 
 
 def test_token_bound_splits_and_single_oversized_row_stands_alone():
     rows = [Row(0, 10, 10), Row(1, 10, 10), Row(2, 10, 10), Row(3, 500, 10)]
     batches = list(make_batches(rows, BatchLimits(batch_size=8, max_batch_tokens=45)))
-    assert [[r.position for r in b.rows] for b in batches] == [[0, 1], [2], [3]]
+    assert [[r.position for r in b.rows] for b in batches] == [[3], [0, 1], [2]]
 
 
 def test_error_rows_form_their_own_batches_first_in_each_window():
     rows = [Row(0, 5, 4), Row(1, 0, 0, "empty"), Row(2, 3, 4), Row(3, 0, 0, "bad")]
     batches = list(make_batches(rows, BatchLimits(batch_size=2, window_rows=4)))
     assert [(b.is_error, [r.position for r in b.rows]) for b in batches] == [
-        (True, [1, 3]), (False, [2, 0])]
+        (True, [1, 3]), (False, [0, 2])]
 
 
 def test_digest_tells_different_batches_apart():
