@@ -9,6 +9,9 @@ every 0.5 s over the run).
 
     python -m benchmarks.scaling --workers 2 1 [--rows 4096] [--work /tmp/nanoserve-scaling]
 
+A count may be repeated (`--workers 2 1 1 2`): the efficiency is then the mean rate of the
+N-actor runs over N times the mean rate of the one-actor runs.
+
 An untimed 16-row job runs first, so that Triton's on-disk kernel cache is filled before
 either timed run (otherwise the first run alone pays for compiling the kernels). Each
 timed run is the whole job's wall time, including Ray start and model load.
@@ -75,6 +78,7 @@ def run_once(workload: Path, model_dir: Path, out_dir: Path, workers: int,
             "timings": s.timings,
             "worker_ready_s": [w.ready_s for w in s.workers],
             "worker_last_result_s": [w.last_result_s for w in s.workers],
+            "worker_result_s": [list(w.result_s) for w in s.workers],
             "worker_rows": [w.rows for w in s.workers]}
 
 
@@ -147,12 +151,15 @@ def report(results: list[dict], ray_mode: str) -> None:
         ends = ", ".join(f"{t:.1f}" for t in r["worker_last_result_s"] if t is not None)
         print(f"{r['workers']} workers: {phases}; each worker's last result at {ends} s; "
               f"rows per worker {r['worker_rows']}")
-    base = [r for r in results if r["workers"] == 1]
-    for r in results:
-        if base and r["workers"] > 1:
-            eff = r["tok_s"] / (r["workers"] * base[0]["tok_s"])
-            print(f"scaling efficiency, {r['workers']} GPUs: {eff:.2f} (target 0.9)")
-
+        for i, times in enumerate(r["worker_result_s"]):
+            print(f"  worker {i} results at (s): " + " ".join(f"{t:.1f}" for t in times))
+    base = [r["tok_s"] for r in results if r["workers"] == 1]
+    for n in sorted({r["workers"] for r in results} - {1}):
+        rates = [r["tok_s"] for r in results if r["workers"] == n]
+        if base:
+            eff = (sum(rates) / len(rates)) / (n * sum(base) / len(base))
+            print(f"scaling efficiency, {n} GPUs: {eff:.3f} (target 0.9; mean of {len(rates)} "
+                  f"run(s) against the mean of {len(base)} one-GPU run(s))")
 
 if __name__ == "__main__":
     main()

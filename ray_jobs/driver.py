@@ -141,6 +141,7 @@ class WorkerReport:
     restarts: int = 0  # times it died and was replaced by a fresh actor
     ready_s: float | None = None  # seconds from the job's start to its first actor's model loaded
     last_result_s: float | None = None  # seconds from the job's start to its last result
+    result_s: tuple[float, ...] = ()  # seconds from the job's start to each of its results
 
 
 @dataclass(frozen=True)
@@ -416,6 +417,7 @@ class _Worker:
     restarts: int = 0  # times the actor died and was replaced
     ready_s: float | None = None  # seconds from the job's start to the first actor ready
     last_result_s: float | None = None  # seconds from the job's start to its last result
+    result_s: list[float] = field(default_factory=list)  # ... to each of its results
     alive: bool = True
     holds_suspect: bool = False  # running a suspect piece, which it runs alone
 
@@ -555,7 +557,7 @@ class _WorkerPool:
     def reports(self) -> tuple[WorkerReport, ...]:
         return tuple(WorkerReport(i, tuple(w.info.get("gpu_ids", ())), w.info.get("device", "?"),
                                   w.info.get("host", "?"), w.batches, w.rows, w.restarts,
-                                  w.ready_s, w.last_result_s)
+                                  w.ready_s, w.last_result_s, tuple(w.result_s))
                      for i, w in enumerate(self.workers))
 
     def shutdown(self) -> None:
@@ -773,6 +775,7 @@ class _JobRun:
         worker.batches += 1
         worker.rows += len(piece.rows)
         worker.last_result_s = self.timeline.now()
+        worker.result_s.append(worker.last_result_s)
         self.deaths_in_a_row = 0
         self._answer(piece, value.to_pylist())
 
