@@ -23,13 +23,15 @@ import json
 from collections.abc import Iterable, Sequence
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
-from nanoserve.chat_template import ChatTemplate
 from nanoserve.errors import ModelError
+
+if TYPE_CHECKING:  # imported where a template is compiled: jinja2 costs ~0.2 s to import
+    from nanoserve.chat_template import ChatTemplate
 
 _CONTROL = 3  # llama.cpp token types
 _USER_DEFINED = 4
@@ -259,6 +261,8 @@ class Tokenizer:
                     f"the model's tokenizer ({self._source}) has no chat template; pass prompt "
                     f"text or prompt token ids instead of messages"
                 )
+            from nanoserve.chat_template import ChatTemplate
+
             self._chat_template = ChatTemplate(self._chat_template_source)
         variables = {**self._special_tokens, **kwargs}
         return self._chat_template.render(messages, add_generation_prompt=add_generation_prompt,

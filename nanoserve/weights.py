@@ -20,7 +20,6 @@ from safetensors import SafetensorError, safe_open
 
 from nanoserve.config import ModelConfig
 from nanoserve.errors import ModelError
-from nanoserve.gguf_file import gguf_config_dict, hf_name, open_gguf, read_gguf
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -54,6 +53,8 @@ def load_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tens
     """Load a Hugging Face checkpoint folder or a `.gguf` file; see the module invariants."""
     path = Path(path)
     if path.is_file() and path.suffix == ".gguf":
+        from nanoserve.gguf_file import read_gguf  # the gguf package: imported for GGUF only
+
         config, tensors = read_gguf(path)
         return config, _checked(config, tensors, str(path))
     if path.is_dir():
@@ -76,6 +77,8 @@ def validate_checkpoint(path: str | Path) -> ModelConfig:
     loads the model."""
     path = Path(path)
     if path.is_file() and path.suffix == ".gguf":
+        from nanoserve.gguf_file import gguf_config_dict, hf_name, open_gguf
+
         reader = open_gguf(path)  # memory-maps: a truncated file fails here
         config = ModelConfig.from_hf_dict(gguf_config_dict(reader, path))
         # GGUF shapes are innermost-first; ours are outermost-first.
