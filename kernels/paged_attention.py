@@ -26,6 +26,7 @@ import functools
 import torch
 
 from kernels._triton import HAS_TRITON, interpret_requested, next_power_of_2, tl, triton
+from kernels.online_softmax import online_softmax_step
 
 # Decided when this module is imported, like Triton's own choice in `@triton.jit` below.
 INTERPRETED = HAS_TRITON and interpret_requested()
@@ -215,21 +216,8 @@ def _paged_decode_kernel(
         v_ptrs = v_head + block[:, None] * stride_vb + offset[:, None] * stride_vo
         k = tl.load(k_ptrs + d[None, :] * stride_kd, mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
         v = tl.load(v_ptrs + d[None, :] * stride_vd, mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
-        if DOT_FP32:
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(t_mask[None, :], s * qk_scale, float("-inf"))  # [GROUP_PAD, BLOCK_N]
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if DOT_FP32:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(q, k, v, t_mask[None, :], qk_scale, m_i, l_i, acc,
+                                            DOT_FP32)
 
     has_tokens = l_i > 0.0  # False only for an empty partition (or a row of length 0)
     out = acc / tl.where(has_tokens, l_i, 1.0)[:, None]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from kernels._triton import HAS_TRITON, interpret_requested, next_power_of_2, tl, triton
+from kernels.online_softmax import online_softmax_step
 
 # Decided when this module is imported, like Triton's own choice in `@triton.jit` below.
 INTERPRETED = HAS_TRITON and interpret_requested()
@@ -150,22 +151,8 @@ def _prefill_kernel(
         v_ptrs = v_ptr + cols[:, None] * stride_vn + kv_head * stride_vh + d[None, :] * stride_vd
         k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
         v = tl.load(v_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
-        if DOT_FP32:
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        visible = (n[None, :] <= m[:, None]) & n_mask[None, :]
-        s = tl.where(visible, s * qk_scale, float("-inf"))  # [BLOCK_M, BLOCK_N]
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if DOT_FP32:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        visible = (n[None, :] <= m[:, None]) & n_mask[None, :]  # [BLOCK_M, BLOCK_N]
+        m_i, l_i, acc = online_softmax_step(q, k, v, visible, qk_scale, m_i, l_i, acc, DOT_FP32)
 
     out = acc / l_i[:, None]  # every query sees at least key 0 of its prompt: l_i > 0
     out_ptrs = out_ptr + rows[:, None] * stride_on + head * stride_oh + d[None, :] * stride_od
