@@ -16,7 +16,7 @@ Order of work (every job-level check comes before any model loads on a worker):
 Memory stays flat: the driver holds one input chunk, one batching window, and the rows of
 the batches in flight (at most `max_in_flight_per_worker` per worker, plus retries); the
 manifest records done batch ids, never per-row data. Output rows are grouped by batch
-(sorted by prompt length within a window), not in input order: join on `id`.
+(sorted by prompt length within a window, longest first), not in input order: join on `id`.
 
 Nothing lost, nothing duplicated (see `_JobRun` for the bookkeeping):
 - a worker that dies is replaced and the batches it held run again; a batch that kills
