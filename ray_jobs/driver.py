@@ -34,11 +34,7 @@ Nothing lost, nothing duplicated (see `_JobRun` for the bookkeeping):
 
 from __future__ import annotations
 
-import logging
-import os
-import shutil
 import sys
-import tempfile
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -49,10 +45,11 @@ from typing import Any
 
 import pyarrow as pa
 
-from nanoserve.errors import ModelError, NanoserveError
+from nanoserve.errors import NanoserveError
 from nanoserve.model_store import DEFAULT_MODEL, resolve_model
 from ray_jobs.batching import Batch, BatchLimits, make_batches
 from ray_jobs.io import DEFAULT_CHUNK_ROWS, InputInfo, iter_chunks, scan_input, write_part_atomic
+from ray_jobs.local_ray import RaySession
 from ray_jobs.manifest import (
     PART_DIGEST_KEY,
     Manifest,
@@ -64,13 +61,13 @@ from ray_jobs.manifest import (
     open_output_dir,
     part_name,
 )
+from ray_jobs.pool import WorkerPool, WorkerReport, first_line, log
 from ray_jobs.prepare import ColumnPlan, PreparedRow, RowPreparer, load_model_meta, plan_columns
+from ray_jobs.timeline import PHASES, Timeline
 from ray_jobs.worker import (
-    FAULT_ENV_PREFIX,
     OOM_KEY,
     PREFILL_SLOTS_KEY,
     PREFILL_TOKENS_KEY,
-    BatchWorker,
     GenerationRequest,
     error_row,
 )
@@ -131,20 +128,6 @@ class JobOptions:
 
 
 @dataclass(frozen=True)
-class WorkerReport:
-    index: int
-    gpu_ids: tuple
-    device: str
-    host: str
-    batches: int  # batches (or pieces of batches) this worker generated in this run
-    rows: int
-    restarts: int = 0  # times it died and was replaced by a fresh actor
-    ready_s: float | None = None  # seconds from the job's start to its first actor's model loaded
-    last_result_s: float | None = None  # seconds from the job's start to its last result
-    result_s: tuple[float, ...] = ()  # seconds from the job's start to each of its results
-
-
-@dataclass(frozen=True)
 class JobSummary:
     """What one run did. Counts cover this run; `rows_resumed` rows were written by earlier
     runs into the same folder."""
@@ -184,46 +167,11 @@ class JobSummary:
         return "\n".join(lines)
 
 
-# A run's phases, in order, as `JobSummary.timings` names them (and as `format` says them).
-PHASES = {
-    "prepare": "prepare",  # scan the input, load the tokenizer, open the output, first batch
-    "ray": "Ray",  # start or join Ray
-    "workers": "workers",  # start the actors until each has loaded the model (or is late)
-    "first_batch": "first batch",  # until the first batch's result is back
-    "generate": "generate",  # until the last result is back
-    "shutdown": "shutdown",  # stop the actors (and a private Ray), mark the output complete
-}
-
-
-class _Timeline:
-    """When each phase of a run ended, in seconds from the job's start (the first mark of
-    a phase counts); `timings` turns the marks into the phases' lengths."""
-
-    def __init__(self, start: float) -> None:
-        self.start = start
-        self.marks: dict[str, float] = {}
-
-    def now(self) -> float:
-        return time.perf_counter() - self.start
-
-    def mark(self, phase: str) -> None:
-        self.marks.setdefault(phase, self.now())
-
-    def timings(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        before = 0.0
-        for phase in PHASES:
-            if phase in self.marks:
-                out[phase] = self.marks[phase] - before
-                before = self.marks[phase]
-        return out
-
-
 def run_batch_job(input: str | Path, output_dir: str | Path, **options: Any) -> JobSummary:
     """Run the batch job of `nanoserve batch INPUT -o OUTPUT_DIR`; see the module docstring.
     Job-level problems raise `NanoserveError` (InputError, ModelError) before any worker
     starts; row-level problems become `error` rows."""
-    timeline = _Timeline(time.perf_counter())
+    timeline = Timeline(time.perf_counter())
     opts = JobOptions(**options)
     info = scan_input(input, opts.chunk_rows, opts.id_column)
     plan = plan_columns(info.schema, opts.prompt_column, opts.id_column)
@@ -243,11 +191,11 @@ def run_batch_job(input: str | Path, output_dir: str | Path, **options: Any) -> 
             return JobSummary(str(folder), 0, 0, manifest.rows_done, 0, 0,
                               timeline.marks["prepare"], 0.0, 0.0, 0, timings=timeline.timings())
 
-        def start_pool() -> _WorkerPool:  # on the first batch that needs a worker
+        def start_pool() -> WorkerPool:  # on the first batch that needs a worker
             timeline.mark("prepare")
-            stack.enter_context(_RaySession(opts.address))
+            stack.enter_context(RaySession(opts.address))
             timeline.mark("ray")
-            pool = _WorkerPool.start(opts, timeline)
+            pool = WorkerPool.start(opts, timeline)
             stack.callback(pool.shutdown)
             timeline.mark("workers")
             return pool
@@ -279,308 +227,6 @@ def _prepared_rows(info: InputInfo, preparer: RowPreparer, chunk_rows: int) -> I
     for chunk in iter_chunks(info, chunk_rows):
         yield from preparer.prepare(chunk, position)
         position += chunk.batch.num_rows
-
-
-class _RaySession:
-    """Join the Ray cluster the job should use, or start a private local one.
-
-    Order: an already initialized Ray (kept as it is); `address` (or RAY_ADDRESS); a running
-    cluster started with `ray start` on this machine; else a private local Ray
-    (`start_local_ray`). `address="local"` always starts the private local Ray."""
-
-    def __init__(self, address: str | None) -> None:
-        self.address = address
-        self.owned = False
-        self.temp_dir: str | None = None
-
-    def __enter__(self) -> _RaySession:
-        import ray
-
-        if ray.is_initialized():
-            return self
-        address = self.address or os.environ.get("RAY_ADDRESS") or None
-        if address is None and _running_cluster_address() is not None:
-            address = "auto"
-        if address not in (None, "local"):
-            try:
-                ray.init(address=address, logging_level=logging.WARNING)
-                self.owned = True
-                return self
-            except ConnectionError as e:
-                if self.address or os.environ.get("RAY_ADDRESS"):
-                    raise NanoserveError(f"cannot connect to Ray at {address}: {e}") from None
-                print(f"nanoserve: no running Ray cluster ({e}); starting a local one",
-                      file=sys.stderr)
-        self.temp_dir = start_local_ray()
-        self.owned = True
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        import ray
-
-        if self.temp_dir is not None:
-            stop_local_ray(self.temp_dir)
-        elif self.owned:
-            ray.shutdown()
-
-
-SINGLE_MACHINE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray on 127.0.0.1 only
-
-
-def start_local_ray(num_cpus: int | None = None, num_gpus: int | None = None) -> str:
-    """Start a private single-machine Ray in this process and return its temp dir (the
-    caller removes it after `ray.shutdown()`).
-
-    Every Ray process listens on 127.0.0.1 only: Ray's single-machine mode
-    (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, inherited by the processes it starts) keeps it from
-    swapping 127.0.0.1 for the machine's network address. So token authentication can be
-    off (RAY_AUTH_MODE=disabled unless set), and nothing is written under ~/.ray or /tmp/ray.
-    No dashboard."""
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ.setdefault(SINGLE_MACHINE_ENV, "0")
-    import ray
-    import ray._private.ray_constants as ray_constants
-
-    # Read once when ray is imported, which may have been before the line above.
-    ray_constants.ENABLE_RAY_CLUSTER = os.environ[SINGLE_MACHINE_ENV].lower() in ("1", "true")
-    temp_dir = tempfile.mkdtemp(prefix="ns-ray-")  # short: socket paths stay < 108 chars
-    ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus,
-             _node_ip_address="127.0.0.1", include_dashboard=False, _temp_dir=temp_dir,
-             logging_level=logging.WARNING)
-    return temp_dir
-
-
-def stop_local_ray(temp_dir: str) -> None:
-    """Stop the private local Ray `start_local_ray` started in this process, and remove
-    its temp dir.
-
-    `ray.shutdown()` stops Ray's processes one after another, each with SIGTERM and up to
-    1 s to exit. The autoscaler monitor, stopped after the GCS, spends that whole second
-    trying to report its own SIGTERM to the GCS that is already gone; it holds nothing a
-    private single-machine Ray needs at its end, so it is SIGKILLed first. Every other
-    process is stopped by `ray.shutdown()` as usual."""
-    import ray
-
-    for process in _monitor_processes():
-        process.kill()
-    ray.shutdown()
-    shutil.rmtree(temp_dir, ignore_errors=True)
-
-
-def _monitor_processes() -> list[Any]:
-    """The autoscaler monitor process(es) of the Ray this process started ([] if none, or
-    if this Ray version keeps them elsewhere: then `ray.shutdown()` alone stops them)."""
-    import ray._private.ray_constants as ray_constants
-    import ray._private.worker as ray_worker
-
-    node = getattr(ray_worker, "_global_node", None)
-    infos = getattr(node, "all_processes", {}).get(ray_constants.PROCESS_TYPE_MONITOR, [])
-    return [info.process for info in infos if getattr(info, "process", None) is not None]
-
-
-def _running_cluster_address() -> str | None:
-    """The address `ray start` left on this machine for `ray.init(address='auto')`, if any."""
-    from ray._private.services import find_bootstrap_address
-
-    try:
-        return find_bootstrap_address(None)
-    except Exception:  # an unreadable bootstrap file means no usable cluster
-        return None
-
-
-class _RayBatchWorker(BatchWorker):
-    """The actor form of `BatchWorker`: a model that fails to load is reported by `info()`
-    as a message (a clean job-level error) rather than as a crashed actor."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.load_error: str | None = None
-        try:
-            super().__init__(*args, **kwargs)
-        except NanoserveError as e:
-            self.load_error = str(e)
-        except Exception as e:  # torch, CUDA, files: whatever stops the model loading here
-            self.load_error = f"{type(e).__name__}: {_first_line(str(e))}"
-
-    def info(self) -> dict[str, Any]:
-        if self.load_error is not None:
-            return {"load_error": self.load_error}
-        return super().info()
-
-
-@dataclass
-class _Worker:
-    handle: Any
-    info: dict[str, Any]
-    in_flight: int = 0
-    batches: int = 0  # pieces of batches this slot generated (a whole batch is one piece)
-    rows: int = 0
-    restarts: int = 0  # times the actor died and was replaced
-    ready_s: float | None = None  # seconds from the job's start to the first actor ready
-    last_result_s: float | None = None  # seconds from the job's start to its last result
-    result_s: list[float] = field(default_factory=list)  # ... to each of its results
-    alive: bool = True
-    holds_suspect: bool = False  # running a suspect piece, which it runs alone
-
-
-class _WorkerPool:
-    """The job's actors: one per GPU (num_gpus=1), or CPU actors (num_cpus=1) when the
-    cluster has no GPUs. `start` returns when every model is loaded; a worker that dies is
-    replaced by a fresh actor (`replace`), never restarted by Ray behind the driver's back
-    (max_restarts=0, max_task_retries=0: the driver alone decides what runs again).
-
-    No wait is unbounded: an actor not ready within `worker_start_timeout_s` (the cluster
-    has no room for it, or the model loads too slowly) is given up; a worker that cannot
-    load the model fails the job with one line (ModelError)."""
-
-    def __init__(self, actor_cls: Any, kwargs: dict[str, Any], timeout_s: float,
-                 timeline: _Timeline) -> None:
-        self.actor_cls = actor_cls
-        self.kwargs = kwargs
-        self.timeout_s = timeout_s
-        self.timeline = timeline
-        self.workers: list[_Worker] = []
-
-    @classmethod
-    def start(cls, opts: JobOptions, timeline: _Timeline) -> _WorkerPool:
-        import ray
-
-        resources = ray.cluster_resources()
-        num_gpus = int(resources.get("GPU", 0))
-        num_cpus = int(resources.get("CPU", 0))
-        count = opts.num_workers or max(1, num_gpus)
-        slots, unit = (num_gpus, "GPU") if num_gpus else (num_cpus, "CPU")
-        if 1 <= slots < count:
-            _log(f"nanoserve: {count} workers asked for, but the cluster has {slots} {unit}(s) "
-                 f"for one worker each; starting {slots}")
-            count = slots
-        if num_gpus:
-            actor_options: dict[str, Any] = {"num_gpus": 1}
-            num_threads = None
-        else:
-            actor_options = {"num_cpus": 1}
-            num_threads = max(1, num_cpus // count)
-        fault_env = {k: v for k, v in os.environ.items() if k.startswith(FAULT_ENV_PREFIX)}
-        if fault_env:  # testing hooks (see ray_jobs.worker), forwarded to the actors
-            actor_options["runtime_env"] = {"env_vars": fault_env}
-        actor_cls = ray.remote(_RayBatchWorker).options(max_restarts=0, max_task_retries=0,
-                                                        **actor_options)
-        kwargs = {"model": opts.model, "dtype": opts.dtype,
-                  "kv_cache_fraction": opts.kv_cache_fraction,
-                  "kv_cache_bytes": opts.kv_cache_bytes, "num_threads": num_threads}
-        pool = cls(actor_cls, kwargs, opts.worker_start_timeout_s, timeline)
-        if opts.progress:
-            where = f"{num_gpus} GPU(s)" if num_gpus else "CPU"
-            _log(f"nanoserve: starting {count} worker(s) on {where}, loading {opts.model}")
-        handles = [actor_cls.remote(**kwargs) for _ in range(count)]
-        ready = pool._wait_ready(handles)
-        late = [h for h, r in zip(handles, ready) if r is None]
-        for h in late:
-            ray.kill(h, no_restart=True)
-        for h, r in zip(handles, ready):
-            if r is not None:
-                pool.workers.append(_Worker(h, r[0], ready_s=r[1]))
-        if not pool.workers:
-            raise NanoserveError(
-                f"no worker was ready within {opts.worker_start_timeout_s:g} s: the cluster has "
-                f"no free {unit} for one, or the model loads more slowly than that"
-            )
-        if late:
-            _log(f"nanoserve: {len(late)} of {count} workers were not ready within "
-                 f"{opts.worker_start_timeout_s:g} s (no free {unit}?); going on with "
-                 f"{len(pool.workers)}")
-        return pool
-
-    def _wait_ready(self, handles: list[Any]) -> list[tuple[dict[str, Any], float] | None]:
-        """Each actor's `info()` once its model is loaded, with when that was (seconds from
-        the job's start); None for one not ready within the timeout. Answers are taken as
-        they come: the first worker that cannot load the model raises ModelError at once
-        (after killing these actors), without waiting for the others or the timeout."""
-        import ray
-
-        refs = [h.info.remote() for h in handles]
-        ready: dict[Any, tuple[dict[str, Any], float]] = {}
-        deadline = time.monotonic() + self.timeout_s
-        waiting = list(refs)
-        while waiting:
-            done, waiting = ray.wait(waiting, num_returns=1,
-                                     timeout=max(0.0, deadline - time.monotonic()))
-            if not done:
-                break  # the timeout: the rest are late
-            try:
-                info = ray.get(done[0])
-            except ray.exceptions.RayError as e:
-                self._kill(handles)
-                raise ModelError(f"a worker died while loading the model: "
-                                 f"{_first_line(str(e))}") from None
-            if "load_error" in info:
-                self._kill(handles)
-                raise ModelError(f"a worker could not load the model: {info['load_error']}")
-            ready[done[0]] = (info, self.timeline.now())
-        return [ready.get(ref) for ref in refs]
-
-    def replace(self, index: int) -> None:
-        """Kill worker `index` (it died or failed) and start a fresh actor in its place.
-        If the new one is not ready in time the slot is left dead (the job goes on with
-        the others, or stops when none is left); a load failure is a ModelError."""
-        import ray
-
-        worker = self.workers[index]
-        ray.kill(worker.handle, no_restart=True)
-        handle = self.actor_cls.remote(**self.kwargs)
-        (ready,) = self._wait_ready([handle])
-        worker.restarts += 1
-        if ready is None:
-            ray.kill(handle, no_restart=True)
-            worker.alive = False
-            _log(f"nanoserve: worker {index} died and its replacement was not ready within "
-                 f"{self.timeout_s:g} s; going on without it")
-            return
-        worker.handle, worker.info = handle, ready[0]
-
-    def pick(self, alone: bool, limit: int) -> int | None:
-        """The live worker with the fewest pieces in flight (ties: lowest index) that can
-        take one more: `alone`, an idle one; else one holding fewer than `limit` pieces
-        and no suspect. None if none can now; NanoserveError when none is alive."""
-        alive = [i for i, w in enumerate(self.workers) if w.alive]
-        if not alive:
-            raise NanoserveError("no worker is left; the job stopped (rerun it to resume)")
-        if alone:
-            free = [i for i in alive if self.workers[i].in_flight == 0]
-        else:
-            free = [i for i in alive
-                    if self.workers[i].in_flight < limit and not self.workers[i].holds_suspect]
-        return min(free, key=lambda i: (self.workers[i].in_flight, i)) if free else None
-
-    def num_alive(self) -> int:
-        return sum(w.alive for w in self.workers)
-
-    def reports(self) -> tuple[WorkerReport, ...]:
-        return tuple(WorkerReport(i, tuple(w.info.get("gpu_ids", ())), w.info.get("device", "?"),
-                                  w.info.get("host", "?"), w.batches, w.rows, w.restarts,
-                                  w.ready_s, w.last_result_s, tuple(w.result_s))
-                     for i, w in enumerate(self.workers))
-
-    def shutdown(self) -> None:
-        self._kill([w.handle for w in self.workers])
-
-    @staticmethod
-    def _kill(handles: list[Any]) -> None:
-        import ray
-
-        for h in handles:
-            ray.kill(h, no_restart=True)
-
-
-def _first_line(text: str) -> str:
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    return lines[0] if lines else text
-
-
-def _log(message: str) -> None:
-    """One line on stderr that does not break the progress bar."""
-    from tqdm import tqdm
-
-    tqdm.write(message, file=sys.stderr)
 
 
 @dataclass
@@ -646,8 +292,8 @@ class _JobRun:
     """
 
     def __init__(self, opts: JobOptions, plan: ColumnPlan, folder: Path, manifest: Manifest,
-                 start_pool: Callable[[], _WorkerPool], total_rows: int,
-                 timeline: _Timeline) -> None:
+                 start_pool: Callable[[], WorkerPool], total_rows: int,
+                 timeline: Timeline) -> None:
         """`start_pool` is called when the first piece is sent: a rerun with nothing left
         to compute starts neither Ray nor a worker."""
         from tqdm import tqdm
@@ -658,7 +304,7 @@ class _JobRun:
         self.folder = folder
         self.manifest = manifest
         self.start_pool = start_pool
-        self.pool: _WorkerPool | None = None
+        self.pool: WorkerPool | None = None
         self.queue: deque[_Piece] = deque()
         self.in_flight: dict[Any, _Sent] = {}
         self.sent = 0
@@ -758,7 +404,7 @@ class _JobRun:
         worker = self.pool.workers[sent.worker]
         piece = sent.piece
         if outcome == "raised":
-            message = f"generation failed: {_first_line(str(value.cause or value))}"
+            message = f"generation failed: {first_line(str(value.cause or value))}"
             rows = piece.pending.batch.rows
             self._answer(piece, [error_row(message, rows[i].num_prompt_tokens)
                                  for i in piece.rows])
@@ -769,7 +415,7 @@ class _JobRun:
         ooms = int(meta.get(OOM_KEY, 0))
         if ooms:
             self.oom_errors += ooms
-            _log(f"nanoserve: worker {sent.worker} ran out of device memory {ooms} time(s) on "
+            log(f"nanoserve: worker {sent.worker} ran out of device memory {ooms} time(s) on "
                  f"batch {piece.pending.batch.batch_id}; the engine retried it in smaller "
                  f"sub-batches")
         worker.batches += 1
@@ -801,7 +447,7 @@ class _JobRun:
         for s in failed:
             s.piece.suspect = True
         suspect = failed[0].piece
-        cause = _first_line(str(error))
+        cause = first_line(str(error))
         self.deaths_in_a_row += 1
         if self.deaths_in_a_row > self.opts.max_deaths_in_a_row:
             raise NanoserveError(
@@ -809,7 +455,7 @@ class _JobRun:
                 f"batch (last: {cause}); the job stopped (rerun it to resume)"
             )
         batch = suspect.pending.batch
-        _log(f"nanoserve: worker {index} died while running batch {batch.batch_id} "
+        log(f"nanoserve: worker {index} died while running batch {batch.batch_id} "
              f"({len(suspect.rows)} of its {len(batch.rows)} rows): {cause}; replacing it")
         self.pool.replace(index)
         retry = [s.piece for s in failed[1:]] + self._blame(suspect, cause)
@@ -897,4 +543,4 @@ def _fetch(ref: Any, timeout: float | None = None) -> tuple[str, Any]:
         return "died", e
 
 
-__all__ = ["JobOptions", "JobSummary", "WorkerReport", "run_batch_job", "start_local_ray"]
+__all__ = ["JobOptions", "JobSummary", "WorkerReport", "run_batch_job"]

@@ -28,6 +28,7 @@ from ray_jobs import run_batch_job
 from ray_jobs.cli import main as batch_main
 from ray_jobs.io import RESULT_SCHEMA
 from ray_jobs.manifest import LOCK_NAME, MANIFEST_NAME, SUCCESS_NAME, Manifest, part_name
+from ray_jobs.pool import WorkerPool
 from ray_jobs.worker import BatchWorker, GenerationRequest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -182,7 +183,7 @@ def test_rerun_resumes_only_missing_batches(parquet_job):
 
 def test_rerun_with_other_settings_is_refused(parquet_job, monkeypatch):
     path, out, options, _ = parquet_job
-    monkeypatch.setattr(driver._WorkerPool, "start", _no_workers)
+    monkeypatch.setattr(WorkerPool, "start", _no_workers)
     with pytest.raises(InputError, match=r"sampling\.max_tokens differ"):
         run_batch_job(path, out, **{**options, "max_tokens": MAX_TOKENS + 1})
 
@@ -201,7 +202,7 @@ def _no_workers(*args, **kwargs):
 ])
 def test_job_level_errors_exit_2_before_any_worker(tmp_path, capsys, monkeypatch, make_input,
                                                    message):
-    monkeypatch.setattr(driver._WorkerPool, "start", _no_workers)
+    monkeypatch.setattr(WorkerPool, "start", _no_workers)
     rc = batch_main([str(make_input(tmp_path)), "-o", str(tmp_path / "out"), "--no-progress"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2
@@ -210,7 +211,7 @@ def test_job_level_errors_exit_2_before_any_worker(tmp_path, capsys, monkeypatch
 
 
 def test_unusable_model_exits_2_before_any_worker(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(driver._WorkerPool, "start", _no_workers)
+    monkeypatch.setattr(WorkerPool, "start", _no_workers)
     path = _write(tmp_path / "in.jsonl", '{"prompt": "hi"}\n')
     rc = batch_main([str(path), "-o", str(tmp_path / "out"), "--model", str(tmp_path / "no.gguf")])
     assert rc == 2
@@ -226,7 +227,7 @@ GPU_SCRIPT = textwrap.dedent("""
     import dataclasses, json, shutil, sys
     import ray
     from ray_jobs import run_batch_job
-    from ray_jobs.driver import start_local_ray
+    from ray_jobs.local_ray import start_local_ray
     temp_dir = start_local_ray(num_cpus=2, num_gpus=2)  # two logical GPUs on a CPU machine
     try:
         summary = run_batch_job(sys.argv[1], sys.argv[2], max_tokens=1, batch_size=1,
@@ -264,7 +265,7 @@ def test_output_folder_holds_only_parts_and_underscore_files(jsonl_job):
 
 
 def test_unknown_dtype_exits_2_before_any_worker(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(driver._WorkerPool, "start", _no_workers)
+    monkeypatch.setattr(WorkerPool, "start", _no_workers)
     path = _write(tmp_path / "in.jsonl", '{"prompt": "hi"}\n')
     rc = batch_main([str(path), "-o", str(tmp_path / "out"), "--dtype", "float8"])
     assert rc == 2
@@ -273,7 +274,7 @@ def test_unknown_dtype_exits_2_before_any_worker(tmp_path, capsys, monkeypatch):
 
 def test_truncated_model_file_exits_2_before_any_worker(tmp_path, capsys, monkeypatch,
                                                          smollm2_gguf_path):
-    monkeypatch.setattr(driver._WorkerPool, "start", _no_workers)
+    monkeypatch.setattr(WorkerPool, "start", _no_workers)
     bad = tmp_path / "cut.gguf"
     with open(smollm2_gguf_path, "rb") as f:
         bad.write_bytes(f.read(8 << 20))  # the header and part of the tensor data

@@ -30,6 +30,7 @@ from nanoserve.errors import InputError
 from nanoserve.sampling import SamplingParams
 from ray_jobs import run_batch_job
 from ray_jobs.cli import main as batch_main
+from ray_jobs.local_ray import OWNER_FILE, TEMP_PREFIX
 from ray_jobs.manifest import (
     MANIFEST_NAME,
     SUCCESS_NAME,
@@ -37,6 +38,7 @@ from ray_jobs.manifest import (
     hold_output_dir,
     part_name,
 )
+from ray_jobs.pool import WorkerPool
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_TOKENS = 2
@@ -127,6 +129,8 @@ def test_driver_killed_mid_job_resumes_keeping_written_parts(tiny_job_model, tin
             kill_group(first.pid)  # the driver and the local Ray it started
             first.wait()
     assert wait_until_gone(first.pid) == [], "Ray processes outlived the killed driver"
+    (left,) = Path(ray_tmp).glob(TEMP_PREFIX + "*")  # the killed driver's private Ray folder
+    assert (left / OWNER_FILE).read_text().split()[0] == str(first.pid)
     before = part_files(out)
     assert before and not (out / SUCCESS_NAME).exists(), "the job ended before the kill"
     (out / f".{part_name(999)}.tmp-12345").write_bytes(b"half a part")  # a write cut short
@@ -137,6 +141,7 @@ def test_driver_killed_mid_job_resumes_keeping_written_parts(tiny_job_model, tin
     assert again.returncode == 0, stderr[-3000:]
     assert "done by an earlier run" in stdout, stdout
     assert wait_until_gone(again.pid) == [], "Ray processes outlived the finished driver"
+    assert list(Path(ray_tmp).glob(TEMP_PREFIX + "*")) == []  # its own, and the killed one's
     after = part_files(out)
     for name, (mtime_ns, data) in before.items():
         assert after[name] == (mtime_ns, data), f"{name} was rewritten"
@@ -214,7 +219,7 @@ def test_rerun_with_everything_written_starts_no_worker(small_job, monkeypatch):
     """Killed after the last part was recorded but before `_SUCCESS`: the rerun only marks
     the folder complete."""
     _, path, out, options = small_job
-    monkeypatch.setattr(driver._WorkerPool, "start", _no_workers)
+    monkeypatch.setattr(WorkerPool, "start", _no_workers)
     forget(out, 99, 0)  # not complete, nothing missing
     summary = run_batch_job(path, out, **options)
     assert (summary.rows, summary.rows_resumed, summary.workers) == (0, 6, ())
@@ -223,7 +228,7 @@ def test_rerun_with_everything_written_starts_no_worker(small_job, monkeypatch):
 
 def test_recorded_part_that_went_missing_is_refused(small_job, monkeypatch):
     _, path, out, options = small_job
-    monkeypatch.setattr(driver._WorkerPool, "start", _no_workers)
+    monkeypatch.setattr(WorkerPool, "start", _no_workers)
     (out / part_name(2)).unlink()
     with pytest.raises(InputError, match=r"lacks 1 part\(s\) recorded as written "
                                          r"\(part-00002.parquet\); use --overwrite"):
@@ -237,7 +242,7 @@ def test_a_folder_another_job_holds_is_refused_and_freed_when_it_ends(small_job,
     job that ends in an error releases the folder too (the SIGKILL case is
     test_driver_killed_mid_job_resumes_keeping_written_parts: its rerun takes the lock)."""
     _, path, out, options = small_job
-    monkeypatch.setattr(driver._WorkerPool, "start", _no_workers)
+    monkeypatch.setattr(WorkerPool, "start", _no_workers)
     forget(out, 99, 0)  # not complete, nothing missing: a rerun only marks it complete
     before = part_files(out)
     with hold_output_dir(out):
@@ -259,7 +264,7 @@ def test_rerun_with_other_model_input_or_sampling_is_refused_unless_overwrite(
         small_job, smollm2_gguf_path, monkeypatch, capsys, tmp_path):
     prompts, path, out, options = small_job
     before = part_files(out)
-    monkeypatch.setattr(driver._WorkerPool, "start", _no_workers)
+    monkeypatch.setattr(WorkerPool, "start", _no_workers)
     rc = batch_main([str(path), "-o", str(out), "--model", str(smollm2_gguf_path),
                      "--max-tokens", str(MAX_TOKENS), "--batch-size", "2", "--no-progress"])
     errors = capsys.readouterr().err.strip().splitlines()

@@ -333,9 +333,10 @@ LISTEN_SCRIPT = textwrap.dedent("""
     import json, sys
     import psutil
     import ray_jobs.driver as driver
+    from ray_jobs.pool import WorkerPool
 
     seen = []
-    start = driver._WorkerPool.start.__func__
+    start = WorkerPool.start.__func__
 
     def start_and_look(cls, *args, **kwargs):
         pool = start(cls, *args, **kwargs)  # every Ray process of the job exists now, workers included
@@ -350,7 +351,7 @@ LISTEN_SCRIPT = textwrap.dedent("""
                     seen.append([name, c.laddr.ip, c.laddr.port, c.type.name])
         return pool
 
-    driver._WorkerPool.start = classmethod(start_and_look)
+    WorkerPool.start = classmethod(start_and_look)
     summary = driver.run_batch_job(sys.argv[1], sys.argv[2], model=sys.argv[3], address="local",
                                    max_tokens=2, progress=False)
     print("LISTENING=" + json.dumps(seen))

@@ -1,0 +1,234 @@
+"""The job's workers: one `BatchWorker` actor per GPU (or CPU actors without GPUs), how
+they are started and replaced, which one takes the next piece of work, and what each did
+(`WorkerReport`).
+
+The pool never lets Ray restart an actor or retry a task behind the driver's back
+(max_restarts=0, max_task_retries=0): the driver alone decides what runs again.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from nanoserve.errors import ModelError, NanoserveError
+from ray_jobs.worker import FAULT_ENV_PREFIX, BatchWorker
+
+if TYPE_CHECKING:
+    from ray_jobs.driver import JobOptions
+    from ray_jobs.timeline import Timeline
+
+
+@dataclass(frozen=True)
+class WorkerReport:
+    index: int
+    gpu_ids: tuple
+    device: str
+    host: str
+    batches: int  # batches (or pieces of batches) this worker generated in this run
+    rows: int
+    restarts: int = 0  # times it died and was replaced by a fresh actor
+    ready_s: float | None = None  # seconds from the job's start to its first actor's model loaded
+    last_result_s: float | None = None  # seconds from the job's start to its last result
+    result_s: tuple[float, ...] = ()  # seconds from the job's start to each of its results
+
+
+class RayBatchWorker(BatchWorker):
+    """The actor form of `BatchWorker`: a model that fails to load is reported by `info()`
+    as a message (a clean job-level error) rather than as a crashed actor."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.load_error: str | None = None
+        try:
+            super().__init__(*args, **kwargs)
+        except NanoserveError as e:
+            self.load_error = str(e)
+        except Exception as e:  # torch, CUDA, files: whatever stops the model loading here
+            self.load_error = f"{type(e).__name__}: {first_line(str(e))}"
+
+    def info(self) -> dict[str, Any]:
+        if self.load_error is not None:
+            return {"load_error": self.load_error}
+        return super().info()
+
+
+@dataclass
+class WorkerSlot:
+    handle: Any
+    info: dict[str, Any]
+    in_flight: int = 0
+    batches: int = 0  # pieces of batches this slot generated (a whole batch is one piece)
+    rows: int = 0
+    restarts: int = 0  # times the actor died and was replaced
+    ready_s: float | None = None  # seconds from the job's start to the first actor ready
+    last_result_s: float | None = None  # seconds from the job's start to its last result
+    result_s: list[float] = field(default_factory=list)  # ... to each of its results
+    alive: bool = True
+    holds_suspect: bool = False  # running a suspect piece, which it runs alone
+
+
+class WorkerPool:
+    """The job's actors: one per GPU (num_gpus=1), or CPU actors (num_cpus=1) when the
+    cluster has no GPUs. `start` returns when every model is loaded; a worker that dies is
+    replaced by a fresh actor (`replace`), never restarted by Ray behind the driver's back
+    (max_restarts=0, max_task_retries=0: the driver alone decides what runs again).
+
+    No wait is unbounded: an actor not ready within `worker_start_timeout_s` (the cluster
+    has no room for it, or the model loads too slowly) is given up; a worker that cannot
+    load the model fails the job with one line (ModelError)."""
+
+    def __init__(self, actor_cls: Any, kwargs: dict[str, Any], timeout_s: float,
+                 timeline: Timeline) -> None:
+        self.actor_cls = actor_cls
+        self.kwargs = kwargs
+        self.timeout_s = timeout_s
+        self.timeline = timeline
+        self.workers: list[WorkerSlot] = []
+
+    @classmethod
+    def start(cls, opts: JobOptions, timeline: Timeline) -> WorkerPool:
+        import ray
+
+        resources = ray.cluster_resources()
+        num_gpus = int(resources.get("GPU", 0))
+        num_cpus = int(resources.get("CPU", 0))
+        count = opts.num_workers or max(1, num_gpus)
+        slots, unit = (num_gpus, "GPU") if num_gpus else (num_cpus, "CPU")
+        if 1 <= slots < count:
+            log(f"nanoserve: {count} workers asked for, but the cluster has {slots} {unit}(s) "
+                 f"for one worker each; starting {slots}")
+            count = slots
+        if num_gpus:
+            actor_options: dict[str, Any] = {"num_gpus": 1}
+            num_threads = None
+        else:
+            actor_options = {"num_cpus": 1}
+            num_threads = max(1, num_cpus // count)
+        fault_env = {k: v for k, v in os.environ.items() if k.startswith(FAULT_ENV_PREFIX)}
+        if fault_env:  # testing hooks (see ray_jobs.worker), forwarded to the actors
+            actor_options["runtime_env"] = {"env_vars": fault_env}
+        actor_cls = ray.remote(RayBatchWorker).options(max_restarts=0, max_task_retries=0,
+                                                        **actor_options)
+        kwargs = {"model": opts.model, "dtype": opts.dtype,
+                  "kv_cache_fraction": opts.kv_cache_fraction,
+                  "kv_cache_bytes": opts.kv_cache_bytes, "num_threads": num_threads}
+        pool = cls(actor_cls, kwargs, opts.worker_start_timeout_s, timeline)
+        if opts.progress:
+            where = f"{num_gpus} GPU(s)" if num_gpus else "CPU"
+            log(f"nanoserve: starting {count} worker(s) on {where}, loading {opts.model}")
+        handles = [actor_cls.remote(**kwargs) for _ in range(count)]
+        ready = pool._wait_ready(handles)
+        late = [h for h, r in zip(handles, ready) if r is None]
+        for h in late:
+            ray.kill(h, no_restart=True)
+        for h, r in zip(handles, ready):
+            if r is not None:
+                pool.workers.append(WorkerSlot(h, r[0], ready_s=r[1]))
+        if not pool.workers:
+            raise NanoserveError(
+                f"no worker was ready within {opts.worker_start_timeout_s:g} s: the cluster has "
+                f"no free {unit} for one, or the model loads more slowly than that"
+            )
+        if late:
+            log(f"nanoserve: {len(late)} of {count} workers were not ready within "
+                 f"{opts.worker_start_timeout_s:g} s (no free {unit}?); going on with "
+                 f"{len(pool.workers)}")
+        return pool
+
+    def _wait_ready(self, handles: list[Any]) -> list[tuple[dict[str, Any], float] | None]:
+        """Each actor's `info()` once its model is loaded, with when that was (seconds from
+        the job's start); None for one not ready within the timeout. Answers are taken as
+        they come: the first worker that cannot load the model raises ModelError at once
+        (after killing these actors), without waiting for the others or the timeout."""
+        import ray
+
+        refs = [h.info.remote() for h in handles]
+        ready: dict[Any, tuple[dict[str, Any], float]] = {}
+        deadline = time.monotonic() + self.timeout_s
+        waiting = list(refs)
+        while waiting:
+            done, waiting = ray.wait(waiting, num_returns=1,
+                                     timeout=max(0.0, deadline - time.monotonic()))
+            if not done:
+                break  # the timeout: the rest are late
+            try:
+                info = ray.get(done[0])
+            except ray.exceptions.RayError as e:
+                self._kill(handles)
+                raise ModelError(f"a worker died while loading the model: "
+                                 f"{first_line(str(e))}") from None
+            if "load_error" in info:
+                self._kill(handles)
+                raise ModelError(f"a worker could not load the model: {info['load_error']}")
+            ready[done[0]] = (info, self.timeline.now())
+        return [ready.get(ref) for ref in refs]
+
+    def replace(self, index: int) -> None:
+        """Kill worker `index` (it died or failed) and start a fresh actor in its place.
+        If the new one is not ready in time the slot is left dead (the job goes on with
+        the others, or stops when none is left); a load failure is a ModelError."""
+        import ray
+
+        worker = self.workers[index]
+        ray.kill(worker.handle, no_restart=True)
+        handle = self.actor_cls.remote(**self.kwargs)
+        (ready,) = self._wait_ready([handle])
+        worker.restarts += 1
+        if ready is None:
+            ray.kill(handle, no_restart=True)
+            worker.alive = False
+            log(f"nanoserve: worker {index} died and its replacement was not ready within "
+                 f"{self.timeout_s:g} s; going on without it")
+            return
+        worker.handle, worker.info = handle, ready[0]
+
+    def pick(self, alone: bool, limit: int) -> int | None:
+        """The live worker with the fewest pieces in flight (ties: lowest index) that can
+        take one more: `alone`, an idle one; else one holding fewer than `limit` pieces
+        and no suspect. None if none can now; NanoserveError when none is alive."""
+        alive = [i for i, w in enumerate(self.workers) if w.alive]
+        if not alive:
+            raise NanoserveError("no worker is left; the job stopped (rerun it to resume)")
+        if alone:
+            free = [i for i in alive if self.workers[i].in_flight == 0]
+        else:
+            free = [i for i in alive
+                    if self.workers[i].in_flight < limit and not self.workers[i].holds_suspect]
+        return min(free, key=lambda i: (self.workers[i].in_flight, i)) if free else None
+
+    def num_alive(self) -> int:
+        return sum(w.alive for w in self.workers)
+
+    def reports(self) -> tuple[WorkerReport, ...]:
+        return tuple(WorkerReport(i, tuple(w.info.get("gpu_ids", ())), w.info.get("device", "?"),
+                                  w.info.get("host", "?"), w.batches, w.rows, w.restarts,
+                                  w.ready_s, w.last_result_s, tuple(w.result_s))
+                     for i, w in enumerate(self.workers))
+
+    def shutdown(self) -> None:
+        self._kill([w.handle for w in self.workers])
+
+    @staticmethod
+    def _kill(handles: list[Any]) -> None:
+        import ray
+
+        for h in handles:
+            ray.kill(h, no_restart=True)
+
+
+def first_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return lines[0] if lines else text
+
+
+def log(message: str) -> None:
+    """One line on stderr that does not break the progress bar."""
+    from tqdm import tqdm
+
+    tqdm.write(message, file=sys.stderr)
+
+
+__all__ = ["RayBatchWorker", "WorkerPool", "WorkerReport", "WorkerSlot", "first_line", "log"]
