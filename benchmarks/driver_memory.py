@@ -47,25 +47,6 @@ PEAK_PREFIX = "DRIVER_PEAK_KIB="
 WORDS = ("apple", "river", "stone", "cloud", "lantern", "violin", "harbor", "meadow")
 
 
-def save_tiny_llama(folder: Path, tokenizer_source: Path) -> Path:
-    """A tiny random LlamaForCausalLM saved by transformers, with the tokenizer of
-    `tokenizer_source` (a model path) as its tokenizer.json."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from nanoserve.tokenizer import Tokenizer
-
-    tok = Tokenizer.from_path(tokenizer_source)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=16, max_position_embeddings=512, tie_word_embeddings=True,
-                      bos_token_id=1, eos_token_id=2)
-    LlamaForCausalLM(cfg).save_pretrained(folder)
-    tok.backend.save(str(folder / "tokenizer.json"))
-    return folder
-
-
 def write_input(path: Path, rows: int) -> None:
     """`rows` prompts of 5 to 40 words, one JSON object a line."""
     with open(path, "w") as f:
@@ -148,6 +129,7 @@ def main() -> None:
     args = p.parse_args()
 
     from nanoserve.model_store import DEFAULT_MODEL, resolve_model
+    from nanoserve.testing import save_tiny_llama
 
     work = Path(tempfile.mkdtemp(prefix="ns-mem-"))
     try:

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import cpu_model_name, git_commit, markdown_table
-from benchmarks.driver_memory import save_tiny_llama
+from nanoserve.testing import save_tiny_llama
 
 
 def write_input(path: Path, rows: int) -> Path:

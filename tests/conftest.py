@@ -120,27 +120,10 @@ def no_ray(monkeypatch):
 # --- a tiny random Llama with the default model's tokenizer (fast batch jobs) ----------------
 
 
-def save_tiny_llama(folder, tokenizer_source):
-    """A tiny random LlamaForCausalLM saved by transformers, with the tokenizer of
-    `tokenizer_source` (a model path) as its tokenizer.json."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from nanoserve.tokenizer import Tokenizer
-
-    tok = Tokenizer.from_path(tokenizer_source)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=16, max_position_embeddings=512, tie_word_embeddings=True,
-                      bos_token_id=1, eos_token_id=2)
-    LlamaForCausalLM(cfg).save_pretrained(folder)
-    tok.backend.save(str(folder / "tokenizer.json"))
-    return folder
-
-
 @pytest.fixture(scope="session")
 def tiny_job_model(tmp_path_factory, smollm2_gguf_path):
+    from nanoserve.testing import save_tiny_llama
+
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-job-model"), smollm2_gguf_path)
 
 
