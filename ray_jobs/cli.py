@@ -74,6 +74,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                         "private local Ray; 'local' forces the latter)")
     r.add_argument("--overwrite", action="store_true",
                    help="replace an existing output instead of resuming it")
+    r.add_argument("--retry-errors", action="store_true",
+                   help="when resuming, compute again the batches of earlier runs that hold "
+                        "error rows (e.g. a prompt that did not fit the KV cache, a row whose "
+                        "worker died); the other written batches are kept")
     r.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no progress bar")
 
@@ -100,7 +104,7 @@ def run_batch_cli(args: argparse.Namespace) -> int:
         stop=tuple(args.stop), ignore_eos=args.ignore_eos, dtype=args.dtype,
         num_workers=args.num_workers, batch_size=args.batch_size,
         max_batch_tokens=args.max_batch_tokens, address=args.address,
-        overwrite=args.overwrite, prompt_column=args.prompt_column, id_column=args.id_column,
+        overwrite=args.overwrite, retry_errors=args.retry_errors, prompt_column=args.prompt_column, id_column=args.id_column,
         progress=args.progress, kv_cache_fraction=args.kv_cache_fraction,
         kv_cache_bytes=None if args.kv_cache_memory is None else int(args.kv_cache_memory * 2**30),
     )

@@ -60,6 +60,7 @@ from ray_jobs.manifest import (
     model_identity,
     open_output_dir,
     part_name,
+    reopen_batches_with_errors,
 )
 from ray_jobs.pool import WorkerPool, WorkerReport, first_line, log
 from ray_jobs.prepare import ColumnPlan, PreparedRow, RowPreparer, load_model_meta, plan_columns
@@ -99,6 +100,7 @@ class JobOptions:
     id_column: str | None = None
     address: str | None = None  # Ray address; None: RAY_ADDRESS, a running cluster, or local
     overwrite: bool = False
+    retry_errors: bool = False  # compute again the written batches that hold error rows
     kv_cache_fraction: float = 0.5  # of a GPU's free memory, for the KV pool
     kv_cache_bytes: int | None = None  # the KV pool's exact size per worker (else the above)
     chunk_rows: int = DEFAULT_CHUNK_ROWS  # rows read and tokenized at a time
@@ -186,6 +188,10 @@ def run_batch_job(input: str | Path, output_dir: str | Path, **options: Any) -> 
     with ExitStack() as stack:
         stack.enter_context(hold_output_dir(folder))  # one job per output folder at a time
         manifest = open_output_dir(folder, settings, opts.overwrite)
+        retry = reopen_batches_with_errors(folder, manifest) if opts.retry_errors else set()
+        if retry and opts.progress:
+            log(f"nanoserve: --retry-errors: computing again {len(retry)} batch(es) of an "
+                f"earlier run that hold error rows")
         if manifest.complete:
             timeline.mark("prepare")
             return JobSummary(str(folder), 0, 0, manifest.rows_done, 0, 0,
@@ -200,7 +206,7 @@ def run_batch_job(input: str | Path, output_dir: str | Path, **options: Any) -> 
             timeline.mark("workers")
             return pool
 
-        run = _JobRun(opts, plan, folder, manifest, start_pool, info.num_rows, timeline)
+        run = _JobRun(opts, plan, folder, manifest, start_pool, info.num_rows, timeline, retry)
         run.execute(make_batches(_prepared_rows(info, preparer, opts.chunk_rows), limits))
         mark_complete(folder, manifest)
     timeline.mark("shutdown")
@@ -293,12 +299,14 @@ class _JobRun:
 
     def __init__(self, opts: JobOptions, plan: ColumnPlan, folder: Path, manifest: Manifest,
                  start_pool: Callable[[], WorkerPool], total_rows: int,
-                 timeline: Timeline) -> None:
+                 timeline: Timeline, retry: set[int] = frozenset()) -> None:
         """`start_pool` is called when the first piece is sent: a rerun with nothing left
-        to compute starts neither Ray nor a worker."""
+        to compute starts neither Ray nor a worker. `retry`: batch ids an earlier run wrote
+        that are computed again (their parts are replaced), never adopted."""
         from tqdm import tqdm
 
         self.opts = opts
+        self.retry = retry
         self.schema = plan.output_schema()
         self.input_fields = [f for f in plan.input_schema if f.name != "id"]
         self.folder = folder
@@ -357,10 +365,11 @@ class _JobRun:
         return self.pool.pick(piece.suspect, self.opts.max_in_flight_per_worker)
 
     def _admit(self, batch: Batch) -> None:
-        """Skip a batch an earlier run wrote, write an error batch, or queue the batch."""
+        """Skip a batch an earlier run wrote (unless it is to be retried), write an error
+        batch, or queue the batch."""
         n = len(batch.rows)
-        if batch.batch_id in self.manifest.done or adopt_part(
-                self.folder, self.manifest, batch.batch_id, batch.digest(), n):
+        if batch.batch_id not in self.retry and (batch.batch_id in self.manifest.done or adopt_part(
+                self.folder, self.manifest, batch.batch_id, batch.digest(), n)):
             self.rows_resumed += n
             self.bar.update(n)
         elif batch.is_error:

@@ -256,6 +256,27 @@ def adopt_part(folder: Path, manifest: Manifest, batch_id: int, digest: str,
     return True
 
 
+def reopen_batches_with_errors(folder: Path, manifest: Manifest) -> set[int]:
+    """For `--retry-errors`: the recorded batches whose parts hold an `error` row, taken
+    out of the manifest (done ids, row count, completeness; `_SUCCESS` removed) so the run
+    computes them again. Their parts stay until the new parts replace them: a run killed
+    before that adopts them again on the next start (same digest), as if never retried."""
+    retry: set[int] = set()
+    rows = 0
+    for batch_id in sorted(manifest.done):
+        errors = pq.read_table(folder / part_name(batch_id), columns=["error"]).column("error")
+        if errors.null_count < len(errors):
+            retry.add(batch_id)
+            rows += len(errors)
+    if retry:
+        manifest.done -= retry
+        manifest.rows_done -= rows
+        manifest.complete = False
+        (folder / SUCCESS_NAME).unlink(missing_ok=True)
+        manifest.save(folder)
+    return retry
+
+
 def mark_complete(folder: Path, manifest: Manifest) -> None:
     """Mark the job done: parts not recorded (none, when every batch was written) are
     removed first, so the folder holds exactly the recorded rows."""

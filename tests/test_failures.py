@@ -209,6 +209,42 @@ def test_batch_bigger_than_the_kv_pool_is_split_and_a_row_too_big_alone_is_an_er
             assert_matches_oracle(tiny_llm, prompts, row)
 
 
+def test_retry_errors_computes_again_only_the_batches_with_error_rows(
+        ray_session, tiny_job_model, tiny_llm, tmp_path, capsys):
+    """A row too big for a small KV pool is an error row; a plain rerun keeps it; a rerun
+    with a bigger pool and --retry-errors computes again only its batch (the other parts
+    keep their bytes and mtimes), and then every row equals the engine's output alone."""
+    prompts = PROMPTS[:8]
+    prompts[3] = " ".join(["word"] * 80)  # 80 tokens: 6 blocks of 16 tokens alone
+    path = write_prompts(tmp_path / "in.jsonl", prompts)
+    out = tmp_path / "out"
+    per_block = 2 * 2 * 2 * 16 * 4 * 16  # layers x (k, v) x kv heads x head dim x fp32 x tokens
+    first = run_job(tiny_job_model, path, out, batch_size=4, kv_cache_bytes=4 * per_block)
+    assert first.error_rows == 1 and first.num_batches == 2
+    parts = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.glob("part-*")}
+    bad_part = next(name for name in parts
+                    if ds.dataset(out / name).to_table().column("error").null_count < 4)
+
+    again = run_job(tiny_job_model, path, out, batch_size=4, kv_cache_bytes=KV_BYTES)
+    assert (again.rows, again.rows_resumed) == (0, 8)  # resuming alone retries nothing
+    assert sum(r["error"] is not None for r in output_rows(out)) == 1
+
+    rc = batch_main([str(path), "-o", str(out), "--model", str(tiny_job_model),
+                     "--max-tokens", str(MAX_TOKENS), "--batch-size", "4",
+                     "--kv-cache-memory", str(KV_BYTES / 2**30), "--retry-errors",
+                     "--no-progress"])
+    assert rc == 0
+    assert "rows: 4 (0 error rows), 4 done by an earlier run" in capsys.readouterr().out
+    rows = output_rows(out)
+    assert_every_row_once(rows, 8)
+    for row in rows:
+        assert_matches_oracle(tiny_llm, prompts, row)
+    for name, (mtime_ns, data) in parts.items():
+        now = (out / name).stat().st_mtime_ns, (out / name).read_bytes()
+        assert (now == (mtime_ns, data)) == (name != bad_part), name
+    assert (out / "_SUCCESS").exists()
+
+
 def test_device_out_of_memory_is_retried_smaller_and_reported(
         ray_session, tiny_job_model, tiny_llm, tmp_path, monkeypatch, capsys):
     """The model's forward raises torch.OutOfMemoryError on more than one row: the engine
