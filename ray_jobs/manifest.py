@@ -257,17 +257,24 @@ def adopt_part(folder: Path, manifest: Manifest, batch_id: int, digest: str,
 
 
 def reopen_batches_with_errors(folder: Path, manifest: Manifest) -> set[int]:
-    """For `--retry-errors`: the recorded batches whose parts hold an `error` row, taken
-    out of the manifest (done ids, row count, completeness; `_SUCCESS` removed) so the run
-    computes them again. Their parts stay until the new parts replace them: a run killed
-    before that adopts them again on the next start (same digest), as if never retried."""
+    """For `--retry-errors`: the batches whose parts in the folder hold an `error` row
+    (recorded ones, and parts an interrupted run renamed into place without recording),
+    taken out of the manifest (done ids, row count, completeness; `_SUCCESS` removed) so the
+    run computes them again rather than keeping or adopting them. Their parts stay until the
+    new parts replace them: a run killed before that adopts them again on the next start
+    (same digest), as if never retried."""
     retry: set[int] = set()
     rows = 0
-    for batch_id in sorted(manifest.done):
-        errors = pq.read_table(folder / part_name(batch_id), columns=["error"]).column("error")
+    for path in sorted(folder.glob("part-*.parquet")):
+        m = _PART_RE.fullmatch(path.name)
+        if m is None:
+            continue
+        errors = pq.read_table(path, columns=["error"]).column("error")
         if errors.null_count < len(errors):
+            batch_id = int(m.group(1))
             retry.add(batch_id)
-            rows += len(errors)
+            if batch_id in manifest.done:
+                rows += len(errors)
     if retry:
         manifest.done -= retry
         manifest.rows_done -= rows

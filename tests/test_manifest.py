@@ -22,6 +22,7 @@ from ray_jobs.manifest import (
     mark_complete,
     open_output_dir,
     part_name,
+    reopen_batches_with_errors,
     settings_differences,
 )
 
@@ -31,6 +32,42 @@ SETTINGS = {"model": {"files": [{"name": "m.gguf", "size": 3, "sha256": "ab"}], 
 
 def write_part(folder, batch_id):
     pq.write_table(pa.table({"id": [batch_id]}), folder / part_name(batch_id))
+
+
+def write_result_part(folder, batch_id, errors):
+    pq.write_table(pa.table({"id": list(range(len(errors))),
+                             "error": pa.array(errors, type=pa.string())}),
+                   folder / part_name(batch_id))
+
+
+def test_retry_errors_reopens_exactly_the_parts_with_error_rows(tmp_path):
+    out = tmp_path / "out"
+    m = open_output_dir(out, SETTINGS, overwrite=False)
+    write_result_part(out, 0, [None, None])  # clean: kept
+    write_result_part(out, 1, [None, "too long", None])  # recorded, one error row
+    write_result_part(out, 2, ["bad"])  # renamed into place, never recorded
+    m.record(0, 2)
+    m.record(1, 3)
+    mark_complete(out, m)  # (removes unrecorded parts: put part 2 back, as if a later run)
+    write_result_part(out, 2, ["bad"])
+
+    assert reopen_batches_with_errors(out, m) == {1, 2}
+    assert (m.done, m.rows_done, m.complete) == ({0}, 2, False)
+    assert not (out / SUCCESS_NAME).exists()
+    assert Manifest.load(out).to_json() == m.to_json()  # saved
+    assert (out / part_name(1)).exists()  # kept until a new part replaces it
+    assert reopen_batches_with_errors(out, m) == {1, 2}  # nothing recorded changes twice
+    assert (m.done, m.rows_done) == ({0}, 2)
+
+
+def test_retry_errors_leaves_a_clean_complete_folder_alone(tmp_path):
+    out = tmp_path / "out"
+    m = open_output_dir(out, SETTINGS, overwrite=False)
+    write_result_part(out, 0, [None])
+    m.record(0, 1)
+    mark_complete(out, m)
+    assert reopen_batches_with_errors(out, m) == set()
+    assert m.complete and (out / SUCCESS_NAME).exists()
 
 
 def test_fresh_folder_gets_a_manifest(tmp_path):
