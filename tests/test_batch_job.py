@@ -312,6 +312,9 @@ def test_summary_splits_the_wall_time_into_phases(jsonl_job):
     assert sum(summary.timings.values()) == pytest.approx(summary.wall_time_s)
     (worker,) = summary.workers
     assert 0 < worker.ready_s <= worker.last_result_s <= summary.wall_time_s
+    assert len(worker.result_s) == worker.batches >= 1  # one per result it sent back
+    assert list(worker.result_s) == sorted(worker.result_s)
+    assert worker.ready_s <= worker.result_s[0] and worker.result_s[-1] == worker.last_result_s
     line = summary.format().splitlines()[-1]
     assert line.startswith("time: prepare ") and ", shutdown " in line
 
