@@ -73,11 +73,11 @@ def make_workload(path: Path, rows: int, vocab: int, seed: int = 0,
 
 
 def bench_engine(model_dir: Path, prompts, max_tokens, device: str = "cuda",
-                 decode_step: str = "auto") -> dict:
+                 decode_step: str = "auto", scheduler: str = "static") -> dict:
     from nanoserve.llm import LLM
     from nanoserve.sampling import SamplingParams
 
-    llm = LLM(str(model_dir), device=device, decode_step=decode_step)
+    llm = LLM(str(model_dir), device=device, decode_step=decode_step, scheduler=scheduler)
     params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens]
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     llm.generate(prompts[:4], params[:4])  # warm-up: kernel compilation, allocator
@@ -92,7 +92,8 @@ def bench_engine(model_dir: Path, prompts, max_tokens, device: str = "cuda",
     dtype = str(llm.dtype).removeprefix("torch.")
     del llm
     torch.cuda.empty_cache()
-    return {"what": f"engine LLM.generate, Llama-1B shape, random ({dtype}), decode_step={decode_step}",
+    how = f"decode_step={decode_step}" if scheduler == "static" else "continuous (eager)"
+    return {"what": f"engine LLM.generate, Llama-1B shape, random ({dtype}), {how}",
             "rows": len(prompts), "token_ids": [o.token_ids for o in outs],
             "output_tokens": n_out, "wall_s": wall, "tok_s": n_out / wall,
             "padding_waste": stats.padding_waste, "early_finish_waste": stats.early_finish_waste}
@@ -120,6 +121,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--skip-job", action="store_true", help="only the engine")
+    ap.add_argument("--engine-runs", nargs="+", default=None, metavar="SCHEDULER:DECODE_STEP",
+                    help="engine runs side by side, e.g. static:graph continuous:eager "
+                         "(default: static:eager static:graph; on the CPU static:static)")
     ap.add_argument("--out", type=Path, default=None, help="write results JSON here")
     ap.add_argument("--smoke", action="store_true",
                     help="a 2-layer model, 4 short rows, on the CPU: checks the script runs")
@@ -134,11 +138,21 @@ def main() -> None:
     model_dir = make_random_model(work / "llama-1b-random", device, config)
     prompts, max_tokens = make_workload(work / "workload.parquet", args.rows,
                                         config["vocab_size"], lo=lo, hi=hi)
-    # Side by side: each kernel launched from Python, then the CUDA-graph decode step.
-    results = [bench_engine(model_dir, prompts, max_tokens, device, mode)
-               for mode in (("eager", "graph") if device == "cuda" else ("eager", "static"))]
-    same = sum(a == b for a, b in zip(results[0].pop("token_ids"), results[1].pop("token_ids")))
-    print(f"rows with identical tokens in the two engine runs: {same} of {len(prompts)}")
+    # Side by side (default: each kernel launched from Python, then the CUDA-graph step).
+    runs = args.engine_runs or (["static:eager", "static:graph"] if device == "cuda"
+                                else ["static:eager", "static:static"])
+    results = []
+    for run in runs:
+        scheduler, _, decode_step = run.partition(":")
+        results.append(bench_engine(model_dir, prompts, max_tokens, device,
+                                    decode_step or "auto", scheduler))
+    first = results[0]["token_ids"]
+    for r in results[1:]:
+        same = sum(a == b for a, b in zip(first, r["token_ids"]))
+        print(f"rows with the same tokens as the first engine run ({results[0]['what']}) in "
+              f"{r['what']}: {same} of {len(prompts)}")
+    for r in results:
+        r.pop("token_ids")
     if not args.skip_job:
         results.append(bench_job(work / "workload.parquet", work / "out-1b", str(model_dir),
                                  "batch job, 1 actor, Llama-1B shape, random", ignore_eos=True,

@@ -125,6 +125,18 @@ class BatchedPagedKVCache:
         self._bt_host = torch.zeros(batch_size, 8, dtype=torch.int32)
         self._static: _StaticStepTensors | None = None  # set by use_static_step_tensors
 
+    @classmethod
+    def over(cls, pool: KVPool, tables: list[BlockTable]) -> BatchedPagedKVCache:
+        """A batch over existing block tables, shared, not copied: a step's writes append
+        to them, and freeing them stays with their owner (continuous batching's running
+        rows, whose tables outlive any one batch)."""
+        if not tables:
+            raise ValueError("a batch needs at least one row")
+        cache = cls(pool, len(tables))
+        cache.tables = list(tables)
+        cache._mirror_new_blocks([0] * len(tables))
+        return cache
+
     @property
     def batch_size(self) -> int:
         return len(self.tables)

@@ -31,6 +31,7 @@ class BatchStats:
     prefill_real_tokens: int = 0  # what the rows actually hold
     decode_row_steps: int = 0  # rows x decode steps
     finished_row_steps: int = 0  # of those, steps run for rows that had already finished
+    preemptions: int = 0  # rows sent back to the queue for room (continuous batching only)
 
     @property
     def padding_waste(self) -> float:
@@ -42,7 +43,7 @@ class BatchStats:
 
     def add(self, other: BatchStats) -> None:
         for f in ("num_rows", "prefill_slots", "prefill_real_tokens", "decode_row_steps",
-                  "finished_row_steps"):
+                  "finished_row_steps", "preemptions"):
             setattr(self, f, getattr(self, f) + getattr(other, f))
 
 

@@ -15,11 +15,14 @@ from nanoserve.generate import DECODE_STEP_MODES, BatchStats, blocks_for_batch, 
 from nanoserve.model import build_model
 from nanoserve.model_store import DEFAULT_MODEL, resolve_model
 from nanoserve.sampling import SamplingParams
+from nanoserve.scheduler import generate_continuous
 from nanoserve.sequence import SequenceOutput as Completion
 from nanoserve.tokenizer import Tokenizer
 from nanoserve.weights import load_checkpoint
 
-__all__ = ["LLM", "Completion", "resolve_device", "resolve_dtype"]
+__all__ = ["LLM", "SCHEDULERS", "Completion", "resolve_device", "resolve_dtype"]
+
+SCHEDULERS = ("static", "continuous")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_KV_CACHE_BYTES = 1 << 30  # a CPU pool of 1 GiB unless told otherwise
@@ -46,11 +49,20 @@ class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto",
                  device: str = "auto", kv_cache_fraction: float = 0.8,
                  kv_cache_bytes: int | None = None, block_size: int = 16,
-                 max_batch_size: int = 256, decode_step: str = "auto") -> None:
+                 max_batch_size: int = 256, decode_step: str = "auto",
+                 scheduler: str = "static") -> None:
         """kv_cache_fraction: share of the GPU's free memory (after the weights) given to
         the KV pool. kv_cache_bytes: an exact pool size instead (the CPU default is 1 GiB).
         decode_step: "auto" (a CUDA graph per batch on a GPU, see nanoserve/cuda_graph.py),
-        "eager", "static" or "graph", as `generate_batch` takes it."""
+        "eager", "static" or "graph", as `generate_batch` takes it (static batches only).
+        scheduler: "static" (the prompts cut into static batches, each run to its longest
+        row) or "continuous" (rows join as others finish: nanoserve/scheduler.py; its
+        decode steps run eagerly). Each row gets the tokens it gets alone either way (held
+        to that on the CPU by the tests)."""
+        if scheduler not in SCHEDULERS:
+            raise NanoserveError(f"scheduler must be one of {', '.join(SCHEDULERS)}, "
+                                 f"got {scheduler!r}")
+        self.scheduler = scheduler
         if decode_step not in DECODE_STEP_MODES:
             raise NanoserveError(f"decode_step must be one of {', '.join(DECODE_STEP_MODES)}, "
                                  f"got {decode_step!r}")
@@ -81,8 +93,11 @@ class LLM:
 
     def generate(self, prompt_token_ids: list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[Completion]:
-        """One completion per prompt, in order. Prompts are cut into static batches that
-        fit the pool at their peak; a batch the device cannot hold is halved and retried."""
+        """One completion per prompt, in order. Static scheduler: prompts are cut into
+        static batches that fit the pool at their peak; a batch the device cannot hold is
+        halved and retried. Continuous scheduler: one continuous batch over all prompts
+        (capped at max_batch_size running rows); if the device runs out of memory there, the
+        call is run again the static way."""
         if params is None:
             params = SamplingParams()
         if isinstance(params, SamplingParams):
@@ -90,6 +105,16 @@ class LLM:
         if len(params) != len(prompt_token_ids):
             raise ValueError("one SamplingParams per prompt, or one for all")
         self.last_stats = BatchStats()
+        if self.scheduler == "continuous" and prompt_token_ids:
+            try:
+                outs, stats = generate_continuous(
+                    self.model, prompt_token_ids, params, self.eos_token_ids, self.pool,
+                    self.tokenizer, self.max_batch_size)
+            except torch.OutOfMemoryError:
+                torch.cuda.empty_cache()  # below: static batches, halved until they fit
+            else:
+                self.last_stats = stats
+                return outs
         out: list[Completion] = []
         for batch in self._plan(prompt_token_ids, params):
             out.extend(self._run(prompt_token_ids, params, batch))

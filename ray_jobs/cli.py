@@ -69,6 +69,11 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
                    help="exact KV pool size per worker in GiB, instead of the fraction "
                         "(default on the CPU: 1)")
+    r.add_argument("--scheduler", choices=("static", "continuous"), default="static",
+                   help="the engine's batching in each worker: static (each batch of rows runs "
+                        "to its longest row; on a GPU its decode step is a CUDA graph) or "
+                        "continuous (rows join as others finish, no step spent on a finished "
+                        "row; eager decode steps) (default: static)")
     r.add_argument("--address", default=None,
                    help="Ray address (default: RAY_ADDRESS, a running cluster, else a "
                         "private local Ray; 'local' forces the latter)")
@@ -104,7 +109,8 @@ def run_batch_cli(args: argparse.Namespace) -> int:
         stop=tuple(args.stop), ignore_eos=args.ignore_eos, dtype=args.dtype,
         num_workers=args.num_workers, batch_size=args.batch_size,
         max_batch_tokens=args.max_batch_tokens, address=args.address,
-        overwrite=args.overwrite, retry_errors=args.retry_errors, prompt_column=args.prompt_column, id_column=args.id_column,
+        overwrite=args.overwrite, retry_errors=args.retry_errors, scheduler=args.scheduler,
+        prompt_column=args.prompt_column, id_column=args.id_column,
         progress=args.progress, kv_cache_fraction=args.kv_cache_fraction,
         kv_cache_bytes=None if args.kv_cache_memory is None else int(args.kv_cache_memory * 2**30),
     )

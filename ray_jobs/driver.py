@@ -74,6 +74,7 @@ from ray_jobs.worker import (
 )
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+SCHEDULERS = ("static", "continuous")  # as nanoserve.llm.SCHEDULERS (not imported: torch)
 MAX_BATCH_ATTEMPTS = 2  # deaths of its worker a batch may cause before it is cut in halves
 DEATH_SETTLE_TIMEOUT_S = 60.0  # wait for the other tasks of a dead actor to end
 
@@ -103,6 +104,7 @@ class JobOptions:
     retry_errors: bool = False  # compute again the written batches that hold error rows
     kv_cache_fraction: float = 0.5  # of a GPU's free memory, for the KV pool
     kv_cache_bytes: int | None = None  # the KV pool's exact size per worker (else the above)
+    scheduler: str = "static"  # the engine's batching in each worker: static or continuous
     chunk_rows: int = DEFAULT_CHUNK_ROWS  # rows read and tokenized at a time
     max_in_flight_per_worker: int = 2
     worker_start_timeout_s: float = 600.0  # for an actor to be placed and load the model
@@ -111,6 +113,9 @@ class JobOptions:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop or ()))
+        if self.scheduler not in SCHEDULERS:
+            raise NanoserveError(f"unknown scheduler {self.scheduler!r}; choose "
+                                 f"{', '.join(SCHEDULERS)}")
         if self.dtype not in DTYPES:
             raise NanoserveError(f"unknown dtype {self.dtype!r}; choose {', '.join(DTYPES)}")
         if self.num_workers is not None and self.num_workers < 1:

@@ -114,7 +114,8 @@ class WorkerPool:
                                                         **actor_options)
         kwargs = {"model": opts.model, "dtype": opts.dtype,
                   "kv_cache_fraction": opts.kv_cache_fraction,
-                  "kv_cache_bytes": opts.kv_cache_bytes, "num_threads": num_threads}
+                  "kv_cache_bytes": opts.kv_cache_bytes, "num_threads": num_threads,
+                  "scheduler": opts.scheduler}
         pool = cls(actor_cls, kwargs, opts.worker_start_timeout_s, timeline)
         if opts.progress:
             where = f"{num_gpus} GPU(s)" if num_gpus else "CPU"

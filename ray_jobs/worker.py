@@ -78,11 +78,12 @@ def pick_device() -> str:
 class BatchWorker:
     def __init__(self, model: str, dtype: str = "auto", kv_cache_fraction: float = 0.5,
                  device: str | None = None, num_threads: int | None = None,
-                 kv_cache_bytes: int | None = None) -> None:
+                 kv_cache_bytes: int | None = None, scheduler: str = "static") -> None:
         """Load the model once. `device` None picks one (see the module docstring);
         `num_threads` caps torch's CPU threads (at most the machine's cores);
         `kv_cache_bytes` sizes the KV pool exactly (else `kv_cache_fraction` of a GPU's free
-        memory, or the engine's CPU default)."""
+        memory, or the engine's CPU default); `scheduler`: the engine's batching, "static"
+        or "continuous" (see `nanoserve.llm.LLM`)."""
         import torch
 
         from nanoserve.llm import LLM
@@ -91,7 +92,8 @@ class BatchWorker:
         if num_threads is not None:
             torch.set_num_threads(max(1, min(num_threads, os.cpu_count() or 1)))
         llm = LLM(model=model, dtype=dtype, device=device or pick_device(),
-                  kv_cache_fraction=kv_cache_fraction, kv_cache_bytes=kv_cache_bytes)
+                  kv_cache_fraction=kv_cache_fraction, kv_cache_bytes=kv_cache_bytes,
+                  scheduler=scheduler)
         self._attach(llm)
 
     @classmethod

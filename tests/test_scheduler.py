@@ -1,0 +1,191 @@
+"""nanoserve.scheduler: continuous batching held to each row run alone.
+
+Oracle: the same row through the static path alone (`generate_batch` with one row), which
+other tests hold to the dense path and to transformers. Every test also checks that the
+pool gets every block back.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from nanoserve.cache import CacheShape, KVPool
+from nanoserve.errors import CacheFullError
+from nanoserve.generate import generate_batch, greedy_generate
+from nanoserve.sampling import SamplingParams
+from nanoserve.scheduler import generate_continuous
+
+
+def make_pool(model, num_blocks, block_size=16):
+    return KVPool(CacheShape.of(model.config), num_blocks, block_size, model.dtype, model.device)
+
+
+def mixed_rows(seed, n, sampled=False):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, 128) for _ in range(rng.randint(1, 40))] for _ in range(n)]
+    params = []
+    for i in range(n):
+        if sampled:
+            params.append(SamplingParams(max_tokens=rng.randint(1, 20), temperature=0.9,
+                                         top_k=rng.choice((0, 20)), top_p=rng.choice((1.0, 0.9)),
+                                         seed=1000 + i))
+        else:
+            params.append(SamplingParams(max_tokens=rng.randint(1, 20)))
+    return prompts, params
+
+
+def alone(model, prompt, p, eos):
+    (out,), _ = generate_batch(model, [prompt], [p], eos)
+    return out
+
+
+def assert_free(pool):
+    assert pool.allocator.num_free == pool.num_blocks
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_rows_equal_each_row_alone_as_rows_come_and_go(tiny_model, sampled):
+    """16 rows, at most 3 running: rows are admitted as others finish (EOS = token 2 ends
+    some early), and each row's tokens and finish reason are the ones it gets alone."""
+    prompts, params = mixed_rows(7, 16, sampled)
+    eos = (2,)
+    pool = make_pool(tiny_model, 64)
+    outs, stats = generate_continuous(tiny_model, prompts, params, eos, pool, max_batch_size=3)
+    for prompt, p, out in zip(prompts, params, outs):
+        want = alone(tiny_model, prompt, p, eos)
+        assert (out.token_ids, out.finish_reason) == (want.token_ids, want.finish_reason)
+    # The first token comes from the prefill, every other from one decode step of a live row.
+    assert stats.decode_row_steps == sum(len(o.token_ids) - 1 for o in outs)
+    assert stats.finished_row_steps == 0 and stats.preemptions == 0
+    assert stats.num_rows == 16 and stats.prefill_real_tokens == sum(map(len, prompts))
+    assert_free(pool)
+
+
+def test_greedy_equals_the_dense_oracle(tiny_model):
+    prompts, _ = mixed_rows(3, 6)
+    params = [SamplingParams(max_tokens=12, ignore_eos=True)] * 6
+    outs, _ = generate_continuous(tiny_model, prompts, params, max_batch_size=4)
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == greedy_generate(tiny_model, prompt, 12)
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_a_dry_pool_preempts_and_recomputes_without_changing_tokens(tiny_model, sampled):
+    """A pool of 12 blocks of 4 tokens for 8 rows that grow to 8-11 blocks each: rows are
+    preempted (blocks freed, sent back to the queue) and recomputed later; every row still
+    gets exactly its tokens alone, sampled rows included (their generators are never
+    rewound)."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 128) for _ in range(rng.randint(6, 14))] for _ in range(8)]
+    params = [SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.8 if sampled else 0.0,
+                             seed=50 + i) for i in range(8)]
+    pool = make_pool(tiny_model, 12, block_size=4)
+    outs, stats = generate_continuous(tiny_model, prompts, params, (), pool, max_batch_size=8)
+    assert stats.preemptions > 0
+    for prompt, p, out in zip(prompts, params, outs):
+        assert out.token_ids == alone(tiny_model, prompt, p, ()).token_ids
+    assert_free(pool)
+
+
+def test_prefill_token_budget_admits_fewer_rows_at_a_time(tiny_model):
+    prompts = [[5 + i] * 30 for i in range(6)]
+    params = [SamplingParams(max_tokens=4, ignore_eos=True)] * 6
+    pool = make_pool(tiny_model, 64)
+    outs, stats = generate_continuous(tiny_model, prompts, params, (), pool,
+                                      max_prefill_tokens=60)  # two 30-token prompts at a time
+    assert stats.prefill_slots == 6 * 30  # no padding: same lengths, 3 prefills of 2 rows
+    for prompt, p, out in zip(prompts, params, outs):
+        assert out.token_ids == alone(tiny_model, prompt, p, ()).token_ids
+    assert_free(pool)
+
+
+def test_a_row_too_big_for_the_pool_alone_is_refused_before_anything_runs(tiny_model):
+    pool = make_pool(tiny_model, 4, block_size=4)  # 16 tokens
+    params = [SamplingParams(max_tokens=8, ignore_eos=True)] * 2
+    with pytest.raises(CacheFullError, match="prompt 1 .* needs 5 KV blocks"):  # 10 + 8 - 1
+        generate_continuous(tiny_model, [[5, 6], [7] * 10], params, (), pool)
+    assert_free(pool)
+
+
+def test_rows_that_exactly_fill_the_pool_alone_still_run(tiny_model):
+    """Peak = prompt + max_tokens - 1 tokens (the last token is never written): a row of
+    16 + 1 tokens needs exactly one block of 16, and a pool of one block serves it."""
+    pool = make_pool(tiny_model, 1)
+    params = [SamplingParams(max_tokens=1, ignore_eos=True),
+              SamplingParams(max_tokens=9, ignore_eos=True)]
+    prompts = [[5] * 16, [6] * 8]
+    outs, _ = generate_continuous(tiny_model, prompts, params, (), pool)
+    for prompt, p, out in zip(prompts, params, outs):
+        assert out.token_ids == alone(tiny_model, prompt, p, ()).token_ids
+    assert_free(pool)
+
+
+def test_every_block_comes_back_when_the_model_raises_mid_run(tiny_model, monkeypatch):
+    prompts, params = mixed_rows(9, 8)
+    pool = make_pool(tiny_model, 64)
+    original = type(tiny_model).hidden_states
+    calls = []
+
+    def failing(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 6:
+            raise RuntimeError("device fell over")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(tiny_model), "hidden_states", failing)
+    with pytest.raises(RuntimeError, match="fell over"):
+        generate_continuous(tiny_model, prompts, params, (2,), pool, max_batch_size=3)
+    assert_free(pool)
+
+
+# --- through LLM and the batch job -----------------------------------------------------------
+
+TEXTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,", "Once upon a time",
+         "SELECT name FROM", "Hello", "Les fleurs du", "The quick brown fox jumps over the"]
+
+
+def test_llm_continuous_equals_llm_static(tiny_job_model, tiny_llm):
+    """Same completions (tokens, text, finish reason, stop strings cut) as the static
+    scheduler over text prompts, with no decode step spent on a finished row."""
+    from nanoserve.llm import LLM
+
+    llm = LLM(model=str(tiny_job_model), device="cpu", kv_cache_bytes=32 << 20,
+              max_batch_size=3, scheduler="continuous")
+    prompts = [llm.tokenizer.encode(t) for t in TEXTS]
+    params = [SamplingParams(max_tokens=4 + 3 * i, stop=["e"] if i % 3 == 0 else [],
+                             temperature=0.7 if i % 2 else 0.0, seed=i) for i in range(len(TEXTS))]
+    got = llm.generate(prompts, params)
+    want = tiny_llm.generate(prompts, params)
+    assert [(g.token_ids, g.text, g.finish_reason) for g in got] == [
+        (w.token_ids, w.text, w.finish_reason) for w in want]
+    assert llm.last_stats.finished_row_steps == 0 and tiny_llm.last_stats.finished_row_steps > 0
+
+
+def test_batch_job_with_the_continuous_scheduler(ray_session, tiny_job_model, tiny_llm,
+                                                 tmp_path):
+    import json
+
+    import pyarrow.dataset as ds
+
+    from ray_jobs import run_batch_job
+
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in TEXTS))
+    summary = run_batch_job(path, tmp_path / "out", model=str(tiny_job_model), max_tokens=5,
+                            batch_size=4, kv_cache_bytes=32 << 20, progress=False,
+                            scheduler="continuous")
+    assert summary.rows == len(TEXTS) and summary.error_rows == 0
+    rows = sorted(ds.dataset(tmp_path / "out").to_table().to_pylist(), key=lambda r: r["id"])
+    want = tiny_llm.generate([tiny_llm.tokenizer.encode(t) for t in TEXTS],
+                             SamplingParams(max_tokens=5))
+    assert [r["generated_token_ids"] for r in rows] == [w.token_ids for w in want]
+
+
+def test_unknown_scheduler_is_refused():
+    from nanoserve.errors import NanoserveError
+    from ray_jobs.driver import JobOptions
+
+    with pytest.raises(NanoserveError, match="unknown scheduler 'fifo'"):
+        JobOptions(scheduler="fifo")
