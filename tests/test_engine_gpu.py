@@ -116,3 +116,29 @@ def test_cuda_graph_decode_on_a_wide_random_model():
     runs = _graph_static_eager(model, prompts, params, eos=())
     assert runs["graph"] == runs["static"]
     assert [len(ids) for ids, _ in runs["graph"]] == [p.max_tokens for p in params]
+
+
+def test_continuous_batching_on_the_gpu_equals_each_row_alone(tiny_model_dir):
+    """float32 on the GPU: the continuous scheduler (rows joining and leaving, a pool small
+    enough to preempt) gives each row the tokens the static path gives it alone."""
+    from nanoserve.cache import CacheShape, KVPool
+    from nanoserve.generate import generate_batch
+    from nanoserve.sampling import SamplingParams
+    from nanoserve.scheduler import generate_continuous
+
+    config, sd = load_checkpoint(tiny_model_dir)
+    model = build_model(config, sd, torch.float32, "cuda")
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, 128) for _ in range(rng.randint(1, 60))] for _ in range(24)]
+    params = [SamplingParams(max_tokens=rng.randint(1, 40), temperature=0.8 if i % 2 else 0.0,
+                             seed=i, ignore_eos=i % 3 == 0) for i in range(24)]
+    for num_blocks, max_batch in ((256, 8), (8, 24)):
+        pool = KVPool(CacheShape.of(config), num_blocks, 16, torch.float32, "cuda")
+        outs, stats = generate_continuous(model, prompts, params, (2,), pool,
+                                          max_batch_size=max_batch)
+        for prompt, p, out in zip(prompts, params, outs):
+            (want,), _ = generate_batch(model, [prompt], [p], (2,))
+            assert (out.token_ids, out.finish_reason) == (want.token_ids, want.finish_reason)
+        assert pool.allocator.num_free == num_blocks
+        if num_blocks == 8:
+            assert stats.preemptions > 0
