@@ -14,6 +14,11 @@ batches). Rows are not sorted by length: this is static batching at its plainest
 
     python benchmarks/static_batching.py --threads 1          # about 4 minutes on 2 cores
     python benchmarks/static_batching.py --threads 1 --quick  # batch sizes 1, 4, 16
+
+`--continuous` also runs each point's rows through continuous batching
+(`nanoserve.scheduler.generate_continuous`, at most B rows running, same pool), right after
+the static run, and adds its tokens/s and the ratio to static. Its tokens must equal the
+static run's, row for row.
 """
 
 from __future__ import annotations
@@ -71,6 +76,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="per-row max_tokens range LO,HI (default: 8,64)")
     ap.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default: 1)")
+    ap.add_argument("--continuous", action="store_true",
+                    help="also run continuous batching (at most B rows running) side by side")
     ap.add_argument("--quick", action="store_true",
                     help=f"batch sizes {','.join(map(str, QUICK_BATCH_SIZES))} and --min-rows 4")
     args = ap.parse_args(argv)
@@ -89,6 +96,7 @@ def main(argv=None) -> None:
     from nanoserve.cache import CacheShape, KVPool
     from nanoserve.generate import BatchStats, blocks_for_batch, generate_batch
     from nanoserve.sampling import SamplingParams
+    from nanoserve.scheduler import generate_continuous
 
     args = parse_args(argv)
     threads = set_threads(args.threads)
@@ -112,12 +120,14 @@ def main(argv=None) -> None:
     table = []
     for b, rows in plan.items():
         stats, seconds, out_tokens, batches = BatchStats(), 0.0, 0, 0
+        static_tokens = []
         for i in range(0, rows, b):
             secs, (outs, st) = timed(
                 generate_batch, model, prompts[i:i + b], params[i:i + b], (), pool)
             for o, want in zip(outs, budgets[i:i + b]):
                 if len(o.token_ids) != want:
                     raise RuntimeError(f"a row made {len(o.token_ids)} tokens, expected {want}")
+            static_tokens += [o.token_ids for o in outs]
             stats.add(st)
             seconds += secs
             out_tokens += sum(len(o.token_ids) for o in outs)
@@ -126,10 +136,23 @@ def main(argv=None) -> None:
                       f"{100 * stats.padding_waste:.1f}", f"{100 * stats.early_finish_waste:.1f}"])
         print(f"batch {b}: {rows} rows, {out_tokens} tokens in {seconds:.1f} s "
               f"({out_tokens / seconds:.1f} tok/s)", flush=True)
+        if args.continuous:
+            secs, (outs, st) = timed(generate_continuous, model, prompts[:rows], params[:rows],
+                                     (), pool, None, b)
+            if [o.token_ids for o in outs] != static_tokens:
+                raise RuntimeError("continuous batching gave other tokens than static batching")
+            table[-1] += [f"{out_tokens / secs:.1f}", f"{seconds / secs:.2f}",
+                          f"{100 * st.padding_waste:.1f}", str(st.preemptions)]
+            print(f"  continuous, at most {b} running: {secs:.1f} s "
+                  f"({out_tokens / secs:.1f} tok/s)", flush=True)
 
     print()
-    print(markdown_table(["batch size", "rows", "batches", "output tokens", "seconds",
-                          "output tok/s", "padding waste %", "early-finish waste %"], table))
+    headers = ["batch size", "rows", "batches", "output tokens", "seconds", "output tok/s",
+               "padding waste %", "early-finish waste %"]
+    if args.continuous:
+        headers += ["continuous tok/s", "continuous / static", "continuous padding %",
+                    "preemptions"]
+    print(markdown_table(headers, table))
 
 
 if __name__ == "__main__":

@@ -77,6 +77,8 @@ def generate_continuous(model: LlamaForCausalLM, prompts: list[list[int]],
     max_context = model.config.max_position_embeddings
     rows = [_Row(i, Sequence(p, sp, eos_token_ids, max_context, tokenizer))
             for i, (p, sp) in enumerate(zip(prompts, params))]
+    if not rows:
+        return [], BatchStats()
     if pool is None:
         pool = pool_for(model, prompts, max((r.seq.max_new for r in rows), default=1))
     bs = pool.block_size

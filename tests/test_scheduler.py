@@ -101,6 +101,11 @@ def test_prefill_token_budget_admits_fewer_rows_at_a_time(tiny_model):
     assert_free(pool)
 
 
+def test_no_prompts_no_work(tiny_model):
+    outs, stats = generate_continuous(tiny_model, [], [])
+    assert outs == [] and stats.num_rows == 0 and stats.decode_row_steps == 0
+
+
 def test_a_row_too_big_for_the_pool_alone_is_refused_before_anything_runs(tiny_model):
     pool = make_pool(tiny_model, 4, block_size=4)  # 16 tokens
     params = [SamplingParams(max_tokens=8, ignore_eos=True)] * 2
