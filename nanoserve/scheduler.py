@@ -71,7 +71,8 @@ def generate_continuous(model: LlamaForCausalLM, prompts: list[list[int]],
                         ) -> tuple[list[SequenceOutput], BatchStats]:
     """Generate every prompt with continuous batching; see the module docstring. Raises
     CacheFullError, having changed nothing, when a row could not fit the pool even alone
-    (its prompt plus all its new tokens)."""
+    (its prompt and its new tokens but the last, which is never written), or when the
+    next row cannot start because blocks it needs are held outside this call."""
     if max_batch_size < 1 or max_prefill_tokens < 1:
         raise ValueError("max_batch_size and max_prefill_tokens must be >= 1")
     max_context = model.config.max_position_embeddings
@@ -102,6 +103,10 @@ def generate_continuous(model: LlamaForCausalLM, prompts: list[list[int]],
             if _retire(running, pool):
                 view = None
             if not running:
+                if waiting and not admitted:  # nothing here holds a block: others do
+                    raise CacheFullError(
+                        f"prompt {waiting[0].index} cannot start: the pool has "
+                        f"{pool.allocator.num_free} of {pool.num_blocks} blocks free")
                 continue
             if _preempt_for_next_step(running, waiting, pool, stats):
                 view = None

@@ -127,6 +127,15 @@ def test_rows_that_exactly_fill_the_pool_alone_still_run(tiny_model):
     assert_free(pool)
 
 
+def test_a_pool_held_elsewhere_is_an_error_not_a_hang(tiny_model):
+    pool = make_pool(tiny_model, 4, block_size=4)
+    held = pool.allocator.allocate(3)  # another user of the pool holds 3 of the 4 blocks
+    with pytest.raises(CacheFullError, match="prompt 0 cannot start: .* 1 of 4 blocks free"):
+        generate_continuous(tiny_model, [[5] * 8], [SamplingParams(max_tokens=2)], (), pool)
+    pool.allocator.free(held)
+    assert_free(pool)
+
+
 def test_every_block_comes_back_when_the_model_raises_mid_run(tiny_model, monkeypatch):
     prompts, params = mixed_rows(9, 8)
     pool = make_pool(tiny_model, 64)
