@@ -194,7 +194,7 @@ def run_batch_job(input: str | Path, output_dir: str | Path, **options: Any) -> 
         stack.enter_context(hold_output_dir(folder))  # one job per output folder at a time
         manifest = open_output_dir(folder, settings, opts.overwrite)
         retry = reopen_batches_with_errors(folder, manifest) if opts.retry_errors else set()
-        if retry and opts.progress:
+        if retry:
             log(f"nanoserve: --retry-errors: computing again {len(retry)} batch(es) of an "
                 f"earlier run that hold error rows")
         if manifest.complete:

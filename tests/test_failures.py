@@ -234,7 +234,9 @@ def test_retry_errors_computes_again_only_the_batches_with_error_rows(
                      "--kv-cache-memory", str(KV_BYTES / 2**30), "--retry-errors",
                      "--no-progress"])
     assert rc == 0
-    assert "rows: 4 (0 error rows), 4 done by an earlier run" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "rows: 4 (0 error rows), 4 done by an earlier run" in captured.out
+    assert "--retry-errors: computing again 1 batch(es)" in captured.err
     rows = output_rows(out)
     assert_every_row_once(rows, 8)
     for row in rows:
