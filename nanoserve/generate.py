@@ -101,6 +101,21 @@ def blocks_for_batch(prompt_lens: list[int], max_steps: int, block_size: int) ->
     return sum(-(-(n + max_steps - 1) // block_size) for n in prompt_lens)
 
 
+def right_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                      torch.Tensor]:
+    """A padded prefill's inputs, on the CPU: ids [B, T] int64 (row i's tokens in columns
+    0..len_i-1, zeros after), positions [B, T], valid [B, T] bool (the real columns) and
+    lens [B]; T is the longest prompt."""
+    lens = torch.tensor([len(p) for p in prompts])
+    B, T = len(prompts), int(lens.max())
+    ids = torch.zeros(B, T, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, : len(p)] = torch.tensor(p)
+    valid = torch.arange(T)[None] < lens[:, None]
+    positions = torch.arange(T).expand(B, T)
+    return ids, positions, valid, lens
+
+
 @torch.inference_mode()
 def generate_batch(model: LlamaForCausalLM, prompts: list[list[int]], params: list[SamplingParams],
                    eos_token_ids: tuple[int, ...] = (), pool: KVPool | None = None,
@@ -125,14 +140,9 @@ def generate_batch(model: LlamaForCausalLM, prompts: list[list[int]], params: li
     need = blocks_for_batch(lens, max_steps, pool.block_size)
     if need > pool.allocator.num_free:
         raise CacheFullError(f"batch needs {need} KV blocks at its peak, pool has {pool.allocator.num_free} free")
-    B, T = len(prompts), max(lens)
+    ids, positions, valid, lens_t = right_padded(prompts)
+    B, T = ids.shape
     stats = BatchStats(num_rows=B, prefill_slots=B * T, prefill_real_tokens=sum(lens))
-    ids = torch.zeros(B, T, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, : len(p)] = torch.tensor(p)
-    lens_t = torch.tensor(lens)
-    valid = torch.arange(T)[None] < lens_t[:, None]  # [B, T]
-    positions = torch.arange(T).expand(B, T)
     cache = BatchedPagedKVCache(pool, B)
     step = None
     try:

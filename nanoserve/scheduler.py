@@ -32,7 +32,7 @@ from nanoserve.attention import AttentionMetadata
 from nanoserve.block_manager import BlockTable
 from nanoserve.cache import BatchedPagedKVCache, KVPool
 from nanoserve.errors import CacheFullError
-from nanoserve.generate import BatchStats, pool_for
+from nanoserve.generate import BatchStats, pool_for, right_padded
 from nanoserve.model import LlamaForCausalLM
 from nanoserve.sampling import SamplingParams, sample_next
 from nanoserve.sequence import Sequence, SequenceOutput
@@ -151,16 +151,10 @@ def _prefill(model: LlamaForCausalLM, pool: KVPool, admitted: list[_Row], stats:
     their own; a new row samples its first token, a recomputed one samples nothing."""
     device = model.device
     tokens = [r.prefill_tokens() for r in admitted]
-    lens = [len(t) for t in tokens]
-    B, T = len(admitted), max(lens)
+    ids, positions, valid, lens_t = right_padded(tokens)  # [B, T] each, lens [B]
+    B, T = ids.shape
     stats.prefill_slots += B * T
-    stats.prefill_real_tokens += sum(lens)
-    ids = torch.zeros(B, T, dtype=torch.long)
-    for i, t in enumerate(tokens):
-        ids[i, : len(t)] = torch.tensor(t)
-    lens_t = torch.tensor(lens)
-    valid = torch.arange(T)[None] < lens_t[:, None]  # [B, T]
-    positions = torch.arange(T).expand(B, T)
+    stats.prefill_real_tokens += int(lens_t.sum())
     cache = BatchedPagedKVCache(pool, B)
     try:
         hidden = model.hidden_states(ids.to(device), positions.to(device), cache,
