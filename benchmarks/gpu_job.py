@@ -77,22 +77,35 @@ def bench_engine(model_dir: Path, prompts, max_tokens, device: str = "cuda",
     from nanoserve.llm import LLM
     from nanoserve.sampling import SamplingParams
 
+    t = time.perf_counter()
     llm = LLM(str(model_dir), device=device, decode_step=decode_step, scheduler=scheduler)
+    load_s = time.perf_counter() - t
     params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens]
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     llm.generate(prompts[:4], params[:4])  # warm-up: kernel compilation, allocator
     sync()
+    if llm.runner is not None:
+        llm.runner.phase_times()  # reset
+        llm.runner.profile = True
     t = time.perf_counter()
     outs = llm.generate(prompts, params)
     sync()
     wall = time.perf_counter() - t
+    phases = llm.runner.phase_times() if llm.runner is not None else {}
+    if phases:
+        busy = phases["prefill_s"] + phases["decode_s"]
+        print(f"{scheduler}:{decode_step}: wall {wall:.2f} s; device prefill "
+              f"{phases['prefill_s']:.2f} s, decode {phases['decode_s']:.2f} s, idle "
+              f"{wall - busy:.2f} s; host waiting for the device {phases['host_wait_s']:.2f} s; "
+              f"load {load_s:.1f} s (graphs {llm.runner.capture_s:.1f} s, "
+              f"{llm.runner.graph_bytes / 2**20:.0f} MiB)", flush=True)
     n_out = sum(len(o.token_ids) for o in outs)
     assert [len(o.token_ids) for o in outs] == max_tokens
     stats = llm.last_stats
     dtype = str(llm.dtype).removeprefix("torch.")
     del llm
     torch.cuda.empty_cache()
-    how = f"decode_step={decode_step}" if scheduler == "static" else "continuous (eager)"
+    how = f"{scheduler} scheduler, decode_step={decode_step}"
     return {"what": f"engine LLM.generate, Llama-1B shape, random ({dtype}), {how}",
             "rows": len(prompts), "token_ids": [o.token_ids for o in outs],
             "output_tokens": n_out, "wall_s": wall, "tok_s": n_out / wall,
@@ -123,7 +136,8 @@ def main() -> None:
     ap.add_argument("--skip-job", action="store_true", help="only the engine")
     ap.add_argument("--engine-runs", nargs="+", default=None, metavar="SCHEDULER:DECODE_STEP",
                     help="engine runs side by side, e.g. static:graph continuous:eager "
-                         "(default: static:eager static:graph; on the CPU static:static)")
+                         "(default: static:graph continuous:graph; on the CPU the same "
+                         "with the uncaptured 'static' step)")
     ap.add_argument("--out", type=Path, default=None, help="write results JSON here")
     ap.add_argument("--smoke", action="store_true",
                     help="a 2-layer model, 4 short rows, on the CPU: checks the script runs")
@@ -139,8 +153,8 @@ def main() -> None:
     prompts, max_tokens = make_workload(work / "workload.parquet", args.rows,
                                         config["vocab_size"], lo=lo, hi=hi)
     # Side by side (default: each kernel launched from Python, then the CUDA-graph step).
-    runs = args.engine_runs or (["static:eager", "static:graph"] if device == "cuda"
-                                else ["static:eager", "static:static"])
+    runs = args.engine_runs or (["static:graph", "continuous:graph"] if device == "cuda"
+                                else ["static:static", "continuous:static"])
     results = []
     for run in runs:
         scheduler, _, decode_step = run.partition(":")
@@ -150,7 +164,7 @@ def main() -> None:
     for r in results[1:]:
         same = sum(a == b for a, b in zip(first, r["token_ids"]))
         print(f"rows with the same tokens as the first engine run ({results[0]['what']}) in "
-              f"{r['what']}: {same} of {len(prompts)}")
+              f"{r['what']}: {same} of {len(prompts)}; rate {r['tok_s'] / results[0]['tok_s']:.2f}x")
     for r in results:
         r.pop("token_ids")
     if not args.skip_job:

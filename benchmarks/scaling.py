@@ -62,17 +62,17 @@ class GpuSampler:
 
 
 def run_once(workload: Path, model_dir: Path, out_dir: Path, workers: int,
-             batch_size: int) -> dict:
+             batch_size: int, scheduler: str = "auto") -> dict:
     from ray_jobs import run_batch_job
 
     t = time.perf_counter()
     with GpuSampler() as gpus:
         s = run_batch_job(str(workload), str(out_dir), model=str(model_dir), overwrite=True,
                           progress=False, ignore_eos=True, batch_size=batch_size,
-                          num_workers=workers)
+                          num_workers=workers, scheduler=scheduler)
     wall = time.perf_counter() - t
     rows = pq.read_table(out_dir, columns=["id"]).num_rows
-    return {"workers": workers, "rows": s.rows, "rows_read_back": rows,
+    return {"workers": workers, "scheduler": scheduler, "rows": s.rows, "rows_read_back": rows,
             "error_rows": s.error_rows, "output_tokens": s.output_tokens, "wall_s": wall,
             "tok_s": s.output_tokens / wall, "gpu_busy_pct": gpus.mean_busy(),
             "timings": s.timings,
@@ -89,6 +89,8 @@ def main() -> None:
                     help="actor counts to run, one actor per GPU (e.g. 2 1)")
     ap.add_argument("--rows", type=int, default=4096)
     ap.add_argument("--batch-size", type=int, default=256)
+    ap.add_argument("--scheduler", default="auto", choices=("auto", "static", "continuous"),
+                    help="each worker's engine (default auto: continuous on a GPU)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/nanoserve-scaling"))
     ap.add_argument("--no-warmup", action="store_true",
                     help="skip the untimed 16-row job that fills Triton's kernel cache first")
@@ -130,7 +132,7 @@ def run_all(args) -> list[dict]:
     results = []
     for workers in args.workers:
         results.append(run_once(workload, model_dir, args.work / f"out-{workers}", workers,
-                                args.batch_size))
+                                args.batch_size, args.scheduler))
         if args.out:
             with args.out.open("a") as f:
                 f.write(json.dumps({**results[-1], "shared_ray": args.shared_ray}) + "\n")
@@ -139,12 +141,12 @@ def run_all(args) -> list[dict]:
 
 def report(results: list[dict], ray_mode: str) -> None:
     print(f"Ray: {ray_mode}")
-    print("| workers | rows | rows read back | error rows | output tokens | wall s | output tok/s "
-          "| GPU busy (mean %) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| workers | scheduler | rows | rows read back | error rows | output tokens | wall s "
+          "| output tok/s | GPU busy (mean %) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         busy = ", ".join(f"{i}: {b:.0f}" for i, b in r["gpu_busy_pct"].items())
-        print(f"| {r['workers']} | {r['rows']} | {r['rows_read_back']} | {r['error_rows']} | "
+        print(f"| {r['workers']} | {r['scheduler']} | {r['rows']} | {r['rows_read_back']} | {r['error_rows']} | "
               f"{r['output_tokens']} | {r['wall_s']:.1f} | {r['tok_s']:.0f} | {busy} |")
     for r in results:
         phases = ", ".join(f"{k} {v:.1f} s" for k, v in r["timings"].items())

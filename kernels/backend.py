@@ -53,10 +53,14 @@ def decode_attention(
     block_tables: torch.Tensor,  # [B, max_blocks] int32, padding entries 0
     context_lens: torch.Tensor,  # [B] int32, each >= 1
     scale: float,
+    max_context_len: int | None = None,
 ) -> torch.Tensor:  # [B, Hq, D]
-    """Paged decode attention: one query token per row over that row's cached context."""
+    """Paged decode attention: one query token per row over that row's cached context.
+    max_context_len: a host-side bound on context_lens, used by the kernel only to choose
+    its split count (None: the block tables' capacity)."""
     if use_triton(q.device):
-        return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+        return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
+                                      max_context_len=max_context_len)
     return paged_decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 

@@ -51,6 +51,12 @@ class AttentionMetadata:
         return cls(valid=valid, is_prefill=True, cu_seqlens=cu, max_seqlen=int(lens.max()))
 
     @classmethod
+    def packed(cls, cu_seqlens: torch.Tensor, max_seqlen: int) -> AttentionMetadata:
+        """A packed prefill: the step's input is one row [1, N] holding several prompts
+        back to back, prompt b owning tokens cu_seqlens[b]:cu_seqlens[b + 1]."""
+        return cls(valid=None, is_prefill=True, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+
+    @classmethod
     def decode(cls) -> AttentionMetadata:
         return cls(valid=None, is_prefill=False)
 
@@ -99,8 +105,18 @@ def _prefill_packed(q, k, v, meta: AttentionMetadata) -> torch.Tensor:
 
 def gqa_attention(q, k, v, layer: int, cache, meta: AttentionMetadata) -> torch.Tensor:
     from nanoserve.cache import BatchedPagedKVCache, DenseKVCache
+    from nanoserve.step_cache import StepCache
 
     B, T = q.shape[:2]
+    if isinstance(cache, StepCache):
+        cache.write(layer, k, v)
+        if not meta.is_prefill:
+            return cache.paged_attention(layer, q[:, 0])[:, None]  # [B, 1, Hq, D]
+        if B != 1 or meta.cu_seqlens is None:
+            raise ValueError("a step cache's prefill is packed: input [1, N] with cu_seqlens")
+        out = kernel_backend.prefill_attention(q[0], k[0], v[0], meta.cu_seqlens,
+                                               meta.max_seqlen, q.shape[-1] ** -0.5)
+        return out[None]  # [1, N, Hq, D]
     if cache is None:
         return dense_attention(q, k, v, _causal_allowed(meta.valid, B, T, 0, q.device))
     if isinstance(cache, DenseKVCache):

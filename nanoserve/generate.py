@@ -206,6 +206,7 @@ def _append(seqs: list[Sequence], logits: torch.Tensor) -> None:
     """Sample one token for every unfinished row. logits: [B, V]."""
     live = [i for i, s in enumerate(seqs) if not s.finished]
     tokens = sample_next(logits[live], [seqs[i].params for i in live],
-                         [seqs[i].generator for i in live])
+                         [seqs[i].key for i in live],
+                         [len(seqs[i].output_ids) for i in live]).tolist()
     for i, t in zip(live, tokens):
         seqs[i].append(t)

@@ -10,11 +10,13 @@ from __future__ import annotations
 import torch
 
 from nanoserve.cache import CacheShape, KVPool
+from nanoserve.cuda_graph import MIN_DECODE_STEPS, graphs_wanted
 from nanoserve.errors import CacheFullError, NanoserveError
 from nanoserve.generate import DECODE_STEP_MODES, BatchStats, blocks_for_batch, generate_batch
 from nanoserve.model import build_model
 from nanoserve.model_store import DEFAULT_MODEL, resolve_model
 from nanoserve.sampling import SamplingParams
+from nanoserve.model_runner import ContinuousRunner
 from nanoserve.scheduler import generate_continuous
 from nanoserve.sequence import SequenceOutput as Completion
 from nanoserve.tokenizer import Tokenizer
@@ -22,7 +24,7 @@ from nanoserve.weights import load_checkpoint
 
 __all__ = ["LLM", "SCHEDULERS", "Completion", "resolve_device", "resolve_dtype"]
 
-SCHEDULERS = ("static", "continuous")
+SCHEDULERS = ("auto", "static", "continuous")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_KV_CACHE_BYTES = 1 << 30  # a CPU pool of 1 GiB unless told otherwise
@@ -50,15 +52,17 @@ class LLM:
                  device: str = "auto", kv_cache_fraction: float = 0.8,
                  kv_cache_bytes: int | None = None, block_size: int = 16,
                  max_batch_size: int = 256, decode_step: str = "auto",
-                 scheduler: str = "static") -> None:
+                 scheduler: str = "auto") -> None:
         """kv_cache_fraction: share of the GPU's free memory (after the weights) given to
         the KV pool. kv_cache_bytes: an exact pool size instead (the CPU default is 1 GiB).
         decode_step: "auto" (a CUDA graph per batch on a GPU, see nanoserve/cuda_graph.py),
-        "eager", "static" or "graph", as `generate_batch` takes it (static batches only).
+        "eager", "static" or "graph": how decode steps run (the tokens are the same). With
+        the continuous scheduler "auto"/"graph" capture one graph per batch-size bucket
+        here, at load (nanoserve/model_runner.py).
         scheduler: "static" (the prompts cut into static batches, each run to its longest
-        row) or "continuous" (rows join as others finish: nanoserve/scheduler.py; its
-        decode steps run eagerly). Each row gets the tokens it gets alone either way (held
-        to that on the CPU by the tests)."""
+        row), "continuous" (rows join as others finish: nanoserve/scheduler.py) or "auto"
+        (continuous on a GPU, static on the CPU). Each row gets the tokens it gets alone
+        either way (held to that by the tests)."""
         if scheduler not in SCHEDULERS:
             raise NanoserveError(f"scheduler must be one of {', '.join(SCHEDULERS)}, "
                                  f"got {scheduler!r}")
@@ -86,6 +90,12 @@ class LLM:
         self.pool = KVPool.for_memory(CacheShape.of(config), kv_cache_bytes, block_size,
                                       self.dtype, self.device)
         self.last_stats = BatchStats()
+        if scheduler == "auto":
+            self.scheduler = "continuous" if self.device.type == "cuda" else "static"
+        self.runner: ContinuousRunner | None = None
+        if self.scheduler == "continuous":
+            self.runner = ContinuousRunner(self.model, self.pool, max_batch_size,
+                                           continuous_step_mode(decode_step, self.device))
 
     @property
     def max_context(self) -> int:
@@ -109,7 +119,7 @@ class LLM:
             try:
                 outs, stats = generate_continuous(
                     self.model, prompt_token_ids, params, self.eos_token_ids, self.pool,
-                    self.tokenizer, self.max_batch_size)
+                    self.tokenizer, self.max_batch_size, runner=self.runner)
             except torch.OutOfMemoryError:
                 torch.cuda.empty_cache()  # below: static batches, halved until they fit
             else:
@@ -161,3 +171,11 @@ class LLM:
             return self._run(prompts, params, batch[:half]) + self._run(prompts, params, batch[half:])
         self.last_stats.add(stats)
         return outs
+
+
+def continuous_step_mode(decode_step: str, device: torch.device) -> str:
+    """The continuous runner's step mode for LLM's decode_step: "auto" captures graphs
+    where `graphs_wanted` allows it (CUDA, Triton kernels, not turned off), else eager."""
+    if decode_step == "auto":
+        return "graph" if graphs_wanted(device, MIN_DECODE_STEPS) else "eager"
+    return decode_step

@@ -1,9 +1,10 @@
 """Sampling parameters (vLLM's names) and the per-row sampler.
 
 Invariant: a row's sampled tokens depend only on its own `SamplingParams` (its seed)
-and its own logits, never on which rows share its batch: every row draws from its
-own `torch.Generator`, one draw per generated token, and temperature 0 is an exact
-argmax that draws nothing.
+and its own logits, never on which rows share its batch: a draw is a pure function of
+the row's key, its token number and its logits (counter-based Gumbel noise), and
+temperature 0 is an exact argmax that draws nothing. Sampling runs on the logits'
+device for the whole batch at once.
 """
 
 from __future__ import annotations
@@ -63,52 +64,87 @@ class SamplingParams:
         return self.temperature == 0
 
 
-def make_generator(params: SamplingParams) -> torch.Generator | None:
-    """A CPU generator seeded from the row's seed (None for greedy rows)."""
+def row_seed(params: SamplingParams) -> int | None:
+    """The row's 63-bit sampling key: its seed folded into [0, 2**63), or a fresh random one
+    when it has none; None for a greedy row (it draws nothing)."""
     if params.greedy:
         return None
-    g = torch.Generator(device="cpu")
-    seed = params.seed if params.seed is not None else random.getrandbits(63)
-    g.manual_seed(seed)
-    return g
+    if params.seed is None:
+        return random.getrandbits(63)
+    return params.seed % (1 << 63)
 
 
-def _filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, top-k and top-p on one row. logits: [V] float32 -> [V]."""
-    logits = logits / params.temperature
-    if params.top_k > 0 and params.top_k < logits.numel():
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # Drop a token when the mass strictly before it already reaches top_p;
-        # the most likely token is always kept.
-        before = torch.cumsum(probs, dim=-1) - probs
-        drop_sorted = before >= params.top_p
-        drop_sorted[0] = False
-        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
+# Counter-based noise: a draw is a pure function of (row key, token index, vocabulary id),
+# so it needs no generator state, runs on any device for a whole batch at once, and a row
+# draws the same numbers whichever batch it sits in. The mixer is a 32-bit integer hash
+# (xorshift-multiply rounds); multipliers stay below 2**31 and values below 2**32, so no
+# int64 product overflows.
+_M32 = 0xFFFFFFFF
+_MULS = (0x7FEB352D, 0x68E31DA5, 0x1B873593)
 
 
-def sample_next(
-    logits: torch.Tensor,
-    params: list[SamplingParams],
-    generators: list[torch.Generator | None],
-) -> list[int]:
-    """One next token per row. logits: [B, V] (any device/dtype) -> B ints.
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """int64 values in [0, 2**32) -> hashed int64 values in [0, 2**32)."""
+    for m in _MULS:
+        x = x ^ (x >> 16)
+        x = (x * m) & _M32
+    return x ^ (x >> 15)
 
-    Greedy rows take the argmax; the others sample on the CPU in float32 from their
-    own generator, so the draw is the same whichever batch the row sits in.
-    """
-    out: list[int] = []
-    greedy_ids = torch.argmax(logits, dim=-1).tolist()
-    for i, (p, g) in enumerate(zip(params, generators)):
-        if p.greedy:
-            out.append(int(greedy_ids[i]))
-            continue
-        row = _filter_logits(logits[i].float().cpu(), p)
-        probs = torch.softmax(row, dim=-1)
-        out.append(int(torch.multinomial(probs, 1, generator=g).item()))
-    return out
+
+def gumbel_noise(keys: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Standard Gumbel noise [n, vocab] float32 for rows with 63-bit `keys` [n] int64 drawing
+    their token number `counters` [n] int64. argmax(logits / T + noise) is a draw from
+    softmax(logits / T) (the Gumbel-max trick)."""
+    lo, hi = keys & _M32, (keys >> 32) & _M32
+    row = _mix32(lo ^ _mix32(hi ^ _mix32(counters & _M32)))  # [n]
+    vid = torch.arange(vocab, device=keys.device, dtype=torch.int64)
+    h = _mix32(row[:, None] ^ ((vid * 0x2545F491) & _M32)[None, :])  # [n, V]
+    u = ((h >> 8).double() + 0.5) / float(1 << 24)  # in (0, 1), never 0 or 1
+    return (-torch.log(-torch.log(u))).float()
+
+
+def _filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                   top_p: torch.Tensor, cut: bool) -> torch.Tensor:
+    """Temperature, then top-k, then top-p (on the top-k-renormalised distribution), for n
+    rows at once. logits [n, V] float32; temperature, top_p [n] float32; top_k [n] int64
+    (0: no cut); cut: whether any row has a top-k or top-p cut (known on the host, so no
+    device sync). Dropped tokens become -inf; the most likely token is always kept."""
+    x = logits / temperature[:, None]
+    if not cut:
+        return x
+    sorted_x, order = torch.sort(x, dim=-1, descending=True)  # [n, V]
+    ranks = torch.arange(x.shape[-1], device=x.device)[None, :]
+    k = torch.where(top_k > 0, top_k, x.shape[-1])
+    keep = ranks < k[:, None]
+    probs = torch.softmax(sorted_x.masked_fill(~keep, float("-inf")), dim=-1)
+    before = torch.cumsum(probs, dim=-1) - probs  # mass strictly before each token
+    keep &= (before < top_p[:, None]) | (ranks == 0)
+    sorted_x = sorted_x.masked_fill(~keep, float("-inf"))
+    return torch.full_like(x, float("-inf")).scatter(1, order, sorted_x)
+
+
+def sample_next(logits: torch.Tensor, params: list[SamplingParams], keys: list[int | None],
+                counters: list[int]) -> torch.Tensor:
+    """One next token per row, on the logits' device, with no host sync per row.
+    logits: [B, V]; keys: each row's `row_seed` (None for greedy rows); counters: how many
+    tokens each row has generated before this one. Returns [B] int64 on that device.
+
+    Greedy rows take the exact argmax. The others draw by the Gumbel-max trick from
+    counter-based noise (`gumbel_noise`): the draw depends on the row's key, its token
+    number and its own logits only."""
+    tokens = torch.argmax(logits, dim=-1)
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    if not sampled:
+        return tokens
+    dev = logits.device
+    idx = torch.tensor(sampled, dtype=torch.int64).to(dev, non_blocking=True)
+    sp = [params[i] for i in sampled]
+    temperature = torch.tensor([p.temperature for p in sp], dtype=torch.float32).to(dev)
+    top_k = torch.tensor([max(p.top_k, 0) for p in sp], dtype=torch.int64).to(dev)
+    top_p = torch.tensor([p.top_p for p in sp], dtype=torch.float32).to(dev)
+    key_t = torch.tensor([keys[i] for i in sampled], dtype=torch.int64).to(dev)
+    ctr_t = torch.tensor([counters[i] for i in sampled], dtype=torch.int64).to(dev)
+    cut = any(p.top_k > 0 or p.top_p < 1 for p in sp)
+    x = _filter_logits(logits.index_select(0, idx).float(), temperature, top_k, top_p, cut)
+    drawn = torch.argmax(x + gumbel_noise(key_t, ctr_t, x.shape[-1]), dim=-1)
+    return tokens.index_copy(0, idx, drawn)

@@ -1,56 +1,82 @@
 """Continuous batching: rows join the running batch as others finish.
 
-`generate_continuous` keeps a queue of waiting rows and a running batch. Each iteration:
+`ContinuousScheduler` keeps a queue of waiting rows and a running batch over one KV pool,
+and drives a `ContinuousRunner` (nanoserve/model_runner.py). Each iteration of `step`:
 
-1. admit: waiting rows join (first come, first served) while the running batch has fewer
-   than `max_batch_size` rows, the new rows' prefill rectangle stays within
-   `max_prefill_tokens`, and the pool keeps one free block per running row after their
-   prompts (the headroom the next decode step can need: at most one block per row);
-2. prefill the admitted rows together, in a cache of their own over the shared pool, then
-   move their block tables into the running batch;
-3. one decode step for every running row; before it, while the pool cannot give every row
-   its next slot, the most recently admitted row is preempted: its blocks are freed and it
-   goes back to the front of the queue, to be recomputed (prompt and tokens so far
-   prefilled again, nothing sampled) when there is room;
-4. a row that finishes (EOS, stop, length) leaves at once and its blocks go back to the pool.
+1. while fewer than two operations are unread on the device:
+   a. admit: waiting rows join (first come, first served) while the running batch has
+      fewer than `max_batch_size` rows, the admitted prompts hold at most
+      `max_prefill_tokens` tokens together (the first always goes), and the pool keeps one
+      free block per running row after their prompts (what the next step can need); the
+      admitted rows are prefilled together, packed (no padding), and new rows sample
+      their first token on the device;
+   b. one decode step for every running row that may still need a token: each row's next
+      slot is reserved first (all rows or none); when the pool cannot give every row its
+      slot, queued work is read, and the most recently admitted rows are preempted (blocks
+      freed, back to the front of the queue, recomputed later: prompt and tokens so far
+      prefilled again, nothing sampled again);
+2. read the oldest unread operation's tokens, run the stop rules, and let rows that
+   finished leave (their blocks and row slot go back).
+
+The device runs step t+1 while the host reads step t and does its bookkeeping: a step's
+input tokens never travel through the host (see the runner's row slots). The price: a row
+that stops on EOS or a stop string is known to have finished one step late, so at most
+one step per such row computes a token that is dropped (`BatchStats.finished_row_steps`).
+A row that stops on length is never stepped past its last token.
 
 Invariants: a row's tokens are the ones it gets alone (greedy exactly; sampled rows draw
-from their own generator, which preemption never rewinds or re-seeds); every block is
-free again when the call returns, however it ends; no decode step computes a finished
-row (`BatchStats.finished_row_steps` stays 0).
+from counter-based noise keyed by their seed and token number, which preemption does not
+disturb); every block is free again when `run` returns or raises; a row is in at most one
+prefill, and only its own steps write its blocks.
 
-The decode step runs eagerly (no CUDA graph: the batch changes shape as rows come and go).
+`add` may be called between steps (the batch worker keeps one scheduler running across
+the driver's batches): a group's `on_done` callback gets its outputs when its last row
+finishes.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 import torch
 
-from nanoserve.attention import AttentionMetadata
-from nanoserve.block_manager import BlockTable
-from nanoserve.cache import BatchedPagedKVCache, KVPool
+from nanoserve.cache import KVPool
+from nanoserve.block_manager import BlockTable, reserve_all_or_nothing
 from nanoserve.errors import CacheFullError
-from nanoserve.generate import BatchStats, pool_for, right_padded
+from nanoserve.generate import BatchStats, pool_for
 from nanoserve.model import LlamaForCausalLM
-from nanoserve.sampling import SamplingParams, sample_next
+from nanoserve.model_runner import ContinuousRunner, Launched
+from nanoserve.sampling import SamplingParams
 from nanoserve.sequence import Sequence, SequenceOutput
 
-DEFAULT_MAX_PREFILL_TOKENS = 16384  # rows x longest prompt of one admission's prefill
+DEFAULT_MAX_PREFILL_TOKENS = 8192  # prompt tokens of one admission's packed prefill
+MAX_UNREAD = 2  # operations queued on the device ahead of the host
 
 
 def _blocks(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
 
 
-class _Row:
-    """A row's generation state and, while it holds KV blocks, its block table."""
+class _Group:
+    """Rows added together; `on_done(outputs)` runs when the last of them finishes."""
 
-    def __init__(self, index: int, seq: Sequence) -> None:
-        self.index = index
+    def __init__(self, size: int, on_done: Callable[[list[SequenceOutput]], None] | None) -> None:
+        self.outputs: list[SequenceOutput | None] = [None] * size
+        self.left = size
+        self.on_done = on_done
+
+
+class _Row:
+    """A row's generation state and, while it runs, its block table and row slot."""
+
+    def __init__(self, seq: Sequence, group: _Group, index: int) -> None:
         self.seq = seq
+        self.group, self.index = group, index
         self.table: BlockTable | None = None
+        self.slot: int | None = None
+        self.launched = 0  # tokens whose computation was queued (prefill sample included)
+        self.sent_blocks = 0  # block-table entries the runner has for this row
 
     def peak_tokens(self) -> int:
         """The most tokens the row ever holds in the cache: its prompt and every new token
@@ -62,155 +88,241 @@ class _Row:
         but the last (the last is the next decode step's input)."""
         return self.seq.prompt_ids + self.seq.output_ids[:-1]
 
+    def wants_step(self) -> bool:
+        return not self.seq.finished and self.launched < self.seq.max_new
+
+
+class ContinuousScheduler:
+    def __init__(self, model: LlamaForCausalLM, pool: KVPool, runner: ContinuousRunner,
+                 eos_token_ids: tuple[int, ...] = (), tokenizer=None,
+                 max_batch_size: int | None = None,
+                 max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS) -> None:
+        if max_prefill_tokens < 1:
+            raise ValueError("max_prefill_tokens must be >= 1")
+        self.model, self.pool, self.runner = model, pool, runner
+        self.eos_token_ids, self.tokenizer = eos_token_ids, tokenizer
+        self.max_batch_size = min(max_batch_size or runner.max_batch_size, runner.max_batch_size)
+        self.max_prefill_tokens = max_prefill_tokens
+        self.waiting: deque[_Row] = deque()
+        self.running: list[_Row] = []
+        self.unread: deque[tuple[Launched, list[_Row]]] = deque()
+        self.free_slots = list(range(runner.max_batch_size - 1, -1, -1))
+        self.stats = BatchStats()
+
+    # --- the public surface -----------------------------------------------------------------
+
+    def add(self, prompts: list[list[int]], params: list[SamplingParams],
+            on_done: Callable[[list[SequenceOutput]], None] | None = None) -> _Group:
+        """Queue rows. Raises ValueError (a bad prompt) or CacheFullError (a row that cannot
+        fit the pool even alone) having queued none of them."""
+        max_context = self.model.config.max_position_embeddings
+        group = _Group(len(prompts), on_done)
+        rows = [_Row(Sequence(p, sp, self.eos_token_ids, max_context, self.tokenizer), group, i)
+                for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
+        for r in rows:
+            need = _blocks(r.peak_tokens(), self.pool.block_size)
+            if need > min(self.pool.num_blocks, self.runner.width):
+                raise CacheFullError(
+                    f"prompt {r.index} ({len(r.seq.prompt_ids)} tokens + {r.seq.max_new} new) "
+                    f"needs {need} KV blocks; the pool has {self.pool.num_blocks}")
+        self.waiting.extend(rows)
+        self.stats.num_rows += len(rows)
+        if not rows and on_done is not None:
+            on_done([])
+        return group
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.unread)
+
+    def run(self) -> None:
+        """Step until every queued row has finished. On any exception every row is dropped
+        and every block freed before it propagates."""
+        try:
+            while self.has_work:
+                self.step()
+        except BaseException:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        """Drop every row, waiting or running, and free their blocks (after the device has
+        finished what was queued, so nothing still writes into them)."""
+        try:
+            self.runner.sync()
+        finally:
+            for r in self.running:
+                self._release(r)
+            self.running.clear()
+            self.waiting.clear()
+            self.unread.clear()
+
+    def step(self) -> None:
+        if len(self.unread) < MAX_UNREAD:
+            admitted = self._admit()
+            if admitted:
+                self._prefill(admitted)
+            rows = [r for r in self.running if r.wants_step()]
+            if rows:
+                rows = self._reserve_or_preempt(rows)
+                if rows:
+                    self._decode(rows)
+        if self.unread:
+            self._read(*self.unread.popleft())
+        elif self.waiting and not self.running:
+            raise CacheFullError(
+                f"prompt {self.waiting[0].index} cannot start: the pool has "
+                f"{self.pool.allocator.num_free} of {self.pool.num_blocks} blocks free")
+
+    # --- admission and prefill --------------------------------------------------------------
+
+    def _admit(self) -> list[_Row]:
+        """Take rows from the front of the queue while they fit (see the module docstring).
+        With nothing running the first waiting row always fits: it fits the pool alone."""
+        admitted: list[_Row] = []
+        free = self.pool.allocator.num_free
+        tokens = 0
+        while self.waiting and len(self.running) + len(admitted) < self.max_batch_size:
+            row = self.waiting[0]
+            n = len(row.prefill_tokens())
+            # Its prompt and the token its next decode step writes (none if it never decodes).
+            need = _blocks(min(n + 1, row.peak_tokens()), self.pool.block_size)
+            headroom = len(self.running) + len(admitted)  # one block per row already in
+            if need + headroom > free:
+                break
+            if admitted and tokens + n > self.max_prefill_tokens:
+                break
+            admitted.append(self.waiting.popleft())
+            free -= need
+            tokens += n
+        return admitted
+
+    def _prefill(self, rows: list[_Row]) -> None:
+        tokens = [r.prefill_tokens() for r in rows]
+        tables = [BlockTable(self.pool.block_size) for _ in rows]
+        writes = reserve_all_or_nothing(tables, [len(t) for t in tokens], self.pool.allocator)
+        for r, table in zip(rows, tables):
+            r.table, r.slot = table, self.free_slots.pop()
+            r.sent_blocks = len(table.blocks)
+        self.running += rows
+        self.runner.set_block_tables([r.slot for r in rows], [t.blocks for t in tables])
+        recomputed = [r for r in rows if r.seq.output_ids]
+        if recomputed:
+            self.runner.set_last_tokens([r.slot for r in recomputed],
+                                        [r.seq.output_ids[-1] for r in recomputed])
+        new = [i for i, r in enumerate(rows) if not r.seq.output_ids]
+        samplers = [rows[i] for i in new]
+        op = self.runner.prefill(
+            tokens, [s for w in writes for s in w], new, [r.slot for r in rows],
+            [r.seq.params for r in samplers], [r.seq.key for r in samplers],
+            [0] * len(samplers))
+        for r in rows:
+            r.launched = max(len(r.seq.output_ids), 1)
+        n = sum(len(t) for t in tokens)
+        self.stats.prefill_slots += n
+        self.stats.prefill_real_tokens += n
+        self.unread.append((op, samplers))
+
+    # --- decode ------------------------------------------------------------------------------
+
+    def _reserve_or_preempt(self, rows: list[_Row]) -> list[_Row]:
+        """Reserve one slot for each of `rows` (all or none). When the pool is short, read
+        everything queued (rows may finish and free blocks), then preempt the most recently
+        admitted rows until the rest fit. Returns the rows that step."""
+        alloc = self.pool.allocator
+        if sum(r.table.blocks_needed(1) for r in rows) > alloc.num_free:
+            while self.unread:
+                self._read(*self.unread.popleft())
+            rows = [r for r in self.running if r.wants_step()]
+            preempted: list[_Row] = []
+            while rows and sum(r.table.blocks_needed(1) for r in rows) > alloc.num_free:
+                victim = self.running.pop()  # the most recently admitted
+                self._release(victim)
+                victim.launched = 0
+                preempted.append(victim)
+                self.stats.preemptions += 1
+                rows = [r for r in self.running if r.wants_step()]
+            self.waiting.extendleft(preempted)  # popped newest first: order restored
+        return rows
+
+    def _decode(self, rows: list[_Row]) -> None:
+        positions = [r.table.num_tokens for r in rows]
+        writes = [w[0] for w in reserve_all_or_nothing(
+            [r.table for r in rows], [1] * len(rows), self.pool.allocator)]
+        new_blocks = []
+        for r in rows:
+            if len(r.table.blocks) > r.sent_blocks:
+                new_blocks += [(r.slot, j, r.table.blocks[j])
+                               for j in range(r.sent_blocks, len(r.table.blocks))]
+                r.sent_blocks = len(r.table.blocks)
+        sampled = any(not r.seq.params.greedy for r in rows)
+        op = self.runner.decode(
+            [r.slot for r in rows], positions, writes, new_blocks,
+            [r.seq.params for r in rows] if sampled else [],
+            [r.seq.key for r in rows] if sampled else [],
+            [r.launched for r in rows] if sampled else [])
+        for r in rows:
+            r.launched += 1
+        self.stats.decode_row_steps += len(rows)
+        self.unread.append((op, rows))
+
+    # --- results -----------------------------------------------------------------------------
+
+    def _read(self, op: Launched, rows: list[_Row]) -> None:
+        tokens = self.runner.read(op)
+        for r, t in zip(rows, tokens, strict=True):
+            if r.seq.finished or r.table is None:  # finished before this step was read
+                self.stats.finished_row_steps += 1
+                continue
+            r.seq.append(t)
+        finished = [r for r in self.running if r.seq.finished]
+        if finished:
+            self.running = [r for r in self.running if not r.seq.finished]
+            for r in finished:
+                self._release(r)
+                self._finish(r)
+
+    def _release(self, r: _Row) -> None:
+        if r.table is not None:
+            r.table.free(self.pool.allocator)
+            r.table = None
+        if r.slot is not None:
+            self.free_slots.append(r.slot)
+            r.slot = None
+
+    def _finish(self, r: _Row) -> None:
+        g = r.group
+        g.outputs[r.index] = r.seq.output()
+        g.left -= 1
+        if g.left == 0 and g.on_done is not None:
+            g.on_done(g.outputs)
+
 
 @torch.inference_mode()
 def generate_continuous(model: LlamaForCausalLM, prompts: list[list[int]],
                         params: list[SamplingParams], eos_token_ids: tuple[int, ...] = (),
                         pool: KVPool | None = None, tokenizer=None, max_batch_size: int = 256,
                         max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
+                        runner: ContinuousRunner | None = None, step_mode: str = "eager",
                         ) -> tuple[list[SequenceOutput], BatchStats]:
-    """Generate every prompt with continuous batching; see the module docstring. Raises
-    CacheFullError, having changed nothing, when a row could not fit the pool even alone
-    (its prompt and its new tokens but the last, which is never written), or when the
-    next row cannot start because blocks it needs are held outside this call."""
-    if max_batch_size < 1 or max_prefill_tokens < 1:
-        raise ValueError("max_batch_size and max_prefill_tokens must be >= 1")
-    max_context = model.config.max_position_embeddings
-    rows = [_Row(i, Sequence(p, sp, eos_token_ids, max_context, tokenizer))
-            for i, (p, sp) in enumerate(zip(prompts, params))]
-    if not rows:
+    """Generate every prompt with continuous batching; see the module docstring. `runner`:
+    an engine's own (graphs captured once), else one made for this call in `step_mode`.
+    Raises CacheFullError, having changed nothing, when a row could not fit the pool even
+    alone (its prompt and its new tokens but the last, which is never written), or when
+    the next row cannot start because blocks it needs are held outside this call."""
+    if max_batch_size < 1:
+        raise ValueError("max_batch_size must be >= 1")
+    if not prompts:
         return [], BatchStats()
     if pool is None:
-        pool = pool_for(model, prompts, max((r.seq.max_new for r in rows), default=1))
-    bs = pool.block_size
-    for r in rows:
-        need = _blocks(r.peak_tokens(), bs)
-        if need > pool.num_blocks:
-            raise CacheFullError(
-                f"prompt {r.index} ({len(r.seq.prompt_ids)} tokens + {r.seq.max_new} new) needs "
-                f"{need} KV blocks; the pool has {pool.num_blocks}")
-    stats = BatchStats(num_rows=len(rows))
-    waiting: deque[_Row] = deque(rows)
-    running: list[_Row] = []
-    try:
-        view: BatchedPagedKVCache | None = None  # the running rows' cache, while they stay
-        while waiting or running:
-            admitted = _admit(waiting, running, pool, max_batch_size, max_prefill_tokens)
-            if admitted:
-                _prefill(model, pool, admitted, stats)
-                running += admitted
-                view = None
-            if _retire(running, pool):
-                view = None
-            if not running:
-                if waiting and not admitted:  # nothing here holds a block: others do
-                    raise CacheFullError(
-                        f"prompt {waiting[0].index} cannot start: the pool has "
-                        f"{pool.allocator.num_free} of {pool.num_blocks} blocks free")
-                continue
-            if _preempt_for_next_step(running, waiting, pool, stats):
-                view = None
-            if view is None:
-                view = BatchedPagedKVCache.over(pool, [r.table for r in running])
-            _decode(model, view, running, stats)
-            if _retire(running, pool):
-                view = None
-    finally:
-        for r in rows:
-            if r.table is not None:
-                r.table.free(pool.allocator)
-                r.table = None
-    return [r.seq.output() for r in rows], stats
+        pool = pool_for(model, prompts, max(p.max_tokens for p in params))
+    if runner is None:
+        runner = ContinuousRunner(model, pool, min(max_batch_size, len(prompts)), step_mode)
+    sched = ContinuousScheduler(model, pool, runner, eos_token_ids, tokenizer, max_batch_size,
+                                max_prefill_tokens)
+    group = sched.add(prompts, params)
+    sched.run()
+    return list(group.outputs), sched.stats
 
 
-def _admit(waiting: deque[_Row], running: list[_Row], pool: KVPool, max_batch_size: int,
-           max_prefill_tokens: int) -> list[_Row]:
-    """Take rows from the front of the queue while they fit (see the module docstring).
-    With nothing running the first waiting row always fits: it fits the pool alone."""
-    admitted: list[_Row] = []
-    free = pool.allocator.num_free
-    longest = 0
-    while waiting and len(running) + len(admitted) < max_batch_size:
-        row = waiting[0]
-        n = len(row.prefill_tokens())
-        # Its prompt and the token its next decode step writes (none if it never decodes).
-        need = _blocks(min(n + 1, row.peak_tokens()), pool.block_size)
-        headroom = len(running) + len(admitted)  # one block per row already in
-        if need + headroom > free:
-            break
-        if admitted and (len(admitted) + 1) * max(longest, n) > max_prefill_tokens:
-            break
-        admitted.append(waiting.popleft())
-        free -= need
-        longest = max(longest, n)
-    return admitted
-
-
-def _prefill(model: LlamaForCausalLM, pool: KVPool, admitted: list[_Row], stats: BatchStats) -> None:
-    """One padded prefill over the admitted rows (right-padded, masked), in a cache of
-    their own; a new row samples its first token, a recomputed one samples nothing."""
-    device = model.device
-    tokens = [r.prefill_tokens() for r in admitted]
-    ids, positions, valid, lens_t = right_padded(tokens)  # [B, T] each, lens [B]
-    B, T = ids.shape
-    stats.prefill_slots += B * T
-    stats.prefill_real_tokens += int(lens_t.sum())
-    cache = BatchedPagedKVCache(pool, B)
-    try:
-        hidden = model.hidden_states(ids.to(device), positions.to(device), cache,
-                                     AttentionMetadata.prefill(valid.to(device)))
-    except BaseException:
-        cache.free_all()
-        raise
-    for r, table in zip(admitted, cache.tables):
-        r.table = table
-    new = [i for i, r in enumerate(admitted) if not r.seq.output_ids]
-    if new:
-        last = hidden[torch.tensor(new, device=device), (lens_t[new] - 1).to(device)]  # [n, d]
-        _sample(model, [admitted[i] for i in new], last)
-
-
-def _decode(model: LlamaForCausalLM, view: BatchedPagedKVCache, running: list[_Row],
-            stats: BatchStats) -> None:
-    """One token for every running row, each at its own position."""
-    device = model.device
-    stats.decode_row_steps += len(running)
-    step_ids = torch.tensor([[r.seq.output_ids[-1]] for r in running], device=device)
-    step_pos = torch.tensor([[n] for n in view.seq_lens], device=device)
-    hidden = model.hidden_states(step_ids, step_pos, view, AttentionMetadata.decode())
-    _sample(model, running, hidden[:, 0])
-
-
-def _sample(model: LlamaForCausalLM, rows: list[_Row], hidden: torch.Tensor) -> None:
-    logits = model.compute_logits(hidden)  # [n, V]
-    tokens = sample_next(logits, [r.seq.params for r in rows], [r.seq.generator for r in rows])
-    for r, t in zip(rows, tokens):
-        r.seq.append(t)
-
-
-def _retire(running: list[_Row], pool: KVPool) -> bool:
-    """Drop finished rows from the running batch (in place), their blocks back to the pool."""
-    done = [r for r in running if r.seq.finished]
-    for r in done:
-        r.table.free(pool.allocator)
-        r.table = None
-    running[:] = [r for r in running if not r.seq.finished]
-    return bool(done)
-
-
-def _preempt_for_next_step(running: list[_Row], waiting: deque[_Row], pool: KVPool,
-                           stats: BatchStats) -> bool:
-    """Free the most recently admitted rows until every remaining row can take its next
-    token; the preempted go back to the front of the queue, in admission order."""
-    preempted: list[_Row] = []
-    while sum(r.table.blocks_needed(1) for r in running) > pool.allocator.num_free:
-        row = running.pop()
-        row.table.free(pool.allocator)
-        row.table = None
-        preempted.append(row)
-        stats.preemptions += 1
-    waiting.extendleft(preempted)  # popped newest first: extendleft restores their order
-    return bool(preempted)
-
-
-__all__ = ["DEFAULT_MAX_PREFILL_TOKENS", "generate_continuous"]
+__all__ = ["DEFAULT_MAX_PREFILL_TOKENS", "ContinuousScheduler", "generate_continuous"]

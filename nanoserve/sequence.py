@@ -1,4 +1,4 @@
-"""Per-row generation state: the tokens so far, the row's sampler, and the stop rules.
+"""Per-row generation state: the tokens so far, the row's sampling key, and the stop rules.
 
 A row finishes with reason 'stop' on an EOS token (unless `ignore_eos`), on one of its
 `stop_token_ids`, or when its text contains one of its `stop` strings (the text is cut
@@ -10,9 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from nanoserve.sampling import SamplingParams, make_generator
+from nanoserve.sampling import SamplingParams, row_seed
 
 
 @dataclass
@@ -36,7 +34,7 @@ class Sequence:
             raise ValueError("stop strings need a tokenizer")
         self.prompt_ids = list(prompt_ids)
         self.params = params
-        self.generator: torch.Generator | None = make_generator(params)
+        self.key: int | None = row_seed(params)  # the row's sampling key (None: greedy)
         # Tokens this row may still add: its cap, or what the context has room for.
         self.max_new = min(params.max_tokens, max_context - len(prompt_ids))
         self._stop_ids = set(params.stop_token_ids)

@@ -69,11 +69,12 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
                    help="exact KV pool size per worker in GiB, instead of the fraction "
                         "(default on the CPU: 1)")
-    r.add_argument("--scheduler", choices=("static", "continuous"), default="static",
-                   help="the engine's batching in each worker: static (each batch of rows runs "
-                        "to its longest row; on a GPU its decode step is a CUDA graph) or "
-                        "continuous (rows join as others finish, no step spent on a finished "
-                        "row; eager decode steps) (default: static)")
+    r.add_argument("--scheduler", choices=("auto", "static", "continuous"), default="auto",
+                   help="the engine's batching in each worker: continuous (rows join as others "
+                        "finish, and the next batch's rows as this batch's finish; decode steps "
+                        "replayed as CUDA graphs on a GPU), static (each batch runs to its "
+                        "longest row), or auto: continuous on a GPU, static on the CPU "
+                        "(default: auto)")
     r.add_argument("--address", default=None,
                    help="Ray address (default: RAY_ADDRESS, a running cluster, else a "
                         "private local Ray; 'local' forces the latter)")

@@ -74,7 +74,7 @@ from ray_jobs.worker import (
 )
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-SCHEDULERS = ("static", "continuous")  # as nanoserve.llm.SCHEDULERS (not imported: torch)
+SCHEDULERS = ("auto", "static", "continuous")  # as nanoserve.llm.SCHEDULERS (no torch here)
 MAX_BATCH_ATTEMPTS = 2  # deaths of its worker a batch may cause before it is cut in halves
 DEATH_SETTLE_TIMEOUT_S = 60.0  # wait for the other tasks of a dead actor to end
 
@@ -104,7 +104,7 @@ class JobOptions:
     retry_errors: bool = False  # compute again the written batches that hold error rows
     kv_cache_fraction: float = 0.5  # of a GPU's free memory, for the KV pool
     kv_cache_bytes: int | None = None  # the KV pool's exact size per worker (else the above)
-    scheduler: str = "static"  # the engine's batching in each worker: static or continuous
+    scheduler: str = "auto"  # each worker's engine: continuous on a GPU, static on the CPU
     chunk_rows: int = DEFAULT_CHUNK_ROWS  # rows read and tokenized at a time
     max_in_flight_per_worker: int = 2
     worker_start_timeout_s: float = 600.0  # for an actor to be placed and load the model

@@ -110,8 +110,12 @@ class WorkerPool:
         fault_env = {k: v for k, v in os.environ.items() if k.startswith(FAULT_ENV_PREFIX)}
         if fault_env:  # testing hooks (see ray_jobs.worker), forwarded to the actors
             actor_options["runtime_env"] = {"env_vars": fault_env}
-        actor_cls = ray.remote(RayBatchWorker).options(max_restarts=0, max_task_retries=0,
-                                                        **actor_options)
+        # Threaded actor: a worker holds up to max_in_flight_per_worker batches at once, so
+        # its engine (continuous scheduler) admits the next batch's rows as the current
+        # batch's rows finish. A static engine still runs one batch at a time (a lock).
+        actor_cls = ray.remote(RayBatchWorker).options(
+            max_restarts=0, max_task_retries=0,
+            max_concurrency=max(1, opts.max_in_flight_per_worker), **actor_options)
         kwargs = {"model": opts.model, "dtype": opts.dtype,
                   "kv_cache_fraction": opts.kv_cache_fraction,
                   "kv_cache_bytes": opts.kv_cache_bytes, "num_threads": num_threads,

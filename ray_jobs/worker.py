@@ -33,6 +33,7 @@ import functools
 import os
 import signal
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -106,6 +107,15 @@ class BatchWorker:
     def _attach(self, llm: Any) -> None:
         self.llm = llm
         self._ooms = _watch_model(llm.model)
+        # Continuous scheduler: one running batch across calls (the actor takes two batches
+        # at once, and the second's rows join as the first's finish). Static: one call at a
+        # time on the engine.
+        self._loop = None
+        if getattr(llm, "runner", None) is not None:
+            from nanoserve.engine_loop import EngineLoop
+
+            self._loop = EngineLoop(llm)
+        self._engine_lock = threading.Lock()
 
     @property
     def oom_errors(self) -> int:
@@ -132,20 +142,34 @@ class BatchWorker:
         stats = []
         try:
             if todo:
-                done = self.llm.generate(prompts, params)
-                stats.append(getattr(self.llm, "last_stats", None))
+                done, st = self._generate(prompts, params)
+                stats.append(st)
                 for i, c in zip(todo, done):
                     results[i] = _completion_row(c)
         except (NanoserveError, ValueError, RuntimeError):  # torch.OutOfMemoryError included
             for i, p, sp in zip(todo, prompts, params):
-                results[i] = self._run_alone(p, sp)
-                stats.append(getattr(self.llm, "last_stats", None))
+                results[i], st = self._run_alone(p, sp)
+                stats.append(st)
         table = pa.Table.from_pylist(results, schema=RESULT_SCHEMA)
         slots = sum(getattr(s, "prefill_slots", 0) for s in stats if s is not None)
         real = sum(getattr(s, "prefill_real_tokens", 0) for s in stats if s is not None)
         return table.replace_schema_metadata({
             PREFILL_SLOTS_KEY: str(slots).encode(), PREFILL_TOKENS_KEY: str(real).encode(),
             OOM_KEY: str(self.oom_errors - ooms_before).encode()})
+
+    def _generate(self, prompts: list[list[int]], params: list[SamplingParams],
+                  alone: bool = False) -> tuple[list[Any], Any]:
+        """The engine's completions and prefill counts: through the running batch
+        (continuous, packed prefills: no padding; `alone`: by itself, so a failure is its
+        own) or one call at a time (static, with the engine's own stats)."""
+        if self._loop is not None:
+            from nanoserve.generate import BatchStats
+
+            done = self._loop.submit(prompts, params, alone=alone).result()
+            n = sum(len(p) for p in prompts)
+            return done, BatchStats(num_rows=len(prompts), prefill_slots=n, prefill_real_tokens=n)
+        with self._engine_lock:
+            return self.llm.generate(prompts, params), getattr(self.llm, "last_stats", None)
 
     def _too_big_for_pool(self, r: GenerationRequest) -> dict[str, Any] | None:
         """An error row for a request that cannot fit the KV pool even alone, else None.
@@ -161,16 +185,17 @@ class BatchWorker:
             f"need {need} blocks of {pool.block_size} tokens, the cache holds {pool.num_blocks}; "
             f"give the cache more memory or ask for fewer tokens", n)
 
-    def _run_alone(self, prompt: list[int], params: SamplingParams) -> dict[str, Any]:
+    def _run_alone(self, prompt: list[int], params: SamplingParams) -> tuple[dict[str, Any], Any]:
         import torch
 
         try:
-            return _completion_row(self.llm.generate([prompt], [params])[0])
+            done, stats = self._generate([prompt], [params], alone=True)
+            return _completion_row(done[0]), stats
         except torch.OutOfMemoryError as e:
             return error_row(f"the device ran out of memory even for this row alone: "
-                             f"{_first_line(str(e))}", len(prompt))
+                             f"{_first_line(str(e))}", len(prompt)), None
         except (NanoserveError, ValueError, RuntimeError) as e:
-            return error_row(f"generation failed: {type(e).__name__}: {e}", len(prompt))
+            return error_row(f"generation failed: {type(e).__name__}: {e}", len(prompt)), None
 
 
 def _watch_model(model: Any) -> list[int]:

@@ -119,10 +119,12 @@ def test_cuda_graph_decode_on_a_wide_random_model():
 
 
 def test_continuous_batching_on_the_gpu_equals_each_row_alone(tiny_model_dir):
-    """float32 on the GPU: the continuous scheduler (rows joining and leaving, a pool small
-    enough to preempt) gives each row the tokens the static path gives it alone."""
+    """float32 on the GPU: the continuous scheduler with captured decode steps (one CUDA
+    graph per batch-size bucket; rows joining and leaving, a pool small enough to preempt)
+    gives each row the tokens the static path gives it alone, and every block back."""
     from nanoserve.cache import CacheShape, KVPool
     from nanoserve.generate import generate_batch
+    from nanoserve.model_runner import ContinuousRunner
     from nanoserve.sampling import SamplingParams
     from nanoserve.scheduler import generate_continuous
 
@@ -134,8 +136,10 @@ def test_continuous_batching_on_the_gpu_equals_each_row_alone(tiny_model_dir):
                              seed=i, ignore_eos=i % 3 == 0) for i in range(24)]
     for num_blocks, max_batch in ((256, 8), (8, 24)):
         pool = KVPool(CacheShape.of(config), num_blocks, 16, torch.float32, "cuda")
+        runner = ContinuousRunner(model, pool, max_batch, "graph")
+        assert len(runner._graphs) == len(runner.buckets)
         outs, stats = generate_continuous(model, prompts, params, (2,), pool,
-                                          max_batch_size=max_batch)
+                                          max_batch_size=max_batch, runner=runner)
         for prompt, p, out in zip(prompts, params, outs):
             (want,), _ = generate_batch(model, [prompt], [p], (2,))
             assert (out.token_ids, out.finish_reason) == (want.token_ids, want.finish_reason)

@@ -92,6 +92,33 @@ def test_worker_killed_mid_batch_is_replaced_and_its_batches_run_again(
         assert_matches_oracle(tiny_llm, PROMPTS, row)
 
 
+def test_continuous_worker_killed_holding_two_batches(
+        ray_session, tiny_job_model, tiny_llm, tmp_path, monkeypatch):
+    """The continuous scheduler: a worker runs the rows of its two in-flight batches in one
+    running batch. SIGKILL it right after its second batch is sent: both batches run again
+    on a fresh actor; every row is written once and equals the engine's output."""
+    original = driver._JobRun._submit
+    killed = []
+
+    def submit_then_kill(self, piece, index):
+        original(self, piece, index)
+        worker = self.pool.workers[index]
+        if self.sent == 2 and not killed:
+            assert worker.in_flight == 2
+            os.kill(worker.info["pid"], signal.SIGKILL)
+            killed.append(worker.info["pid"])
+
+    monkeypatch.setattr(driver._JobRun, "_submit", submit_then_kill)
+    path = write_prompts(tmp_path / "in.jsonl", PROMPTS)
+    summary = run_job(tiny_job_model, path, tmp_path / "out", scheduler="continuous")
+    assert killed and summary.worker_restarts == 1
+    assert summary.rows == len(PROMPTS) and summary.error_rows == 0
+    rows = output_rows(tmp_path / "out")
+    assert_every_row_once(rows, len(PROMPTS))
+    for row in rows:
+        assert_matches_oracle(tiny_llm, PROMPTS, row)
+
+
 def test_poison_row_is_isolated_and_only_it_becomes_an_error_row(
         ray_session, tiny_job_model, tiny_llm, tmp_path, monkeypatch, capsys):
     """A row whose prompt kills its worker every time: its batch (4 rows) kills the worker

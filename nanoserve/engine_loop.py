@@ -1,0 +1,129 @@
+"""One continuous batch that outlives any caller: a thread that owns a
+`ContinuousScheduler` and takes work from other threads.
+
+    loop = EngineLoop(llm)
+    future = loop.submit(prompts, params)   # from any thread
+    completions = future.result()           # when the group's last row finishes
+
+Rows submitted while others run join the running batch as rows finish, so a caller that
+keeps two groups submitted (the batch worker, holding two of the driver's batches) never
+lets the batch drain between groups.
+
+Failures: if a step raises (the device ran out of memory, say), every row then queued or
+running is dropped with its blocks freed, and every unfinished group's future gets the
+exception; the loop goes on with later submissions. `submit(..., alone=True)` runs a
+group by itself: it starts once nothing else runs, and nothing else is admitted until it
+ends, so its failure is its own (how a caller isolates a bad row).
+
+Invariant: only the loop's thread touches the scheduler, the runner and the pool.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from concurrent.futures import Future
+
+import torch
+
+from nanoserve.sampling import SamplingParams
+from nanoserve.scheduler import ContinuousScheduler
+from nanoserve.sequence import SequenceOutput
+
+
+class EngineLoop:
+    def __init__(self, llm) -> None:
+        """llm: a `nanoserve.llm.LLM` built with the continuous scheduler (it has a runner)."""
+        if llm.runner is None:
+            raise ValueError("an engine loop needs an LLM with the continuous scheduler")
+        self.llm = llm
+        self._cv = threading.Condition()
+        self._inbox: deque[tuple[list, list, Future, bool]] = deque()
+        self._live: list[Future] = []  # futures of groups in the scheduler
+        self._alone = False  # an alone group is in the scheduler
+        self._closed = False
+        self.sched = self._new_scheduler()
+        self._thread = threading.Thread(target=self._run, name="nanoserve-engine", daemon=True)
+        self._thread.start()
+
+    def _new_scheduler(self) -> ContinuousScheduler:
+        llm = self.llm
+        return ContinuousScheduler(llm.model, llm.pool, llm.runner, llm.eos_token_ids,
+                                   llm.tokenizer, llm.max_batch_size)
+
+    def submit(self, prompts: list[list[int]], params: list[SamplingParams],
+               alone: bool = False) -> Future:
+        """Queue a group of rows; the future's result is their completions, in order."""
+        future: Future = Future()
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the engine loop is closed")
+            self._inbox.append((prompts, params, future, alone))
+            self._cv.notify()
+        return future
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        self._thread.join()
+
+    def _take_new(self) -> list[tuple[list, list, Future, bool]]:
+        """What may join now: an alone group only into an empty scheduler, nothing while an
+        alone group runs; otherwise every queued group up to the first alone one."""
+        taken = []
+        if self._alone:
+            return taken
+        while self._inbox:
+            prompts, params, future, alone = self._inbox[0]
+            if alone and (taken or self.sched.has_work):
+                break
+            taken.append(self._inbox.popleft())
+            if alone:
+                break
+        return taken
+
+    def _run(self) -> None:
+        with torch.inference_mode():
+            while True:
+                with self._cv:
+                    while not self._closed and not self.sched.has_work and not self._inbox:
+                        self._cv.wait()
+                    if self._closed and not self.sched.has_work:
+                        return
+                    new = self._take_new()
+                for prompts, params, future, alone in new:
+                    self._add(prompts, params, future, alone)
+                if not self.sched.has_work:
+                    continue
+                try:
+                    self.sched.step()
+                except BaseException as exc:  # noqa: BLE001 - handed to every waiting caller
+                    self.sched.abort()
+                    failed, self._live = self._live, []
+                    self._alone = False
+                    self.sched = self._new_scheduler()
+                    for f in failed:
+                        if not f.done():
+                            f.set_exception(exc)
+
+    def _add(self, prompts: list, params: list, future: Future, alone: bool) -> None:
+        def done(outputs: list[SequenceOutput]) -> None:
+            self._live.remove(future)
+            if alone:
+                self._alone = False
+            future.set_result(outputs)
+
+        self._live.append(future)
+        self._alone = self._alone or alone
+        try:
+            self.sched.add(prompts, params, done)  # an empty group is done at once
+        except Exception as exc:  # noqa: BLE001 - a bad row or one too big: the caller's
+            done_already = future not in self._live
+            if not done_already:
+                self._live.remove(future)
+                self._alone = self._alone and not alone
+            future.set_exception(exc)
+
+
+__all__ = ["EngineLoop"]

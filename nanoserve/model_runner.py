@@ -1,0 +1,306 @@
+"""The GPU side of continuous batching: packed prefills and bucketed decode steps over
+fixed tensors, captured once per engine as CUDA graphs, with results read back late.
+
+Row slots. Each running row holds a row slot r in [0, max_batch_size) for as long as it
+runs. `last_tok[r]` (on the device) is its latest token: a prefill writes the sampled
+first token there, each decode step reads it as input and writes the next one back. So
+step t+1 can be queued before the host has seen step t's tokens: the host only learns
+them later, from a pinned copy (`read`), and runs the stop rules while the GPU computes.
+Slot `max_batch_size` is the padding row: it stores nothing (write slot -1), reads one
+token of block 0 and its token is never read.
+
+Block tables live per row slot too: `block_tables[r]` [W] int32, W = the most blocks a row
+can ever hold. The host sends only what changed (a row's new blocks) before a step.
+
+Decode step for n rows, run at the smallest bucket b >= n (buckets 1, 2, 4, 8, then
+multiples of 16 up to max_batch_size): inputs are fixed views [b] of one device buffer
+(row slots, positions, write slots, context lengths), refilled by one copy from pinned
+staging; rows n..b-1 are padding. The step's forward (gather the rows' tokens and block
+tables, the model, the LM head, argmax, scatter into last_tok) is one CUDA graph per
+bucket ("graph"), or the same code run eagerly over the same tensors ("static"), or run
+over freshly made tensors of exactly n rows with no padding ("eager", the plain path the
+other two are held to). Rows that sample (temperature > 0) draw after the step, on the
+device, and overwrite their argmax in last_tok.
+
+Staging and result buffers form a ring of RING entries; an operation (a prefill or a
+step) takes the next entry, and the host waits for the entry's previous use to have
+finished before it rewrites it. At most RING - 1 operations are unread at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from nanoserve.attention import AttentionMetadata
+from nanoserve.cache import KVPool
+from nanoserve.model import LlamaForCausalLM
+from nanoserve.sampling import SamplingParams, sample_next
+from nanoserve.step_cache import StepCache
+
+log = logging.getLogger(__name__)
+
+RING = 4
+STEP_MODES = ("eager", "static", "graph")
+# Context length the captured decode kernel's split count is chosen for (a longer context
+# is still read whole: the last split takes the rest).
+SPLIT_CONTEXT_HINT = 4096
+
+
+def decode_buckets(max_batch_size: int) -> list[int]:
+    """1, 2, 4, 8, then multiples of 16, then max_batch_size itself: the step sizes that
+    get a graph."""
+    out = [b for b in (1, 2, 4, 8) if b < max_batch_size]
+    out += list(range(16, max_batch_size, 16))
+    return out + [max_batch_size]
+
+
+@dataclass
+class Launched:
+    """An operation queued on the device whose tokens the host has not read yet."""
+
+    ring: int  # ring entry holding its results
+    n: int  # tokens it produced (rows that sample; all rows of a decode step)
+
+
+class ContinuousRunner:
+    """Owns the fixed device tensors, the ring and (mode "graph") one CUDA graph per bucket.
+    Built once per engine (LLM) and reused by every continuous batch run on its pool."""
+
+    def __init__(self, model: LlamaForCausalLM, pool: KVPool, max_batch_size: int,
+                 mode: str = "eager", max_blocks_per_row: int | None = None) -> None:
+        if mode not in STEP_MODES:
+            raise ValueError(f"step mode must be one of {STEP_MODES}, got {mode!r}")
+        if mode == "graph" and pool.device.type != "cuda":
+            raise ValueError("step mode 'graph' needs a CUDA device")
+        self.model, self.pool, self.mode = model, pool, mode
+        self.max_batch_size = B = max_batch_size
+        dev = pool.device
+        self.device = dev
+        ctx = model.config.max_position_embeddings
+        W = max_blocks_per_row or -(-ctx // pool.block_size)
+        self.width = max(1, min(W, pool.num_blocks))
+        self.pad = B  # the padding row slot
+        self.last_tok = torch.zeros(B + 1, dtype=torch.long, device=dev)  # [B + 1]
+        self.block_tables = torch.zeros(B + 1, self.width, dtype=torch.int32, device=dev)
+        self._inputs = torch.zeros(4, B, dtype=torch.long, device=dev)  # slot, pos, write, ctx
+        pin = dev.type == "cuda"
+        self._stage = torch.zeros(RING, 4, B, dtype=torch.long, pin_memory=pin)
+        self._bt_stage = torch.zeros(RING, 3, B, dtype=torch.long, pin_memory=pin)
+        self._out = torch.zeros(RING, B, dtype=torch.long, pin_memory=pin)
+        self._done = [torch.cuda.Event() if pin else None for _ in range(RING)]
+        self._used = [False] * RING
+        self._next = 0
+        self.buckets = decode_buckets(B)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._graph_out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # logits, tokens
+        self.capture_s = 0.0
+        self.graph_bytes = 0
+        # Phase timing (off unless `profile` is set): device time of each prefill and step
+        # from event pairs, and host time spent waiting for results.
+        self.profile = False
+        self._marks: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        self.host_wait_s = 0.0
+        if mode == "graph":
+            self._capture_all()
+
+    # --- the step's forward -----------------------------------------------------------------
+
+    def _forward(self, slots: torch.Tensor, positions: torch.Tensor, writes: torch.Tensor,
+                 ctx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step for the rows at row slots `slots` [b]: returns logits [b, V]
+        float32 and the argmax tokens [b], which are also written to last_tok."""
+        ids = self.last_tok.index_select(0, slots)[:, None]  # [b, 1]
+        tables = self.block_tables.index_select(0, slots)  # [b, W]
+        hint = min(SPLIT_CONTEXT_HINT, self.width * self.pool.block_size)
+        cache = StepCache(self.pool, writes, tables, ctx.to(torch.int32), hint)
+        hidden = self.model.hidden_states(ids, positions[:, None], cache,
+                                          AttentionMetadata.decode())
+        logits = self.model.compute_logits(hidden[:, 0])  # [b, V]
+        tokens = torch.argmax(logits, dim=-1)
+        self.last_tok.index_copy_(0, slots, tokens)
+        return logits, tokens
+
+    def _views(self, b: int) -> tuple[torch.Tensor, ...]:
+        return tuple(self._inputs[i, :b] for i in range(4))
+
+    def _capture_all(self) -> None:
+        """One graph per bucket, largest first, all in one memory pool; each warmed up on a
+        side stream first. The padding-only inputs store nothing and read block 0."""
+        t0 = time.perf_counter()
+        before = torch.cuda.memory_reserved(self.device)
+        self._inputs[0].fill_(self.pad)
+        self._inputs[1].zero_()
+        self._inputs[2].fill_(-1)
+        self._inputs[3].fill_(1)
+        mempool = torch.cuda.graph_pool_handle()
+        for b in sorted(self.buckets, reverse=True):
+            views = self._views(b)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self._forward(*views)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=mempool):
+                self._graph_out[b] = self._forward(*views)
+            self._graphs[b] = graph
+        torch.cuda.synchronize(self.device)
+        self.capture_s = time.perf_counter() - t0
+        self.graph_bytes = torch.cuda.memory_reserved(self.device) - before
+        log.info("captured %d decode-step graphs (batch %d..%d) in %.1f s, %.0f MiB",
+                 len(self._graphs), min(self.buckets), max(self.buckets), self.capture_s,
+                 self.graph_bytes / 2**20)
+
+    # --- the ring ---------------------------------------------------------------------------
+
+    def _take_ring(self) -> int:
+        k = self._next
+        self._next = (k + 1) % RING
+        if self._used[k] and self._done[k] is not None:
+            self._done[k].synchronize()  # its last copies have read/written the host buffers
+        self._used[k] = True
+        return k
+
+    def _finish(self, k: int, tokens: torch.Tensor, n: int,
+                end: torch.cuda.Event | None = None) -> Launched:
+        if end is not None:
+            end.record()
+        self._out[k, :n].copy_(tokens[:n], non_blocking=True)
+        if self._done[k] is not None:
+            self._done[k].record()
+        return Launched(k, n)
+
+    def read(self, op: Launched) -> list[int]:
+        """The operation's tokens (waits for it)."""
+        if self._done[op.ring] is not None:
+            t = time.perf_counter()
+            self._done[op.ring].synchronize()
+            self.host_wait_s += time.perf_counter() - t
+        return self._out[op.ring, :op.n].tolist()
+
+    def _mark(self, kind: str) -> torch.cuda.Event | None:
+        if not (self.profile and self.device.type == "cuda"):
+            return None
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        self._marks.append((kind, start, end))
+        return end
+
+    def phase_times(self) -> dict[str, float]:
+        """Device seconds in prefills and in decode steps since the last call (profile on,
+        CUDA), and host seconds spent waiting for results; resets the counters."""
+        self.sync()
+        out = {"prefill_s": 0.0, "decode_s": 0.0}
+        for kind, start, end in self._marks:
+            out[f"{kind}_s"] += start.elapsed_time(end) / 1000
+        out["host_wait_s"] = self.host_wait_s
+        self._marks, self.host_wait_s = [], 0.0
+        return out
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    # --- operations -------------------------------------------------------------------------
+
+    def set_block_tables(self, slots: list[int], tables: list[list[int]]) -> None:
+        """Rewrite whole block tables of rows (at admission); entries past a table are 0."""
+        width = max(len(t) for t in tables)
+        if width > self.width:
+            raise ValueError(f"a row holds {width} blocks; the step's tables have {self.width}")
+        host = torch.zeros(len(slots), self.width, dtype=torch.int32)
+        for i, t in enumerate(tables):
+            host[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+        idx = torch.tensor(slots, dtype=torch.long).to(self.device, non_blocking=True)
+        self.block_tables.index_copy_(0, idx, host.to(self.device, non_blocking=True))
+
+    def set_last_tokens(self, slots: list[int], tokens: list[int]) -> None:
+        """Set rows' latest tokens from the host (a recomputed row's last token)."""
+        idx = torch.tensor(slots, dtype=torch.long).to(self.device, non_blocking=True)
+        val = torch.tensor(tokens, dtype=torch.long).to(self.device, non_blocking=True)
+        self.last_tok.index_copy_(0, idx, val)
+
+    def prefill(self, tokens: list[list[int]], writes: list[int], samplers: list[int],
+                slots: list[int], params: list[SamplingParams], keys: list[int | None],
+                counters: list[int]) -> Launched:
+        """One packed prefill of several rows' tokens (no padding): writes their K/V to
+        `writes` (one slot per token, in order), then for the rows at indexes `samplers`
+        samples a first token from the logits of their last position and stores it in
+        last_tok at their row slot. params/keys/counters: one per sampling row."""
+        dev = self.device
+        end = self._mark("prefill")
+        lens = [len(t) for t in tokens]
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        flat = [x for t in tokens for x in t]
+        pos = [p for n in lens for p in range(n)]
+        ids_t = torch.tensor([flat], dtype=torch.long).to(dev, non_blocking=True)  # [1, N]
+        pos_t = torch.tensor([pos], dtype=torch.long).to(dev, non_blocking=True)
+        writes_t = torch.tensor(writes, dtype=torch.long).to(dev, non_blocking=True)
+        cu_t = torch.tensor(cu, dtype=torch.int32).to(dev, non_blocking=True)
+        cache = StepCache(self.pool, writes_t)
+        hidden = self.model.hidden_states(ids_t, pos_t, cache,
+                                          AttentionMetadata.packed(cu_t, max(lens)))
+        k = self._take_ring()
+        if not samplers:
+            return self._finish(k, self.last_tok, 0, end)
+        last = torch.tensor([cu[i + 1] - 1 for i in samplers], dtype=torch.long)
+        h = hidden[0].index_select(0, last.to(dev, non_blocking=True))  # [n, d]
+        new = sample_next(self.model.compute_logits(h), params, keys, counters)
+        idx = torch.tensor([slots[i] for i in samplers], dtype=torch.long)
+        self.last_tok.index_copy_(0, idx.to(dev, non_blocking=True), new)
+        return self._finish(k, new, len(samplers), end)
+
+    def decode(self, slots: list[int], positions: list[int], writes: list[int],
+               new_blocks: list[tuple[int, int, int]], params: list[SamplingParams],
+               keys: list[int | None], counters: list[int]) -> Launched:
+        """One decode step for n rows: row slots, the position of each row's input token,
+        the slot its K/V go to (reserved by the caller), and the block-table entries that
+        changed since the last step as (row slot, index, block). params/keys/counters: per
+        row, for the rows that sample (all greedy: nothing but the step's argmax)."""
+        n = len(slots)
+        k = self._take_ring()
+        end = self._mark("decode")
+        if new_blocks:
+            self._update_tables(k, new_blocks)
+        ctx = [p + 1 for p in positions]
+        if self.mode == "eager":
+            inputs = torch.tensor([slots, positions, writes, ctx], dtype=torch.long)
+            logits, tokens = self._forward(*inputs.to(self.device, non_blocking=True))
+        else:
+            b = next(x for x in self.buckets if x >= n)
+            stage = self._stage[k]
+            stage[0, :n] = torch.tensor(slots)
+            stage[1, :n] = torch.tensor(positions)
+            stage[2, :n] = torch.tensor(writes)
+            stage[3, :n] = torch.tensor(ctx)
+            stage[0, n:b], stage[1, n:b], stage[2, n:b], stage[3, n:b] = self.pad, 0, -1, 1
+            self._inputs[:, :b].copy_(stage[:, :b], non_blocking=True)
+            if self.mode == "graph":
+                self._graphs[b].replay()
+                logits, tokens = self._graph_out[b]
+            else:
+                logits, tokens = self._forward(*self._views(b))
+        if any(not p.greedy for p in params):
+            tokens = sample_next(logits[:n], params, keys, counters)
+            self.last_tok.index_copy_(0, self._inputs[0, :n] if self.mode != "eager" else
+                                      torch.tensor(slots).to(self.device, non_blocking=True),
+                                      tokens)
+        return self._finish(k, tokens, n, end)
+
+    def _update_tables(self, k: int, new_blocks: list[tuple[int, int, int]]) -> None:
+        u = len(new_blocks)
+        stage = self._bt_stage[k]
+        if u > stage.shape[1]:  # more rows than max_batch_size gained blocks: not a step
+            raise ValueError(f"{u} block-table updates in one step")
+        stage[:, :u] = torch.tensor(new_blocks, dtype=torch.long).T
+        upd = stage[:, :u].to(self.device, non_blocking=True)
+        self.block_tables[upd[0], upd[1]] = upd[2].to(torch.int32)
+
+
+__all__ = ["RING", "STEP_MODES", "ContinuousRunner", "Launched", "decode_buckets"]

@@ -1,0 +1,52 @@
+"""The cache view of one continuous-batching step: where this step's K/V go and what the
+decode read sees, as tensors the caller prepared (possibly fixed tensors a CUDA graph
+reads), over the shared `KVPool`.
+
+Unlike `BatchedPagedKVCache`, a `StepCache` does no bookkeeping: the scheduler reserves
+the slots (all or nothing, on the host) and fills the tensors before the step runs, so
+the same object serves an eager step, a fixed-tensor step and a captured one.
+
+- `write(layer, k, v)`: k, v [B, T, Hkv, D] -> slots `slot_mapping` [B * T] (row-major);
+  a slot < 0 stores nothing (the padding rows of a bucketed step).
+- `paged_attention(layer, q)`: q [B, Hq, D], each row over `context_lens[b]` tokens of its
+  `block_tables[b]` (padding entries 0: in range, see the cache invariants).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import backend as kernel_backend
+from nanoserve.cache import KVPool
+
+
+class StepCache:
+    def __init__(self, pool: KVPool, slot_mapping: torch.Tensor,
+                 block_tables: torch.Tensor | None = None,
+                 context_lens: torch.Tensor | None = None,
+                 max_context_len: int | None = None) -> None:
+        """slot_mapping [N] int64; block_tables [B, W] int32 and context_lens [B] int32 for a
+        decode step (None for a packed prefill, which attends within its own tokens);
+        max_context_len: a host-side bound used only to pick the decode kernel's split count
+        (fixed for a captured step)."""
+        self.pool = pool
+        self.slot_mapping = slot_mapping
+        self.block_tables = block_tables
+        self.context_lens = context_lens
+        self.max_context_len = max_context_len
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor,
+              valid: torch.Tensor | None = None) -> None:
+        if valid is not None:
+            raise ValueError("a step cache takes packed or decode steps, not a masked rectangle")
+        B, T = k.shape[:2]
+        k, v = k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:])
+        kernel_backend.store_kv(k, v, self.pool.k[layer], self.pool.v[layer], self.slot_mapping)
+
+    def paged_attention(self, layer: int, q: torch.Tensor, mask: torch.Tensor | None = None
+                        ) -> torch.Tensor:
+        if mask is not None or self.block_tables is None:
+            raise ValueError("the decode read needs block tables and context lengths, no mask")
+        return kernel_backend.decode_attention(
+            q, self.pool.k[layer], self.pool.v[layer], self.block_tables, self.context_lens,
+            q.shape[-1] ** -0.5, max_context_len=self.max_context_len)
