@@ -1,6 +1,7 @@
 """The one place that chooses between the Triton kernels and their PyTorch references.
 
-The engine calls only `decode_attention`, `prefill_attention` and `store_kv` from here.
+The engine calls only `decode_attention`, `prefill_attention`, `store_kv`, `rms_norm` and
+`silu_and_mul` from here.
 `use_triton(device)` is the rule (`NANOSERVE_KERNELS=reference` forces the references
 everywhere, for side-by-side checks of the two paths):
 - CUDA: the Triton kernels whenever Triton is installed;
@@ -19,11 +20,15 @@ import torch
 
 from kernels import paged_attention
 from kernels._triton import HAS_TRITON, interpret_requested
+from kernels.activation import silu_and_mul as _silu_and_mul_triton
+from kernels.activation import silu_and_mul_reference
 from kernels.kv_store import store_kv as _store_kv_triton
 from kernels.kv_store import store_kv_reference
 from kernels.paged_attention import paged_decode_attention, paged_decode_attention_reference
 from kernels.prefill_attention import prefill_attention as _prefill_attention_triton
 from kernels.prefill_attention import prefill_attention_reference
+from kernels.rmsnorm import rms_norm as _rms_norm_triton
+from kernels.rmsnorm import rms_norm_reference
 
 _TRUE = ("1", "true", "yes", "on")
 
@@ -92,8 +97,24 @@ def store_kv(
         store_kv_reference(k, v, k_cache, v_cache, slot_mapping)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x [..., d] by weight [d], in transformers' order of roundings."""
+    if use_triton(x.device):
+        return _rms_norm_triton(x, weight, eps)
+    return rms_norm_reference(x, weight, eps)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[..., 2I] = [gate | up] -> silu(gate) * up [..., I]."""
+    if use_triton(x.device):
+        return _silu_and_mul_triton(x)
+    return silu_and_mul_reference(x)
+
+
 __all__ = [
     "decode_attention",
+    "rms_norm",
+    "silu_and_mul",
     "interpreter_requested",
     "prefill_attention",
     "store_kv",

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import backend as kernel_backend
 from nanoserve.attention import AttentionMetadata, gqa_attention
 from nanoserve.config import ModelConfig
 
@@ -26,11 +27,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32, cast back, then scale: the order transformers uses.
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        # Normalise in float32, cast back, then scale: the order transformers uses (one
+        # Triton kernel on a GPU, kernels/rmsnorm.py).
+        return kernel_backend.rms_norm(x, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -59,6 +58,24 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + _rotate_half(x) * sin
 
 
+def _fuse_rows(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight [sum(out), in] (and bias) for several projections of the same input, so
+    one GEMM serves them all. Each module's parameters become views of the fused tensors:
+    the state dict keeps its names and no memory is held twice."""
+    weight = torch.cat([m.weight for m in linears])
+    bias = None
+    if linears[0].bias is not None:
+        bias = torch.cat([m.bias for m in linears])
+    start = 0
+    for m in linears:
+        n = m.weight.shape[0]
+        m.weight = nn.Parameter(weight[start:start + n], requires_grad=False)
+        if bias is not None:
+            m.bias = nn.Parameter(bias[start:start + n], requires_grad=False)
+        start += n
+    return weight, bias
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -71,13 +88,22 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(d, self.num_kv_heads * D, bias=False)
         self.v_proj = nn.Linear(d, self.num_kv_heads * D, bias=False)
         self.o_proj = nn.Linear(self.num_heads * D, d, bias=False)
+        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by fuse()
+
+    def fuse(self) -> None:
+        """q, k and v projections as one GEMM (see `_fuse_rows`)."""
+        self.qkv = _fuse_rows(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(self, x, cos, sin, cache, meta: AttentionMetadata) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)  # [B, T, Hq, D]
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)  # [B, T, Hkv, D]
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        Hq, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        if self.qkv is None:
+            self.fuse()
+        qkv = F.linear(x, *self.qkv).view(B, T, Hq + 2 * Hkv, D)
+        # Rotary on q and k at once: their heads are neighbours in the fused output.
+        qk = apply_rotary(qkv[:, :, :Hq + Hkv], cos, sin)  # [B, T, Hq + Hkv, D]
+        q, k = qk[:, :, :Hq], qk[:, :, Hq:]  # [B, T, Hq, D], [B, T, Hkv, D]
+        v = qkv[:, :, Hq + Hkv:]  # [B, T, Hkv, D]
         out = gqa_attention(q, k, v, self.layer_idx, cache, meta)  # [B, T, Hq, D]
         return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
 
@@ -89,9 +115,17 @@ class LlamaMLP(nn.Module):
         self.gate_proj = nn.Linear(d, inner, bias=False)
         self.up_proj = nn.Linear(d, inner, bias=False)
         self.down_proj = nn.Linear(inner, d, bias=False)
+        self.gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by fuse()
+
+    def fuse(self) -> None:
+        """gate and up projections as one GEMM (see `_fuse_rows`)."""
+        self.gate_up = _fuse_rows(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is None:
+            self.fuse()
+        gate_up = F.linear(x, *self.gate_up)  # [..., 2 * inner] = [gate | up]
+        return self.down_proj(kernel_backend.silu_and_mul(gate_up))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -182,6 +216,9 @@ def build_model(
 
         raise ModelError(f"checkpoint is missing tensors: {', '.join(missing[:5])}")
     model.tie_weights()
+    for layer in model.model.layers:
+        layer.self_attn.fuse()
+        layer.mlp.fuse()
     # Non-persistent buffers are still on meta: rebuild them on the target device.
     model.model.rotary_emb = RotaryEmbedding(config).to(device)
     return model.train(False).requires_grad_(False)

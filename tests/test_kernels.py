@@ -503,3 +503,34 @@ def test_interp_store_kv_kernel_matches_reference(
     kv.store_kv(k, v, *caches, slots)
     assert torch.equal(caches[0], expected[0])
     assert torch.equal(caches[1], expected[1])
+
+
+# --- fused RMSNorm and SwiGLU gate ------------------------------------------------------------
+
+
+def test_rms_norm_reference_is_transformers_order():
+    """The reference rounds like transformers' LlamaRMSNorm: normalised in float32, cast to
+    the input's dtype, then scaled by the weight in that dtype."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from kernels.rmsnorm import rms_norm_reference
+
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(5, 96, generator=g) * 3).to(dtype)
+        hf = LlamaRMSNorm(96, eps=1e-5).to(dtype)
+        hf.weight.data = (torch.randn(96, generator=g) + 1).to(dtype)
+        assert torch.equal(rms_norm_reference(x, hf.weight.data, 1e-5), hf(x))
+
+
+def test_interp_rms_norm_and_silu_and_mul_match_references(interp):
+    from kernels.activation import silu_and_mul, silu_and_mul_reference
+    from kernels.rmsnorm import rms_norm, rms_norm_reference
+
+    g = torch.Generator().manual_seed(4)
+    for d in (64, 96):  # a power of two and not
+        x = torch.randn(7, d, generator=g) * 2
+        w = torch.randn(d, generator=g)
+        assert_close(rms_norm(x, w, 1e-6), rms_norm_reference(x, w, 1e-6), torch.float32)
+        gu = torch.randn(3, 2, 2 * d, generator=g)
+        assert_close(silu_and_mul(gu), silu_and_mul_reference(gu), torch.float32)

@@ -198,3 +198,19 @@ def test_store_kv_kernel_matches_reference(num_kv_heads, head_dim, block_size):
     store_kv(k, v, *caches, slots)
     assert torch.equal(caches[0], expected[0])
     assert torch.equal(caches[1], expected[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rms_norm_and_silu_and_mul_kernels_match_references(dtype):
+    from kernels.activation import silu_and_mul, silu_and_mul_reference
+    from kernels.rmsnorm import rms_norm, rms_norm_reference
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    for d in (576, 2048):
+        x = (torch.randn(300, d, generator=g, device="cuda") * 2).to(dtype)
+        w = (torch.randn(d, generator=g, device="cuda") + 1).to(dtype)
+        torch.testing.assert_close(rms_norm(x, w, 1e-5), rms_norm_reference(x, w, 1e-5),
+                                   rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
+        gu = torch.randn(300, 2 * d, generator=g, device="cuda").to(dtype)
+        torch.testing.assert_close(silu_and_mul(gu), silu_and_mul_reference(gu),
+                                   rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
