@@ -210,7 +210,7 @@ def test_rms_norm_and_silu_and_mul_kernels_match_references(dtype):
         x = (torch.randn(300, d, generator=g, device="cuda") * 2).to(dtype)
         w = (torch.randn(d, generator=g, device="cuda") + 1).to(dtype)
         torch.testing.assert_close(rms_norm(x, w, 1e-5), rms_norm_reference(x, w, 1e-5),
-                                   rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
+                                   rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
         gu = torch.randn(300, 2 * d, generator=g, device="cuda").to(dtype)
         torch.testing.assert_close(silu_and_mul(gu), silu_and_mul_reference(gu),
-                                   rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
+                                   rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
