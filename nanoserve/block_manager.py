@@ -33,7 +33,7 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Sequence
 
 from nanoserve.errors import CacheFullError
-from nanoserve.prefix_cache import ROOT_HASH, hash_block
+from nanoserve.prefix_cache import ROOT_HASH, hash_blocks
 
 
 class BlockAllocator:
@@ -202,12 +202,13 @@ class BlockTable:
         Returns how many blocks got a name here."""
         num_full = min(self.num_tokens, len(token_ids)) // self.block_size
         start = len(self.block_hashes)
+        if num_full <= start:
+            return 0
         parent = self.block_hashes[-1] if self.block_hashes else ROOT_HASH
-        size = self.block_size
-        for i in range(start, num_full):
-            parent = hash_block(parent, token_ids[i * size : (i + 1) * size])
-            self.block_hashes.append(parent)
-            allocator.register(self.blocks[i], parent)
+        new = token_ids[start * self.block_size : num_full * self.block_size]
+        for i, name in enumerate(hash_blocks(new, self.block_size, parent), start):
+            self.block_hashes.append(name)
+            allocator.register(self.blocks[i], name)
         return max(0, num_full - start)
 
     def slot(self, position: int) -> int:
