@@ -318,3 +318,89 @@ def test_a_fixed_sequence_hits_the_cache_and_evicts():
     pool = run_ops(ops)
     assert pool.cached_tokens >= 3 * BLOCK_SIZE
     assert pool.alloc.num_cached_free > 0
+
+
+# --- the bookkeeping and the paged prefill together ---------------------------------------------
+
+
+def test_rows_sharing_cached_blocks_attend_like_dense_prefill():
+    """Rows admitted through `lookup` / `take_cached`, whose new tokens' K/V are stored at the
+    slots `append` gave them, get from the paged prefill reference exactly what dense causal
+    attention over their whole prompt gives; corrupting one cached block breaks the rows that
+    share it and only those. K/V at position p depend on every token up to p, as a model's do,
+    so a block shared on equal tokens after another parent would show."""
+    import torch
+    import torch.nn.functional as F
+
+    from kernels.kv_store import store_kv_reference
+    from kernels.paged_prefill import paged_prefill_attention_reference
+
+    bs, hkv, group, dim = 4, 2, 2, 8
+    gen = torch.Generator().manual_seed(0)
+    emb = torch.randn((3, 50, hkv, dim), dtype=torch.float64, generator=gen)  # q, k, v tables
+
+    def dense(tokens):  # [3, T, H, D]: a running mix of every token so far
+        out, state = [], torch.zeros((3, hkv, dim), dtype=torch.float64)
+        for t in tokens:
+            state = 0.7 * state + emb[:, t]
+            out.append(state.clone())
+        return torch.stack(out, dim=1)
+
+    alloc = BlockAllocator(16)
+    k_cache = torch.zeros((16, bs, hkv, dim), dtype=torch.float64)
+    v_cache = torch.zeros_like(k_cache)
+
+    def prefill(prompts):
+        tables, q_new, hits = [], [], []
+        for tokens in prompts:
+            table = BlockTable(bs)
+            table.take_cached(lookup(alloc, tokens, bs), alloc)
+            cached = table.num_tokens
+            slots = table.append(len(tokens) - cached, alloc)
+            qkv = dense(tokens)
+            store_kv_reference(qkv[1, cached:], qkv[2, cached:], k_cache, v_cache,
+                               torch.tensor(slots))  # fmt: skip
+            q_new.append(qkv[0, cached:].repeat_interleave(group, dim=1))
+            tables.append(table)
+            hits.append(cached)
+        for table, tokens in zip(tables, prompts):  # named after the step that wrote them
+            table.register_full_blocks(tokens, alloc)
+        width = max(len(t.blocks) for t in tables)
+        block_tables = torch.tensor([t.blocks + [0] * (width - len(t.blocks)) for t in tables],
+                                    dtype=torch.int32)  # fmt: skip
+        new = [len(p) - c for p, c in zip(prompts, hits)]
+        cu = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
+        lens = torch.tensor([t.num_tokens for t in tables], dtype=torch.int32)
+        args = (torch.cat(q_new), k_cache, v_cache, block_tables, cu, lens, max(new), 0.3)
+        return tables, hits, cu, args
+
+    def expected(tokens, cached):
+        qkv = dense(tokens)
+        q = qkv[0].repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, T, D]
+        k, v = (x.repeat_interleave(group, dim=1).transpose(0, 1) for x in qkv[1:])
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3)
+        return out.transpose(0, 1)[cached:]
+
+    head = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    first, _, _, _ = prefill([head + [11]])
+    prompts = [
+        head + [12, 13],  # shares two blocks
+        head[:8],  # ends on a block boundary: takes one block, prefills the second
+        [1, 2, 3, 4, 9, 9, 9, 9, 9],  # shares one block
+        [0, 2, 3, 4, 5, 6, 7, 8, 9],  # the same blocks' tokens after another first token: a miss
+        [40, 41, 42, 43] + head[4:8],  # block 1's tokens after another parent: a miss
+        head[4:8] + [9],  # block 1's tokens at position 0: a miss
+    ]
+    tables, hits, cu, args = prefill(prompts)
+    assert hits == [8, 4, 4, 0, 0, 0]
+    out = paged_prefill_attention_reference(*args)
+    bounds = cu.tolist()
+    for i, tokens in enumerate(prompts):
+        torch.testing.assert_close(out[bounds[i] : bounds[i + 1]], expected(tokens, hits[i]))
+    check_integrity(alloc, first + tables)
+
+    k_cache[first[0].blocks[0]] += 0.5  # corrupt the shared first block
+    bad = paged_prefill_attention_reference(*args)
+    for i in range(len(prompts)):
+        rows = slice(bounds[i], bounds[i + 1])
+        assert torch.equal(bad[rows], out[rows]) == (hits[i] == 0)
