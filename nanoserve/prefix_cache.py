@@ -10,6 +10,18 @@ another position (another parent) are another block:
 The allocator (`nanoserve.block_manager.BlockAllocator`) indexes the blocks whose contents are
 known by these hashes; `lookup` walks a prompt's chain through that index.
 
+Admitting a row (all or nothing), then prefilling only what the cache lacks:
+
+    hit = lookup(allocator, prompt, block_size)            # changes nothing
+    if blocks_to_admit(allocator, hit, len(prompt), block_size) > allocator.num_free: wait
+    table.take_cached(hit, allocator)                      # references +1; table.num_tokens
+    slots = table.append(len(prompt) - table.num_tokens, allocator)   # the new tokens' slots
+    ... store the new tokens' K/V at `slots`, run `kernels.paged_prefill_attention` ...
+    table.register_full_blocks(prompt, allocator)          # after the step that wrote them
+
+and after each decode step `table.register_full_blocks(tokens_so_far, allocator)`, so a
+preempted row finds its own blocks again when it is recomputed.
+
 Why blake2b, not Python's `hash()` of a tuple: `hash()` is 64 bits and not collision
 resistant (token ids that collide can be found on purpose), and a collision would silently
 give one row another prompt's keys and values. blake2b is in the standard library, takes
@@ -72,6 +84,8 @@ def max_cached_blocks(num_prompt_tokens: int, block_size: int) -> int:
 class _HashIndex(Protocol):
     def cached_block(self, block_hash: bytes) -> int | None: ...
 
+    def num_free_taken_by(self, blocks: Sequence[int]) -> int: ...
+
 
 def lookup(allocator: _HashIndex, prompt_token_ids: Sequence[int], block_size: int) -> list[int]:
     """The physical blocks of the longest cached run of the prompt's leading full blocks
@@ -87,4 +101,20 @@ def lookup(allocator: _HashIndex, prompt_token_ids: Sequence[int], block_size: i
     return out
 
 
-__all__ = ["ROOT_HASH", "hash_block", "hash_blocks", "lookup", "max_cached_blocks"]
+def blocks_to_admit(
+    allocator: _HashIndex, hit: Sequence[int], num_prompt_tokens: int, block_size: int
+) -> int:
+    """Free blocks a row's admission uses up: the hit's blocks that wait in the cached-free
+    LRU (taking them removes them from it) plus new blocks for the rest of the prompt."""
+    new_blocks = -(-num_prompt_tokens // block_size) - len(hit)
+    return allocator.num_free_taken_by(hit) + new_blocks
+
+
+__all__ = [
+    "ROOT_HASH",
+    "blocks_to_admit",
+    "hash_block",
+    "hash_blocks",
+    "lookup",
+    "max_cached_blocks",
+]

@@ -10,7 +10,14 @@ from hypothesis import strategies as st
 
 from nanoserve.block_manager import BlockAllocator, BlockTable, check_integrity
 from nanoserve.errors import CacheFullError
-from nanoserve.prefix_cache import ROOT_HASH, hash_block, hash_blocks, lookup, max_cached_blocks
+from nanoserve.prefix_cache import (
+    ROOT_HASH,
+    blocks_to_admit,
+    hash_block,
+    hash_blocks,
+    lookup,
+    max_cached_blocks,
+)
 
 
 def written_row(alloc: BlockAllocator, tokens: list[int], block_size: int) -> BlockTable:
@@ -231,13 +238,13 @@ class Pool:
         table = BlockTable(BLOCK_SIZE)
         hit = lookup(self.alloc, tokens, BLOCK_SIZE)
         assert len(hit) <= max_cached_blocks(len(tokens), BLOCK_SIZE)
-        need = self.alloc.num_free_taken_by(hit) + -(-len(tokens) // BLOCK_SIZE) - len(hit)
-        if need > self.alloc.num_free:  # all or nothing: the row waits
+        if blocks_to_admit(self.alloc, hit, len(tokens), BLOCK_SIZE) > self.alloc.num_free:
+            # all or nothing: the row waits, and nothing changed
             self.waiting[row] = tokens
             return
         table.take_cached(hit, self.alloc)
         self.cached_tokens += table.num_tokens
-        table.append(len(tokens) - table.num_tokens, self.alloc)
+        table.append(len(tokens) - table.num_tokens, self.alloc)  # fits: blocks_to_admit
         self.write(table, tokens, len(hit) * BLOCK_SIZE)
         self.running[row] = (table, tokens)
 
