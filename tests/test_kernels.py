@@ -285,6 +285,23 @@ def test_paged_prefill_reference_ignores_padding_and_unused_slots():
     assert not changed[cu[2] :].any()
 
 
+def test_paged_prefill_dispatch_uses_the_reference_on_cpu(monkeypatch):
+    import kernels
+
+    monkeypatch.delenv("NANOSERVE_TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    args, _, _ = make_paged_prefill_case(
+        seed=25, cached_lens=[9, 0], new_lens=[3, 4], num_kv_heads=1, group=2, head_dim=8,
+        block_size=4, dtype=torch.float32,
+    )  # fmt: skip
+    torch.testing.assert_close(
+        kernels.paged_prefill_attention(*args, 4, 0.5),
+        paged_prefill_attention_reference(*args, 4, 0.5),
+        atol=0,
+        rtol=0,
+    )
+
+
 def test_paged_prefill_reference_checks_lengths():
     (q, k_cache, v_cache, tables, cu, lens), _, _ = make_paged_prefill_case(
         seed=24, cached_lens=[3, 0], new_lens=[2, 5], num_kv_heads=1, group=2, head_dim=8,
