@@ -13,7 +13,8 @@ known by these hashes; `lookup` walks a prompt's chain through that index.
 Admitting a row (all or nothing), then prefilling only what the cache lacks:
 
     hit = lookup(allocator, prompt, block_size)            # changes nothing
-    if blocks_to_admit(allocator, hit, len(prompt), block_size) > allocator.num_free: wait
+    if blocks_to_admit(allocator, hit, len(prompt), block_size) > allocator.num_free:
+        the row waits (nothing changed)
     table.take_cached(hit, allocator)                      # references +1; table.num_tokens
     slots = table.append(len(prompt) - table.num_tokens, allocator)   # the new tokens' slots
     ... store the new tokens' K/V at `slots`, run `kernels.paged_prefill_attention` ...
@@ -25,9 +26,9 @@ preempted row finds its own blocks again when it is recomputed.
 Why blake2b, not Python's `hash()` of a tuple: `hash()` is 64 bits and not collision
 resistant (token ids that collide can be found on purpose), and a collision would silently
 give one row another prompt's keys and values. blake2b is in the standard library, takes
-about two microseconds per block (packing included), and its 256-bit digest makes accidental or crafted collisions
-practically impossible; it is also the same in every process, so a driver can name a prefix
-the way a worker's pool does.
+about two microseconds per block (packing included), and its 256-bit digest makes accidental
+or crafted collisions practically impossible; it is also the same in every process, so a
+driver can name a prefix the way a worker's pool does.
 """
 
 from __future__ import annotations
