@@ -1,8 +1,9 @@
 """Triton kernels of the engine and their PyTorch reference twins (the oracles).
 
 The engine calls the dispatchers re-exported here from `kernels.backend`:
-`decode_attention`, `prefill_attention`, `store_kv` and `use_triton(device)`. Kernels and
-references live in `kernels.paged_attention`, `kernels.prefill_attention` (import its
+`decode_attention`, `prefill_attention`, `paged_prefill_attention`, `store_kv` and
+`use_triton(device)`. Kernels and references live in `kernels.paged_attention`,
+`kernels.paged_prefill`, `kernels.prefill_attention` (import its
 functions with `from kernels.prefill_attention import ...`: the package attribute
 `kernels.prefill_attention` is the dispatcher) and `kernels.kv_store`.
 
@@ -19,6 +20,7 @@ if os.environ.get("NANOSERVE_TRITON_INTERPRET", "0").strip().lower() in ("1", "t
 from kernels.backend import (  # noqa: E402
     decode_attention,
     interpreter_requested,
+    paged_prefill_attention,
     prefill_attention,
     store_kv,
     use_triton,
@@ -27,6 +29,7 @@ from kernels.backend import (  # noqa: E402
 __all__ = [
     "decode_attention",
     "interpreter_requested",
+    "paged_prefill_attention",
     "prefill_attention",
     "store_kv",
     "use_triton",

@@ -1,7 +1,7 @@
 """The one place that chooses between the Triton kernels and their PyTorch references.
 
-The engine calls only `decode_attention`, `prefill_attention`, `store_kv`, `rms_norm` and
-`silu_and_mul` from here.
+The engine calls only `decode_attention`, `prefill_attention`, `paged_prefill_attention`,
+`store_kv`, `rms_norm` and `silu_and_mul` from here.
 `use_triton(device)` is the rule (`NANOSERVE_KERNELS=reference` forces the references
 everywhere, for side-by-side checks of the two paths):
 - CUDA: the Triton kernels whenever Triton is installed;
@@ -25,6 +25,8 @@ from kernels.activation import silu_and_mul_reference
 from kernels.kv_store import store_kv as _store_kv_triton
 from kernels.kv_store import store_kv_reference
 from kernels.paged_attention import paged_decode_attention, paged_decode_attention_reference
+from kernels.paged_prefill import paged_prefill_attention as _paged_prefill_triton
+from kernels.paged_prefill import paged_prefill_attention_reference
 from kernels.prefill_attention import prefill_attention as _prefill_attention_triton
 from kernels.prefill_attention import prefill_attention_reference
 from kernels.rmsnorm import rms_norm as _rms_norm_triton
@@ -83,6 +85,23 @@ def prefill_attention(
     return prefill_attention_reference(q, k, v, cu_seqlens, max_seqlen, scale)
 
 
+def paged_prefill_attention(
+    q: torch.Tensor,  # [N, Hq, D] the new tokens of every row, packed
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], new tokens already stored
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32, padding entries 0
+    cu_seqlens_q: torch.Tensor,  # [B + 1] int32
+    context_lens: torch.Tensor,  # [B] int32: cached + new tokens
+    max_seqlen_q: int,
+    scale: float,
+) -> torch.Tensor:  # [N, Hq, D]
+    """Causal attention of each row's new tokens over its whole paged context."""
+    args = (q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, scale)
+    if use_triton(q.device):
+        return _paged_prefill_triton(*args)
+    return paged_prefill_attention_reference(*args)
+
+
 def store_kv(
     k: torch.Tensor,  # [N, Hkv, D]
     v: torch.Tensor,  # [N, Hkv, D]
@@ -116,6 +135,7 @@ __all__ = [
     "rms_norm",
     "silu_and_mul",
     "interpreter_requested",
+    "paged_prefill_attention",
     "prefill_attention",
     "store_kv",
     "use_triton",

@@ -1,4 +1,4 @@
-"""The online-softmax step both attention kernels run for each key/value tile.
+"""The online-softmax step the attention kernels run for each key/value tile.
 
 FlashAttention's recurrence over tiles of keys, in log2 units (the caller folds log2(e) into
 `qk_scale`): with running max m, running sum l and unnormalised output acc for a block of

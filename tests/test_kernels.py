@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from kernels.kv_store import store_kv_reference
 from kernels.paged_attention import paged_decode_attention_reference
+from kernels.paged_prefill import paged_prefill_attention_reference
 from kernels.prefill_attention import prefill_attention_reference
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -100,6 +101,42 @@ def make_prefill_case(*, seed, lengths, num_kv_heads, group, head_dim, dtype, de
     v = torch.randn((n, num_kv_heads, head_dim), generator=gen).to(dtype)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     return [x.to(device) for x in (q, k, v, cu)]
+
+
+def make_paged_prefill_case(
+    *, seed, cached_lens, new_lens, num_kv_heads, group, head_dim, block_size, dtype,
+    device="cpu",
+):  # fmt: skip
+    """Rows with `cached_lens[i]` tokens already in the pool and `new_lens[i]` new ones (their
+    K/V stored too, as the caller of the kernel does). Each row's whole context is drawn dense
+    first (`q_full`, `k_full`, `v_full`, one [ctx, H, D] tensor per row), then scattered into
+    disjoint shuffled blocks numbered from 1 (block 0 is padding only). Returns the kernel's
+    arguments, the dense tensors, and the set of (block, offset) slots holding context."""
+    gen = torch.Generator().manual_seed(seed)
+    ctx_lens = [c + n for c, n in zip(cached_lens, new_lens)]
+    blocks_per_row = [math.ceil(n / block_size) for n in ctx_lens]
+    num_blocks = 1 + sum(blocks_per_row) + 2
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    order = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    tables = torch.zeros((len(ctx_lens), max(blocks_per_row) + 1), dtype=torch.int32)
+    q_full, k_full, v_full, used = [], [], [], set()
+    for row, (ctx, nb) in enumerate(zip(ctx_lens, blocks_per_row)):
+        mine, order = order[:nb], order[nb:]
+        tables[row, :nb] = torch.tensor(mine, dtype=torch.int32)
+        q_full.append(torch.randn((ctx, num_kv_heads * group, head_dim), generator=gen).to(dtype))
+        k_full.append(torch.randn((ctx, num_kv_heads, head_dim), generator=gen).to(dtype))
+        v_full.append(torch.randn((ctx, num_kv_heads, head_dim), generator=gen).to(dtype))
+        for t in range(ctx):
+            k_cache[mine[t // block_size], t % block_size] = k_full[row][t]
+            v_cache[mine[t // block_size], t % block_size] = v_full[row][t]
+            used.add((mine[t // block_size], t % block_size))
+    q = torch.cat([qf[c:] for qf, c in zip(q_full, cached_lens)])  # [N_new, Hq, D]
+    cu = torch.tensor([0, *torch.tensor(new_lens).cumsum(0).tolist()], dtype=torch.int32)
+    lens = torch.tensor(ctx_lens, dtype=torch.int32)
+    args = [x.to(device) for x in (q, k_cache, v_cache, tables, cu, lens)]
+    return args, (q_full, k_full, v_full), used
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
@@ -188,6 +225,105 @@ def test_prefill_reference_checks_cu_seqlens():
         prefill_attention_reference(q, k, v, torch.tensor([0, 3, 6], dtype=torch.int32), 4, 1.0)
     with pytest.raises(ValueError, match="int32"):
         prefill_attention_reference(q, k, v, cu.long(), 4, 1.0)
+
+
+# a row of one new token, one that starts on a block boundary, one with nothing cached, one
+# with no new token, and ragged ones
+PAGED_PREFILL_ROWS = ([5, 16, 0, 9, 13, 32], [1, 7, 20, 0, 3, 16])
+
+
+@pytest.mark.parametrize("group", [1, 3])
+def test_paged_prefill_reference_matches_dense_causal_attention(group):
+    """The independent oracle: each row's new tokens, attending through the pool, equal the
+    tail of plain causal attention (SDPA) over the row's whole dense context."""
+    cached, new = PAGED_PREFILL_ROWS
+    (q, k_cache, v_cache, tables, cu, lens), (q_full, k_full, v_full), _ = (
+        make_paged_prefill_case(
+            seed=21, cached_lens=cached, new_lens=new, num_kv_heads=2, group=group,
+            head_dim=16, block_size=8, dtype=torch.float64,
+        )
+    )  # fmt: skip
+    out = paged_prefill_attention_reference(q, k_cache, v_cache, tables, cu, lens, max(new), 0.3)
+    for row, (c, start, end) in enumerate(zip(cached, cu[:-1].tolist(), cu[1:].tolist())):
+        if start == end:
+            continue
+        ks = k_full[row].repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, ctx, D]
+        vs = v_full[row].repeat_interleave(group, dim=1).transpose(0, 1)
+        dense = F.scaled_dot_product_attention(
+            q_full[row].transpose(0, 1), ks, vs, is_causal=True, scale=0.3
+        ).transpose(0, 1)  # [ctx, Hq, D]
+        torch.testing.assert_close(out[start:end], dense[c:])
+
+
+def test_paged_prefill_reference_without_cache_equals_prefill():
+    new = [1, 9, 16, 30]
+    (q, k_cache, v_cache, tables, cu, lens), (_, k_full, v_full), _ = make_paged_prefill_case(
+        seed=22, cached_lens=[0] * 4, new_lens=new, num_kv_heads=2, group=2, head_dim=16,
+        block_size=8, dtype=torch.float32,
+    )  # fmt: skip
+    out = paged_prefill_attention_reference(q, k_cache, v_cache, tables, cu, lens, 30, 0.25)
+    expected = prefill_attention_reference(q, torch.cat(k_full), torch.cat(v_full), cu, 30, 0.25)
+    torch.testing.assert_close(out, expected)
+
+
+def test_paged_prefill_reference_ignores_padding_and_unused_slots():
+    cached, new = PAGED_PREFILL_ROWS
+    (q, k_cache, v_cache, tables, cu, lens), _, used = make_paged_prefill_case(
+        seed=23, cached_lens=cached, new_lens=new, num_kv_heads=1, group=4, head_dim=16,
+        block_size=8, dtype=torch.float32,
+    )  # fmt: skip
+    before = paged_prefill_attention_reference(q, k_cache, v_cache, tables, cu, lens, 20, 0.25)
+    k_bad, v_bad = poison_unused(k_cache, used), poison_unused(v_cache, used)
+    after = paged_prefill_attention_reference(q, k_bad, v_bad, tables, cu, lens, 20, 0.25)
+    torch.testing.assert_close(after, before, atol=0, rtol=0)
+    # and a cached block's contents do count: corrupt one and the rows reading it change
+    k_bad = k_cache.clone()
+    k_bad[int(tables[1, 0])] += 1.0
+    after = paged_prefill_attention_reference(q, k_bad, v_cache, tables, cu, lens, 20, 0.25)
+    changed = (after - before).abs().amax(dim=(1, 2)) > 0  # [N_new]
+    assert changed[cu[1] : cu[2]].all() and not changed[: cu[1]].any()
+    assert not changed[cu[2] :].any()
+
+
+def test_paged_prefill_dispatch_uses_the_reference_on_cpu(monkeypatch):
+    import kernels
+
+    monkeypatch.delenv("NANOSERVE_TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    args, _, _ = make_paged_prefill_case(
+        seed=25, cached_lens=[9, 0], new_lens=[3, 4], num_kv_heads=1, group=2, head_dim=8,
+        block_size=4, dtype=torch.float32,
+    )  # fmt: skip
+    torch.testing.assert_close(
+        kernels.paged_prefill_attention(*args, 4, 0.5),
+        paged_prefill_attention_reference(*args, 4, 0.5),
+        atol=0,
+        rtol=0,
+    )
+
+
+def test_paged_prefill_reference_checks_lengths():
+    (q, k_cache, v_cache, tables, cu, lens), _, _ = make_paged_prefill_case(
+        seed=24, cached_lens=[3, 0], new_lens=[2, 5], num_kv_heads=1, group=2, head_dim=8,
+        block_size=4, dtype=torch.float32,
+    )  # fmt: skip
+    args = (q, k_cache, v_cache, tables, cu)
+    with pytest.raises(ValueError, match="max_seqlen_q"):
+        paged_prefill_attention_reference(*args, lens, 4, 1.0)
+    with pytest.raises(ValueError, match="new tokens"):
+        paged_prefill_attention_reference(*args, torch.tensor([5, 4], dtype=torch.int32), 5, 1.0)
+    with pytest.raises(ValueError, match="blocks"):
+        too_long = torch.tensor([5, 4 * tables.shape[1] + 1], dtype=torch.int32)
+        paged_prefill_attention_reference(*args, too_long, 5, 1.0)
+    with pytest.raises(ValueError, match="rise from 0"):
+        bad_cu = torch.tensor([0, 3, 6], dtype=torch.int32)
+        paged_prefill_attention_reference(q, k_cache, v_cache, tables, bad_cu, lens, 5, 1.0)
+    with pytest.raises(ValueError, match="int32"):
+        paged_prefill_attention_reference(q, k_cache, v_cache, tables, cu.long(), lens, 5, 1.0)
+    with pytest.raises(ValueError, match="multiple"):
+        q3 = torch.zeros((7, 3, 8))
+        two = k_cache.expand(-1, -1, 2, -1)
+        paged_prefill_attention_reference(q3, two, two, tables, cu, lens, 5, 1.0)
 
 
 def test_store_kv_reference_writes_each_slot_and_skips_negative_ones():
@@ -330,10 +466,11 @@ def interp():
     """The kernel modules, defined for the interpreter (only inside the child run)."""
     if not _kernels_interpreted():
         pytest.skip("run by test_kernels_under_the_triton_interpreter in a child process")
-    from kernels import kv_store, paged_attention
+    from kernels import kv_store, paged_attention, paged_prefill
 
     return {
         "paged_attention": paged_attention,
+        "paged_prefill": paged_prefill,
         "prefill_attention": sys.modules["kernels.prefill_attention"],
         "kv_store": kv_store,
     }
@@ -534,3 +671,58 @@ def test_interp_rms_norm_and_silu_and_mul_match_references(interp):
         assert_close(rms_norm(x, w, 1e-6), rms_norm_reference(x, w, 1e-6), torch.float32)
         gu = torch.randn(3, 2, 2 * d, generator=g)
         assert_close(silu_and_mul(gu), silu_and_mul_reference(gu), torch.float32)
+# (query heads per KV head, head_dim, block_size, dtype, block_m, block_n): every value of each
+# axis appears in both float32 and float16; block_n below, equal to and above the block size.
+PAGED_PREFILL_CASES = [
+    (1, 64, 16, torch.float32, None, None),
+    (3, 128, 16, torch.float16, None, None),
+    (4, 64, 32, torch.float16, 16, 16),
+    (8, 128, 32, torch.float32, 16, 32),
+    (2, 64, 16, torch.float32, 32, 16),
+]
+
+
+@pytest.mark.parametrize("group,head_dim,block_size,dtype,block_m,block_n", PAGED_PREFILL_CASES)
+def test_interp_paged_prefill_kernel_matches_reference(
+    interp, group, head_dim, block_size, dtype, block_m, block_n
+):
+    paged_prefill = interp["paged_prefill"]
+    seed = group * 100 + head_dim + block_size
+    # nothing cached, a block-boundary start, one new token, no new token, ragged rows
+    cached = [0, block_size, 37, 5, 2 * block_size + 3]
+    new = [40, 17, 1, 0, 33]
+    (q, k_cache, v_cache, tables, cu, lens), _, used = make_paged_prefill_case(
+        seed=seed, cached_lens=cached, new_lens=new, num_kv_heads=2, group=group,
+        head_dim=head_dim, block_size=block_size, dtype=dtype,
+    )  # fmt: skip
+    scale = 1.0 / math.sqrt(head_dim)
+    args = (q, k_cache, v_cache, tables, cu, lens, max(new), scale)
+    expected = paged_prefill_attention_reference(*args)
+    out = paged_prefill.paged_prefill_attention(*args, block_m=block_m, block_n=block_n)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert_close(out, expected, dtype)
+    # padding (block 0), spare blocks and the tails of partly filled blocks are never read
+    k_bad, v_bad = poison_unused(k_cache, used), poison_unused(v_cache, used)
+    dirty = paged_prefill.paged_prefill_attention(
+        q, k_bad, v_bad, tables, cu, lens, max(new), scale, block_m=block_m, block_n=block_n
+    )
+    torch.testing.assert_close(dirty, out, atol=0, rtol=0)
+
+
+def test_interp_paged_prefill_dispatch_and_strided_queries(interp):
+    """The backend's switch picks the kernel under the interpreter; q may be a view into a
+    wider projection output."""
+    import kernels
+
+    (q, k_cache, v_cache, tables, cu, lens), _, _ = make_paged_prefill_case(
+        seed=31, cached_lens=[20, 0], new_lens=[12, 5], num_kv_heads=2, group=2, head_dim=64,
+        block_size=16, dtype=torch.float32,
+    )  # fmt: skip
+    wide = torch.zeros((q.shape[0], 2 * q.shape[1], 64))
+    wide[:, : q.shape[1]] = q
+    q_view = wide[:, : q.shape[1]]
+    assert not q_view.is_contiguous()
+    expected = paged_prefill_attention_reference(q, k_cache, v_cache, tables, cu, lens, 12, 0.125)
+    out = kernels.paged_prefill_attention(q_view, k_cache, v_cache, tables, cu, lens, 12, 0.125)
+    assert kernels.use_triton("cpu")
+    assert_close(out, expected, torch.float32)

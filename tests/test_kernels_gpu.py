@@ -22,11 +22,17 @@ pytest.importorskip("triton")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-from kernels import decode_attention, use_triton  # noqa: E402
+from kernels import decode_attention, paged_prefill_attention, use_triton  # noqa: E402
 from kernels.kv_store import store_kv, store_kv_reference  # noqa: E402
 from kernels.paged_attention import (  # noqa: E402
     paged_decode_attention,
     paged_decode_attention_reference,
+)
+from kernels.paged_prefill import (  # noqa: E402
+    paged_prefill_attention as paged_prefill_kernel,
+)
+from kernels.paged_prefill import (  # noqa: E402
+    paged_prefill_attention_reference,
 )
 from kernels.prefill_attention import (  # noqa: E402
     prefill_attention,
@@ -214,3 +220,88 @@ def test_rms_norm_and_silu_and_mul_kernels_match_references(dtype):
         gu = torch.randn(300, 2 * d, generator=g, device="cuda").to(dtype)
         torch.testing.assert_close(silu_and_mul(gu), silu_and_mul_reference(gu),
                                    rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
+def make_paged_prefill_case(*, seed, cached_lens, new_lens, num_kv_heads, group, head_dim,
+                            block_size, dtype):  # fmt: skip
+    """Rows with `cached_lens[i]` tokens in the pool plus `new_lens[i]` new ones (stored too),
+    in disjoint shuffled blocks numbered from 1 (block 0 is padding only). Returns the kernel's
+    arguments and a [num_blocks, block_size] mask of the slots holding context."""
+    gen = torch.Generator().manual_seed(seed)
+    ctx_lens = [c + n for c, n in zip(cached_lens, new_lens)]
+    (_, k_cache, v_cache, tables, ctx), real = make_decode_case(
+        seed=seed, context_lens=ctx_lens, num_kv_heads=num_kv_heads, group=group,
+        head_dim=head_dim, block_size=block_size, dtype=dtype,
+    )  # fmt: skip
+    q = torch.randn((sum(new_lens), num_kv_heads * group, head_dim), generator=gen)
+    cu = torch.tensor([0, *torch.tensor(new_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return [q.to(dtype).to(DEVICE), k_cache, v_cache, tables, cu.to(DEVICE), ctx], real
+
+
+def paged_prefill_rows(seed, count):
+    """(cached, new) lengths: a long shared-prefix-like context, nothing cached, one new token,
+    no new token, block-boundary starts, and random rows."""
+    gen = torch.Generator().manual_seed(seed)
+    rand_cached = torch.randint(0, 2000, (count - 6,), generator=gen).tolist()
+    rand_new = torch.randint(1, 400, (count - 6,), generator=gen).tolist()
+    return [1000, 0, 1500, 64, 16, 0, *rand_cached], [200, 600, 1, 0, 100, 1, *rand_new]
+
+
+PAGED_PREFILL_CASES = [  # (query heads per KV head, head_dim, block_size)
+    (1, 64, 16),
+    (3, 128, 32),
+    (4, 64, 16),
+    (8, 128, 16),
+    (8, 64, 32),
+]
+
+
+@pytest.mark.parametrize("group,head_dim,block_size", PAGED_PREFILL_CASES)
+def test_paged_prefill_kernel_matches_reference_bf16(group, head_dim, block_size):
+    cached, new = paged_prefill_rows(group + head_dim, 16)
+    args, real = make_paged_prefill_case(
+        seed=group * 11 + head_dim, cached_lens=cached, new_lens=new, num_kv_heads=4,
+        group=group, head_dim=head_dim, block_size=block_size, dtype=torch.bfloat16,
+    )  # fmt: skip
+    q, k_cache, v_cache, tables, cu, ctx = args
+    scale = 1.0 / math.sqrt(head_dim)
+    expected = paged_prefill_attention_reference(*args, max(new), scale)
+    big_m = max(16, 128 // (1 << (group - 1).bit_length()))  # a tile of 128 rows
+    for block_m, block_n in ((None, None), (16, 32), (big_m, 64)):
+        out = paged_prefill_kernel(*args, max(new), scale, block_m=block_m, block_n=block_n)
+        assert out.dtype == torch.bfloat16 and out.shape == q.shape
+        assert_close(out, expected, torch.bfloat16)
+    # padding block 0, spare blocks and tails of partly filled blocks are never read
+    k_bad = k_cache.masked_fill(~real[:, :, None, None], 1e4)
+    v_bad = v_cache.masked_fill(~real[:, :, None, None], 1e4)
+    clean = paged_prefill_kernel(*args, max(new), scale)
+    dirty = paged_prefill_kernel(q, k_bad, v_bad, tables, cu, ctx, max(new), scale)
+    assert torch.equal(clean, dirty)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_paged_prefill_kernel_matches_reference_other_dtypes(dtype):
+    cached, new = paged_prefill_rows(5, 10)
+    args, _ = make_paged_prefill_case(
+        seed=5, cached_lens=cached, new_lens=new, num_kv_heads=2, group=4, head_dim=64,
+        block_size=16, dtype=dtype,
+    )  # fmt: skip
+    expected = paged_prefill_attention_reference(*args, max(new), 0.125)
+    assert_close(paged_prefill_kernel(*args, max(new), 0.125), expected, dtype)
+    assert use_triton(args[0].device)
+    assert_close(paged_prefill_attention(*args, max(new), 0.125), expected, dtype)
+
+
+def test_paged_prefill_kernel_without_cache_equals_prefill_kernel():
+    """Nothing cached: the paged prefill over the pool equals the ragged prefill kernel over
+    the same packed keys and values."""
+    new = [1, 64, 300, 17]
+    args, _ = make_paged_prefill_case(
+        seed=9, cached_lens=[0] * 4, new_lens=new, num_kv_heads=2, group=4, head_dim=64,
+        block_size=16, dtype=torch.bfloat16,
+    )  # fmt: skip
+    q, k_cache, v_cache, tables, cu, ctx = args
+    k = torch.cat([k_cache[tables[i].long(), :][: -(-n // 16)].flatten(0, 1)[:n]
+                   for i, n in enumerate(new)])  # fmt: skip
+    v = torch.cat([v_cache[tables[i].long(), :][: -(-n // 16)].flatten(0, 1)[:n]
+                   for i, n in enumerate(new)])  # fmt: skip
+    expected = prefill_attention(q, k, v, cu, max(new), 0.125)
+    assert_close(paged_prefill_kernel(*args, max(new), 0.125), expected, torch.bfloat16)
