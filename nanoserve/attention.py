@@ -114,8 +114,13 @@ def gqa_attention(q, k, v, layer: int, cache, meta: AttentionMetadata) -> torch.
             return cache.paged_attention(layer, q[:, 0])[:, None]  # [B, 1, Hq, D]
         if B != 1 or meta.cu_seqlens is None:
             raise ValueError("a step cache's prefill is packed: input [1, N] with cu_seqlens")
-        out = kernel_backend.prefill_attention(q[0], k[0], v[0], meta.cu_seqlens,
-                                               meta.max_seqlen, q.shape[-1] ** -0.5)
+        if cache.block_tables is not None:  # after cached context: attend through the pool
+            out = kernel_backend.paged_prefill_attention(
+                q[0], cache.pool.k[layer], cache.pool.v[layer], cache.block_tables,
+                meta.cu_seqlens, cache.context_lens, meta.max_seqlen, q.shape[-1] ** -0.5)
+        else:
+            out = kernel_backend.prefill_attention(q[0], k[0], v[0], meta.cu_seqlens,
+                                                   meta.max_seqlen, q.shape[-1] ** -0.5)
         return out[None]  # [1, N, Hq, D]
     if cache is None:
         return dense_attention(q, k, v, _causal_allowed(meta.valid, B, T, 0, q.device))

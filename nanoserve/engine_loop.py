@@ -49,7 +49,8 @@ class EngineLoop:
     def _new_scheduler(self) -> ContinuousScheduler:
         llm = self.llm
         return ContinuousScheduler(llm.model, llm.pool, llm.runner, llm.eos_token_ids,
-                                   llm.tokenizer, llm.max_batch_size)
+                                   llm.tokenizer, llm.max_batch_size,
+                                   prefix_caching=llm.enable_prefix_caching)
 
     def submit(self, prompts: list[list[int]], params: list[SamplingParams],
                alone: bool = False) -> Future:

@@ -32,10 +32,17 @@ class BatchStats:
     decode_row_steps: int = 0  # rows x decode steps
     finished_row_steps: int = 0  # of those, steps run for rows that had already finished
     preemptions: int = 0  # rows sent back to the queue for room (continuous batching only)
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache, not prefilled
 
     @property
     def padding_waste(self) -> float:
         return 1 - self.prefill_real_tokens / self.prefill_slots if self.prefill_slots else 0.0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Prompt tokens served from the prefix cache / prompt tokens."""
+        total = self.cached_tokens + self.prefill_real_tokens
+        return self.cached_tokens / total if total else 0.0
 
     @property
     def early_finish_waste(self) -> float:
@@ -43,7 +50,7 @@ class BatchStats:
 
     def add(self, other: BatchStats) -> None:
         for f in ("num_rows", "prefill_slots", "prefill_real_tokens", "decode_row_steps",
-                  "finished_row_steps", "preemptions"):
+                  "finished_row_steps", "preemptions", "cached_tokens"):
             setattr(self, f, getattr(self, f) + getattr(other, f))
 
 

@@ -52,7 +52,7 @@ class LLM:
                  device: str = "auto", kv_cache_fraction: float = 0.8,
                  kv_cache_bytes: int | None = None, block_size: int = 16,
                  max_batch_size: int = 256, decode_step: str = "auto",
-                 scheduler: str = "auto") -> None:
+                 scheduler: str = "auto", enable_prefix_caching: bool = True) -> None:
         """kv_cache_fraction: share of the GPU's free memory (after the weights) given to
         the KV pool. kv_cache_bytes: an exact pool size instead (the CPU default is 1 GiB).
         decode_step: "auto" (a CUDA graph per batch on a GPU, see nanoserve/cuda_graph.py),
@@ -62,7 +62,11 @@ class LLM:
         scheduler: "static" (the prompts cut into static batches, each run to its longest
         row), "continuous" (rows join as others finish: nanoserve/scheduler.py) or "auto"
         (continuous on a GPU, static on the CPU). Each row gets the tokens it gets alone
-        either way (held to that by the tests)."""
+        either way (held to that by the tests).
+        enable_prefix_caching: with the continuous scheduler, a prompt's leading full blocks
+        that the pool already holds (an earlier row's same prefix) are reused, not
+        prefilled again (nanoserve/prefix_cache.py); the static scheduler never shares."""
+        self.enable_prefix_caching = enable_prefix_caching
         if scheduler not in SCHEDULERS:
             raise NanoserveError(f"scheduler must be one of {', '.join(SCHEDULERS)}, "
                                  f"got {scheduler!r}")
@@ -119,7 +123,8 @@ class LLM:
             try:
                 outs, stats = generate_continuous(
                     self.model, prompt_token_ids, params, self.eos_token_ids, self.pool,
-                    self.tokenizer, self.max_batch_size, runner=self.runner)
+                    self.tokenizer, self.max_batch_size, runner=self.runner,
+                    prefix_caching=self.enable_prefix_caching)
             except torch.OutOfMemoryError:
                 torch.cuda.empty_cache()  # below: static batches, halved until they fit
             else:

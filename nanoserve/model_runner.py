@@ -226,24 +226,34 @@ class ContinuousRunner:
 
     def prefill(self, tokens: list[list[int]], writes: list[int], samplers: list[int],
                 slots: list[int], params: list[SamplingParams], keys: list[int | None],
-                counters: list[int]) -> Launched:
-        """One packed prefill of several rows' tokens (no padding): writes their K/V to
+                counters: list[int], cached: list[int] | None = None) -> Launched:
+        """One packed prefill of several rows' new tokens (no padding): writes their K/V to
         `writes` (one slot per token, in order), then for the rows at indexes `samplers`
         samples a first token from the logits of their last position and stores it in
-        last_tok at their row slot. params/keys/counters: one per sampling row."""
+        last_tok at their row slot. params/keys/counters: one per sampling row. cached:
+        per row, how many tokens before `tokens` its block table already holds (the prefix
+        cache's blocks): those rows' new tokens sit at positions cached.. and attend to the
+        cached context through their block tables (set beforehand)."""
         dev = self.device
         end = self._mark("prefill")
+        cached = cached or [0] * len(tokens)
         lens = [len(t) for t in tokens]
         cu = [0]
         for n in lens:
             cu.append(cu[-1] + n)
         flat = [x for t in tokens for x in t]
-        pos = [p for n in lens for p in range(n)]
+        pos = [p for c, n in zip(cached, lens) for p in range(c, c + n)]
         ids_t = torch.tensor([flat], dtype=torch.long).to(dev, non_blocking=True)  # [1, N]
         pos_t = torch.tensor([pos], dtype=torch.long).to(dev, non_blocking=True)
         writes_t = torch.tensor(writes, dtype=torch.long).to(dev, non_blocking=True)
         cu_t = torch.tensor(cu, dtype=torch.int32).to(dev, non_blocking=True)
-        cache = StepCache(self.pool, writes_t)
+        if any(cached):
+            rows_t = torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True)
+            ctx = torch.tensor([c + n for c, n in zip(cached, lens)], dtype=torch.int32)
+            cache = StepCache(self.pool, writes_t, self.block_tables.index_select(0, rows_t),
+                              ctx.to(dev, non_blocking=True))
+        else:
+            cache = StepCache(self.pool, writes_t)
         hidden = self.model.hidden_states(ids_t, pos_t, cache,
                                           AttentionMetadata.packed(cu_t, max(lens)))
         k = self._take_ring()

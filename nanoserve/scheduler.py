@@ -41,12 +41,13 @@ from collections.abc import Callable
 
 import torch
 
-from nanoserve.cache import KVPool
 from nanoserve.block_manager import BlockTable, reserve_all_or_nothing
+from nanoserve.cache import KVPool
 from nanoserve.errors import CacheFullError
 from nanoserve.generate import BatchStats, pool_for
 from nanoserve.model import LlamaForCausalLM
 from nanoserve.model_runner import ContinuousRunner, Launched
+from nanoserve.prefix_cache import blocks_to_admit, lookup
 from nanoserve.sampling import SamplingParams
 from nanoserve.sequence import Sequence, SequenceOutput
 
@@ -77,6 +78,7 @@ class _Row:
         self.slot: int | None = None
         self.launched = 0  # tokens whose computation was queued (prefill sample included)
         self.sent_blocks = 0  # block-table entries the runner has for this row
+        self.hit: list[int] = []  # cached blocks found for its prefill, at admission
 
     def peak_tokens(self) -> int:
         """The most tokens the row ever holds in the cache: its prompt and every new token
@@ -96,13 +98,18 @@ class ContinuousScheduler:
     def __init__(self, model: LlamaForCausalLM, pool: KVPool, runner: ContinuousRunner,
                  eos_token_ids: tuple[int, ...] = (), tokenizer=None,
                  max_batch_size: int | None = None,
-                 max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS) -> None:
+                 max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
+                 prefix_caching: bool = True) -> None:
+        """prefix_caching: a new row starts from the longest run of its prompt's full blocks
+        that the pool already holds (nanoserve/prefix_cache.py) and prefills only the rest;
+        its own full prompt blocks are named for later rows once written."""
         if max_prefill_tokens < 1:
             raise ValueError("max_prefill_tokens must be >= 1")
         self.model, self.pool, self.runner = model, pool, runner
         self.eos_token_ids, self.tokenizer = eos_token_ids, tokenizer
         self.max_batch_size = min(max_batch_size or runner.max_batch_size, runner.max_batch_size)
         self.max_prefill_tokens = max_prefill_tokens
+        self.prefix_caching = prefix_caching
         self.waiting: deque[_Row] = deque()
         self.running: list[_Row] = []
         self.unread: deque[tuple[Launched, list[_Row]]] = deque()
@@ -180,29 +187,40 @@ class ContinuousScheduler:
         """Take rows from the front of the queue while they fit (see the module docstring).
         With nothing running the first waiting row always fits: it fits the pool alone."""
         admitted: list[_Row] = []
-        free = self.pool.allocator.num_free
+        alloc, bs = self.pool.allocator, self.pool.block_size
+        free = alloc.num_free
         tokens = 0
         while self.waiting and len(self.running) + len(admitted) < self.max_batch_size:
             row = self.waiting[0]
-            n = len(row.prefill_tokens())
+            prefill = row.prefill_tokens()
+            hit = lookup(alloc, prefill, bs) if self.prefix_caching else []
+            n = len(prefill) - len(hit) * bs  # tokens to compute
             # Its prompt and the token its next decode step writes (none if it never decodes).
-            need = _blocks(min(n + 1, row.peak_tokens()), self.pool.block_size)
+            held = min(len(prefill) + 1, row.peak_tokens())
+            need = blocks_to_admit(alloc, hit, held, bs)
             headroom = len(self.running) + len(admitted)  # one block per row already in
             if need + headroom > free:
                 break
             if admitted and tokens + n > self.max_prefill_tokens:
                 break
+            row.hit = hit
             admitted.append(self.waiting.popleft())
             free -= need
             tokens += n
         return admitted
 
     def _prefill(self, rows: list[_Row]) -> None:
-        tokens = [r.prefill_tokens() for r in rows]
+        alloc = self.pool.allocator
+        full = [r.prefill_tokens() for r in rows]
         tables = [BlockTable(self.pool.block_size) for _ in rows]
-        writes = reserve_all_or_nothing(tables, [len(t) for t in tokens], self.pool.allocator)
         for r, table in zip(rows, tables):
-            r.table, r.slot = table, self.free_slots.pop()
+            table.take_cached(r.hit, alloc)  # nothing when caching is off or it missed
+            r.seq.num_cached_tokens = max(r.seq.num_cached_tokens, table.num_tokens)
+        cached = [t.num_tokens for t in tables]
+        tokens = [f[c:] for f, c in zip(full, cached)]
+        writes = reserve_all_or_nothing(tables, [len(t) for t in tokens], alloc)
+        for r, table in zip(rows, tables):
+            r.table, r.slot, r.hit = table, self.free_slots.pop(), []
             r.sent_blocks = len(table.blocks)
         self.running += rows
         self.runner.set_block_tables([r.slot for r in rows], [t.blocks for t in tables])
@@ -215,12 +233,16 @@ class ContinuousScheduler:
         op = self.runner.prefill(
             tokens, [s for w in writes for s in w], new, [r.slot for r in rows],
             [r.seq.params for r in samplers], [r.seq.key for r in samplers],
-            [0] * len(samplers))
+            [0] * len(samplers), cached)
+        if self.prefix_caching:  # queued after the prefill that writes them: safe to share
+            for r, f in zip(rows, full):
+                r.table.register_full_blocks(f, alloc)
         for r in rows:
             r.launched = max(len(r.seq.output_ids), 1)
         n = sum(len(t) for t in tokens)
         self.stats.prefill_slots += n
         self.stats.prefill_real_tokens += n
+        self.stats.cached_tokens += sum(cached)
         self.unread.append((op, samplers))
 
     # --- decode ------------------------------------------------------------------------------
@@ -304,6 +326,7 @@ def generate_continuous(model: LlamaForCausalLM, prompts: list[list[int]],
                         pool: KVPool | None = None, tokenizer=None, max_batch_size: int = 256,
                         max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
                         runner: ContinuousRunner | None = None, step_mode: str = "eager",
+                        prefix_caching: bool = True,
                         ) -> tuple[list[SequenceOutput], BatchStats]:
     """Generate every prompt with continuous batching; see the module docstring. `runner`:
     an engine's own (graphs captured once), else one made for this call in `step_mode`.
@@ -319,7 +342,7 @@ def generate_continuous(model: LlamaForCausalLM, prompts: list[list[int]],
     if runner is None:
         runner = ContinuousRunner(model, pool, min(max_batch_size, len(prompts)), step_mode)
     sched = ContinuousScheduler(model, pool, runner, eos_token_ids, tokenizer, max_batch_size,
-                                max_prefill_tokens)
+                                max_prefill_tokens, prefix_caching)
     group = sched.add(prompts, params)
     sched.run()
     return list(group.outputs), sched.stats

@@ -19,6 +19,7 @@ class SequenceOutput:
     text: str | None  # None when no tokenizer was given
     finish_reason: str  # 'stop' or 'length'
     num_prompt_tokens: int
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
 
 
 class Sequence:
@@ -48,6 +49,7 @@ class Sequence:
             self._detok = IncrementalDetokenizer(tokenizer)
         self._max_stop_len = max((len(s) for s in params.stop), default=0)
         self.output_ids: list[int] = []
+        self.num_cached_tokens = 0  # set by a scheduler that found the prompt's prefix cached
         self.finish_reason: str | None = None
         self._stop_text: str | None = None
 
@@ -89,4 +91,4 @@ class Sequence:
         else:
             text = None
         return SequenceOutput(list(self.output_ids), text, self.finish_reason or "length",
-                              len(self.prompt_ids))
+                              len(self.prompt_ids), self.num_cached_tokens)

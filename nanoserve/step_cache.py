@@ -26,7 +26,8 @@ class StepCache:
                  context_lens: torch.Tensor | None = None,
                  max_context_len: int | None = None) -> None:
         """slot_mapping [N] int64; block_tables [B, W] int32 and context_lens [B] int32 for a
-        decode step (None for a packed prefill, which attends within its own tokens);
+        decode step or a packed prefill after cached context (None for a packed prefill that
+        attends within its own tokens);
         max_context_len: a host-side bound used only to pick the decode kernel's split count
         (fixed for a captured step)."""
         self.pool = pool

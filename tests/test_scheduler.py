@@ -268,3 +268,78 @@ def test_unknown_scheduler_is_refused():
 
     with pytest.raises(NanoserveError, match="unknown scheduler 'fifo'"):
         JobOptions(scheduler="fifo")
+
+
+# --- prefix caching ---------------------------------------------------------------------------
+
+
+def shared_prefix_rows(prefix_len, n, seed, sampled=False, suffix=(1, 20)):
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, 128) for _ in range(prefix_len)]
+    prompts = [prefix + [rng.randrange(3, 128) for _ in range(rng.randint(*suffix))]
+               for _ in range(n)]
+    params = [SamplingParams(max_tokens=rng.randint(2, 10), temperature=0.8 if sampled else 0.0,
+                             seed=300 + i, ignore_eos=True) for i in range(n)]
+    return prompts, params
+
+
+@pytest.mark.parametrize("prefix_len,sampled", [(0, False), (4, False), (9, True), (24, False),
+                                                (40, True)])
+def test_prefix_caching_gives_the_tokens_of_no_caching(tiny_model, prefix_len, sampled):
+    """Rows sharing no block (prefix 0 or shorter than a block of 8), one block, several
+    blocks, and prompts that end exactly on a block boundary (suffix 0 after 24 or 40
+    tokens: the last block is prefilled again, never shared): each row's tokens with
+    caching equal its tokens without; hits happen where a full block is shared; every
+    block comes back."""
+    prompts, params = shared_prefix_rows(prefix_len, 10, prefix_len, sampled,
+                                         suffix=(0, 12) if prefix_len % 8 == 0 else (1, 12))
+    runs = {}
+    for caching in (False, True):
+        pool = make_pool(tiny_model, 128, block_size=8)
+        runs[caching] = generate_continuous(tiny_model, prompts, params, (), pool,
+                                            max_batch_size=3, prefix_caching=caching)
+        assert pool.allocator.num_free == pool.num_blocks
+    (off, off_stats), (on, on_stats) = runs[False], runs[True]
+    assert [o.token_ids for o in on] == [o.token_ids for o in off]
+    assert off_stats.cached_tokens == 0
+    if prefix_len >= 8:
+        assert on_stats.cached_tokens >= 8 * (len(prompts) - 3) * (prefix_len // 8 - 1)
+        assert on_stats.prefill_real_tokens < off_stats.prefill_real_tokens
+    else:
+        assert on_stats.cached_tokens == 0
+    assert on_stats.cached_tokens + on_stats.prefill_real_tokens == sum(map(len, prompts))
+    assert [o.num_cached_tokens for o in on][0] == 0  # the first row finds nothing
+
+
+def test_prefix_caching_with_preemption_keeps_tokens_and_blocks(tiny_model):
+    prompts, params = shared_prefix_rows(16, 8, 2)
+    params = [SamplingParams(max_tokens=24, ignore_eos=True, seed=i) for i in range(8)]
+    pool = make_pool(tiny_model, 24, block_size=4)
+    outs, stats = generate_continuous(tiny_model, prompts, params, (), pool, max_batch_size=8)
+    assert stats.preemptions > 0 and stats.cached_tokens > 0
+    for prompt, p, out in zip(prompts, params, outs):
+        assert out.token_ids == alone(tiny_model, prompt, p, ()).token_ids
+    assert_free(pool)
+
+
+def test_a_corrupted_cached_block_changes_the_rows_that_reuse_it(tiny_model):
+    """The cache is really read: overwrite the K/V of the shared prefix's cached blocks
+    between two calls over one pool, and the second call's rows (which reuse those blocks)
+    come out different from the first's, while with caching off they do not."""
+    import torch
+
+    prompts, params = shared_prefix_rows(32, 4, 6)
+    params = [SamplingParams(max_tokens=8, ignore_eos=True)] * 4
+    for caching in (True, False):
+        pool = make_pool(tiny_model, 64, block_size=8)
+        first, _ = generate_continuous(tiny_model, prompts, params, (), pool,
+                                       prefix_caching=caching)
+        for t in pool.k + pool.v:
+            t.copy_(torch.randn_like(t))
+        second, stats = generate_continuous(tiny_model, prompts, params, (), pool,
+                                            prefix_caching=caching)
+        same = [a.token_ids == b.token_ids for a, b in zip(first, second)]
+        if caching:
+            assert stats.cached_tokens > 0 and not all(same)
+        else:
+            assert all(same)
