@@ -1,7 +1,8 @@
 """`nanoserve batch INPUT -o OUTPUT_DIR [options]`: the batch job's command line.
 
-`nanoserve.cli` calls `add_batch_parser(subparsers)` and `run_batch_cli(args)`; this module
-also runs alone: `python -m ray_jobs.cli INPUT -o OUTPUT_DIR ...` (same flags).
+`nanoserve_cli` (the `nanoserve` command) calls `add_batch_parser(subparsers)` and
+`run_batch_cli(args)`; this module also runs alone: `python -m ray_jobs.cli INPUT -o
+OUTPUT_DIR ...` (same flags).
 
 Exit status: 0 when the job completed (error rows included); 2 with one line
 `error: <message>` for a job-level problem (found before any worker loads the model).
@@ -89,7 +90,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_batch_cli(args: argparse.Namespace) -> int:
     """Run the job; print the summary on stdout. NanoserveError propagates to the caller
-    (`nanoserve.cli.main` turns it into `error: ...` and exit status 2). The sampling
+    (`nanoserve.cli.run_command` turns it into `error: ...` and exit status 2). The sampling
     options are checked first, so a typo is refused before the model's files are read."""
     from nanoserve.sampling import SamplingParams
     from ray_jobs.driver import run_batch_job
@@ -120,9 +121,13 @@ def run_batch_cli(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m ray_jobs.cli ARGS` is `nanoserve batch ARGS`."""
-    from nanoserve.cli import main as nanoserve_main
+    from nanoserve.cli import run_command
 
-    return nanoserve_main(["batch", *(sys.argv[1:] if argv is None else argv)])
+    parser = argparse.ArgumentParser(prog="nanoserve batch", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_arguments(parser)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    return run_command(run_batch_cli, args, resumable=True)
 
 
 if __name__ == "__main__":

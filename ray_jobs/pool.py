@@ -18,7 +18,7 @@ from nanoserve.errors import ModelError, NanoserveError
 from ray_jobs.worker import FAULT_ENV_PREFIX, BatchWorker
 
 if TYPE_CHECKING:
-    from ray_jobs.driver import JobOptions
+    from ray_jobs.options import JobOptions
     from ray_jobs.timeline import Timeline
 
 
