@@ -34,6 +34,7 @@ Nothing lost, nothing duplicated (see `_JobRun` for the bookkeeping):
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from collections import deque
@@ -65,6 +66,7 @@ from ray_jobs.manifest import (
 from ray_jobs.options import JobOptions
 from ray_jobs.pool import WorkerPool, WorkerReport, first_line, log
 from ray_jobs.prepare import ColumnPlan, PreparedRow, RowPreparer, load_model_meta, plan_columns
+from ray_jobs.report import ReportLog, piece_record, report_data, write_report
 from ray_jobs.timeline import PHASES, Timeline
 from ray_jobs.worker import (
     OOM_KEY,
@@ -99,6 +101,7 @@ class JobSummary:
     # Seconds per phase of this run, in order (see `PHASES`); they add up to wall_time_s.
     # A phase the run never reached (nothing left to compute: no Ray, no worker) is absent.
     timings: dict[str, float] = field(default_factory=dict)
+    report: str | None = None  # the run's HTML report (`ray_jobs.report`), when it wrote one
 
     def format(self) -> str:
         lines = [
@@ -115,6 +118,8 @@ class JobSummary:
         if self.timings:
             lines.append("time: " + ", ".join(f"{PHASES[k]} {v:.1f} s"
                                               for k, v in self.timings.items()))
+        if self.report:
+            lines.append(f"report: {self.report}")
         return "\n".join(lines)
 
 
@@ -159,7 +164,17 @@ def run_batch_job(input: str | Path, output_dir: str | Path, **options: Any) -> 
         run.execute(make_batches(_prepared_rows(info, preparer, opts.chunk_rows), limits))
         mark_complete(folder, manifest)
     timeline.mark("shutdown")
-    return run.summary(timeline.marks["shutdown"])
+    summary = run.summary(timeline.marks["shutdown"])
+    report_settings = {"options": dataclasses.asdict(opts), "model": settings["model"],
+                       "input": settings["input"]}
+    try:
+        path = write_report(folder, report_data(run.report, summary, report_settings,
+                                                opts.batch_size))
+    except Exception as e:  # the rows are written and recorded: a failed report loses nothing
+        log(f"nanoserve: the job report could not be written: {type(e).__name__}: "
+            f"{first_line(str(e))}")
+        return summary
+    return dataclasses.replace(summary, report=str(path))
 
 
 def _job_settings(opts: JobOptions, info: InputInfo, model_path: Path,
@@ -270,6 +285,7 @@ class _JobRun:
         self.input_tokens = self.output_tokens = 0
         self.padded_slots = self.padded_real = 0
         self.oom_errors = 0
+        self.report = ReportLog()  # what the job report shows (`ray_jobs.report`)
         self.timeline = timeline
         self.t0 = time.perf_counter()
         self.bar = tqdm(total=total_rows, unit="row", file=sys.stderr, disable=not opts.progress,
@@ -380,6 +396,8 @@ class _JobRun:
         worker.rows += len(piece.rows)
         worker.last_result_s = self.timeline.now()
         worker.result_s.append(worker.last_result_s)
+        self.report.pieces.append(piece_record(piece.pending.batch.batch_id, sent.worker,
+                                               worker.last_result_s, value))
         self.deaths_in_a_row = 0
         self._answer(piece, value.to_pylist())
 
@@ -452,6 +470,7 @@ class _JobRun:
         self.manifest.record(batch.batch_id, len(batch.rows))
         self.manifest.save(self.folder)
         self._count(batch, results)
+        self.report.written(batch.batch_id, results)
 
     def _assemble(self, batch: Batch, results: list[dict[str, Any]]) -> pa.Table:
         """`id`, the input columns, then the results: one output row per batch row."""

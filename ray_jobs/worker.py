@@ -13,9 +13,9 @@ three layers, none of which fails the batch:
   and halves a sub-batch the device runs out of memory on (torch.OutOfMemoryError);
 - a batch that still fails as a whole is run row by row, so one bad row becomes one
   `error` row.
-The table's schema metadata carries the engine's prefill counts (padding waste) and how
-many device out-of-memory errors the model's forward raised (`OOM_KEY`), so the driver can
-report them.
+The table's schema metadata carries the engine's prefill counts (padding waste), its decode
+row-steps and those spent on finished rows (early-finish waste), and how many device
+out-of-memory errors the model's forward raised (`OOM_KEY`), so the driver can report them.
 
 Testing hooks (fault injection; environment variables read by the worker process, which
 the driver forwards to its actors; never set them in production):
@@ -47,6 +47,8 @@ from ray_jobs.io import RESULT_SCHEMA
 PREFILL_SLOTS_KEY = b"nanoserve.prefill_slots"  # rows x longest prompt, summed over sub-batches
 PREFILL_TOKENS_KEY = b"nanoserve.prefill_real_tokens"
 OOM_KEY = b"nanoserve.device_oom_errors"  # torch.OutOfMemoryError raised while running the batch
+DECODE_ROW_STEPS_KEY = b"nanoserve.decode_row_steps"  # rows x decode steps, summed
+FINISHED_ROW_STEPS_KEY = b"nanoserve.finished_row_steps"  # of those, spent on finished rows
 
 FAULT_ENV_PREFIX = "NANOSERVE_FAULT_"
 FAULT_KILL_ON_TEXT = "NANOSERVE_FAULT_KILL_ON_TEXT"
@@ -143,9 +145,12 @@ class BatchWorker:
         table = pa.Table.from_pylist(results, schema=RESULT_SCHEMA)
         slots = sum(getattr(s, "prefill_slots", 0) for s in stats if s is not None)
         real = sum(getattr(s, "prefill_real_tokens", 0) for s in stats if s is not None)
+        steps = sum(getattr(s, "decode_row_steps", 0) for s in stats if s is not None)
+        idle = sum(getattr(s, "finished_row_steps", 0) for s in stats if s is not None)
         return table.replace_schema_metadata({
             PREFILL_SLOTS_KEY: str(slots).encode(), PREFILL_TOKENS_KEY: str(real).encode(),
-            OOM_KEY: str(self.oom_errors - ooms_before).encode()})
+            OOM_KEY: str(self.oom_errors - ooms_before).encode(),
+            DECODE_ROW_STEPS_KEY: str(steps).encode(), FINISHED_ROW_STEPS_KEY: str(idle).encode()})
 
     def _too_big_for_pool(self, r: GenerationRequest) -> dict[str, Any] | None:
         """An error row for a request that cannot fit the KV pool even alone, else None.
