@@ -115,11 +115,11 @@ class JobSummary:
         if self.worker_restarts or self.device_oom_errors:
             lines.append(f"recovered: {self.worker_restarts} worker restart(s), "
                          f"{self.device_oom_errors} device out-of-memory error(s)")
+        if self.report:
+            lines.append(f"report: {self.report}")
         if self.timings:
             lines.append("time: " + ", ".join(f"{PHASES[k]} {v:.1f} s"
                                               for k, v in self.timings.items()))
-        if self.report:
-            lines.append(f"report: {self.report}")
         return "\n".join(lines)
 
 
