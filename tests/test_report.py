@@ -31,6 +31,9 @@ from ray_jobs.report import (
 ROWS = ([{"prompt": f"Item number {i} is", "max_tokens": 1 + i % 4} for i in range(10)]
         + [{"prompt": ""}, {"prompt": "  "}, {"prompt": "Hello", "temperature": -1.0}])
 CAUSES = {"empty prompt": 2, "invalid sampling values": 1}
+# The solid fill colours of bars in the report's plots (ray_jobs.report), as RGB.
+PLOT_COLOURS = {"throughput": (0x4C, 0x72, 0xB0), "batch fill": (0x55, 0xA8, 0x68),
+                "early-finish waste": (0x81, 0x72, 0xB3), "error rows": (0xC4, 0x4E, 0x52)}
 DATA_RE = re.compile(rf'<script type="application/json" id="{REPORT_DATA_ID}">(.*?)</script>',
                      re.S)
 
@@ -119,6 +122,9 @@ def test_the_report_renders_in_headless_chromium(job, tmp_path):
     assert len(colours) > 50  # text, axes and several series colours
     assert tuple(colours[counts.argmax()]) == (255, 255, 255)  # the page's background
     assert 1 - counts.max() / counts.sum() > 0.03  # ink on a good share of it
+    flat = pixels.reshape(-1, 3)
+    for name, colour in PLOT_COLOURS.items():  # each plot's bars were drawn
+        assert (flat == colour).all(axis=1).sum() > 1000, name
 
     dom = _headless(tmp_path, "--dump-dom", url).stdout
     manifest = Manifest.load(out)
