@@ -26,7 +26,10 @@ rendered with the model's chat template) or 'prompt_token_ids' column; a row use
 first of these that it has. Optional columns: 'id' (else the row's 0-based position),
 and per-row 'max_tokens', 'temperature', 'top_p', 'top_k', 'seed'.
 
-A rerun into the same OUTPUT_DIR resumes where the last run stopped."""
+A rerun into the same OUTPUT_DIR resumes where the last run stopped. Each run that computes
+something writes a self-contained HTML report, OUTPUT_DIR/_nanoserve_report.html
+(throughput over time, per-worker progress, batch fill and waste, error rows by cause,
+settings and phases), and prints its path."""
 
 
 def add_batch_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
