@@ -148,3 +148,29 @@ def test_two_actors_each_hold_one_logical_gpu(tmp_path, tiny_job_model):
     assert len(actors) == 2
     assert sorted(tuple(a["gpu_ids"]) for a in actors) == [(0,), (1,)]
     assert all(a["device"] == "cpu" for a in actors)
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_cuda(), reason="needs a CUDA GPU")
+def test_on_a_real_gpu_every_row_is_answered_by_a_cuda_engine(ray_session, tiny_job_model):
+    """One actor holding a real GPU (the session's Ray sees the machine's GPUs): every row
+    answered, none an error; the greedy tokens equal the CPU engine's (float32)."""
+    assert ray_session.cluster_resources().get("GPU", 0) >= 1
+    from nanoserve.llm import LLM
+    from nanoserve.sampling import SamplingParams
+
+    rows = [{"id": i, "prompt": f"Number {i} is"} for i in range(8)]
+    process = build_processor(str(tiny_job_model), num_gpus=1, batch_size=4, dtype="float32",
+                              kv_cache_bytes=KV_BYTES, max_tokens=MAX_TOKENS)
+    out = sorted(process(ray_session.data.from_items(rows)).take_all(), key=lambda r: r["id"])
+    assert [r["error"] for r in out] == [None] * len(rows)
+    cpu = LLM(model=str(tiny_job_model), device="cpu", kv_cache_bytes=KV_BYTES)
+    want = cpu.generate([cpu.tokenizer.encode(r["prompt"]) for r in rows],
+                        [SamplingParams(max_tokens=MAX_TOKENS)] * len(rows))
+    assert [list(r["generated_token_ids"]) for r in out] == [w.token_ids for w in want]
