@@ -6,7 +6,7 @@ prompts and runs the real command in a child process,
     nanoserve batch IN.jsonl -o OUT --model TINY --max-tokens 1 --batch-size 128 \\
         --address local --no-progress
 
-with a private local Ray. The child is the driver: it runs `nanoserve.cli.main` and, when
+with a private local Ray. The child is the driver: it runs `nanoserve_cli.main` and, when
 the job ends, prints its own peak resident set (`ru_maxrss`, RUSAGE_SELF: the driver process
 only, not Ray's processes or the worker). While it runs, the parent samples the child's
 /proc/PID/status (VmHWM, the peak so far) with the rows written so far (the manifest's
@@ -112,7 +112,7 @@ def run_driver(input_path: Path, out: Path, model: str, batch_size: int,
 
 def as_driver(argv: list[str]) -> int:
     """The child: the `nanoserve` command itself, then this process's peak RSS."""
-    from nanoserve.cli import main
+    from nanoserve_cli import main
 
     rc = main(argv)
     print(f"{PEAK_PREFIX}{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}", flush=True)

@@ -1,9 +1,15 @@
-"""The `nanoserve` command: `generate`, `fetch-model`, and `batch` (the Ray job)."""
+"""The engine's subcommands of the `nanoserve` command: `generate` and `fetch-model`, and
+`run_command`, which turns a user error into one line and an exit status.
+
+The `nanoserve` command itself (these plus `batch`, the Ray job) is `nanoserve_cli`: the
+command line sits above the job, which sits above this engine, so nothing here imports
+`ray_jobs`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from nanoserve.errors import NanoserveError
@@ -66,44 +72,30 @@ def _run_fetch_model(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="nanoserve",
-        description="Offline batch inference for Llama-architecture models on PyTorch, "
-                    "Triton and Ray.")
-    sub = parser.add_subparsers(dest="command", required=True)
+def add_engine_parsers(sub: argparse._SubParsersAction) -> None:
+    """Add `generate` and `fetch-model` to the `nanoserve` command's subparsers."""
     _add_generate_parser(sub)
     f = sub.add_parser("fetch-model", help=f"fetch the default model ({DEFAULT_MODEL}) into the cache",
                        description="Download the default model once into $NANOSERVE_CACHE "
                                    "(default ~/.cache/nanoserve) and print its path.")
     f.add_argument("--force", action="store_true", help="fetch again even if cached")
+
+
+ENGINE_COMMANDS = {"generate": _run_generate, "fetch-model": _run_fetch_model}
+
+
+def run_command(run: Callable[[argparse.Namespace], int], args: argparse.Namespace,
+                resumable: bool = False) -> int:
+    """`run(args)`'s exit status; a NanoserveError is `error: <message>` on stderr and 2,
+    Ctrl-C is 130 (with a hint to rerun when the command resumes)."""
     try:
-        from ray_jobs.cli import add_batch_parser
-    except ImportError:  # the batch job is optional until ray_jobs lands
-        add_batch_parser = None
-    if add_batch_parser is not None:
-        add_batch_parser(sub)
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        if args.command == "generate":
-            return _run_generate(args)
-        if args.command == "fetch-model":
-            return _run_fetch_model(args)
-        from ray_jobs.cli import run_batch_cli
-
-        return run_batch_cli(args)
+        return run(args)
     except NanoserveError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        resume = " (rerun the same command to resume)" if args.command == "batch" else ""
+        resume = " (rerun the same command to resume)" if resumable else ""
         print(f"interrupted{resume}", file=sys.stderr)
         return 130
 
 
-if __name__ == "__main__":
-    sys.exit(main())

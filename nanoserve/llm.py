@@ -14,9 +14,9 @@ from nanoserve.cuda_graph import MIN_DECODE_STEPS, graphs_wanted
 from nanoserve.errors import CacheFullError, NanoserveError
 from nanoserve.generate import DECODE_STEP_MODES, BatchStats, blocks_for_batch, generate_batch
 from nanoserve.model import build_model
+from nanoserve.model_runner import ContinuousRunner
 from nanoserve.model_store import DEFAULT_MODEL, resolve_model
 from nanoserve.sampling import SamplingParams
-from nanoserve.model_runner import ContinuousRunner
 from nanoserve.scheduler import generate_continuous
 from nanoserve.sequence import SequenceOutput as Completion
 from nanoserve.tokenizer import Tokenizer

@@ -6,8 +6,10 @@
 Module map: `io` (input stream, output parts), `prepare` (prompt column, tokenization,
 error rows), `batching` (static batches by token length), `manifest` (job identity,
 resume), `worker` (`BatchWorker`, one model per process), `pool` (the job's actors),
-`local_ray` (which Ray the job runs on), `timeline` (phase timings), `driver`
-(`run_batch_job`), `cli` (`nanoserve batch`). Names are imported lazily so `nanoserve --help` stays fast.
+`local_ray` (which Ray the job runs on), `timeline` (phase timings), `options`
+(`JobOptions`), `driver` (`run_batch_job`), `report` (the job's HTML report),
+`data_processor` (the engine over a Ray Data dataset), `cli` (`nanoserve batch`). Names
+are imported lazily so `nanoserve --help` stays fast.
 """
 
 from __future__ import annotations

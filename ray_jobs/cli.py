@@ -1,7 +1,8 @@
 """`nanoserve batch INPUT -o OUTPUT_DIR [options]`: the batch job's command line.
 
-`nanoserve.cli` calls `add_batch_parser(subparsers)` and `run_batch_cli(args)`; this module
-also runs alone: `python -m ray_jobs.cli INPUT -o OUTPUT_DIR ...` (same flags).
+`nanoserve_cli` (the `nanoserve` command) calls `add_batch_parser(subparsers)` and
+`run_batch_cli(args)`; this module also runs alone: `python -m ray_jobs.cli INPUT -o
+OUTPUT_DIR ...` (same flags).
 
 Exit status: 0 when the job completed (error rows included); 2 with one line
 `error: <message>` for a job-level problem (found before any worker loads the model).
@@ -25,7 +26,10 @@ rendered with the model's chat template) or 'prompt_token_ids' column; a row use
 first of these that it has. Optional columns: 'id' (else the row's 0-based position),
 and per-row 'max_tokens', 'temperature', 'top_p', 'top_k', 'seed'.
 
-A rerun into the same OUTPUT_DIR resumes where the last run stopped."""
+A rerun into the same OUTPUT_DIR resumes where the last run stopped. Each run that computes
+something writes a self-contained HTML report, OUTPUT_DIR/_nanoserve_report.html
+(throughput over time, per-worker progress, batch fill and waste, error rows by cause,
+settings and phases), and prints its path."""
 
 
 def add_batch_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -75,6 +79,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                         "replayed as CUDA graphs on a GPU), static (each batch runs to its "
                         "longest row), or auto: continuous on a GPU, static on the CPU "
                         "(default: auto)")
+    r.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="prefill every row's whole prompt, even a prefix that an earlier row's "
+                        "KV blocks already hold (default: shared prefixes are computed and "
+                        "stored once per worker; continuous scheduler only)")
     r.add_argument("--address", default=None,
                    help="Ray address (default: RAY_ADDRESS, a running cluster, else a "
                         "private local Ray; 'local' forces the latter)")
@@ -90,7 +98,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_batch_cli(args: argparse.Namespace) -> int:
     """Run the job; print the summary on stdout. NanoserveError propagates to the caller
-    (`nanoserve.cli.main` turns it into `error: ...` and exit status 2). The sampling
+    (`nanoserve.cli.run_command` turns it into `error: ...` and exit status 2). The sampling
     options are checked first, so a typo is refused before the model's files are read."""
     from nanoserve.sampling import SamplingParams
     from ray_jobs.driver import run_batch_job
@@ -111,6 +119,7 @@ def run_batch_cli(args: argparse.Namespace) -> int:
         num_workers=args.num_workers, batch_size=args.batch_size,
         max_batch_tokens=args.max_batch_tokens, address=args.address,
         overwrite=args.overwrite, retry_errors=args.retry_errors, scheduler=args.scheduler,
+        prefix_caching=args.prefix_caching,
         prompt_column=args.prompt_column, id_column=args.id_column,
         progress=args.progress, kv_cache_fraction=args.kv_cache_fraction,
         kv_cache_bytes=None if args.kv_cache_memory is None else int(args.kv_cache_memory * 2**30),
@@ -121,9 +130,13 @@ def run_batch_cli(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m ray_jobs.cli ARGS` is `nanoserve batch ARGS`."""
-    from nanoserve.cli import main as nanoserve_main
+    from nanoserve.cli import run_command
 
-    return nanoserve_main(["batch", *(sys.argv[1:] if argv is None else argv)])
+    parser = argparse.ArgumentParser(prog="nanoserve batch", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_arguments(parser)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    return run_command(run_batch_cli, args, resumable=True)
 
 
 if __name__ == "__main__":

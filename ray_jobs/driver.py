@@ -34,6 +34,7 @@ Nothing lost, nothing duplicated (see `_JobRun` for the bookkeeping):
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from collections import deque
@@ -46,9 +47,9 @@ from typing import Any
 import pyarrow as pa
 
 from nanoserve.errors import NanoserveError
-from nanoserve.model_store import DEFAULT_MODEL, resolve_model
+from nanoserve.model_store import resolve_model
 from ray_jobs.batching import Batch, BatchLimits, make_batches
-from ray_jobs.io import DEFAULT_CHUNK_ROWS, InputInfo, iter_chunks, scan_input, write_part_atomic
+from ray_jobs.io import InputInfo, iter_chunks, scan_input, write_part_atomic
 from ray_jobs.local_ray import RaySession
 from ray_jobs.manifest import (
     PART_DIGEST_KEY,
@@ -62,76 +63,22 @@ from ray_jobs.manifest import (
     part_name,
     reopen_batches_with_errors,
 )
+from ray_jobs.options import JobOptions
 from ray_jobs.pool import WorkerPool, WorkerReport, first_line, log
 from ray_jobs.prepare import ColumnPlan, PreparedRow, RowPreparer, load_model_meta, plan_columns
+from ray_jobs.report import ReportLog, piece_record, report_data, write_report
 from ray_jobs.timeline import PHASES, Timeline
 from ray_jobs.worker import (
     OOM_KEY,
     PREFILL_SLOTS_KEY,
     PREFILL_TOKENS_KEY,
+    PROMPT_TOKENS_CACHED_KEY,
     GenerationRequest,
     error_row,
 )
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-SCHEDULERS = ("auto", "static", "continuous")  # as nanoserve.llm.SCHEDULERS (no torch here)
 MAX_BATCH_ATTEMPTS = 2  # deaths of its worker a batch may cause before it is cut in halves
 DEATH_SETTLE_TIMEOUT_S = 60.0  # wait for the other tasks of a dead actor to end
-
-
-@dataclass(frozen=True)
-class JobOptions:
-    """The job's options (the CLI's flags). Sampling fields are the defaults that per-row
-    columns override."""
-
-    model: str = DEFAULT_MODEL
-    max_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-    dtype: str = "auto"  # bfloat16 on GPU, float32 on CPU
-    num_workers: int | None = None  # None: one per GPU of the cluster, 1 without GPUs
-    batch_size: int = 64  # rows per batch
-    max_batch_tokens: int | None = None  # rows x max(prompt + max_tokens) per batch
-    window_batches: int = 8  # batches' worth of rows sorted by length together
-    prompt_column: str | None = None
-    id_column: str | None = None
-    address: str | None = None  # Ray address; None: RAY_ADDRESS, a running cluster, or local
-    overwrite: bool = False
-    retry_errors: bool = False  # compute again the written batches that hold error rows
-    kv_cache_fraction: float = 0.5  # of a GPU's free memory, for the KV pool
-    kv_cache_bytes: int | None = None  # the KV pool's exact size per worker (else the above)
-    scheduler: str = "auto"  # each worker's engine: continuous on a GPU, static on the CPU
-    chunk_rows: int = DEFAULT_CHUNK_ROWS  # rows read and tokenized at a time
-    max_in_flight_per_worker: int = 2
-    worker_start_timeout_s: float = 600.0  # for an actor to be placed and load the model
-    max_deaths_in_a_row: int = 8  # worker deaths with no batch finished between them
-    progress: bool = True  # a tqdm bar on stderr
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "stop", tuple(self.stop or ()))
-        if self.scheduler not in SCHEDULERS:
-            raise NanoserveError(f"unknown scheduler {self.scheduler!r}; choose "
-                                 f"{', '.join(SCHEDULERS)}")
-        if self.dtype not in DTYPES:
-            raise NanoserveError(f"unknown dtype {self.dtype!r}; choose {', '.join(DTYPES)}")
-        if self.num_workers is not None and self.num_workers < 1:
-            raise NanoserveError(f"num_workers must be >= 1, got {self.num_workers}")
-        if not 0 < self.kv_cache_fraction <= 1:
-            raise NanoserveError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
-        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
-            raise NanoserveError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
-        if self.worker_start_timeout_s <= 0:
-            raise NanoserveError(
-                f"worker_start_timeout_s must be > 0, got {self.worker_start_timeout_s}")
-
-    def sampling_defaults(self) -> dict[str, Any]:
-        return {"max_tokens": self.max_tokens, "temperature": self.temperature,
-                "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
-                "stop": self.stop, "ignore_eos": self.ignore_eos}
 
 
 @dataclass(frozen=True)
@@ -155,6 +102,10 @@ class JobSummary:
     # Seconds per phase of this run, in order (see `PHASES`); they add up to wall_time_s.
     # A phase the run never reached (nothing left to compute: no Ray, no worker) is absent.
     timings: dict[str, float] = field(default_factory=dict)
+    report: str | None = None  # the run's HTML report (`ray_jobs.report`), when it wrote one
+    # Prompt tokens served from the workers' prefix caches / prompt tokens of the batches
+    # whose engines have one (None: no engine had one).
+    prefix_hit_rate: float | None = None
 
     def format(self) -> str:
         lines = [
@@ -163,11 +114,15 @@ class JobSummary:
             f"tokens: {self.input_tokens} input, {self.output_tokens} output",
             f"wall time: {self.wall_time_s:.1f} s, {self.output_tokens_per_s:.1f} output tokens/s",
             f"padding waste: {self.padding_waste:.1%} of the padded prefill",
+            *([f"prefix cache: {self.prefix_hit_rate:.1%} of prompt tokens served from it"]
+              if self.prefix_hit_rate is not None else []),
             f"batches: {self.num_batches} on {len(self.workers)} worker(s); output: {self.output_dir}",
         ]
         if self.worker_restarts or self.device_oom_errors:
             lines.append(f"recovered: {self.worker_restarts} worker restart(s), "
                          f"{self.device_oom_errors} device out-of-memory error(s)")
+        if self.report:
+            lines.append(f"report: {self.report}")
         if self.timings:
             lines.append("time: " + ", ".join(f"{PHASES[k]} {v:.1f} s"
                                               for k, v in self.timings.items()))
@@ -215,7 +170,17 @@ def run_batch_job(input: str | Path, output_dir: str | Path, **options: Any) -> 
         run.execute(make_batches(_prepared_rows(info, preparer, opts.chunk_rows), limits))
         mark_complete(folder, manifest)
     timeline.mark("shutdown")
-    return run.summary(timeline.marks["shutdown"])
+    summary = run.summary(timeline.marks["shutdown"])
+    report_settings = {"options": dataclasses.asdict(opts), "model": settings["model"],
+                       "input": settings["input"]}
+    try:
+        path = write_report(folder, report_data(run.report, summary, report_settings,
+                                                opts.batch_size))
+    except Exception as e:  # the rows are written and recorded: a failed report loses nothing
+        log(f"nanoserve: the job report could not be written: {type(e).__name__}: "
+            f"{first_line(str(e))}")
+        return summary
+    return dataclasses.replace(summary, report=str(path))
 
 
 def _job_settings(opts: JobOptions, info: InputInfo, model_path: Path,
@@ -325,7 +290,10 @@ class _JobRun:
         self.rows = self.error_rows = self.rows_resumed = self.num_batches = 0
         self.input_tokens = self.output_tokens = 0
         self.padded_slots = self.padded_real = 0
+        self.cached_tokens = self.cached_prompt_tokens = 0  # batches from prefix-caching engines
+        self.any_prefix_cache = False
         self.oom_errors = 0
+        self.report = ReportLog()  # what the job report shows (`ray_jobs.report`)
         self.timeline = timeline
         self.t0 = time.perf_counter()
         self.bar = tqdm(total=total_rows, unit="row", file=sys.stderr, disable=not opts.progress,
@@ -426,6 +394,10 @@ class _JobRun:
         meta = value.schema.metadata or {}
         self.padded_slots += int(meta.get(PREFILL_SLOTS_KEY, 0))
         self.padded_real += int(meta.get(PREFILL_TOKENS_KEY, 0))
+        if PROMPT_TOKENS_CACHED_KEY in meta:
+            self.any_prefix_cache = True
+            self.cached_tokens += int(meta[PROMPT_TOKENS_CACHED_KEY])
+            self.cached_prompt_tokens += sum(n or 0 for n in value["num_input_tokens"].to_pylist())
         ooms = int(meta.get(OOM_KEY, 0))
         if ooms:
             self.oom_errors += ooms
@@ -436,6 +408,8 @@ class _JobRun:
         worker.rows += len(piece.rows)
         worker.last_result_s = self.timeline.now()
         worker.result_s.append(worker.last_result_s)
+        self.report.pieces.append(piece_record(piece.pending.batch.batch_id, sent.worker,
+                                               worker.last_result_s, value))
         self.deaths_in_a_row = 0
         self._answer(piece, value.to_pylist())
 
@@ -508,6 +482,7 @@ class _JobRun:
         self.manifest.record(batch.batch_id, len(batch.rows))
         self.manifest.save(self.folder)
         self._count(batch, results)
+        self.report.written(batch.batch_id, results)
 
     def _assemble(self, batch: Batch, results: list[dict[str, Any]]) -> pa.Table:
         """`id`, the input columns, then the results: one output row per batch row."""
@@ -538,6 +513,9 @@ class _JobRun:
             output_tokens=self.output_tokens, wall_time_s=wall_time_s,
             output_tokens_per_s=self.output_tokens / wall_time_s if wall_time_s > 0 else 0.0,
             padding_waste=waste, num_batches=self.num_batches,
+            prefix_hit_rate=(self.cached_tokens / self.cached_prompt_tokens
+                             if self.cached_prompt_tokens else 0.0)
+            if self.any_prefix_cache else None,
             workers=self.pool.reports() if self.pool is not None else (),
             worker_restarts=sum(w.restarts for w in self.pool.workers) if self.pool is not None else 0,
             device_oom_errors=self.oom_errors, timings=self.timeline.timings(),

@@ -48,6 +48,7 @@ MANIFEST_NAME = "_nanoserve_manifest.json"
 PART_DIGEST_KEY = b"nanoserve.batch_digest"  # in each part's Parquet footer: `Batch.digest()`
 SUCCESS_NAME = "_SUCCESS"
 LOCK_NAME = "_nanoserve.lock"  # held (flock) by the one job writing the folder
+REPORT_NAME = "_nanoserve_report.html"  # the last run's job report (`ray_jobs.report`)
 FORMAT = 1
 FULL_HASH_MAX_BYTES = 64 << 20
 SAMPLE_BYTES = 1 << 20
@@ -55,7 +56,8 @@ SAMPLE_BYTES = 1 << 20
 _PART_RE = re.compile(r"part-(\d+)\.parquet")
 _OURS_RE = re.compile(r"(part-\d+\.parquet|\.part-\d+\.parquet\.tmp-\d+|"
                       rf"{re.escape(MANIFEST_NAME)}|\.{re.escape(MANIFEST_NAME)}\.tmp-\d+|"
-                      rf"{re.escape(SUCCESS_NAME)}|{re.escape(LOCK_NAME)})")
+                      rf"{re.escape(SUCCESS_NAME)}|{re.escape(LOCK_NAME)}|"
+                      rf"{re.escape(REPORT_NAME)}|\.{re.escape(REPORT_NAME)}\.tmp-\d+)")
 
 
 def part_name(batch_id: int) -> str:

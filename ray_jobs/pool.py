@@ -18,7 +18,7 @@ from nanoserve.errors import ModelError, NanoserveError
 from ray_jobs.worker import FAULT_ENV_PREFIX, BatchWorker
 
 if TYPE_CHECKING:
-    from ray_jobs.driver import JobOptions
+    from ray_jobs.options import JobOptions
     from ray_jobs.timeline import Timeline
 
 
@@ -119,7 +119,7 @@ class WorkerPool:
         kwargs = {"model": opts.model, "dtype": opts.dtype,
                   "kv_cache_fraction": opts.kv_cache_fraction,
                   "kv_cache_bytes": opts.kv_cache_bytes, "num_threads": num_threads,
-                  "scheduler": opts.scheduler}
+                  "scheduler": opts.scheduler, "prefix_caching": opts.prefix_caching}
         pool = cls(actor_cls, kwargs, opts.worker_start_timeout_s, timeline)
         if opts.progress:
             where = f"{num_gpus} GPU(s)" if num_gpus else "CPU"

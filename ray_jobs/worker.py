@@ -13,9 +13,9 @@ three layers, none of which fails the batch:
   and halves a sub-batch the device runs out of memory on (torch.OutOfMemoryError);
 - a batch that still fails as a whole is run row by row, so one bad row becomes one
   `error` row.
-The table's schema metadata carries the engine's prefill counts (padding waste) and how
-many device out-of-memory errors the model's forward raised (`OOM_KEY`), so the driver can
-report them.
+The table's schema metadata carries the engine's prefill counts (padding waste), its decode
+row-steps and those spent on finished rows (early-finish waste), and how many device
+out-of-memory errors the model's forward raised (`OOM_KEY`), so the driver can report them.
 
 Testing hooks (fault injection; environment variables read by the worker process, which
 the driver forwards to its actors; never set them in production):
@@ -48,6 +48,10 @@ from ray_jobs.io import RESULT_SCHEMA
 PREFILL_SLOTS_KEY = b"nanoserve.prefill_slots"  # rows x longest prompt, summed over sub-batches
 PREFILL_TOKENS_KEY = b"nanoserve.prefill_real_tokens"
 OOM_KEY = b"nanoserve.device_oom_errors"  # torch.OutOfMemoryError raised while running the batch
+DECODE_ROW_STEPS_KEY = b"nanoserve.decode_row_steps"  # rows x decode steps, summed
+FINISHED_ROW_STEPS_KEY = b"nanoserve.finished_row_steps"  # of those, spent on finished rows
+# Prompt tokens served from the prefix cache; present only when the engine has one.
+PROMPT_TOKENS_CACHED_KEY = b"nanoserve.prompt_tokens_cached"
 
 FAULT_ENV_PREFIX = "NANOSERVE_FAULT_"
 FAULT_KILL_ON_TEXT = "NANOSERVE_FAULT_KILL_ON_TEXT"
@@ -79,7 +83,8 @@ def pick_device() -> str:
 class BatchWorker:
     def __init__(self, model: str, dtype: str = "auto", kv_cache_fraction: float = 0.5,
                  device: str | None = None, num_threads: int | None = None,
-                 kv_cache_bytes: int | None = None, scheduler: str = "static") -> None:
+                 kv_cache_bytes: int | None = None, scheduler: str = "auto",
+                 prefix_caching: bool = True) -> None:
         """Load the model once. `device` None picks one (see the module docstring);
         `num_threads` caps torch's CPU threads (at most the machine's cores);
         `kv_cache_bytes` sizes the KV pool exactly (else `kv_cache_fraction` of a GPU's free
@@ -94,7 +99,7 @@ class BatchWorker:
             torch.set_num_threads(max(1, min(num_threads, os.cpu_count() or 1)))
         llm = LLM(model=model, dtype=dtype, device=device or pick_device(),
                   kv_cache_fraction=kv_cache_fraction, kv_cache_bytes=kv_cache_bytes,
-                  scheduler=scheduler)
+                  scheduler=scheduler, enable_prefix_caching=prefix_caching)
         self._attach(llm)
 
     @classmethod
@@ -153,9 +158,16 @@ class BatchWorker:
         table = pa.Table.from_pylist(results, schema=RESULT_SCHEMA)
         slots = sum(getattr(s, "prefill_slots", 0) for s in stats if s is not None)
         real = sum(getattr(s, "prefill_real_tokens", 0) for s in stats if s is not None)
-        return table.replace_schema_metadata({
+        steps = sum(getattr(s, "decode_row_steps", 0) for s in stats if s is not None)
+        idle = sum(getattr(s, "finished_row_steps", 0) for s in stats if s is not None)
+        meta = {
             PREFILL_SLOTS_KEY: str(slots).encode(), PREFILL_TOKENS_KEY: str(real).encode(),
-            OOM_KEY: str(self.oom_errors - ooms_before).encode()})
+            OOM_KEY: str(self.oom_errors - ooms_before).encode(),
+            DECODE_ROW_STEPS_KEY: str(steps).encode(), FINISHED_ROW_STEPS_KEY: str(idle).encode()}
+        if self._loop is not None and self.llm.enable_prefix_caching:
+            cached = sum(getattr(s, "cached_tokens", 0) for s in stats if s is not None)
+            meta[PROMPT_TOKENS_CACHED_KEY] = str(cached).encode()
+        return table.replace_schema_metadata(meta)
 
     def _generate(self, prompts: list[list[int]], params: list[SamplingParams],
                   alone: bool = False) -> tuple[list[Any], Any]:
@@ -166,8 +178,11 @@ class BatchWorker:
             from nanoserve.generate import BatchStats
 
             done = self._loop.submit(prompts, params, alone=alone).result()
-            n = sum(len(p) for p in prompts)
-            return done, BatchStats(num_rows=len(prompts), prefill_slots=n, prefill_real_tokens=n)
+            cached = sum(c.num_cached_tokens for c in done)
+            n = sum(len(p) for p in prompts) - cached
+            return done, BatchStats(num_rows=len(prompts), prefill_slots=n, prefill_real_tokens=n,
+                                    decode_row_steps=sum(len(c.token_ids) - 1 for c in done),
+                                    cached_tokens=cached)
         with self._engine_lock:
             return self.llm.generate(prompts, params), getattr(self.llm, "last_stats", None)
 

@@ -21,8 +21,8 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 
-from nanoserve.cli import main as nanoserve_main
 from nanoserve.sampling import SamplingParams
+from nanoserve_cli import main as nanoserve_main
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_TOKENS = 3
@@ -188,13 +188,13 @@ def test_invalid_execution_options(tmp_path, capsys, no_ray, flags, fragment):
 
 
 def test_job_level_error_in_a_fresh_process(tmp_path):
-    """The installed entry point's form (`python -m nanoserve.cli`): one line, no traceback,
+    """The installed entry point's form (`python -m nanoserve_cli`): one line, no traceback,
     and no Ray session files written anywhere under the temp dir it was given."""
     write_jsonl(tmp_path / "in.jsonl", [{"prompt": "a", "id": 1}, {"prompt": "b", "id": 1}])
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(PYTHONPATH=str(REPO), TMPDIR=str(tmp_path))
     proc = subprocess.run(
-        [sys.executable, "-m", "nanoserve.cli", "batch", "in.jsonl", "-o", "out"],
+        [sys.executable, "-m", "nanoserve_cli", "batch", "in.jsonl", "-o", "out"],
         cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == [

@@ -17,7 +17,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from nanoserve.cli import main as nanoserve_main
+from nanoserve_cli import main as nanoserve_main
 
 
 @pytest.fixture

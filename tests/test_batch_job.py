@@ -27,7 +27,14 @@ from nanoserve.sampling import SamplingParams
 from ray_jobs import run_batch_job
 from ray_jobs.cli import main as batch_main
 from ray_jobs.io import RESULT_SCHEMA
-from ray_jobs.manifest import LOCK_NAME, MANIFEST_NAME, SUCCESS_NAME, Manifest, part_name
+from ray_jobs.manifest import (
+    LOCK_NAME,
+    MANIFEST_NAME,
+    REPORT_NAME,
+    SUCCESS_NAME,
+    Manifest,
+    part_name,
+)
 from ray_jobs.pool import WorkerPool
 from ray_jobs.worker import BatchWorker, GenerationRequest
 
@@ -260,8 +267,8 @@ def test_one_worker_per_logical_gpu(tmp_path, smollm2_gguf_path):
 def test_output_folder_holds_only_parts_and_underscore_files(jsonl_job):
     _, out = jsonl_job
     names = sorted(p.name for p in out.iterdir())
-    assert names[:3] == sorted([SUCCESS_NAME, LOCK_NAME, MANIFEST_NAME])
-    assert all(n.startswith("part-") and n.endswith(".parquet") for n in names[3:])
+    assert names[:4] == sorted([SUCCESS_NAME, LOCK_NAME, MANIFEST_NAME, REPORT_NAME])
+    assert all(n.startswith("part-") and n.endswith(".parquet") for n in names[4:])
 
 
 def test_unknown_dtype_exits_2_before_any_worker(tmp_path, capsys, monkeypatch):

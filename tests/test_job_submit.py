@@ -122,7 +122,7 @@ def test_ray_job_submit_runs_the_batch_command(ray_head, tmp_path, smollm2_gguf_
             {"id": "z", "prompt": ""}]
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out"
-    submit = submit_job(url, env, [sys.executable, "-m", "nanoserve.cli", "batch", str(prompts),
+    submit = submit_job(url, env, [sys.executable, "-m", "nanoserve_cli", "batch", str(prompts),
                                    "-o", str(out), "--max-tokens", "4", "--no-progress"])
     logs = submit.stdout[-4000:] + submit.stderr[-4000:]
     assert submit.returncode == 0, logs

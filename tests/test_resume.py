@@ -2,7 +2,7 @@
 parts written but not yet recorded, recorded parts gone missing, and reruns with other
 settings.
 
-The killed run is the real command (`python -m nanoserve.cli batch ...`) in its own
+The killed run is the real command (`python -m nanoserve_cli batch ...`) in its own
 process group with its own private local Ray; the group is SIGKILLed and no process of
 it may outlive the kill. Model: a tiny random Llama with the default model's tokenizer
 (see test_failures.py). Oracles: parts written before the kill keep their bytes and
@@ -113,7 +113,7 @@ def test_driver_killed_mid_job_resumes_keeping_written_parts(tiny_job_model, tin
     env = {**os.environ, "TMPDIR": ray_tmp, "PYTHONPATH": str(REPO),
            "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("RAY_ADDRESS", None)
-    command = [sys.executable, "-m", "nanoserve.cli", "batch", str(path), "-o", str(out),
+    command = [sys.executable, "-m", "nanoserve_cli", "batch", str(path), "-o", str(out),
                "--model", str(tiny_job_model), "--batch-size", "2", "--max-tokens", str(MAX_TOKENS),
                "--address", "local", "--no-progress"]
     with open(tmp_path / "first.log", "w") as log:

@@ -20,9 +20,9 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
-from nanoserve.cli import main as nanoserve_main
 from nanoserve.errors import InputError
 from nanoserve.sampling import SamplingParams
+from nanoserve_cli import main as nanoserve_main
 
 REPO = Path(__file__).resolve().parents[1]
 PRODUCT_PACKAGES = ("nanoserve", "kernels", "ray_jobs")

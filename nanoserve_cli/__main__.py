@@ -1,0 +1,5 @@
+import sys
+
+from nanoserve_cli import main
+
+sys.exit(main())

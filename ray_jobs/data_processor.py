@@ -1,0 +1,148 @@
+"""The engine as a Ray Data stage: a `ray.data.Dataset` of prompts in, the same rows with
+the result columns out.
+
+    import ray.data
+    from ray_jobs.data_processor import build_processor
+
+    process = build_processor("smollm2-135m-instruct", concurrency=2, num_gpus=1,
+                              max_tokens=64)
+    out = process(ray.data.read_parquet("prompts/"))   # lazy, streaming
+    out.write_parquet("out/")
+
+Contract (see docs/interfaces.md):
+- input rows as `nanoserve batch` reads them: a `prompt` (text), `messages` (chat) or
+  `prompt_token_ids` column (or the one `prompt_column` names; a row uses the first of them
+  it has), and optional per-row `max_tokens`, `temperature`, `top_p`, `top_k`, `seed`;
+- output: every input row, once, with its columns unchanged and the result columns of
+  `ray_jobs.io.RESULT_SCHEMA` appended (`generated_text`, `generated_token_ids`,
+  `num_input_tokens`, `num_generated_tokens`, `finish_reason`, `error`). Row order within
+  a batch is kept; Ray Data may reorder blocks (keep an id column to join on);
+- a bad row (empty prompt, malformed messages, token ids out of range, invalid sampling
+  values, a prompt the KV cache cannot hold, a generation failure) is an `error` row, as in
+  `nanoserve batch`; the dataset does not fail for it. A dataset whose columns hold no
+  prompt at all is refused with an `InputError` when its first batch is read;
+- run by a fixed pool of `concurrency` actors, each holding one engine (`BatchWorker`) for
+  its life: with `num_gpus=1` one GPU each (the CUDA device when torch sees one, else the
+  CPU), with `num_gpus=0` `num_cpus` cores each;
+- streaming: Ray Data feeds the actors block by block and each batch is answered from its
+  own rows alone, so a dataset larger than memory flows through.
+
+The same per-row steps as the batch job, reused: `RowPreparer` (rows to token ids and
+`SamplingParams`, or error rows) and `BatchWorker.run_batch` (token ids to an Arrow table
+in `RESULT_SCHEMA`, error rows for what does not fit). Nothing else is written: no
+manifest, no resume (Ray Data's own execution decides what runs again).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from nanoserve.model_store import DEFAULT_MODEL, resolve_model
+from ray_jobs.io import RESULT_SCHEMA, InputChunk
+from ray_jobs.prepare import ColumnPlan, RowPreparer, load_model_meta, plan_columns
+from ray_jobs.worker import BatchWorker, GenerationRequest, error_row
+
+
+class DatasetGenerator:
+    """The callable class Ray Data runs in each actor of the pool: loads the model once,
+    then answers `__call__(batch: pa.Table) -> pa.Table` for every batch it is given."""
+
+    def __init__(self, model: str = DEFAULT_MODEL, sampling: dict[str, Any] | None = None,
+                 prompt_column: str | None = None, dtype: str = "auto",
+                 kv_cache_fraction: float = 0.5, kv_cache_bytes: int | None = None,
+                 scheduler: str = "static", num_threads: int | None = None) -> None:
+        path = resolve_model(model)
+        self.config, self.tokenizer = load_model_meta(path)
+        self.sampling = dict(sampling or {})
+        self.prompt_column = prompt_column
+        self.worker = BatchWorker(str(path), dtype=dtype, kv_cache_fraction=kv_cache_fraction,
+                                  kv_cache_bytes=kv_cache_bytes, scheduler=scheduler,
+                                  num_threads=num_threads)
+        self._preparers: dict[pa.Schema, RowPreparer] = {}
+
+    def _preparer(self, schema: pa.Schema) -> RowPreparer:
+        """One `RowPreparer` per input schema seen (blocks may differ, e.g. an all-null
+        column). Row ids play no part here: rows are never matched back by id."""
+        if schema not in self._preparers:
+            plan: ColumnPlan = dataclasses.replace(
+                plan_columns(schema, self.prompt_column), id_column=None)
+            self._preparers[schema] = RowPreparer(
+                plan, self.tokenizer, self.config.max_position_embeddings,
+                self.config.vocab_size, self.sampling)
+        return self._preparers[schema]
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        """`batch`'s rows, in order, with the result columns appended."""
+        batch = batch.combine_chunks()
+        record = pa.RecordBatch.from_arrays(
+            [c.chunk(0) if c.num_chunks else pa.array([], c.type) for c in batch.columns],
+            schema=batch.schema)
+        rows = self._preparer(batch.schema).prepare(InputChunk(record, Path("<dataset>")), 0)
+        results: list[dict[str, Any] | None] = [
+            error_row(r.error) if r.error is not None else None for r in rows]
+        todo = [i for i, r in enumerate(rows) if r.error is None]
+        if todo:
+            answered = self.worker.run_batch(
+                [GenerationRequest(rows[i].prompt_token_ids, rows[i].params) for i in todo])
+            for i, res in zip(todo, answered.to_pylist(), strict=True):
+                results[i] = res
+        table = pa.Table.from_pylist(results, schema=RESULT_SCHEMA)
+        for field, column in zip(RESULT_SCHEMA, table.columns):
+            batch = batch.append_column(field, column)
+        return batch
+
+
+def build_processor(model: str = DEFAULT_MODEL, *, concurrency: int = 1,
+                    num_gpus: float = 1, num_cpus: float | None = None, batch_size: int = 64,
+                    prompt_column: str | None = None, dtype: str = "auto",
+                    kv_cache_fraction: float = 0.5, kv_cache_bytes: int | None = None,
+                    scheduler: str = "static", **sampling: Any) -> Callable[[Any], Any]:
+    """A function `Dataset -> Dataset` that appends the result columns to every row (see
+    the module docstring). `concurrency` actors, each with `num_gpus` GPUs (1: one engine
+    per GPU; 0: on the CPU, `num_cpus` cores each, default 1); `batch_size` rows per call
+    of an engine; `sampling`: the `SamplingParams` fields (`max_tokens`, `temperature`,
+    `top_p`, `top_k`, `seed`, `stop`, `ignore_eos`) that per-row columns override.
+    Options are checked here, before any actor starts (InputError, ValueError)."""
+    from nanoserve.errors import InputError
+    from nanoserve.sampling import SamplingParams
+
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    sampling = {"max_tokens": 256, **sampling}
+    if "stop" in sampling:
+        sampling["stop"] = tuple(sampling["stop"] or ())
+    try:
+        SamplingParams(**sampling)
+    except (TypeError, ValueError) as e:
+        raise InputError(f"invalid sampling options: {e}") from None
+    resolve_model(model)  # a model that is not there is refused here, not in every actor
+    if num_gpus:
+        resources: dict[str, Any] = {"num_gpus": num_gpus, "num_cpus": num_cpus or 0}
+        num_threads = None
+    else:
+        resources = {"num_cpus": num_cpus or 1}
+        num_threads = max(1, int(num_cpus or 1))
+    constructor = {"model": model, "sampling": sampling, "prompt_column": prompt_column,
+                   "dtype": dtype, "kv_cache_fraction": kv_cache_fraction,
+                   "kv_cache_bytes": kv_cache_bytes, "scheduler": scheduler,
+                   "num_threads": num_threads}
+
+    def process(ds: Any) -> Any:
+        from ray.data import ActorPoolStrategy
+
+        return ds.map_batches(
+            DatasetGenerator, fn_constructor_kwargs=constructor, batch_format="pyarrow",
+            batch_size=batch_size, compute=ActorPoolStrategy(size=concurrency),
+            zero_copy_batch=True, **resources)
+
+    return process
+
+
+__all__ = ["DatasetGenerator", "build_processor"]
