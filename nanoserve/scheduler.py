@@ -47,7 +47,7 @@ from nanoserve.errors import CacheFullError
 from nanoserve.generate import BatchStats, pool_for
 from nanoserve.model import LlamaForCausalLM
 from nanoserve.model_runner import ContinuousRunner, Launched
-from nanoserve.prefix_cache import blocks_to_admit, lookup
+from nanoserve.prefix_cache import blocks_to_admit, hash_blocks, max_cached_blocks
 from nanoserve.sampling import SamplingParams
 from nanoserve.sequence import Sequence, SequenceOutput
 
@@ -79,6 +79,17 @@ class _Row:
         self.launched = 0  # tokens whose computation was queued (prefill sample included)
         self.sent_blocks = 0  # block-table entries the runner has for this row
         self.hit: list[int] = []  # cached blocks found for its prefill, at admission
+        self._names: tuple[int, list[bytes]] = (-1, [])  # (prefill length, block names)
+
+    def block_names(self, block_size: int) -> list[bytes]:
+        """The prefix-cache names of the full blocks its prefill may take from the cache
+        (computed once per prefill length: a preempted row's prefill is longer)."""
+        tokens = self.prefill_tokens()
+        if self._names[0] != len(tokens):
+            names = hash_blocks(tokens, block_size,
+                                max_blocks=max_cached_blocks(len(tokens), block_size))
+            self._names = (len(tokens), names)
+        return self._names[1]
 
     def peak_tokens(self) -> int:
         """The most tokens the row ever holds in the cache: its prompt and every new token
@@ -190,10 +201,22 @@ class ContinuousScheduler:
         alloc, bs = self.pool.allocator, self.pool.block_size
         free = alloc.num_free
         tokens = 0
+        computing: set[bytes] = set()  # blocks this admission's rows will compute and name
         while self.waiting and len(self.running) + len(admitted) < self.max_batch_size:
             row = self.waiting[0]
             prefill = row.prefill_tokens()
-            hit = lookup(alloc, prefill, bs) if self.prefix_caching else []
+            hit: list[int] = []
+            if self.prefix_caching:
+                names = row.block_names(bs)
+                for name in names:
+                    block = alloc.cached_block(name)
+                    if block is None:
+                        break
+                    hit.append(block)
+                rest = names[len(hit):]
+                if admitted and rest and rest[0] in computing:
+                    break  # an earlier row of this admission computes it: wait, then share
+                computing.update(rest)
             n = len(prefill) - len(hit) * bs  # tokens to compute
             # Its prompt and the token its next decode step writes (none if it never decodes).
             held = min(len(prefill) + 1, row.peak_tokens())
