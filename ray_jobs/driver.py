@@ -47,6 +47,7 @@ import pyarrow as pa
 
 from nanoserve.errors import NanoserveError
 from nanoserve.model_store import DEFAULT_MODEL, resolve_model
+from ray_jobs.autoscale import parse_num_workers
 from ray_jobs.batching import Batch, BatchLimits, make_batches
 from ray_jobs.io import DEFAULT_CHUNK_ROWS, InputInfo, iter_chunks, scan_input, write_part_atomic
 from ray_jobs.local_ray import RaySession
@@ -62,6 +63,7 @@ from ray_jobs.manifest import (
     part_name,
     reopen_batches_with_errors,
 )
+from ray_jobs.placement import check_output_reachable
 from ray_jobs.pool import WorkerPool, WorkerReport, first_line, log
 from ray_jobs.prepare import ColumnPlan, PreparedRow, RowPreparer, load_model_meta, plan_columns
 from ray_jobs.timeline import PHASES, Timeline
@@ -93,7 +95,9 @@ class JobOptions:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     dtype: str = "auto"  # bfloat16 on GPU, float32 on CPU
-    num_workers: int | None = None  # None: one per GPU of the cluster, 1 without GPUs
+    # None: one per GPU of the cluster, 1 without GPUs; or "MIN-MAX" / "auto": GPU workers
+    # that grow as GPUs join (see ray_jobs.autoscale)
+    num_workers: int | str | None = None
     batch_size: int = 64  # rows per batch
     max_batch_tokens: int | None = None  # rows x max(prompt + max_tokens) per batch
     window_batches: int = 8  # batches' worth of rows sorted by length together
@@ -118,8 +122,7 @@ class JobOptions:
                                  f"{', '.join(SCHEDULERS)}")
         if self.dtype not in DTYPES:
             raise NanoserveError(f"unknown dtype {self.dtype!r}; choose {', '.join(DTYPES)}")
-        if self.num_workers is not None and self.num_workers < 1:
-            raise NanoserveError(f"num_workers must be >= 1, got {self.num_workers}")
+        parse_num_workers(self.num_workers)  # raises NanoserveError if invalid
         if not 0 < self.kv_cache_fraction <= 1:
             raise NanoserveError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
@@ -155,6 +158,7 @@ class JobSummary:
     # Seconds per phase of this run, in order (see `PHASES`); they add up to wall_time_s.
     # A phase the run never reached (nothing left to compute: no Ray, no worker) is absent.
     timings: dict[str, float] = field(default_factory=dict)
+    nodes_lost: tuple[str, ...] = ()  # e.g. "node 3f2a9c1e07b4 (10.0.0.7, worker 1)"
 
     def format(self) -> str:
         lines = [
@@ -168,6 +172,9 @@ class JobSummary:
         if self.worker_restarts or self.device_oom_errors:
             lines.append(f"recovered: {self.worker_restarts} worker restart(s), "
                          f"{self.device_oom_errors} device out-of-memory error(s)")
+        if self.nodes_lost:
+            lines.append(f"nodes lost: {len(self.nodes_lost)} ({'; '.join(self.nodes_lost)}); "
+                         f"their batches ran again on other workers")
         if self.timings:
             lines.append("time: " + ", ".join(f"{PHASES[k]} {v:.1f} s"
                                               for k, v in self.timings.items()))
@@ -190,6 +197,7 @@ def run_batch_job(input: str | Path, output_dir: str | Path, **options: Any) -> 
                            opts.sampling_defaults())
     settings = _job_settings(opts, info, model_path, limits)
     folder = Path(output_dir)
+    check_output_reachable(folder)
     with ExitStack() as stack:
         stack.enter_context(hold_output_dir(folder))  # one job per output folder at a time
         manifest = open_output_dir(folder, settings, opts.overwrite)
@@ -396,7 +404,10 @@ class _JobRun:
         flight, then store its rows' results, or handle its worker's death."""
         import ray
 
-        ready, _ = ray.wait(list(self.in_flight), num_returns=1)
+        self.pool.grow()  # workers on GPUs that joined the cluster (ray_jobs.autoscale)
+        ready, _ = ray.wait(list(self.in_flight), num_returns=1, timeout=self.pool.poll_s)
+        if not ready:
+            return  # nothing finished within the poll: look for joining GPUs again
         sent = self._pop(ready[0])
         outcome, value = _fetch(ready[0])
         self.timeline.mark("first_batch")
@@ -541,6 +552,7 @@ class _JobRun:
             workers=self.pool.reports() if self.pool is not None else (),
             worker_restarts=sum(w.restarts for w in self.pool.workers) if self.pool is not None else 0,
             device_oom_errors=self.oom_errors, timings=self.timeline.timings(),
+            nodes_lost=self.pool.lost_nodes() if self.pool is not None else (),
         )
 
 
