@@ -63,8 +63,14 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     r = p.add_argument_group("execution")
     r.add_argument("--dtype", default="auto",
                    help="auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16, float16")
-    r.add_argument("--num-workers", type=int, default=None,
-                   help="workers (default: one per GPU of the cluster; 1 without GPUs)")
+    r.add_argument("--num-workers", default=None, metavar="N|MIN-MAX|auto",
+                   help="workers: N (capped to the cluster's GPUs, else CPUs); MIN-MAX or auto "
+                        "(= 1-): GPU workers, starting with the GPUs present (waiting up to "
+                        "--worker-start-timeout for MIN) and adding one for each GPU that joins, "
+                        "up to MAX (default: one per GPU of the cluster; 1 without GPUs)")
+    r.add_argument("--worker-start-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="longest wait for the cluster's first GPUs (MIN-MAX, auto) and for a "
+                        "worker to be placed and load the model (default: 600)")
     r.add_argument("--batch-size", type=int, default=64, help="rows per batch (default: 64)")
     r.add_argument("--max-batch-tokens", type=int, default=None,
                    help="cap on rows x max(prompt + max_tokens) per batch (default: none)")
@@ -116,7 +122,8 @@ def run_batch_cli(args: argparse.Namespace) -> int:
         args.input, args.output_dir, model=args.model, max_tokens=args.max_tokens,
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
         stop=tuple(args.stop), ignore_eos=args.ignore_eos, dtype=args.dtype,
-        num_workers=args.num_workers, batch_size=args.batch_size,
+        num_workers=args.num_workers, worker_start_timeout_s=args.worker_start_timeout,
+        batch_size=args.batch_size,
         max_batch_tokens=args.max_batch_tokens, address=args.address,
         overwrite=args.overwrite, retry_errors=args.retry_errors, scheduler=args.scheduler,
         prefix_caching=args.prefix_caching,

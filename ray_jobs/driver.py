@@ -64,6 +64,7 @@ from ray_jobs.manifest import (
     reopen_batches_with_errors,
 )
 from ray_jobs.options import JobOptions
+from ray_jobs.placement import check_output_reachable
 from ray_jobs.pool import WorkerPool, WorkerReport, first_line, log
 from ray_jobs.prepare import ColumnPlan, PreparedRow, RowPreparer, load_model_meta, plan_columns
 from ray_jobs.report import ReportLog, piece_record, report_data, write_report
@@ -106,6 +107,7 @@ class JobSummary:
     # Prompt tokens served from the workers' prefix caches / prompt tokens of the batches
     # whose engines have one (None: no engine had one).
     prefix_hit_rate: float | None = None
+    nodes_lost: tuple[str, ...] = ()  # e.g. "node 3f2a9c1e07b4 (10.0.0.7, worker 1)"
 
     def format(self) -> str:
         lines = [
@@ -123,6 +125,9 @@ class JobSummary:
                          f"{self.device_oom_errors} device out-of-memory error(s)")
         if self.report:
             lines.append(f"report: {self.report}")
+        if self.nodes_lost:
+            lines.append(f"nodes lost: {len(self.nodes_lost)} ({'; '.join(self.nodes_lost)}); "
+                         f"their batches ran again on other workers")
         if self.timings:
             lines.append("time: " + ", ".join(f"{PHASES[k]} {v:.1f} s"
                                               for k, v in self.timings.items()))
@@ -145,6 +150,7 @@ def run_batch_job(input: str | Path, output_dir: str | Path, **options: Any) -> 
                            opts.sampling_defaults())
     settings = _job_settings(opts, info, model_path, limits)
     folder = Path(output_dir)
+    check_output_reachable(folder)
     with ExitStack() as stack:
         stack.enter_context(hold_output_dir(folder))  # one job per output folder at a time
         manifest = open_output_dir(folder, settings, opts.overwrite)
@@ -364,7 +370,10 @@ class _JobRun:
         flight, then store its rows' results, or handle its worker's death."""
         import ray
 
-        ready, _ = ray.wait(list(self.in_flight), num_returns=1)
+        self.pool.grow()  # workers on GPUs that joined the cluster (ray_jobs.autoscale)
+        ready, _ = ray.wait(list(self.in_flight), num_returns=1, timeout=self.pool.poll_s)
+        if not ready:
+            return  # nothing finished within the poll: look for joining GPUs again
         sent = self._pop(ready[0])
         outcome, value = _fetch(ready[0])
         self.timeline.mark("first_batch")
@@ -519,6 +528,7 @@ class _JobRun:
             workers=self.pool.reports() if self.pool is not None else (),
             worker_restarts=sum(w.restarts for w in self.pool.workers) if self.pool is not None else 0,
             device_oom_errors=self.oom_errors, timings=self.timeline.timings(),
+            nodes_lost=self.pool.lost_nodes() if self.pool is not None else (),
         )
 
 

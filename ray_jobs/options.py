@@ -8,6 +8,7 @@ from typing import Any
 
 from nanoserve.errors import NanoserveError
 from nanoserve.model_store import DEFAULT_MODEL
+from ray_jobs.autoscale import parse_num_workers
 from ray_jobs.io import DEFAULT_CHUNK_ROWS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -28,7 +29,9 @@ class JobOptions:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     dtype: str = "auto"  # bfloat16 on GPU, float32 on CPU
-    num_workers: int | None = None  # None: one per GPU of the cluster, 1 without GPUs
+    # None: one per GPU of the cluster, 1 without GPUs; or "MIN-MAX" / "auto": GPU workers
+    # that grow as GPUs join (see ray_jobs.autoscale)
+    num_workers: int | str | None = None
     batch_size: int = 64  # rows per batch
     max_batch_tokens: int | None = None  # rows x max(prompt + max_tokens) per batch
     window_batches: int = 8  # batches' worth of rows sorted by length together
@@ -54,8 +57,7 @@ class JobOptions:
                                  f"{', '.join(SCHEDULERS)}")
         if self.dtype not in DTYPES:
             raise NanoserveError(f"unknown dtype {self.dtype!r}; choose {', '.join(DTYPES)}")
-        if self.num_workers is not None and self.num_workers < 1:
-            raise NanoserveError(f"num_workers must be >= 1, got {self.num_workers}")
+        parse_num_workers(self.num_workers)  # raises NanoserveError if invalid
         if not 0 < self.kv_cache_fraction <= 1:
             raise NanoserveError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:

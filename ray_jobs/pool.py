@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from nanoserve.errors import ModelError, NanoserveError
+from ray_jobs.autoscale import GROW_POLL_S, LostNode, node_lost, parse_num_workers, wait_for_gpus
 from ray_jobs.worker import FAULT_ENV_PREFIX, BatchWorker
 
 if TYPE_CHECKING:
@@ -34,6 +35,7 @@ class WorkerReport:
     ready_s: float | None = None  # seconds from the job's start to its first actor's model loaded
     last_result_s: float | None = None  # seconds from the job's start to its last result
     result_s: tuple[float, ...] = ()  # seconds from the job's start to each of its results
+    node_id: str = ""  # the Ray node its (last) actor ran on
 
 
 class RayBatchWorker(BatchWorker):
@@ -50,9 +52,11 @@ class RayBatchWorker(BatchWorker):
             self.load_error = f"{type(e).__name__}: {first_line(str(e))}"
 
     def info(self) -> dict[str, Any]:
+        import ray
+
         if self.load_error is not None:
             return {"load_error": self.load_error}
-        return super().info()
+        return {**super().info(), "node_id": ray.get_runtime_context().get_node_id()}
 
 
 @dataclass
@@ -78,7 +82,14 @@ class WorkerPool:
 
     No wait is unbounded: an actor not ready within `worker_start_timeout_s` (the cluster
     has no room for it, or the model loads too slowly) is given up; a worker that cannot
-    load the model fails the job with one line (ModelError)."""
+    load the model fails the job with one line (ModelError).
+
+    Nodes come and go (ray_jobs.autoscale): a worker whose node is lost is not replaced
+    on the spot (`replace`; the driver sends its batches to the others); on GPUs the pool
+    then asks the cluster every `poll_s` for GPUs beyond its workers (`grow`): up to
+    `--num-workers`' MAX for a range or `auto`, up to the number started for a plain number
+    (so a lost worker comes back when a GPU is free or a node joins). A started actor is
+    `pending` until its model is loaded, and joins the pool then; it holds no work before."""
 
     def __init__(self, actor_cls: Any, kwargs: dict[str, Any], timeout_s: float,
                  timeline: Timeline) -> None:
@@ -87,15 +98,26 @@ class WorkerPool:
         self.timeout_s = timeout_s
         self.timeline = timeline
         self.workers: list[WorkerSlot] = []
+        self.poll_s: float | None = None  # None: the pool never grows (CPU workers)
+        self.max_workers: int | None = None  # grow up to this many live workers (None: all GPUs)
+        self.pending: list[tuple[Any, Any]] = []  # (actor, its info() ref) still loading
+        self.nodes_lost: list[LostNode] = []
+        self._next_check = 0.0
 
     @classmethod
     def start(cls, opts: JobOptions, timeline: Timeline) -> WorkerPool:
         import ray
 
+        wanted = parse_num_workers(opts.num_workers)
+        if wanted is not None and wanted.grows:  # GPU workers only: wait for the first GPUs
+            wait_for_gpus(wanted, opts.worker_start_timeout_s, log)
         resources = ray.cluster_resources()
         num_gpus = int(resources.get("GPU", 0))
         num_cpus = int(resources.get("CPU", 0))
-        count = opts.num_workers or max(1, num_gpus)
+        if wanted is not None and wanted.grows:
+            count = min(num_gpus, wanted.high or num_gpus)
+        else:
+            count = wanted.low if wanted is not None else max(1, num_gpus)
         slots, unit = (num_gpus, "GPU") if num_gpus else (num_cpus, "CPU")
         if 1 <= slots < count:
             log(f"nanoserve: {count} workers asked for, but the cluster has {slots} {unit}(s) "
@@ -125,6 +147,12 @@ class WorkerPool:
             where = f"{num_gpus} GPU(s)" if num_gpus else "CPU"
             log(f"nanoserve: starting {count} worker(s) on {where}, loading {opts.model}")
         handles = [actor_cls.remote(**kwargs) for _ in range(count)]
+        if wanted is not None and wanted.grows and count > wanted.low:
+            # Go as soon as MIN are ready; the others join when loaded (`grow`), so a GPU
+            # the cluster lists but cannot place on (a node lost, not yet noticed) holds
+            # nothing up.
+            pool.pending = [(h, h.info.remote()) for h in handles[wanted.low:]]
+            handles = handles[:wanted.low]
         ready = pool._wait_ready(handles)
         late = [h for h, r in zip(handles, ready) if r is None]
         for h in late:
@@ -141,6 +169,9 @@ class WorkerPool:
             log(f"nanoserve: {len(late)} of {count} workers were not ready within "
                  f"{opts.worker_start_timeout_s:g} s (no free {unit}?); going on with "
                  f"{len(pool.workers)}")
+        if num_gpus:
+            pool.poll_s = GROW_POLL_S
+            pool.max_workers = wanted.high if wanted is not None and wanted.grows else count
         return pool
 
     def _wait_ready(self, handles: list[Any]) -> list[tuple[dict[str, Any], float] | None]:
@@ -179,6 +210,14 @@ class WorkerPool:
 
         worker = self.workers[index]
         ray.kill(worker.handle, no_restart=True)
+        lost = node_lost(worker.info.get("node_id", ""), index) if "node_id" in worker.info \
+            else None
+        if lost is not None:  # nothing to restart there; `grow` may start one elsewhere
+            worker.alive = False
+            self.nodes_lost.append(lost)
+            log(f"nanoserve: {lost.describe()} was lost; its batches run again on the "
+                f"other workers ({self.num_alive()} left)")
+            return
         handle = self.actor_cls.remote(**self.kwargs)
         (ready,) = self._wait_ready([handle])
         worker.restarts += 1
@@ -189,6 +228,49 @@ class WorkerPool:
                  f"{self.timeout_s:g} s; going on without it")
             return
         worker.handle, worker.info = handle, ready[0]
+
+    def grow(self) -> None:
+        """Take in the pending actors whose model is loaded, then (at most every `poll_s`)
+        start one pending actor per GPU the cluster has beyond the live and pending
+        workers, up to `max_workers`. A pending actor that dies (its node lost while it
+        loaded) is dropped; one that cannot load the model fails the job (ModelError)."""
+        import ray
+
+        if self.poll_s is None:
+            return
+        if self.pending:
+            refs = [ref for _, ref in self.pending]
+            done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            for handle, ref in [p for p in self.pending if p[1] in done]:
+                self.pending.remove((handle, ref))
+                self._adopt(handle, ref)
+        now = time.monotonic()
+        if now < self._next_check:
+            return
+        self._next_check = now + self.poll_s
+        gpus = int(ray.cluster_resources().get("GPU", 0))
+        target = gpus if self.max_workers is None else min(gpus, self.max_workers)
+        for _ in range(target - self.num_alive() - len(self.pending)):
+            handle = self.actor_cls.remote(**self.kwargs)
+            self.pending.append((handle, handle.info.remote()))
+
+    def _adopt(self, handle: Any, ref: Any) -> None:
+        import ray
+
+        try:
+            info = ray.get(ref)
+        except ray.exceptions.RayError as e:
+            ray.kill(handle, no_restart=True)
+            log(f"nanoserve: a joining worker died while loading the model "
+                f"({first_line(str(e))}); going on without it")
+            return
+        if "load_error" in info:
+            self.shutdown()
+            raise ModelError(f"a worker could not load the model: {info['load_error']}")
+        self.workers.append(WorkerSlot(handle, info, ready_s=self.timeline.now()))
+        log(f"nanoserve: worker {len(self.workers) - 1} joined on node "
+            f"{str(info.get('node_id', '?'))[:12]} (GPU ids {info.get('gpu_ids')}); "
+            f"{self.num_alive()} worker(s) now")
 
     def pick(self, alone: bool, limit: int) -> int | None:
         """The live worker with the fewest pieces in flight (ties: lowest index) that can
@@ -204,17 +286,28 @@ class WorkerPool:
                     if self.workers[i].in_flight < limit and not self.workers[i].holds_suspect]
         return min(free, key=lambda i: (self.workers[i].in_flight, i)) if free else None
 
+    def lost_nodes(self) -> tuple[str, ...]:
+        """One line per node lost with workers on it, e.g. 'node 3f2a9c1e07b4 (10.0.0.7,
+        workers 1, 2)', in the order they were found lost."""
+        workers: dict[tuple[str, str], list[int]] = {}
+        for lost in self.nodes_lost:
+            workers.setdefault((lost.node_id, lost.address), []).append(lost.worker)
+        return tuple(f"node {node[:12]} ({address}, worker{'s' if len(ws) > 1 else ''} "
+                     f"{', '.join(map(str, ws))})" for (node, address), ws in workers.items())
+
     def num_alive(self) -> int:
         return sum(w.alive for w in self.workers)
 
     def reports(self) -> tuple[WorkerReport, ...]:
         return tuple(WorkerReport(i, tuple(w.info.get("gpu_ids", ())), w.info.get("device", "?"),
                                   w.info.get("host", "?"), w.batches, w.rows, w.restarts,
-                                  w.ready_s, w.last_result_s, tuple(w.result_s))
+                                  w.ready_s, w.last_result_s, tuple(w.result_s),
+                                  w.info.get("node_id", ""))
                      for i, w in enumerate(self.workers))
 
     def shutdown(self) -> None:
-        self._kill([w.handle for w in self.workers])
+        self._kill([w.handle for w in self.workers] + [h for h, _ in self.pending])
+        self.pending = []
 
     @staticmethod
     def _kill(handles: list[Any]) -> None:

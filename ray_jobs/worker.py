@@ -24,7 +24,10 @@ the driver forwards to its actors; never set them in production):
 - `NANOSERVE_FAULT_OOM_ABOVE_ROWS=<n>`: the model's forward raises torch.OutOfMemoryError
   on inputs of more than n rows (0: on every input);
 - `NANOSERVE_FAULT_LOAD=raise|exit`: loading the model raises a ModelError, or the
-  process exits.
+  process exits;
+- `NANOSERVE_FAULT_HOLD_WHILE_FILE=<path>`: a batch waits before it starts for as long as
+  that file exists (a test holds batches in flight, e.g. while it removes or adds a node,
+  then deletes the file; the workers of a one-machine test cluster share the file system).
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ FAULT_ENV_PREFIX = "NANOSERVE_FAULT_"
 FAULT_KILL_ON_TEXT = "NANOSERVE_FAULT_KILL_ON_TEXT"
 FAULT_OOM_ABOVE_ROWS = "NANOSERVE_FAULT_OOM_ABOVE_ROWS"
 FAULT_LOAD = "NANOSERVE_FAULT_LOAD"
+FAULT_HOLD_WHILE_FILE = "NANOSERVE_FAULT_HOLD_WHILE_FILE"
 
 
 @dataclass(frozen=True)
@@ -138,6 +142,7 @@ class BatchWorker:
         return ray_gpu_ids()
 
     def run_batch(self, batch_rows: list[GenerationRequest]) -> pa.Table:
+        _fault_hold_while_file()
         _fault_kill_on_text(self.llm.tokenizer, batch_rows)
         ooms_before = self.oom_errors
         results: list[dict[str, Any] | None] = [self._too_big_for_pool(r) for r in batch_rows]
@@ -257,6 +262,12 @@ def _fault_kill_on_text(tokenizer: Any, rows: list[GenerationRequest]) -> None:
     if marker and any(marker in tokenizer.decode(list(r.prompt_token_ids)) for r in rows):
         time.sleep(0.2)  # as a crash in the middle of generation would
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _fault_hold_while_file() -> None:
+    path = os.environ.get(FAULT_HOLD_WHILE_FILE)
+    while path and os.path.exists(path):
+        time.sleep(0.05)
 
 
 def _first_line(text: str) -> str:

@@ -1,0 +1,232 @@
+"""The batch job on a real multi-node Ray cluster on this machine: run by
+tests/test_multinode.py in a process of its own (a driver joins one Ray only, and the
+tests' session Ray is another), with one `ray.cluster_utils.Cluster` for every scenario.
+
+    python tests/multinode_cluster.py MODEL_DIR RESULTS_DIR
+
+The head node has no GPU; each worker node is started with its own logical GPUs
+(`num_gpus`, no CUDA: its workers run on the CPU) and added or removed per scenario. A node
+is removed the way a node is lost: its raylet and workers SIGKILLed
+(`Cluster.remove_node(allow_graceful=False)`). Where a scenario needs batches in flight when
+a node leaves or joins, the workers hold them with the worker's testing hook
+`NANOSERVE_FAULT_HOLD_WHILE_FILE` until the scenario deletes that file.
+
+For each scenario NAME it writes RESULTS_DIR/NAME/in.jsonl (the input), NAME/out (the job's
+output folder) and NAME/result.json: the summary (workers with their node ids, nodes lost,
+`format()`), the job's stderr lines, the cluster's node ids and, for a job that failed,
+its error. The test checks the rows against the engine itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import json
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import traceback
+from pathlib import Path
+
+RAY_TMP = tempfile.mkdtemp(prefix="ns-mn-")  # short: socket paths stay < 108 chars
+# Private to this cluster: Ray writes the address of the cluster it starts under
+# RAY_TMPDIR, where no other Ray user on the machine would find and join it.
+os.environ["RAY_TMPDIR"] = RAY_TMP
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # every node on 127.0.0.1 only
+os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+os.environ.pop("RAY_ADDRESS", None)
+
+import ray  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
+
+import ray_jobs.driver as driver  # noqa: E402
+import ray_jobs.pool as pool  # noqa: E402
+from ray_jobs import run_batch_job  # noqa: E402
+
+MAX_TOKENS = 3
+NODE = {"node_ip_address": "127.0.0.1", "include_dashboard": False,
+        "object_store_memory": 80 << 20}
+HOLD = "NANOSERVE_FAULT_HOLD_WHILE_FILE"
+HOLD_LIMIT_S = 120  # a safety valve only: batches held longer are let go (see node_added)
+WORKER_START_S = 60  # as --worker-start-timeout: a replacement that is never placed is given up
+# The GCS marks a node dead after its health checks fail: by default after about half a
+# minute, here after a few seconds, so that the scenarios after a removal start sooner (the
+# job itself does not wait for it: it probes the lost node's raylet).
+HEALTH_CHECKS = {"health_check_period_ms": 1000, "health_check_timeout_ms": 1000,
+                 "health_check_failure_threshold": 3}
+
+
+def gpu_node(cluster: Cluster, gpus: int):
+    return cluster.add_node(num_cpus=gpus, num_gpus=gpus, **NODE)
+
+
+class Scenario:
+    """One job on the cluster: its input, output folder and what it reported."""
+
+    def __init__(self, root: Path, name: str, rows: int) -> None:
+        self.dir = root / name
+        self.dir.mkdir(parents=True)
+        self.input = self.dir / "in.jsonl"
+        self.input.write_text("".join(
+            json.dumps({"prompt": f"Row {i}: the {w} fox jumps over {i * 7} lazy dogs"}) + "\n"
+            for i, w in zip(range(rows), ["quick", "slow", "red", "blue", "tall", "small",
+                                          "old", "new", "calm", "loud", "shy", "bold"] * 4)))
+        self.hold = self.dir / "hold"  # workers wait while it exists
+        self.record: dict = {"nodes": {}}
+
+    def run(self, **options) -> None:
+        options = {"model": MODEL, "max_tokens": MAX_TOKENS, "batch_size": 2,
+                   "kv_cache_bytes": 32 << 20, "progress": False, **options}
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err):
+                summary = run_batch_job(self.input, self.dir / "out", **options)
+            self.record["summary"] = {
+                "workers": [dataclasses.asdict(w) for w in summary.workers],
+                "nodes_lost": list(summary.nodes_lost), "rows": summary.rows,
+                "error_rows": summary.error_rows, "format": summary.format()}
+        except Exception as e:  # the test reads it
+            self.record["error"] = f"{type(e).__name__}: {e}"
+            self.record["traceback"] = traceback.format_exc()
+        finally:
+            self.record["stderr"] = err.getvalue().splitlines()
+            (self.dir / "result.json").write_text(json.dumps(self.record, indent=1))
+
+    def hold_batches(self) -> None:
+        self.hold.write_text("held")
+        os.environ[HOLD] = str(self.hold)
+
+    def release_batches(self) -> None:
+        self.hold.unlink(missing_ok=True)
+        os.environ.pop(HOLD, None)
+
+
+@contextlib.contextmanager
+def patched(obj, name, make):
+    original = getattr(obj, name)
+    setattr(obj, name, make(original))
+    try:
+        yield
+    finally:
+        setattr(obj, name, original)
+
+
+def remove_node_of_worker_when(cluster, scenario, workers_full):
+    """Patch the driver's `_submit`: once `workers_full(pool)` holds after a submission,
+    remove (kill) the node whose workers hold the most pieces in flight (ties: the last
+    such node), then let the held batches go."""
+    def make(original):
+        def submit(self, piece, index):
+            original(self, piece, index)
+            if "removed" in scenario.record or not workers_full(self.pool):
+                return
+            held: dict[str, int] = {}
+            for w in self.pool.workers:
+                held[w.info["node_id"]] = held.get(w.info["node_id"], 0) + w.in_flight
+            node_id = max(reversed(list(held)), key=held.__getitem__)
+            node = next(n for n in cluster.worker_nodes if n.node_id == node_id)
+            scenario.record["removed"] = {
+                "node_id": node_id,
+                "in_flight": {i: w.in_flight for i, w in enumerate(self.pool.workers)},
+                "workers_there": [i for i, w in enumerate(self.pool.workers)
+                                  if w.info["node_id"] == node_id]}
+            cluster.remove_node(node, allow_graceful=False)
+            scenario.release_batches()
+        return submit
+    return make
+
+
+def main(model: str, results: Path) -> None:
+    global MODEL
+    MODEL = model
+    cluster = Cluster(initialize_head=True, connect=True, head_node_args={"num_cpus": 1, "_system_config": HEALTH_CHECKS, **NODE})
+    try:
+        a, b = gpu_node(cluster, 1), gpu_node(cluster, 1)
+
+        # A job spread over two worker nodes, one GPU each.
+        s = Scenario(results, "spread", 8)
+        s.record["nodes"] = {"a": a.node_id, "b": b.node_id}
+        s.run(num_workers=2)
+
+        # A node lost mid-job: each worker holds two batches; the node of one is killed.
+        s = Scenario(results, "node_lost", 8)
+        s.record["nodes"] = {"a": a.node_id, "b": b.node_id}
+        s.hold_batches()
+        full = lambda p: all(w.in_flight == 2 for w in p.workers)  # noqa: E731
+        with patched(driver._JobRun, "_submit", remove_node_of_worker_when(cluster, s, full)):
+            s.run(num_workers=2, worker_start_timeout_s=WORKER_START_S)
+        s.release_batches()
+
+        # The lost node held the most batches: two GPUs (4 in flight) against one (2).
+        cluster.wait_for_nodes(timeout=120)  # the GCS knows B is gone
+        (survivor,) = cluster.worker_nodes  # A or B, whichever was not removed
+        c = gpu_node(cluster, 2)
+        s = Scenario(results, "busiest_node_lost", 16)
+        s.record["nodes"] = {"first": survivor.node_id, "c": c.node_id}
+        s.hold_batches()
+        with patched(driver._JobRun, "_submit", remove_node_of_worker_when(cluster, s, full)):
+            s.run(num_workers=3, worker_start_timeout_s=WORKER_START_S)
+        s.release_batches()
+
+        # A node added: the job starts on the one GPU node left (1-2 workers) and takes
+        # D's GPU once D joins. D is added at the first submission, while the first node's
+        # batches are held; they go once D's worker is in the pool, so D's worker is idle
+        # when the next batch is sent. (If it never joins, they go after HOLD_LIMIT_S and
+        # the test fails on its rows' workers rather than waiting forever.)
+        cluster.wait_for_nodes(timeout=120)  # ... and C
+        s = Scenario(results, "node_added", 8)
+        s.hold_batches()
+
+        def add_at_first_submit(original):
+            def submit(self, piece, index):
+                original(self, piece, index)
+                if self.sent == 1:
+                    s.record["nodes"] = {"first": survivor.node_id,
+                                         "d": gpu_node(cluster, 1).node_id}
+                    valve = threading.Timer(HOLD_LIMIT_S, s.release_batches)
+                    valve.daemon = True
+                    valve.start()
+            return submit
+
+        def release_on_adopt(original):
+            def adopt(self, handle, ref):
+                original(self, handle, ref)
+                s.release_batches()
+            return adopt
+
+        with patched(driver._JobRun, "_submit", add_at_first_submit), \
+                patched(pool.WorkerPool, "_adopt", release_on_adopt):
+            s.run(num_workers="1-2")
+        s.release_batches()
+
+        # No GPU node at the start: `auto` waits for one, then fails after its timeout.
+        for node in list(cluster.worker_nodes):
+            cluster.remove_node(node)
+        cluster.wait_for_nodes(timeout=120)
+        s = Scenario(results, "no_gpu_timeout", 2)
+        s.run(num_workers="auto", worker_start_timeout_s=3)
+
+        # ... or runs on the GPU node that joins while it waits.
+        s = Scenario(results, "gpu_joins_while_waiting", 2)
+
+        def add_when_waiting(original):
+            def log(message):
+                original(message)
+                if "waiting up to" in message:
+                    s.record["nodes"] = {"e": gpu_node(cluster, 1).node_id}
+            return log
+
+        with patched(pool, "log", add_when_waiting):
+            s.run(num_workers="auto", worker_start_timeout_s=300)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        shutil.rmtree(RAY_TMP, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], Path(sys.argv[2]))
