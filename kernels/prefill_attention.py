@@ -165,7 +165,9 @@ def _prefill_kernel(
         visible = visible & (n[None, :] > m[:, None] - window)
         m_i, l_i, acc = online_softmax_step(q, k, v, visible, qk_scale, m_i, l_i, acc, DOT_FP32)
 
-    out = acc / l_i[:, None]  # every query sees at least itself: l_i > 0
+    # every real query sees at least itself (l_i > 0); rows past the prompt, which are not
+    # stored, may see nothing under a window
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     out_ptrs = out_ptr + rows[:, None] * stride_on + head * stride_oh + d[None, :] * stride_od
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
