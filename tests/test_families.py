@@ -136,3 +136,75 @@ def test_greedy_tokens_equal_transformers_dense_paged_batched(family_pair):
     outs, _ = generate_continuous(model, prompts, params, (), pool_for(model, prompts, new, 4),
                                   max_batch_size=2)
     assert [o.token_ids for o in outs] == want
+
+
+# --- GGUF (qwen2, qwen3: tensor names from the gguf package) -------------------------------
+
+
+def _write_gguf(path, family: str, hf) -> None:
+    """hf's weights as llama.cpp's converter writes a `family` GGUF: no q/k row permutation
+    (that is llama-only), names from the gguf package's tensor-name table."""
+    import gguf
+    from gguf import GGUFWriter
+
+    arch = {"qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3}[family]
+    names = gguf.get_tensor_name_map(arch, hf.config.num_hidden_layers)
+    cfg = hf.config
+    writer = GGUFWriter(path, family)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_bos_token_id(cfg.bos_token_id)
+    writer.add_eos_token_id(cfg.eos_token_id)
+    for name, t in hf.state_dict().items():
+        if cfg.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        gname = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gname is not None, name
+        writer.add_tensor(gname, t.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+# head_dim: what transformers' GGUF loader assumes (it does not read key_length for these
+# families): hidden / heads for Qwen2, Qwen3Config's default 128 for Qwen3.
+@pytest.mark.parametrize("family,tied,head_dim", [("qwen2", False, 16), ("qwen3", True, 128)])
+def test_gguf_equals_transformers(tmp_path, family, tied, head_dim):
+    """A tiny Qwen2 / Qwen3 written as GGUF: our loader and transformers' GGUF loader give the
+    same tensors, and our logits equal transformers' model on the original weights."""
+    config_cls, model_cls = FAMILIES[family]
+    torch.manual_seed(3)
+    cfg = config_cls(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
+                     max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=tied,
+                     rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                     bos_token_id=1, eos_token_id=2)
+    hf = model_cls(cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+    path = tmp_path / f"{family}.gguf"
+    _write_gguf(path, family, hf)
+    config, sd = load_checkpoint(path)
+    assert config.architecture == type(hf).__name__ and config.head_dim == head_dim
+    theirs = model_cls.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32,
+                                       local_files_only=True).state_dict()
+    for name, t in sd.items():
+        assert torch.equal(t, theirs[name]), name
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(4))
+    ours = build_model(config, sd)(ids, torch.arange(12).expand(2, 12), None,
+                                   AttentionMetadata.prefill())
+    with torch.no_grad():
+        ref = hf(ids).logits
+    assert (ours - ref).abs().max().item() <= 1e-4
