@@ -208,3 +208,29 @@ def test_gguf_equals_transformers(tmp_path, family, tied, head_dim):
     with torch.no_grad():
         ref = hf(ids).logits
     assert (ours - ref).abs().max().item() <= 1e-4
+
+
+# --- on a GPU: the Triton kernels (packed prefill, paged decode) with windows ----------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("family,window", [("qwen3", 7), ("mistral", 6), ("mistral", 4096)])
+def test_gpu_kernels_greedy_equals_transformers(tmp_path, monkeypatch, family, window):
+    """float32 on the GPU through the kernels: greedy tokens of a static batch and of
+    continuous batching equal transformers' generate (CPU), and the reference kernels."""
+    hf = save_family(tmp_path, family, 8, 2, False, window)
+    config, sd = load_checkpoint(tmp_path)
+    model = build_model(config, sd, torch.float32, "cuda")
+    rng = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=rng).tolist() for n in (1, 6, 15, 33, 70)]
+    new = 40
+    want = [_hf_greedy(hf, p, new) for p in prompts]
+    pool = pool_for(model, prompts, new, 16)
+    assert greedy_generate_batch(model, prompts, new, (), pool) == want
+    params = [SamplingParams(max_tokens=new, temperature=0.0)] * len(prompts)
+    outs, _ = generate_continuous(model, prompts, params, (), pool, max_batch_size=3)
+    assert [o.token_ids for o in outs] == want
+    with monkeypatch.context() as m:
+        m.setenv("NANOSERVE_KERNELS", "reference")
+        assert greedy_generate_batch(model, prompts, new, (), pool) == want
