@@ -102,6 +102,33 @@ def test_config_reads_the_family(family_pair):
         assert config.attention_window(0) is None and config.attention_window(1) == window
 
 
+@pytest.mark.parametrize("family,extra", [
+    ("qwen2", {"use_sliding_window": False, "sliding_window": 32768, "max_window_layers": 2}),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 2}),
+    ("qwen3", {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 0}),
+    ("qwen3", {"use_sliding_window": True, "sliding_window": 64,
+               "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}),
+    ("mistral", {"sliding_window": 4096}),
+    ("mistral", {"sliding_window": None}),
+])
+def test_window_layers_of_4x_style_configs_equal_transformers(family, extra):
+    """config.json dicts as 4.x checkpoints write them (no layer_types unless given): the
+    window of each layer equals what transformers' config class and attention layer derive."""
+    from nanoserve.config import ModelConfig
+
+    config_cls, model_cls = FAMILIES[family]
+    d = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+             num_attention_heads=2, num_key_value_heads=1, head_dim=16, **extra)
+    hf = model_cls(config_cls(**d))
+    ours = ModelConfig.from_hf_dict({**d, "architectures": [model_cls.__name__],
+                                     "model_type": family})
+    for layer in range(3):
+        theirs = getattr(hf.model.layers[layer].self_attn, "sliding_window", None)
+        if family == "mistral":
+            theirs = hf.config.sliding_window
+        assert ours.attention_window(layer) == theirs, layer
+
+
 def test_logits_equal_transformers(family_pair):
     """40 tokens: past every small window, so the window's edge is inside the prompt."""
     _, hf, model = family_pair
