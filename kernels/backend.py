@@ -61,14 +61,17 @@ def decode_attention(
     context_lens: torch.Tensor,  # [B] int32, each >= 1
     scale: float,
     max_context_len: int | None = None,
+    *,
+    window: int | None = None,  # sliding window: the last `window` tokens; None: all
 ) -> torch.Tensor:  # [B, Hq, D]
     """Paged decode attention: one query token per row over that row's cached context.
     max_context_len: a host-side bound on context_lens, used by the kernel only to choose
     its split count (None: the block tables' capacity)."""
     if use_triton(q.device):
         return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
-                                      max_context_len=max_context_len)
-    return paged_decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, scale)
+                                      max_context_len=max_context_len, window=window)
+    return paged_decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, scale,
+                                            window=window)
 
 
 def prefill_attention(
@@ -78,11 +81,13 @@ def prefill_attention(
     cu_seqlens: torch.Tensor,  # [B + 1] int32
     max_seqlen: int,
     scale: float,
+    *,
+    window: int | None = None,  # sliding window: keys i-window+1..i; None: all
 ) -> torch.Tensor:  # [N, Hq, D]
     """Causal attention within each packed prompt."""
     if use_triton(q.device):
-        return _prefill_attention_triton(q, k, v, cu_seqlens, max_seqlen, scale)
-    return prefill_attention_reference(q, k, v, cu_seqlens, max_seqlen, scale)
+        return _prefill_attention_triton(q, k, v, cu_seqlens, max_seqlen, scale, window=window)
+    return prefill_attention_reference(q, k, v, cu_seqlens, max_seqlen, scale, window=window)
 
 
 def paged_prefill_attention(

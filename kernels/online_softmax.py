@@ -32,8 +32,11 @@ def online_softmax_step(q, k, v, visible, qk_scale, m_i, l_i, acc, DOT_FP32: tl.
         s = tl.dot(q, tl.trans(k))
     s = tl.where(visible, s * qk_scale, float("-inf"))  # [M, N]
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    # A row with no visible key so far (a sliding window's tile can hide a whole row) keeps
+    # m = -inf; subtracting 0 instead keeps alpha and p at 0 rather than NaN (-inf - -inf).
+    m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_sub)
+    p = tl.exp2(s - m_sub[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if DOT_FP32:
         pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")

@@ -5,6 +5,9 @@ lives in block `block_tables[i, t // block_size]` at offset `t % block_size`
 (slot = block * block_size + offset). Row i attends to its first `context_lens[i]` tokens;
 entries of `block_tables` past a row's context are padding and hold 0, an in-range block.
 Query head h reads KV head `h // (Hq // Hkv)` (grouped-query attention, GQA).
+With a sliding `window` W (optional, default none) row i's query, at position
+`context_lens[i] - 1`, sees only its last W tokens: positions `context_lens[i] - W ..
+context_lens[i] - 1` (transformers' `sliding_window` semantics); W >= the context is no window.
 
 Two implementations with one signature:
 - `paged_decode_attention_reference`: PyTorch, the oracle. It gathers every row over a
@@ -35,6 +38,7 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _FLOAT_DTYPES = (*_KERNEL_DTYPES, torch.float64)  # float64: the reference only
 _LOG2E = 1.4426950408889634
+NO_WINDOW = 2**31 - 1  # the kernels' "no window": longer than any int32 context
 
 # Split heuristics: aim for this many programs per SM, never split below this many tokens.
 _PROGRAMS_PER_SM = 4
@@ -95,6 +99,15 @@ def check_decode_args(
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
 
 
+def check_window(window: int | None) -> int:
+    """`window` as the kernels take it: None -> NO_WINDOW; otherwise an int >= 1."""
+    if window is None:
+        return NO_WINDOW
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be a positive int or None, got {window!r}")
+    return min(window, NO_WINDOW)
+
+
 def paged_decode_attention_reference(
     q: torch.Tensor,  # [B, Hq, D]
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
@@ -102,9 +115,12 @@ def paged_decode_attention_reference(
     block_tables: torch.Tensor,  # [B, max_blocks] int32
     context_lens: torch.Tensor,  # [B] int32, each >= 1
     scale: float,
+    *,
+    window: int | None = None,  # sliding window: the last `window` tokens only
 ) -> torch.Tensor:  # [B, Hq, D], dtype of q
     """PyTorch oracle for `paged_decode_attention` (float32 math, reads the whole rectangle)."""
     check_decode_args(q, k_cache, v_cache, block_tables, context_lens)
+    window = check_window(window)
     batch, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     if batch == 0:
@@ -130,6 +146,7 @@ def paged_decode_attention_reference(
     qg = q.to(math_dtype).reshape(batch, num_kv_heads, group, head_dim)  # [B, Hkv, G, D]
     scores = torch.einsum("bkgd,btkd->bkgt", qg, k) * scale  # [B, Hkv, G, T]
     pad = pos[None, :] >= lens[:, None]  # [B, T]
+    pad = pad | (pos[None, :] < lens[:, None] - window)  # outside the sliding window
     scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)  # [B, Hkv, G, T]
     out = torch.einsum("bkgt,btkd->bkgd", probs, v)  # [B, Hkv, G, D]
@@ -146,6 +163,7 @@ def _paged_decode_kernel(
     out_ptr,  # [B, Hq, D] (one split) or partial outputs [B, Hq, S, D] float32
     lse_ptr,  # [B, Hq, S] float32 log2-sum-exp of each partition (unused with one split)
     qk_scale,  # softmax scale * log2(e)
+    window,  # sliding window (NO_WINDOW: none); splits cover positions from max(0, len - window)
     partition_size,  # tokens per split, a multiple of BLOCK_N
     num_splits,  # the last split also takes any tokens beyond num_splits * partition_size
     stride_qb,
@@ -185,7 +203,8 @@ def _paged_decode_kernel(
         kv_head = tl.program_id(1)
     split = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + row)
-    start = split * partition_size
+    lo = tl.maximum(context_len - window, 0)  # first position inside the window
+    start = lo + split * partition_size
     end = tl.minimum(start + partition_size, context_len)
     end = tl.where(split == num_splits - 1, context_len, end)
 
@@ -237,6 +256,7 @@ def _combine_splits_kernel(
     lse_ptr,  # [B, Hq, S] float32 log2-sum-exp of each partition
     context_lens_ptr,  # [B]
     out_ptr,  # [B, Hq, D]
+    window,
     num_splits,
     partition_size,
     stride_pb,
@@ -255,7 +275,8 @@ def _combine_splits_kernel(
     head = tl.program_id(1)
     row64 = row.to(tl.int64)
     context_len = tl.load(context_lens_ptr + row)
-    used = tl.minimum((context_len + partition_size - 1) // partition_size, num_splits)
+    span = context_len - tl.maximum(context_len - window, 0)  # tokens inside the window
+    used = tl.minimum((span + partition_size - 1) // partition_size, num_splits)
     s = tl.arange(0, S_PAD)
     d = tl.arange(0, D_PAD)
     s_mask = s < used
@@ -324,6 +345,7 @@ def paged_decode_attention(
     context_lens: torch.Tensor,  # [B] int32, each >= 1
     scale: float,
     *,
+    window: int | None = None,
     max_context_len: int | None = None,
     num_splits: int | None = None,
     block_n: int | None = None,
@@ -333,6 +355,8 @@ def paged_decode_attention(
 ) -> torch.Tensor:  # [B, Hq, D], dtype of q
     """Triton paged decode attention; same contract as `paged_decode_attention_reference`.
 
+    `window`: a sliding window (the reference's meaning); the splits then cover only the
+    window's tokens.
     Keyword-only extras, none needed for correctness:
     - `max_context_len`: an upper bound on `context_lens` known on the host (default:
       `block_tables.shape[1] * block_size`), used only to choose the number of splits; the
@@ -350,6 +374,7 @@ def paged_decode_attention(
     if not HAS_TRITON:
         raise RuntimeError("paged_decode_attention needs Triton; use the reference instead")
     check_decode_args(q, k_cache, v_cache, block_tables, context_lens)
+    window = check_window(window)
     if q.dtype not in _KERNEL_DTYPES:
         raise ValueError(f"the kernel takes {_KERNEL_DTYPES}, got {q.dtype}")
     batch, num_q_heads, head_dim = q.shape
@@ -360,6 +385,7 @@ def paged_decode_attention(
     group = num_q_heads // num_kv_heads
     capacity = block_tables.shape[1] * block_size
     max_ctx = capacity if max_context_len is None else max(1, min(int(max_context_len), capacity))
+    max_ctx = min(max_ctx, window)  # the most tokens one row attends to
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads, max_ctx, q.device)
     default_block_n, default_stages = default_tiling(
@@ -400,6 +426,7 @@ def paged_decode_attention(
         target,
         lse,
         float(scale) * _LOG2E,
+        window,
         partition,
         num_splits,
         *q.stride(),
@@ -425,6 +452,7 @@ def paged_decode_attention(
             lse,
             context_lens,
             out,
+            window,
             num_splits,
             partition,
             target.stride(0),
@@ -442,7 +470,9 @@ def paged_decode_attention(
 
 
 __all__ = [
+    "NO_WINDOW",
     "check_decode_args",
+    "check_window",
     "choose_num_splits",
     "default_tiling",
     "paged_decode_attention",

@@ -2,7 +2,9 @@
 
 The B prompts of a batch are packed along one token axis: prompt b owns tokens
 `cu_seqlens[b] : cu_seqlens[b + 1]` of `q [N, Hq, D]`, `k, v [N, Hkv, D]`. Token i of a prompt
-attends to tokens 0..i of the same prompt only. Query head h reads KV head `h // (Hq // Hkv)`.
+attends to tokens 0..i of the same prompt only; with a sliding `window` W (optional, default
+none) to tokens i-W+1..i only (transformers' `sliding_window`; W >= the prompt is no window).
+Query head h reads KV head `h // (Hq // Hkv)`.
 
 Two implementations with one signature:
 - `prefill_attention_reference`: PyTorch, the oracle (float32 math, one prompt at a time).
@@ -16,6 +18,7 @@ import torch
 
 from kernels._triton import HAS_TRITON, interpret_requested, next_power_of_2, tl, triton
 from kernels.online_softmax import online_softmax_step
+from kernels.paged_attention import check_window
 
 # Decided when this module is imported, like Triton's own choice in `@triton.jit` below.
 INTERPRETED = HAS_TRITON and interpret_requested()
@@ -63,9 +66,12 @@ def prefill_attention_reference(
     cu_seqlens: torch.Tensor,  # [B + 1] int32: 0, len_0, len_0 + len_1, ..., N
     max_seqlen: int,  # >= every prompt length
     scale: float,
+    *,
+    window: int | None = None,  # sliding window: keys i-window+1..i only
 ) -> torch.Tensor:  # [N, Hq, D], dtype of q
     """PyTorch oracle for `prefill_attention`; also checks `cu_seqlens` and `max_seqlen`."""
     check_prefill_args(q, k, v, cu_seqlens)
+    window = check_window(window)
     bounds = cu_seqlens.tolist()
     lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
     if bounds[0] != 0 or bounds[-1] != q.shape[0] or any(n < 0 for n in lengths):
@@ -85,8 +91,9 @@ def prefill_attention_reference(
         ks = k[start:end].to(math_dtype).repeat_interleave(group, dim=1).transpose(0, 1)
         vs = v[start:end].to(math_dtype).repeat_interleave(group, dim=1).transpose(0, 1)
         scores = (qs @ ks.transpose(1, 2)) * scale  # [Hq, L, L]
-        future = torch.ones(length, length, dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(future, float("-inf"))
+        pos = torch.arange(length, device=q.device)
+        hidden = (pos[None, :] > pos[:, None]) | (pos[None, :] <= pos[:, None] - window)  # [L, L]
+        scores = scores.masked_fill(hidden, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[start:end] = (probs @ vs).transpose(0, 1).to(q.dtype)  # [L, Hq, D]
     return out
@@ -100,6 +107,7 @@ def _prefill_kernel(
     out_ptr,  # [N, Hq, D]
     cu_seqlens_ptr,  # [B + 1] int32
     qk_scale,  # softmax scale * log2(e)
+    window,  # sliding window (NO_WINDOW: none): query m sees keys m-window+1..m
     stride_qn,
     stride_qh,
     stride_qd,
@@ -142,7 +150,9 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     hi = tl.minimum(seq_len, m0 + BLOCK_M)  # causal: no key beyond the block's last query
-    for n0 in range(0, hi, BLOCK_N):
+    lo = tl.maximum(m0 - window + 1, 0)  # window: no key before the block's first query's
+    lo = (lo // BLOCK_N) * BLOCK_N
+    for n0 in range(lo, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < seq_len
         cols = (seq_start + n).to(tl.int64)
@@ -152,9 +162,12 @@ def _prefill_kernel(
         k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
         v = tl.load(v_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
         visible = (n[None, :] <= m[:, None]) & n_mask[None, :]  # [BLOCK_M, BLOCK_N]
+        visible = visible & (n[None, :] > m[:, None] - window)
         m_i, l_i, acc = online_softmax_step(q, k, v, visible, qk_scale, m_i, l_i, acc, DOT_FP32)
 
-    out = acc / l_i[:, None]  # every query sees at least key 0 of its prompt: l_i > 0
+    # every real query sees at least itself (l_i > 0); rows past the prompt, which are not
+    # stored, may see nothing under a window
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     out_ptrs = out_ptr + rows[:, None] * stride_on + head * stride_oh + d[None, :] * stride_od
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
@@ -167,6 +180,7 @@ def prefill_attention(
     max_seqlen: int,  # >= every prompt length
     scale: float,
     *,
+    window: int | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
@@ -174,12 +188,13 @@ def prefill_attention(
     """Triton causal ragged prefill attention; same contract as `prefill_attention_reference`.
 
     `cu_seqlens` values are not checked on the device (no synchronization): prompts longer
-    than `max_seqlen` are computed only up to `max_seqlen` queries. `block_m`, `block_n` and
-    `num_warps` are tuning knobs.
+    than `max_seqlen` are computed only up to `max_seqlen` queries. `window`: a sliding
+    window (the reference's meaning). `block_m`, `block_n` and `num_warps` are tuning knobs.
     """
     if not HAS_TRITON:
         raise RuntimeError("prefill_attention needs Triton; use the reference instead")
     check_prefill_args(q, k, v, cu_seqlens)
+    window = check_window(window)
     if q.dtype not in _KERNEL_DTYPES:
         raise ValueError(f"the kernel takes {_KERNEL_DTYPES}, got {q.dtype}")
     num_tokens, num_q_heads, head_dim = q.shape
@@ -197,6 +212,7 @@ def prefill_attention(
         out,
         cu_seqlens,
         float(scale) * _LOG2E,
+        window,
         *q.stride(),
         *k.stride(),
         *v.stride(),

@@ -8,6 +8,8 @@ The branches of `gqa_attention`:
 - paged cache with a mask (prefill): store each row's real K/V in its blocks, then
   attend densely over this step's own tokens, which on a prefill are the whole history;
 - paged cache without a mask (decode, T == 1): store, then the batched paged read.
+Every branch takes an optional sliding `window` W (None: none): the query at position p
+sees only the keys at positions p-W+1 .. p (transformers' `sliding_window` semantics).
 """
 
 from __future__ import annotations
@@ -78,32 +80,39 @@ def dense_attention(q, k, v, allowed: torch.Tensor) -> torch.Tensor:
     return out.transpose(1, 2)
 
 
-def _causal_allowed(valid: torch.Tensor | None, B: int, T: int, offset: int, device) -> torch.Tensor:
-    """[B, T, offset + T] bool: query t sees keys j <= offset + t that are real.
-    A query always sees itself, so pad queries never meet an all-masked row."""
+def _causal_allowed(valid: torch.Tensor | None, B: int, T: int, offset: int, device,
+                    window: int | None = None) -> torch.Tensor:
+    """[B, T, offset + T] bool: query t sees keys j <= offset + t that are real (and, with
+    a window, j > offset + t - window). A query always sees itself, so pad queries never
+    meet an all-masked row."""
     S = offset + T
     qpos = torch.arange(T, device=device)[:, None] + offset
     kpos = torch.arange(S, device=device)[None, :]
-    allowed = (kpos <= qpos).expand(B, T, S)
+    causal = kpos <= qpos
+    if window is not None:
+        causal = causal & (kpos > qpos - window)
+    allowed = causal.expand(B, T, S)
     if valid is not None:
         allowed = allowed & valid[:, None, :]
         allowed = allowed | (kpos == qpos)
     return allowed
 
 
-def _prefill_packed(q, k, v, meta: AttentionMetadata) -> torch.Tensor:
+def _prefill_packed(q, k, v, meta: AttentionMetadata, window: int | None = None) -> torch.Tensor:
     """Ragged causal attention through the prefill kernel: pack the real tokens of a
     right-padded rectangle, attend per sequence (cu_seqlens), scatter back."""
     valid = meta.valid
     out_packed = kernel_backend.prefill_attention(
-        q[valid], k[valid], v[valid], meta.cu_seqlens, meta.max_seqlen, q.shape[-1] ** -0.5
+        q[valid], k[valid], v[valid], meta.cu_seqlens, meta.max_seqlen, q.shape[-1] ** -0.5,
+        window=window,
     )  # [N, Hq, D]
     out = torch.zeros_like(q)
     out[valid] = out_packed
     return out
 
 
-def gqa_attention(q, k, v, layer: int, cache, meta: AttentionMetadata) -> torch.Tensor:
+def gqa_attention(q, k, v, layer: int, cache, meta: AttentionMetadata,
+                  window: int | None = None) -> torch.Tensor:
     from nanoserve.cache import BatchedPagedKVCache, DenseKVCache
     from nanoserve.step_cache import StepCache
 
@@ -111,22 +120,26 @@ def gqa_attention(q, k, v, layer: int, cache, meta: AttentionMetadata) -> torch.
     if isinstance(cache, StepCache):
         cache.write(layer, k, v)
         if not meta.is_prefill:
-            return cache.paged_attention(layer, q[:, 0])[:, None]  # [B, 1, Hq, D]
+            return cache.paged_attention(layer, q[:, 0], window=window)[:, None]  # [B, 1, Hq, D]
         if B != 1 or meta.cu_seqlens is None:
             raise ValueError("a step cache's prefill is packed: input [1, N] with cu_seqlens")
         if cache.block_tables is not None:  # after cached context: attend through the pool
+            if window is not None:
+                raise ValueError("the paged prefill has no sliding window: a windowed model "
+                                 "runs without prefix caching")
             out = kernel_backend.paged_prefill_attention(
                 q[0], cache.pool.k[layer], cache.pool.v[layer], cache.block_tables,
                 meta.cu_seqlens, cache.context_lens, meta.max_seqlen, q.shape[-1] ** -0.5)
         else:
             out = kernel_backend.prefill_attention(q[0], k[0], v[0], meta.cu_seqlens,
-                                                   meta.max_seqlen, q.shape[-1] ** -0.5)
+                                                   meta.max_seqlen, q.shape[-1] ** -0.5,
+                                                   window=window)
         return out[None]  # [1, N, Hq, D]
     if cache is None:
-        return dense_attention(q, k, v, _causal_allowed(meta.valid, B, T, 0, q.device))
+        return dense_attention(q, k, v, _causal_allowed(meta.valid, B, T, 0, q.device, window))
     if isinstance(cache, DenseKVCache):
         keys, values = cache.write(layer, k, v)
-        allowed = _causal_allowed(None, B, T, cache.step_start, q.device)
+        allowed = _causal_allowed(None, B, T, cache.step_start, q.device, window)
         return dense_attention(q, keys, values, allowed)
     if not isinstance(cache, BatchedPagedKVCache):
         raise TypeError(f"unknown cache type {type(cache).__name__}")
@@ -135,9 +148,9 @@ def gqa_attention(q, k, v, layer: int, cache, meta: AttentionMetadata) -> torch.
             raise ValueError("a paged prefill needs the step's valid mask (AttentionMetadata.prefill(valid))")
         cache.write(layer, k, v, meta.valid)
         if meta.cu_seqlens is not None and kernel_backend.use_triton(q.device):
-            return _prefill_packed(q, k, v, meta)
-        return dense_attention(q, k, v, _causal_allowed(meta.valid, B, T, 0, q.device))
+            return _prefill_packed(q, k, v, meta, window)
+        return dense_attention(q, k, v, _causal_allowed(meta.valid, B, T, 0, q.device, window))
     if T != 1:
         raise ValueError(f"a decode step carries one token per row, got {T}")
     cache.write(layer, k, v, None)
-    return cache.paged_attention(layer, q[:, 0])[:, None]  # [B, 1, Hq, D]
+    return cache.paged_attention(layer, q[:, 0], window=window)[:, None]  # [B, 1, Hq, D]

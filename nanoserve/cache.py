@@ -220,9 +220,11 @@ class BatchedPagedKVCache:
         lens = torch.tensor(self.seq_lens, dtype=torch.int32, device=self.pool.device)
         return slots, lens
 
-    def paged_attention(self, layer: int, q: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def paged_attention(self, layer: int, q: torch.Tensor, mask: torch.Tensor | None = None,
+                        *, window: int | None = None) -> torch.Tensor:
         """Batched decode read: q [B, Hq, D] -> [B, Hq, D], each row over its own
-        context. Refuses a mask: after the ragged write, context lengths say it all."""
+        context (its last `window` tokens with a sliding window). Refuses a mask: after
+        the ragged write, context lengths say it all."""
         if mask is not None:
             raise ValueError("the batched decode read takes no mask: context_lens replace it")
         if self._block_tables is None:
@@ -230,7 +232,8 @@ class BatchedPagedKVCache:
             self._context_lens = torch.tensor(self.seq_lens, dtype=torch.int32, device=q.device)
         scale = q.shape[-1] ** -0.5
         return kernel_backend.decode_attention(
-            q, self.pool.k[layer], self.pool.v[layer], self._block_tables, self._context_lens, scale
+            q, self.pool.k[layer], self.pool.v[layer], self._block_tables, self._context_lens, scale,
+            window=window,
         )
 
     def free_row(self, i: int) -> None:

@@ -1,6 +1,17 @@
 """Model configuration: one frozen dataclass, read from a Hugging Face `config.json`
 (transformers 4.x and 5.x spellings) or from GGUF metadata.
 
+The supported families share Llama's skeleton; what differs is a few named options:
+- Llama (`LlamaForCausalLM`): none of them;
+- Qwen2 / Qwen2.5 (`Qwen2ForCausalLM`): `qkv_bias` (biases on q, k and v); a sliding
+  window only when `use_sliding_window`, and then only on the layers
+  `>= max_window_layers` (or those `layer_types` marks `sliding_attention`);
+- Qwen3 (`Qwen3ForCausalLM`): `qk_norm` (RMSNorm over each head of q and k, before the
+  rotary embedding); its window rules are Qwen2's;
+- Mistral (`MistralForCausalLM`): `sliding_window` on every layer when set (v0.1: 4096).
+A window W means what transformers' `sliding_window_overlay` means: the query at position
+p sees the keys at positions p-W+1 .. p (W tokens, itself included).
+
 Invariant: a `ModelConfig` never changes after it is built; derived quantities are
 properties, not stored fields.
 """
@@ -15,7 +26,14 @@ from typing import Any
 
 from nanoserve.errors import ModelError
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+# architecture (config.json's `architectures[0]`) -> its `model_type`
+FAMILIES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 
 
 @dataclass(frozen=True)
@@ -45,6 +63,10 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     architecture: str = "LlamaForCausalLM"
+    qkv_bias: bool = False  # q, k and v projections carry a bias (Qwen2)
+    qk_norm: bool = False  # RMSNorm of each q and k head before rotary (Qwen3)
+    sliding_window: int | None = None  # tokens a query sees, itself included; None: all
+    sliding_window_layers: tuple[int, ...] | None = None  # layers with the window; None: all
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads != 0:
@@ -52,6 +74,16 @@ class ModelConfig:
                 f"num_attention_heads ({self.num_attention_heads}) is not a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ModelError(f"sliding_window must be >= 1, got {self.sliding_window}")
+
+    def attention_window(self, layer: int) -> int | None:
+        """The sliding window of `layer` (keys p-W+1..p seen from position p), or None."""
+        if self.sliding_window is None:
+            return None
+        if self.sliding_window_layers is not None and layer not in self.sliding_window_layers:
+            return None
+        return self.sliding_window
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -60,13 +92,14 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
         """Build from a transformers `config.json` dict (4.x or 5.x keys)."""
-        archs = d.get("architectures") or ["LlamaForCausalLM"]
-        arch = archs[0]
         model_type = d.get("model_type", "llama")
-        if arch not in SUPPORTED_ARCHITECTURES or model_type != "llama":
+        default_arch = {t: a for a, t in FAMILIES.items()}.get(model_type, "LlamaForCausalLM")
+        archs = d.get("architectures") or [default_arch]
+        arch = archs[0]
+        if FAMILIES.get(arch) != model_type:
             raise ModelError(
                 f"unsupported architecture {arch!r} (model_type {model_type!r}); "
-                f"nanoserve runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"nanoserve runs {', '.join(f'{a} ({t})' for a, t in FAMILIES.items())}"
             )
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                     "num_attention_heads"):
@@ -74,6 +107,7 @@ class ModelConfig:
                 raise ModelError(f"config.json has no {key!r}")
         if d.get("attention_bias") or d.get("mlp_bias"):
             raise ModelError("attention_bias / mlp_bias are not supported")
+        window, window_layers = _sliding_window(d, model_type)
         n_heads = d["num_attention_heads"]
         head_dim = d.get("head_dim") or d["hidden_size"] // n_heads
         # 5.x: rope_parameters holds rope_theta and the scaling; 4.x: rope_theta + rope_scaling.
@@ -110,6 +144,10 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             architecture=arch,
+            qkv_bias=model_type == "qwen2",
+            qk_norm=model_type == "qwen3",
+            sliding_window=window,
+            sliding_window_layers=window_layers,
         )
 
     @classmethod
@@ -146,3 +184,26 @@ class ModelConfig:
                 )
                 out.append((1 - smooth) * f / s.factor + smooth * f)
         return out
+
+
+def _sliding_window(d: dict[str, Any], model_type: str) -> tuple[int | None, tuple[int, ...] | None]:
+    """(window, layers that use it) as transformers' config classes derive them."""
+    window = d.get("sliding_window")
+    if model_type == "mistral":  # MistralConfig: every layer, whenever the key is set
+        return (int(window) if window is not None else None), None
+    if model_type not in ("qwen2", "qwen3"):
+        return None, None
+    # Qwen2Config / Qwen3Config: no window unless use_sliding_window; then the layers that
+    # layer_types marks, or by default those from max_window_layers on.
+    if not d.get("use_sliding_window", False) or window is None:
+        return None, None
+    n_layers = int(d["num_hidden_layers"])
+    types = d.get("layer_types")
+    if types is None:
+        first = int(d.get("max_window_layers", 28))
+        layers = tuple(range(first, n_layers))
+    else:
+        if len(types) != n_layers:
+            raise ModelError(f"layer_types has {len(types)} entries for {n_layers} layers")
+        layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    return int(window), layers

@@ -1,11 +1,17 @@
 """Single-file GGUF (llama.cpp) checkpoints: metadata to a `ModelConfig`, tensors to Hugging
 Face `LlamaForCausalLM` names, and the tokenizer metadata.
 
+Architectures (`general.architecture`): `llama` (Llama; llama.cpp also writes Mistral as
+`llama`, without its sliding window), `qwen2` (q/k/v biases) and `qwen3` (`attn_q_norm` /
+`attn_k_norm`), tensor names as the gguf package's constants give them.
+
 GGUF facts this module relies on:
 - tensor shapes are listed innermost-first; numpy arrays from `GGUFReader` are already
   outermost-first (a `[d_out, d_in]` weight is listed as `(d_in, d_out)`);
-- llama.cpp permutes the rows of `attn_q` / `attn_k` per head for its rotary layout
-  (interleaved pairs); `_unpermute_rows` undoes it (n_head for q, n_kv_head for k);
+- for `llama` only, llama.cpp permutes the rows of `attn_q` / `attn_k` per head for its
+  rotary layout (interleaved pairs); `_unpermute_rows` undoes it (n_head for q, n_kv_head
+  for k); Qwen files keep Hugging Face's row order;
+- metadata keys are prefixed by the architecture (`qwen2.embedding_length`);
 - there is no `output.weight` when the LM head is tied to the embedding.
 
 `GGUFReader` memory-maps the file: a tensor is read (and dequantized) only when converted.
@@ -39,12 +45,20 @@ _LAYER_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# GGUF architecture -> (transformers architecture, model_type)
+_GGUF_ARCHS = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+}
 
 _STORED_DTYPES = {  # GGUF types read as they are, no dequantization
     GGMLQuantizationType.F32: torch.float32,
@@ -93,25 +107,26 @@ def hf_name(gguf_name: str) -> str | None:
         return _GLOBAL_NAMES[gguf_name]
     m = _LAYER_RE.fullmatch(gguf_name)
     if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.weight"
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
     return None
 
 
 def gguf_config_dict(reader: GGUFReader, path: str | Path = "") -> dict[str, Any]:
     """The GGUF metadata as a transformers-style `config.json` dict (5.x spelling)."""
     arch = _field(reader, "general.architecture")
-    if arch != "llama":
+    if arch not in _GGUF_ARCHS:
         raise ModelError(
-            f"{path}: GGUF architecture {arch!r} is not supported; nanoserve runs 'llama'"
+            f"{path}: GGUF architecture {arch!r} is not supported; nanoserve runs "
+            f"{', '.join(repr(a) for a in _GGUF_ARCHS)}"
         )
     names = {t.name for t in reader.tensors}
 
     def meta(key: str, default: Any = None) -> Any:
-        return _field(reader, f"llama.{key}", default)
+        return _field(reader, f"{arch}.{key}", default)
 
     for key in ("embedding_length", "block_count", "feed_forward_length", "attention.head_count"):
         if meta(key) is None:
-            raise ModelError(f"{path}: GGUF metadata has no 'llama.{key}'")
+            raise ModelError(f"{path}: GGUF metadata has no '{arch}.{key}'")
     scaling = meta("rope.scaling.type", "none")
     if scaling not in ("none", None) or "rope_freqs.weight" in names:
         raise ModelError(
@@ -133,9 +148,12 @@ def gguf_config_dict(reader: GGUFReader, path: str | Path = "") -> dict[str, Any
         vocab = len(tokens.data) if tokens is not None else None
     if vocab is None:
         raise ModelError(f"{path}: GGUF metadata gives no vocabulary size")
+    hf_arch, model_type = _GGUF_ARCHS[arch]
+    if arch == "qwen2" and "blk.0.attn_q.bias" not in names:
+        raise ModelError(f"{path}: a qwen2 GGUF needs q/k/v biases (blk.0.attn_q.bias)")
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [hf_arch],
+        "model_type": model_type,
         "vocab_size": vocab,
         "hidden_size": hidden,
         "intermediate_size": meta("feed_forward_length"),
@@ -147,7 +165,8 @@ def gguf_config_dict(reader: GGUFReader, path: str | Path = "") -> dict[str, Any
         "rms_norm_eps": meta("attention.layer_norm_rms_epsilon", 1e-5),
         "rope_parameters": {"rope_type": "default", "rope_theta": meta("rope.freq_base", 10000.0)},
         "tie_word_embeddings": "output.weight" not in names,
-        "attention_bias": "blk.0.attn_q.bias" in names,
+        # Qwen2's q/k/v biases are the family's own; elsewhere a bias is unsupported
+        "attention_bias": arch != "qwen2" and "blk.0.attn_q.bias" in names,
         "mlp_bias": "blk.0.ffn_up.bias" in names,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
@@ -155,7 +174,7 @@ def gguf_config_dict(reader: GGUFReader, path: str | Path = "") -> dict[str, Any
 
 
 def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Read a llama GGUF file: its config and its tensors under Hugging Face names (names
+    """Read a llama / qwen2 / qwen3 GGUF file: its config and its tensors under Hugging Face names (names
     nanoserve does not use are skipped without being read). Shapes are not checked here."""
     path = Path(path)
     reader = open_gguf(path)
@@ -166,7 +185,9 @@ def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         if name is None:
             continue
         w = _to_torch(t, path)  # [outermost, ..., innermost]
-        if name.endswith("q_proj.weight"):
+        if config.architecture != "LlamaForCausalLM":
+            pass  # only llama.cpp's llama converter permutes q/k rows
+        elif name.endswith("q_proj.weight"):
             w = _unpermute_rows(w, config.num_attention_heads, f"{path}: {t.name}")
         elif name.endswith("k_proj.weight"):
             w = _unpermute_rows(w, config.num_key_value_heads, f"{path}: {t.name}")

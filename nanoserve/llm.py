@@ -65,7 +65,8 @@ class LLM:
         either way (held to that by the tests).
         enable_prefix_caching: with the continuous scheduler, a prompt's leading full blocks
         that the pool already holds (an earlier row's same prefix) are reused, not
-        prefilled again (nanoserve/prefix_cache.py); the static scheduler never shares."""
+        prefilled again (nanoserve/prefix_cache.py); the static scheduler never shares, nor
+        does a model with a sliding window."""
         self.enable_prefix_caching = enable_prefix_caching
         if scheduler not in SCHEDULERS:
             raise NanoserveError(f"scheduler must be one of {', '.join(SCHEDULERS)}, "
@@ -83,6 +84,10 @@ class LLM:
         self.model = build_model(config, state_dict, self.dtype, self.device)
         del state_dict
         self.config = config
+        if any(config.attention_window(i) is not None for i in range(config.num_hidden_layers)):
+            # The paged prefill after a cache hit has no sliding window: such a model
+            # prefills every prompt whole (the tokens are the same either way).
+            self.enable_prefix_caching = False
         self.eos_token_ids = tuple(sorted(set(config.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
         self.max_batch_size = max_batch_size
         if kv_cache_bytes is None:

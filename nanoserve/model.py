@@ -1,8 +1,14 @@
-"""The Llama forward pass in PyTorch.
+"""The Llama forward pass in PyTorch, and the families that share its skeleton.
 
 One file, one model: token embedding, RMSNorm, rotary embeddings (plain or llama3
 scaled), grouped-query attention, SwiGLU MLP, tied or untied LM head. Parameter names
-equal transformers' `LlamaForCausalLM` state dict, so a checkpoint loads by name.
+equal transformers' `LlamaForCausalLM` state dict (and its Qwen2/Qwen3/Mistral twins,
+which use the same names), so a checkpoint loads by name.
+
+Family differences are the config's named options, applied in `LlamaAttention` only:
+`qkv_bias` (Qwen2: biases on q/k/v), `qk_norm` (Qwen3: `q_norm`/`k_norm`, an RMSNorm over
+head_dim applied to every head before rotary), and `attention_window(layer)` (Mistral,
+Qwen2/3 with use_sliding_window: the layer's sliding window, passed to the attention).
 
 The forward is explicit: token ids, absolute positions, a KV cache and the step's
 `AttentionMetadata` come in as arguments; nothing is kept in module-level state.
@@ -83,15 +89,22 @@ class LlamaAttention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
+        self.window = config.attention_window(layer_idx)  # None: full causal attention
         d, D = config.hidden_size, config.head_dim
-        self.q_proj = nn.Linear(d, self.num_heads * D, bias=False)
-        self.k_proj = nn.Linear(d, self.num_kv_heads * D, bias=False)
-        self.v_proj = nn.Linear(d, self.num_kv_heads * D, bias=False)
+        bias = config.qkv_bias
+        self.q_proj = nn.Linear(d, self.num_heads * D, bias=bias)
+        self.k_proj = nn.Linear(d, self.num_kv_heads * D, bias=bias)
+        self.v_proj = nn.Linear(d, self.num_kv_heads * D, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * D, d, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(D, config.rms_norm_eps)
+            self.k_norm = RMSNorm(D, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by fuse()
 
     def fuse(self) -> None:
-        """q, k and v projections as one GEMM (see `_fuse_rows`)."""
+        """q, k and v projections (and their biases) as one GEMM (see `_fuse_rows`)."""
         self.qkv = _fuse_rows(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(self, x, cos, sin, cache, meta: AttentionMetadata) -> torch.Tensor:
@@ -100,11 +113,15 @@ class LlamaAttention(nn.Module):
         if self.qkv is None:
             self.fuse()
         qkv = F.linear(x, *self.qkv).view(B, T, Hq + 2 * Hkv, D)
-        # Rotary on q and k at once: their heads are neighbours in the fused output.
-        qk = apply_rotary(qkv[:, :, :Hq + Hkv], cos, sin)  # [B, T, Hq + Hkv, D]
-        q, k = qk[:, :, :Hq], qk[:, :, Hq:]  # [B, T, Hq, D], [B, T, Hkv, D]
         v = qkv[:, :, Hq + Hkv:]  # [B, T, Hkv, D]
-        out = gqa_attention(q, k, v, self.layer_idx, cache, meta)  # [B, T, Hq, D]
+        if self.q_norm is not None:  # per head, over D, before rotary
+            q = apply_rotary(self.q_norm(qkv[:, :, :Hq]), cos, sin)  # [B, T, Hq, D]
+            k = apply_rotary(self.k_norm(qkv[:, :, Hq:Hq + Hkv]), cos, sin)  # [B, T, Hkv, D]
+        else:  # rotary on q and k at once: their heads are neighbours in the fused output
+            qk = apply_rotary(qkv[:, :, :Hq + Hkv], cos, sin)  # [B, T, Hq + Hkv, D]
+            q, k = qk[:, :, :Hq], qk[:, :, Hq:]
+        out = gqa_attention(q, k, v, self.layer_idx, cache, meta,
+                            window=self.window)  # [B, T, Hq, D]
         return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
 
 

@@ -44,10 +44,11 @@ class StepCache:
         k, v = k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:])
         kernel_backend.store_kv(k, v, self.pool.k[layer], self.pool.v[layer], self.slot_mapping)
 
-    def paged_attention(self, layer: int, q: torch.Tensor, mask: torch.Tensor | None = None
-                        ) -> torch.Tensor:
+    def paged_attention(self, layer: int, q: torch.Tensor, mask: torch.Tensor | None = None, *,
+                        window: int | None = None) -> torch.Tensor:
+        """window: the layer's sliding window (None: the whole context)."""
         if mask is not None or self.block_tables is None:
             raise ValueError("the decode read needs block tables and context lengths, no mask")
         return kernel_backend.decode_attention(
             q, self.pool.k[layer], self.pool.v[layer], self.block_tables, self.context_lens,
-            q.shape[-1] ** -0.5, max_context_len=self.max_context_len)
+            q.shape[-1] ** -0.5, max_context_len=self.max_context_len, window=window)

@@ -32,4 +32,52 @@ def save_tiny_llama(folder: str | Path, tokenizer_source: str | Path) -> Path:
     return folder
 
 
-__all__ = ["save_tiny_llama"]
+def save_tiny_family(folder: str | Path, family: str, tokenizer_source: str | Path, *,
+                     sliding_window: int | None = None, chat_template: str | None = None,
+                     special_tokens: dict[str, str] | None = None,
+                     eos_tokens: tuple[str, ...] = ()) -> Path:
+    """A tiny random checkpoint of `family` ('qwen2', 'qwen3' or 'mistral'; hidden 64,
+    2 layers, GQA 4:2, untied, seed 0, random norm weights and biases) through transformers'
+    own class, with the tokenizer of `tokenizer_source`. `sliding_window`: Mistral's on
+    every layer; Qwen's (use_sliding_window) on layer 1 only. `chat_template` and
+    `special_tokens` ({'bos_token': ..., 'eos_token': ...}) go into tokenizer_config.json,
+    `eos_tokens` (token strings) into generation_config.json."""
+    import json
+
+    import torch
+    import transformers
+
+    from nanoserve.tokenizer import Tokenizer
+
+    names = {"qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}
+    config_cls = getattr(transformers, f"{names[family]}Config")
+    model_cls = getattr(transformers, f"{names[family]}ForCausalLM")
+    folder = Path(folder)
+    tok = Tokenizer.from_path(tokenizer_source)
+    window = {"sliding_window": sliding_window}
+    if family != "mistral":
+        window.update(use_sliding_window=sliding_window is not None, max_window_layers=1)
+    torch.manual_seed(0)
+    cfg = config_cls(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128,
+                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=16, max_position_embeddings=512, tie_word_embeddings=False,
+                     bos_token_id=1, eos_token_id=2, **window)
+    model = model_cls(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+    model.save_pretrained(folder)
+    tok.backend.save(str(folder / "tokenizer.json"))
+    tokenizer_config = dict(special_tokens or {})
+    if chat_template is not None:
+        tokenizer_config["chat_template"] = chat_template
+    if tokenizer_config:
+        (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    if eos_tokens:
+        ids = [tok.token_to_id(t) for t in eos_tokens]
+        (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": ids}))
+    return folder
+
+
+__all__ = ["save_tiny_family", "save_tiny_llama"]

@@ -46,6 +46,13 @@ _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Qwen2's regex (llama.cpp's QWEN2 rule, also Qwen2.5's and Qwen3's): Llama 3's with every
+# number character on its own, then bytes without a further regex.
+_QWEN2 = "qwen2"
+_SPLITS = {
+    _LLAMA3: _LLAMA3_SPLIT,
+    _QWEN2: _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}"),
+}
 
 _PRE_TOKENIZER_RULES = {
     None: _GPT2,  # files written before `tokenizer.ggml.pre` existed
@@ -59,6 +66,8 @@ _PRE_TOKENIZER_RULES = {
     "llama-v3": _LLAMA3,
     "smaug-bpe": _LLAMA3,
     "falcon3": _LLAMA3,
+    "qwen2": _QWEN2,
+    "deepseek-r1-qwen": _QWEN2,
 }
 
 # GGUF metadata keys read here (llama.cpp names).
@@ -443,9 +452,9 @@ def _pre_tokenizer(rule: str) -> pre_tokenizers.PreTokenizer:
             pre_tokenizers.Digits(individual_digits=True),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
         ])
-    if rule == _LLAMA3:
+    if rule in _SPLITS:
         return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.Split(Regex(_SPLITS[rule]), behavior="isolated", invert=False),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ])
     raise AssertionError(f"unknown pre-tokenizer rule {rule!r}")  # the table is ours

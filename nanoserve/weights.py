@@ -27,7 +27,8 @@ INDEX_FILE = "model.safetensors.index.json"
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor a checkpoint must provide for `config`, by Hugging Face name, with its
-    shape. `lm_head.weight` only when the head is not tied to the embedding."""
+    shape. `lm_head.weight` only when the head is not tied to the embedding; q/k/v biases
+    with `qkv_bias` (Qwen2), `q_norm`/`k_norm` weights with `qk_norm` (Qwen3)."""
     d, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
     q_dim = config.num_attention_heads * config.head_dim
     kv_dim = config.num_key_value_heads * config.head_dim
@@ -39,6 +40,13 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[p + "self_attn.k_proj.weight"] = (kv_dim, d)
         shapes[p + "self_attn.v_proj.weight"] = (kv_dim, d)
         shapes[p + "self_attn.o_proj.weight"] = (d, q_dim)
+        if config.qkv_bias:
+            shapes[p + "self_attn.q_proj.bias"] = (q_dim,)
+            shapes[p + "self_attn.k_proj.bias"] = (kv_dim,)
+            shapes[p + "self_attn.v_proj.bias"] = (kv_dim,)
+        if config.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (config.head_dim,)
+            shapes[p + "self_attn.k_norm.weight"] = (config.head_dim,)
         shapes[p + "post_attention_layernorm.weight"] = (d,)
         shapes[p + "mlp.gate_proj.weight"] = (i, d)
         shapes[p + "mlp.up_proj.weight"] = (i, d)

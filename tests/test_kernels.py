@@ -326,6 +326,66 @@ def test_paged_prefill_reference_checks_lengths():
         paged_prefill_attention_reference(q3, two, two, tables, cu, lens, 5, 1.0)
 
 
+def _sliding_allowed(length: int, window: int) -> torch.Tensor:
+    """[L, L] bool from transformers' own mask function: query i may attend key j."""
+    from transformers.masking_utils import sliding_window_causal_mask_function
+
+    allow = sliding_window_causal_mask_function(window)
+    pos = torch.arange(length)
+    return allow(torch.tensor(0), torch.tensor(0), pos[:, None], pos[None, :]).expand(length, length)
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 1000])
+def test_decode_reference_window_matches_transformers_mask(window):
+    """Row of length n: its query (position n - 1) sees exactly the keys transformers'
+    sliding-window mask allows; a window longer than the context equals no window."""
+    (q, k_cache, v_cache, tables, lens), _ = make_decode_case(
+        seed=21, context_lens=[1, 5, 17, 40], num_kv_heads=2, group=3, head_dim=16,
+        block_size=16, dtype=torch.float64,
+    )  # fmt: skip
+    out = paged_decode_attention_reference(q, k_cache, v_cache, tables, lens, 0.3, window=window)
+    for row, n in enumerate(lens.tolist()):
+        seen = _sliding_allowed(n, window)[n - 1]  # [n]
+        slots = [(int(tables[row, t // 16]), t % 16) for t in range(n) if seen[t]]
+        k = torch.stack([k_cache[b, o] for b, o in slots]).repeat_interleave(3, 1).transpose(0, 1)
+        v = torch.stack([v_cache[b, o] for b, o in slots]).repeat_interleave(3, 1).transpose(0, 1)
+        expected = F.scaled_dot_product_attention(q[row][:, None, :], k, v, scale=0.3)
+        torch.testing.assert_close(out[row], expected[:, 0, :])
+    if window >= 40:
+        no_window = paged_decode_attention_reference(q, k_cache, v_cache, tables, lens, 0.3)
+        torch.testing.assert_close(out, no_window, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("window", [1, 4, 9, 64])
+def test_prefill_reference_window_matches_transformers_mask(window):
+    lengths = [1, 7, 0, 20]
+    q, k, v, cu = make_prefill_case(
+        seed=22, lengths=lengths, num_kv_heads=2, group=2, head_dim=16, dtype=torch.float64
+    )
+    out = prefill_attention_reference(q, k, v, cu, max(lengths), 0.2, window=window)
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        if a == b:
+            continue
+        ks = k[a:b].repeat_interleave(2, dim=1).transpose(0, 1)
+        vs = v[a:b].repeat_interleave(2, dim=1).transpose(0, 1)
+        expected = F.scaled_dot_product_attention(
+            q[a:b].transpose(0, 1), ks, vs, attn_mask=_sliding_allowed(b - a, window), scale=0.2
+        )
+        torch.testing.assert_close(out[a:b], expected.transpose(0, 1))
+    if window >= max(lengths):
+        no_window = prefill_attention_reference(q, k, v, cu, max(lengths), 0.2)
+        torch.testing.assert_close(out, no_window, atol=0, rtol=0)
+
+
+def test_window_must_be_positive():
+    q, k, v, cu = make_prefill_case(
+        seed=5, lengths=[3], num_kv_heads=1, group=1, head_dim=8, dtype=torch.float32
+    )
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="window must be a positive int"):
+            prefill_attention_reference(q, k, v, cu, 3, 1.0, window=bad)
+
+
 def test_store_kv_reference_writes_each_slot_and_skips_negative_ones():
     gen = torch.Generator().manual_seed(6)
     k = torch.randn((5, 2, 8), generator=gen)
@@ -607,6 +667,61 @@ def test_interp_prefill_kernel_matches_reference(interp, group, head_dim, dtype,
     )
     assert out.shape == q.shape and out.dtype == dtype
     assert_close(out, expected, dtype)
+
+
+def _poison_outside_window(cache, tables, lens, window, block_size):
+    """A copy of `cache` with NaN in each row's real slots that lie before its window: a
+    kernel that loads one of them (even to mask it afterwards) returns NaN."""
+    poisoned = cache.clone()
+    for row, n in enumerate(lens.tolist()):
+        for t in range(max(0, n - window)):
+            poisoned[int(tables[row, t // block_size]), t % block_size] = float("nan")
+    return poisoned
+
+
+@pytest.mark.parametrize("window", [1, 5, 37, 10_000])
+def test_interp_decode_kernel_window_matches_reference(interp, window):
+    """Windows of one token, inside a block, across blocks, and longer than every context;
+    one program per row and split-K (partitions over the window only); tokens before the
+    window are never loaded."""
+    paged = interp["paged_attention"]
+    (q, k_cache, v_cache, tables, lens), _ = make_decode_case(
+        seed=31 + window, context_lens=[1, 6, 40, 77], num_kv_heads=2, group=4, head_dim=64,
+        block_size=16, dtype=torch.float32,
+    )  # fmt: skip
+    expected = paged_decode_attention_reference(
+        q, k_cache, v_cache, tables, lens, 0.125, window=window
+    )
+    k_bad = _poison_outside_window(k_cache, tables, lens, window, 16)
+    v_bad = _poison_outside_window(v_cache, tables, lens, window, 16)
+    for splits, block_n in ((1, 16), (3, 16), (None, None)):
+        out = paged.paged_decode_attention(
+            q, k_bad, v_bad, tables, lens, 0.125, window=window, num_splits=splits,
+            block_n=block_n,
+        )  # fmt: skip
+        assert_close(out, expected, torch.float32)
+    if window >= 77:
+        plain = paged.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125)
+        torch.testing.assert_close(out, plain, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("window,block_m,block_n", [(1, 16, 16), (5, 16, 32), (23, 32, 16),
+                                                    (500, None, None)])
+def test_interp_prefill_kernel_window_matches_reference(interp, window, block_m, block_n):
+    prefill = interp["prefill_attention"]
+    lengths = [1, 64, 0, 45, 9]
+    q, k, v, cu = make_prefill_case(
+        seed=40 + window, lengths=lengths, num_kv_heads=2, group=2, head_dim=64,
+        dtype=torch.float32,
+    )  # fmt: skip
+    expected = prefill_attention_reference(q, k, v, cu, max(lengths), 0.125, window=window)
+    out = prefill.prefill_attention(
+        q, k, v, cu, max(lengths), 0.125, window=window, block_m=block_m, block_n=block_n
+    )
+    assert_close(out, expected, torch.float32)
+    if window >= max(lengths):
+        plain = prefill.prefill_attention(q, k, v, cu, max(lengths), 0.125)
+        torch.testing.assert_close(out, plain, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize(

@@ -305,3 +305,65 @@ def test_paged_prefill_kernel_without_cache_equals_prefill_kernel():
                    for i, n in enumerate(new)])  # fmt: skip
     expected = prefill_attention(q, k, v, cu, max(new), 0.125)
     assert_close(paged_prefill_kernel(*args, max(new), 0.125), expected, torch.bfloat16)
+
+
+# --- sliding window ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("window", [1, 100, 4096, 1_000_000])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_decode_kernel_window_matches_reference(window, dtype):
+    """Windows of one token, shorter than most rows, Mistral v0.1's 4096 (some rows longer,
+    some shorter), longer than every row (equals no window); one program per (row, KV head),
+    split-K over the window, the heuristic; tokens before a row's window are never loaded
+    (NaN there would reach the output)."""
+    lens = [1, 99, 100, 101, 4095, 4097, 9000, *ragged_lengths(window, 13, 16, longest=6000)]
+    (q, k_cache, v_cache, tables, ctx), real = make_decode_case(
+        seed=window % 1000, context_lens=lens, num_kv_heads=4, group=4, head_dim=128,
+        block_size=16, dtype=dtype,
+    )  # fmt: skip
+    scale = 1.0 / math.sqrt(128)
+    expected = paged_decode_attention_reference(
+        q, k_cache, v_cache, tables, ctx, scale, window=window
+    )
+    before = torch.zeros_like(real)  # real slots before their row's window
+    for row, n in enumerate(lens):
+        for t in range(max(0, n - window)):
+            before[int(tables[row, t // 16]), t % 16] = True
+    k_bad = k_cache.masked_fill(before[:, :, None, None], float("nan"))
+    v_bad = v_cache.masked_fill(before[:, :, None, None], float("nan"))
+    for splits in (None, 1, 5):
+        out = paged_decode_attention(
+            q, k_bad, v_bad, tables, ctx, scale, window=window, num_splits=splits
+        )
+        assert_close(out, expected, dtype)
+    if window >= max(lens):
+        plain = paged_decode_attention(q, k_cache, v_cache, tables, ctx, scale, num_splits=5)
+        windowed = paged_decode_attention(
+            q, k_cache, v_cache, tables, ctx, scale, window=window, num_splits=5
+        )
+        assert torch.equal(plain, windowed)
+    assert_close(
+        decode_attention(q, k_cache, v_cache, tables, ctx, scale, window=window), expected, dtype
+    )
+
+
+@pytest.mark.parametrize("window", [1, 37, 256, 4096])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_prefill_kernel_window_matches_reference(window, dtype):
+    gen = torch.Generator().manual_seed(window)
+    lengths = [1, 64, 128, 0, 1000, 5000, *torch.randint(2, 600, (5,), generator=gen).tolist()]
+    n = sum(lengths)
+    q = torch.randn((n, 16, 128), generator=gen).to(dtype).to(DEVICE)
+    k = torch.randn((n, 4, 128), generator=gen).to(dtype).to(DEVICE)
+    v = torch.randn((n, 4, 128), generator=gen).to(dtype).to(DEVICE)
+    cu = torch.tensor(
+        [0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE
+    )
+    scale = 1.0 / math.sqrt(128)
+    expected = prefill_attention_reference(q, k, v, cu, max(lengths), scale, window=window)
+    for block_m, block_n in ((None, None), (32, 16)):
+        out = prefill_attention(
+            q, k, v, cu, max(lengths), scale, window=window, block_m=block_m, block_n=block_n
+        )
+        assert_close(out, expected, dtype)

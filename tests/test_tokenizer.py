@@ -499,8 +499,21 @@ def test_gguf_llama3_rule_and_bos_match_transformers(gguf_vocab, tmp_path):
     assert tok.encode("hi")[0] == 1
 
 
+def test_gguf_qwen2_rule_matches_transformers(gguf_vocab, tmp_path):
+    """A file naming Qwen2's pre-tokenizer (Qwen2, Qwen2.5 and Qwen3 GGUF files): numbers
+    split one character each, unlike Llama 3's groups of up to three."""
+    from transformers import AutoTokenizer
+
+    path = _write_tokenizer_gguf(tmp_path / "tok.gguf", gguf_vocab, pre="qwen2")
+    oracle = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name, local_files_only=True)
+    tok = Tokenizer.from_path(path)
+    for text in CORPUS + NUMBER_CASES:
+        assert tok.encode(text) == oracle.encode(text)
+    assert len(tok.encode("12345", add_special_tokens=False)) == 5
+
+
 @pytest.mark.parametrize("model, pre, message", [
-    ("gpt2", "qwen2", "pre-tokenizer 'qwen2' is not supported"),
+    ("gpt2", "tekken", "pre-tokenizer 'tekken' is not supported"),
     ("llama", "default", "tokenizer model 'llama' is not supported"),
 ])
 def test_unsupported_gguf_tokenizers_are_model_errors(gguf_vocab, tmp_path, model, pre, message):

@@ -244,7 +244,8 @@ def test_gguf_non_llama_architecture_is_refused(tmp_path):
     writer.add_block_count(2)
     writer.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
     _finish(writer)
-    with pytest.raises(ModelError, match=r"GGUF architecture 'gpt2' is not supported"):
+    with pytest.raises(ModelError, match=r"GGUF architecture 'gpt2' is not supported; "
+                                         r"nanoserve runs 'llama', 'qwen2', 'qwen3'"):
         load_checkpoint(path)
 
 
@@ -446,16 +447,20 @@ def test_pickle_only_folder_is_refused(check, tiny_hf, tmp_path):
 @pytest.mark.parametrize(
     "change, expected",
     [
-        ({"architectures": ["MistralForCausalLM"], "model_type": "mistral"}, "MistralForCausalLM"),
+        ({"architectures": ["GemmaForCausalLM"], "model_type": "gemma"}, "GemmaForCausalLM"),
         ({"architectures": ["LlamaForCausalLM"], "model_type": "gpt2"}, "gpt2"),
+        ({"architectures": ["Qwen2ForCausalLM"], "model_type": "llama"}, "Qwen2ForCausalLM"),
     ],
 )
 def test_unknown_architecture_is_refused(check, tiny_hf, tmp_path, change, expected):
     folder = _copy(tiny_hf[1] / "single", tmp_path / "m")
     d = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**d, **change}))
-    with pytest.raises(ModelError, match=rf"unsupported architecture .*{expected}"):
+    supported = ("LlamaForCausalLM (llama), MistralForCausalLM (mistral), "
+                 "Qwen2ForCausalLM (qwen2), Qwen3ForCausalLM (qwen3)")
+    with pytest.raises(ModelError, match=rf"unsupported architecture .*{expected}") as e:
         check(folder)
+    assert str(e.value).endswith(f"nanoserve runs {supported}")
 
 
 def test_no_such_checkpoint_is_refused(check, tmp_path):
