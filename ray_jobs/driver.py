@@ -79,6 +79,7 @@ from ray_jobs.worker import (
 )
 
 MAX_BATCH_ATTEMPTS = 2  # deaths of its worker a batch may cause before it is cut in halves
+PREFIX_KEY_TOKENS = 32  # leading prompt tokens that name a piece's prefix for dispatch
 DEATH_SETTLE_TIMEOUT_S = 60.0  # wait for the other tasks of a dead actor to end
 
 
@@ -234,6 +235,11 @@ class _Piece:
     suspect: bool = False
     deaths: int = 0  # worker deaths blamed on this piece
 
+    def prefix(self) -> tuple[int, ...]:
+        """The leading tokens of its first row: pieces that share them go, where loads are
+        equal, to the same worker, whose prefix cache then already holds them."""
+        return tuple(self.pending.batch.rows[self.rows[0]].prompt_token_ids[:PREFIX_KEY_TOKENS])
+
     def requests(self) -> list[GenerationRequest]:
         rows = self.pending.batch.rows
         return [GenerationRequest(rows[i].prompt_token_ids, rows[i].params) for i in self.rows]
@@ -341,7 +347,8 @@ class _JobRun:
         when the first piece is ready to go."""
         if self.pool is None:
             self.pool = self.start_pool()
-        return self.pool.pick(piece.suspect, self.opts.max_in_flight_per_worker)
+        return self.pool.pick(piece.suspect, self.opts.max_in_flight_per_worker,
+                              piece.prefix())
 
     def _admit(self, batch: Batch) -> None:
         """Skip a batch an earlier run wrote (unless it is to be retried), write an error
@@ -362,6 +369,7 @@ class _JobRun:
         ref = worker.handle.run_batch.remote(piece.requests())
         worker.in_flight += 1
         worker.holds_suspect = piece.suspect
+        worker.last_prefix = piece.prefix()
         self.sent += 1
         self.in_flight[ref] = _Sent(piece, index, self.sent)
 

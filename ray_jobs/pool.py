@@ -72,6 +72,7 @@ class WorkerSlot:
     result_s: list[float] = field(default_factory=list)  # ... to each of its results
     alive: bool = True
     holds_suspect: bool = False  # running a suspect piece, which it runs alone
+    last_prefix: tuple[int, ...] = ()  # the leading tokens of the last piece sent to it
 
 
 class WorkerPool:
@@ -272,10 +273,12 @@ class WorkerPool:
             f"{str(info.get('node_id', '?'))[:12]} (GPU ids {info.get('gpu_ids')}); "
             f"{self.num_alive()} worker(s) now")
 
-    def pick(self, alone: bool, limit: int) -> int | None:
-        """The live worker with the fewest pieces in flight (ties: lowest index) that can
-        take one more: `alone`, an idle one; else one holding fewer than `limit` pieces
-        and no suspect. None if none can now; NanoserveError when none is alive."""
+    def pick(self, alone: bool, limit: int, prefix: tuple[int, ...] = ()) -> int | None:
+        """The live worker with the fewest pieces in flight that can take one more: `alone`,
+        an idle one; else one holding fewer than `limit` pieces and no suspect. Ties go to
+        the worker whose last piece began with the same `prefix` tokens (its prefix cache
+        likely holds them), then to the lowest index. None if none can now;
+        NanoserveError when none is alive."""
         alive = [i for i, w in enumerate(self.workers) if w.alive]
         if not alive:
             raise NanoserveError("no worker is left; the job stopped (rerun it to resume)")
@@ -284,7 +287,9 @@ class WorkerPool:
         else:
             free = [i for i in alive
                     if self.workers[i].in_flight < limit and not self.workers[i].holds_suspect]
-        return min(free, key=lambda i: (self.workers[i].in_flight, i)) if free else None
+        return min(free, key=lambda i: (self.workers[i].in_flight,
+                                        not prefix or self.workers[i].last_prefix != prefix,
+                                        i)) if free else None
 
     def lost_nodes(self) -> tuple[str, ...]:
         """One line per node lost with workers on it, e.g. 'node 3f2a9c1e07b4 (10.0.0.7,

@@ -1,0 +1,40 @@
+"""Which worker a piece goes to (`WorkerPool.pick`): the least loaded, and among equally
+loaded ones the worker whose last piece began with the same tokens (prefix affinity)."""
+
+from __future__ import annotations
+
+import pytest
+
+from nanoserve.errors import NanoserveError
+from ray_jobs.pool import WorkerPool, WorkerSlot
+from ray_jobs.timeline import Timeline
+
+A, B = (1, 2, 3), (4, 5, 6)
+
+
+def pool_of(loads, prefixes):
+    pool = WorkerPool(None, {}, 1.0, Timeline(0.0))
+    for load, prefix in zip(loads, prefixes):
+        pool.workers.append(WorkerSlot(None, {}, in_flight=load, last_prefix=prefix))
+    return pool
+
+
+def test_equal_loads_prefer_the_worker_that_last_ran_the_prefix():
+    pool = pool_of([1, 1, 1], [A, B, A])
+    assert pool.pick(False, 2, B) == 1
+    assert pool.pick(False, 2, A) == 0
+    assert pool.pick(False, 2, (9,)) == 0  # nobody has it: lowest index
+    assert pool.pick(False, 2, ()) == 0
+
+
+def test_affinity_never_outweighs_load_or_limits():
+    pool = pool_of([1, 0], [A, B])
+    assert pool.pick(False, 2, A) == 1  # the idle worker, though worker 0 ran A
+    pool = pool_of([2, 1], [A, B])
+    assert pool.pick(False, 2, A) == 1  # worker 0 is full
+    assert pool.pick(True, 2, A) is None  # alone: only an idle worker
+    pool.workers[1].alive = False
+    assert pool.pick(False, 2, A) is None
+    pool.workers[0].alive = False
+    with pytest.raises(NanoserveError, match="no worker is left"):
+        pool.pick(False, 2, A)
