@@ -1,7 +1,7 @@
 """The one place that chooses between the Triton kernels and their PyTorch references.
 
 The engine calls only `decode_attention`, `prefill_attention`, `paged_prefill_attention`,
-`store_kv`, `rms_norm` and `silu_and_mul` from here.
+`store_kv`, `rms_norm`, `add_rms_norm`, `rotary` and `silu_and_mul` from here.
 `use_triton(device)` is the rule (`NANOSERVE_KERNELS=reference` forces the references
 everywhere, for side-by-side checks of the two paths):
 - CUDA: the Triton kernels whenever Triton is installed;
@@ -29,8 +29,11 @@ from kernels.paged_prefill import paged_prefill_attention as _paged_prefill_trit
 from kernels.paged_prefill import paged_prefill_attention_reference
 from kernels.prefill_attention import prefill_attention as _prefill_attention_triton
 from kernels.prefill_attention import prefill_attention_reference
+from kernels.rmsnorm import add_rms_norm as _add_rms_norm_triton
+from kernels.rmsnorm import add_rms_norm_reference, rms_norm_reference
 from kernels.rmsnorm import rms_norm as _rms_norm_triton
-from kernels.rmsnorm import rms_norm_reference
+from kernels.rotary import rotary as _rotary_triton
+from kernels.rotary import rotary_reference
 
 _TRUE = ("1", "true", "yes", "on")
 
@@ -128,6 +131,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm_reference(x, weight, eps)
 
 
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """h = x + residual, and the RMSNorm of h by weight: (h, normed)."""
+    if use_triton(x.device):
+        return _add_rms_norm_triton(x, residual, weight, eps)
+    return add_rms_norm_reference(x, residual, weight, eps)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding: x [N, H, D], cos/sin [N, D] -> [N, H, D] contiguous."""
+    if use_triton(x.device):
+        return _rotary_triton(x, cos, sin)
+    return rotary_reference(x, cos, sin)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[..., 2I] = [gate | up] -> silu(gate) * up [..., I]."""
     if use_triton(x.device):
@@ -136,6 +154,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = [
+    "add_rms_norm",
+    "rotary",
     "decode_attention",
     "rms_norm",
     "silu_and_mul",

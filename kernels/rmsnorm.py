@@ -8,6 +8,9 @@ once, as a torch product of two bf16 tensors is).
 
 - `rms_norm_reference`: PyTorch, the oracle.
 - `rms_norm`: Triton, one program per row ([rows, d] with d <= 16384).
+- `add_rms_norm(x, residual, weight, eps) -> (h, y)`: the residual stream's add and the
+  next norm in one launch: h = x + residual (rounded to the dtype, as a torch add is), then
+  y = the RMSNorm of h; `add_rms_norm_reference` is its PyTorch form.
 """
 
 from __future__ import annotations
@@ -24,6 +27,12 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return weight * x32.to(x.dtype)
 
 
+def add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    h = x + residual
+    return h, rms_norm_reference(h, weight, eps)
+
+
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, d, stride_x, stride_o, eps,
                      BLOCK: tl.constexpr):
@@ -31,11 +40,28 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, d, stride_x, stride_o, eps,
     cols = tl.arange(0, BLOCK)
     mask = cols < d
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    _normalise_and_store(x, w_ptr, out_ptr + row * stride_o, cols, mask, d, eps)
+
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, h_ptr, out_ptr, d, stride_x, stride_r, stride_h,
+                         stride_o, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < d
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+    h = (x + r).to(h_ptr.dtype.element_ty)
+    tl.store(h_ptr + row * stride_h + cols, h, mask=mask)
+    _normalise_and_store(h.to(tl.float32), w_ptr, out_ptr + row * stride_o, cols, mask, d, eps)
+
+
+@triton.jit
+def _normalise_and_store(x, w_ptr, out_row, cols, mask, d, eps):
     inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / d + eps)
-    normed = (x * inv).to(out_ptr.dtype.element_ty).to(tl.float32)
+    normed = (x * inv).to(out_row.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (w * normed).to(out_ptr.dtype.element_ty),
-             mask=mask)
+    tl.store(out_row + cols, (w * normed).to(out_row.dtype.element_ty), mask=mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -57,4 +83,28 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out.view(x.shape)
 
 
-__all__ = ["rms_norm", "rms_norm_reference"]
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton form of `add_rms_norm_reference` (x and residual of one shape and dtype)."""
+    if not HAS_TRITON:
+        raise RuntimeError("add_rms_norm needs Triton; use the reference instead")
+    d = x.shape[-1]
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match "
+                         f"x {tuple(x.shape)} {x.dtype}")
+    if weight.shape != (d,) or weight.dtype != x.dtype:
+        raise ValueError(f"weight must be [{d}] in {x.dtype}")
+    xs, rs = x.reshape(-1, d), residual.reshape(-1, d)
+    xs = xs if xs.stride(-1) == 1 else xs.contiguous()
+    rs = rs if rs.stride(-1) == 1 else rs.contiguous()
+    h = torch.empty(xs.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(xs.shape, dtype=x.dtype, device=x.device)
+    if xs.shape[0]:
+        block = next_power_of_2(d)
+        _add_rms_norm_kernel[(xs.shape[0],)](
+            xs, rs, weight, h, out, d, xs.stride(0), rs.stride(0), h.stride(0), out.stride(0),
+            eps, BLOCK=block, num_warps=8 if block >= 4096 else 4)
+    return h.view(x.shape), out.view(x.shape)
+
+
+__all__ = ["add_rms_norm", "add_rms_norm_reference", "rms_norm", "rms_norm_reference"]

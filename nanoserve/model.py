@@ -37,6 +37,11 @@ class RMSNorm(nn.Module):
         # Triton kernel on a GPU, kernels/rmsnorm.py).
         return kernel_backend.rms_norm(x, self.weight, self.eps)
 
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual add before this norm, fused with it: (x + residual, norm of that)."""
+        return kernel_backend.add_rms_norm(x, residual, self.weight, self.eps)
+
 
 class RotaryEmbedding(nn.Module):
     """cos/sin tables computed per step from absolute positions (no fixed length)."""
@@ -53,15 +58,13 @@ class RotaryEmbedding(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x [B, T, H, D]; cos/sin [B, T, D]
-    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-    return x * cos + _rotate_half(x) * sin
+    """x [B, T, H, D] (its head dimension contiguous); cos/sin [B, T, D] -> [B, T, H, D]
+    contiguous, in one kernel on a GPU (kernels/rotary.py)."""
+    B, T, H, D = x.shape
+    out = kernel_backend.rotary(x.reshape(B * T, H, D), cos.reshape(B * T, D),
+                                sin.reshape(B * T, D))
+    return out.view(B, T, H, D)
 
 
 def _fuse_rows(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -153,9 +156,15 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, cache, meta) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, h, x, cos, sin, cache, meta, next_norm: RMSNorm
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """h: the residual stream [B, T, d] entering the layer; x: h normed by this layer's
+        input_layernorm. Returns the residual stream leaving the layer and it normed by
+        `next_norm` (the next layer's input_layernorm, or the final norm): each residual
+        add is fused with the norm after it."""
+        h, x = self.post_attention_layernorm.add_forward(
+            self.self_attn(x, cos, sin, cache, meta), h)
+        return next_norm.add_forward(self.mlp(x), h)
 
 
 class LlamaModel(nn.Module):
@@ -172,11 +181,14 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(config)
 
     def forward(self, input_ids, positions, cache, meta) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [B, T, d]
-        cos, sin = self.rotary_emb(positions, x.dtype)
-        for layer in self.layers:
-            x = layer(x, cos, sin, cache, meta)
-        return self.norm(x)
+        h = self.embed_tokens(input_ids)  # [B, T, d]: the residual stream
+        cos, sin = self.rotary_emb(positions, h.dtype)
+        x = self.layers[0].input_layernorm(h)
+        for i, layer in enumerate(self.layers):
+            last = i + 1 == len(self.layers)
+            h, x = layer(h, x, cos, sin, cache, meta,
+                         self.norm if last else self.layers[i + 1].input_layernorm)
+        return x
 
 
 class LlamaForCausalLM(nn.Module):

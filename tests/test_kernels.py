@@ -841,3 +841,41 @@ def test_interp_paged_prefill_dispatch_and_strided_queries(interp):
     out = kernels.paged_prefill_attention(q_view, k_cache, v_cache, tables, cu, lens, 12, 0.125)
     assert kernels.use_triton("cpu")
     assert_close(out, expected, torch.float32)
+
+
+def test_rotary_and_add_rms_norm_references_are_the_plain_forms():
+    """The references equal transformers' rotary (`apply_rotary_pos_emb`) and a plain add
+    followed by the norm, in float32 and bfloat16."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from kernels.rmsnorm import add_rms_norm_reference, rms_norm_reference
+    from kernels.rotary import rotary_reference
+
+    g = torch.Generator().manual_seed(6)
+    for dtype in (torch.float32, torch.bfloat16):
+        q = torch.randn(1, 5, 3, 16, generator=g).to(dtype)  # [B, T, H, D]
+        freqs = torch.randn(1, 5, 8, generator=g)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        want, _ = apply_rotary_pos_emb(q.transpose(1, 2), q.transpose(1, 2), cos, sin)
+        got = rotary_reference(q[0], cos[0], sin[0])
+        assert torch.equal(got, want.transpose(1, 2)[0])
+        x, r = torch.randn(4, 32, generator=g).to(dtype), torch.randn(4, 32, generator=g).to(dtype)
+        w = torch.randn(32, generator=g).to(dtype)
+        h, y = add_rms_norm_reference(x, r, w, 1e-6)
+        assert torch.equal(h, x + r) and torch.equal(y, rms_norm_reference(x + r, w, 1e-6))
+
+
+def test_interp_rotary_and_add_rms_norm_match_references(interp):
+    from kernels.rmsnorm import add_rms_norm, add_rms_norm_reference
+    from kernels.rotary import rotary, rotary_reference
+
+    g = torch.Generator().manual_seed(7)
+    qkv = torch.randn(6, 7, 32, generator=g)  # [N, H + 2 Hkv, D]: rotate a strided slice
+    cos, sin = torch.randn(6, 32, generator=g), torch.randn(6, 32, generator=g)
+    x = qkv[:, :5]
+    assert_close(rotary(x, cos, sin), rotary_reference(x, cos, sin), torch.float32)
+    a, r, w = (torch.randn(5, 96, generator=g), torch.randn(5, 96, generator=g),
+               torch.randn(96, generator=g))
+    for got, want in zip(add_rms_norm(a, r, w, 1e-5), add_rms_norm_reference(a, r, w, 1e-5)):
+        assert_close(got, want, torch.float32)

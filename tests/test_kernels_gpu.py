@@ -367,3 +367,23 @@ def test_prefill_kernel_window_matches_reference(window, dtype):
             q, k, v, cu, max(lengths), scale, window=window, block_m=block_m, block_n=block_n
         )
         assert_close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rotary_and_add_rms_norm_kernels_match_references(dtype):
+    from kernels.rmsnorm import add_rms_norm, add_rms_norm_reference
+    from kernels.rotary import rotary, rotary_reference
+
+    g = torch.Generator(device="cuda").manual_seed(8)
+    for heads, d in ((40, 64), (12, 128)):  # the fused q|k heads of the 1B shape; 128-wide
+        qkv = torch.randn(300, heads + 8, d, generator=g, device="cuda").to(dtype)
+        cos = torch.randn(300, d, generator=g, device="cuda").to(dtype)
+        sin = torch.randn(300, d, generator=g, device="cuda").to(dtype)
+        x = qkv[:, :heads]
+        torch.testing.assert_close(rotary(x, cos, sin), rotary_reference(x, cos, sin),
+                                   rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
+    x, r = (torch.randn(300, 2048, generator=g, device="cuda").to(dtype) for _ in range(2))
+    w = torch.randn(2048, generator=g, device="cuda").to(dtype)
+    for got, want in zip(add_rms_norm(x, r, w, 1e-5), add_rms_norm_reference(x, r, w, 1e-5)):
+        torch.testing.assert_close(got, want, rtol=2e-2 if dtype == torch.bfloat16 else 1e-5,
+                                   atol=1e-5)
