@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from nanoserve.errors import InputError
 from nanoserve.model_store import DEFAULT_MODEL
@@ -37,9 +36,12 @@ def add_batch_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("input", type=Path, help="a .parquet or .jsonl file, or a folder of them")
-    p.add_argument("-o", "--output", "--output-dir", dest="output_dir", type=Path, required=True,
-                   metavar="OUTPUT_DIR", help="folder for the Parquet parts and the manifest")
+    p.add_argument("input", help="a .parquet or JSON Lines file (.jsonl, .json, also .gz or .zst), "
+                   "or a folder of them (read recursively); a local path or a URI: s3://, "
+                   "gs://, ... (credentials from the store's usual environment and config)")
+    p.add_argument("-o", "--output", "--output-dir", dest="output_dir", required=True,
+                   metavar="OUTPUT_DIR", help="folder or object-store prefix (s3://bucket/out) "
+                   "for the Parquet parts and the manifest")
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="model name, Hugging Face folder, or .gguf file (default: %(default)s)")
     s = p.add_argument_group("sampling (defaults; per-row columns override them)")

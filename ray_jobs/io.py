@@ -62,7 +62,7 @@ import pyarrow.parquet as pq
 import pyarrow.types as pat
 
 from nanoserve.errors import InputError
-from ray_jobs.storage import Location, open_lines, resolve, storage_error
+from ray_jobs.storage import Location, check_bucket, open_lines, resolve, storage_error
 
 INPUT_SUFFIXES = (".parquet", ".jsonl", ".ndjson", ".json")
 COMPRESSIONS = {".gz": "gzip", ".zst": "zstd"}  # JSON Lines only (Parquet compresses inside)
@@ -162,6 +162,7 @@ def list_input_files(path: str | Path) -> list[InputFile]:
     root = resolve(path)
     info = root.info()
     if info.type == pafs.FileType.NotFound:
+        check_bucket(root)
         raise InputError(f"no such file or folder: {root}")
     if info.type == pafs.FileType.File:
         f = _input_file(root, root.name)

@@ -149,6 +149,8 @@ def check_bucket(loc: Location) -> None:
         raise storage_error(loc.uri, e) from None
     if kind == pafs.FileType.NotFound:
         raise InputError(f"{loc.uri}: the bucket {bucket!r} does not exist")
+    if kind == pafs.FileType.File:
+        raise InputError(f"{loc.uri}: {bucket!r} is not a bucket")
 
 
 # --- the output folder or prefix ---------------------------------------------------------------
