@@ -179,7 +179,7 @@ def hold_output_dir(folder: Path | OutputDir) -> Iterator[None]:
         with out.hold():
             yield
         return
-    folder = out.path
+    folder = Path(out.loc.uri)  # the local path as the user gave it
     if folder.exists() and not folder.is_dir():
         raise InputError(f"output {folder} exists and is not a folder")
     folder.mkdir(parents=True, exist_ok=True)
