@@ -13,6 +13,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -201,7 +202,7 @@ def test_s3_driver_sigkilled_mid_job_resumes_with_nothing_lost_or_duplicated(
     prompts = prompts_of(60)
     put(s3, bucket, "in/prompts.jsonl.zst", _zstd(jsonl([{"prompt": p} for p in prompts])))
     ray_tmp = tempfile.mkdtemp(prefix="ns-t-")
-    request.addfinalizer(lambda: subprocess.run(["rm", "-rf", ray_tmp], check=False))
+    request.addfinalizer(lambda: shutil.rmtree(ray_tmp, ignore_errors=True))
     env = {**os.environ, "TMPDIR": ray_tmp, "PYTHONPATH": str(REPO),
            "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("RAY_ADDRESS", None)
