@@ -31,6 +31,7 @@ from nanoserve.errors import InputError, NanoserveError
 from nanoserve.sampling import SamplingParams
 from ray_jobs import run_batch_job
 from ray_jobs.cli import main as batch_main
+from ray_jobs.io import iter_chunks, scan_input
 from ray_jobs.manifest import MANIFEST_NAME, SUCCESS_NAME
 from ray_jobs.storage import (
     LOCK_NAME,
@@ -400,3 +401,33 @@ def test_fresh_lease_of_a_live_process_elsewhere_is_not_taken(s3, bucket):
     put(s3, bucket, f"out/{LOCK_NAME}", json.dumps(other).encode())
     with pytest.raises(InputError, match=r"another nanoserve job \(pid 1 on elsewhere\)"):
         ObjectLease(out, lease_s=60).acquire()
+
+
+# --- a filesystem pyarrow has no native client for: through fsspec -----------------------------
+
+
+def test_fsspec_filesystem_input_and_lease():
+    """`memory://` (fsspec's in-process filesystem; pyarrow has none): a gzipped JSON Lines
+    tree reads as the same file on the local disk does, and the lease without conditional
+    writes still refuses a second holder and is released."""
+    import fsspec
+
+    mem = fsspec.filesystem("memory")
+    rows = [{"id": i, "prompt": f"row {i}"} for i in range(5)]
+    with mem.open("/nanoserve-t/in/lang=en/a.jsonl.gz", "wb") as f:
+        f.write(gzip.compress(jsonl(rows)))
+    with mem.open("/nanoserve-t/in/_SUCCESS", "wb") as f:
+        f.write(b"")
+    info = scan_input("memory://nanoserve-t/in")
+    assert [f.rel for f in info.files] == ["lang=en/a.jsonl.gz"]
+    got = [r for c in iter_chunks(info) for r in c.batch.to_pylist()]
+    assert got == [{**r, "lang": "en"} for r in rows]
+
+    out = OutputDir.open("memory://nanoserve-t/out")
+    first = ObjectLease(out, lease_s=60)
+    first.acquire()
+    with pytest.raises(InputError, match="another nanoserve job"):
+        ObjectLease(OutputDir.open("memory://nanoserve-t/out"), lease_s=60).acquire()
+    first.release()
+    assert not out.exists(LOCK_NAME)
+    mem.rm("/nanoserve-t", recursive=True)
