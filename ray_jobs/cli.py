@@ -16,8 +16,9 @@ from nanoserve.errors import InputError
 from nanoserve.model_store import DEFAULT_MODEL
 
 DESCRIPTION = """\
-Generate a completion for every row of a Parquet or JSONL file (or a folder of them) on a
-Ray worker pool, and write the results as Parquet parts into OUTPUT_DIR.
+Generate a completion for every row of a Parquet or JSON Lines file (or a folder tree of
+them) on a Ray worker pool, and write the results as Parquet parts into OUTPUT_DIR. INPUT and
+OUTPUT_DIR may be local paths or object-store URIs (s3://bucket/prefix/, gs://...).
 
 Each row needs a prompt: a 'prompt' (text), 'messages' (chat, [{role, content}, ...],
 rendered with the model's chat template) or 'prompt_token_ids' column; a row uses the
