@@ -16,8 +16,12 @@ The model is a tiny random Llama (hidden 64, 2 layers) that uses the default mod
 tokenizer, saved to a temp folder, so the job's cost is the driver's own work (reading,
 tokenizing, batching, writing) rather than generation; `--model NAME` runs another one.
 
-    python -m benchmarks.driver_memory              # 20k, 100k, 200k rows
+`--formats jsonl jsonl.gz jsonl.zst` runs each size once per input format (the same rows,
+compressed as a whole file: the job must stream it, never decompress it all in memory).
+
+    python -m benchmarks.driver_memory              # 20k, 100k, 200k rows, .jsonl
     python -m benchmarks.driver_memory --rows 5000  # a quick check
+    python -m benchmarks.driver_memory --formats jsonl jsonl.gz
 """
 
 from __future__ import annotations
@@ -47,12 +51,19 @@ PEAK_PREFIX = "DRIVER_PEAK_KIB="
 WORDS = ("apple", "river", "stone", "cloud", "lantern", "violin", "harbor", "meadow")
 
 
+FORMATS = ("jsonl", "jsonl.gz", "jsonl.zst")
+
+
 def write_input(path: Path, rows: int) -> None:
-    """`rows` prompts of 5 to 40 words, one JSON object a line."""
-    with open(path, "w") as f:
+    """`rows` prompts of 5 to 40 words, one JSON object a line; compressed as a stream when
+    `path` ends in .gz or .zst."""
+    import pyarrow as pa
+
+    codec = {".gz": "gzip", ".zst": "zstd"}.get(path.suffix)
+    with (pa.CompressedOutputStream(str(path), codec) if codec else open(path, "wb")) as f:
         for i in range(rows):
             words = " ".join(WORDS[(i * 7 + k) % len(WORDS)] for k in range(5 + i % 36))
-            f.write(json.dumps({"id": i, "prompt": f"Row {i}: {words}"}) + "\n")
+            f.write((json.dumps({"id": i, "prompt": f"Row {i}: {words}"}) + "\n").encode())
 
 
 def status_kib(pid: int) -> dict[str, int]:
@@ -126,6 +137,8 @@ def main() -> None:
     p.add_argument("--rows", type=int, nargs="+", default=[20_000, 100_000, 200_000])
     p.add_argument("--model", default=None, help="default: a tiny random Llama in a temp folder")
     p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--formats", nargs="+", choices=FORMATS, default=["jsonl"],
+                   help="input file formats, each run at every size (default: jsonl)")
     args = p.parse_args()
 
     from nanoserve.model_store import DEFAULT_MODEL, resolve_model
@@ -137,13 +150,17 @@ def main() -> None:
         largest = max(args.rows)
         marks = sorted(set(args.rows))
         results = {}
-        for n in sorted(set(args.rows)):
-            write_input(work / "in.jsonl", n)
-            results[n] = run_driver(work / "in.jsonl", work / f"out-{n}", model,
-                                    args.batch_size, marks if n == largest else [])
-            shutil.rmtree(work / f"out-{n}")
-            print(f"{n} rows: peak {results[n]['peak_kib'] / 1024:.1f} MiB, "
-                  f"{results[n]['wall_s']:.0f} s", file=sys.stderr)
+        for fmt in args.formats:
+            for n in sorted(set(args.rows)):
+                path = work / f"in.{fmt}"
+                write_input(path, n)
+                r = results[fmt, n] = run_driver(path, work / f"out-{n}", model, args.batch_size,
+                                                 marks if n == largest else [])
+                r["input_mib"] = path.stat().st_size / 2**20
+                path.unlink()
+                shutil.rmtree(work / f"out-{n}")
+                print(f"{fmt} {n} rows: peak {r['peak_kib'] / 1024:.1f} MiB, "
+                      f"{r['wall_s']:.0f} s", file=sys.stderr)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -162,15 +179,16 @@ def main() -> None:
     print()
     print("Driver peak RSS per run (ru_maxrss of the driver process at exit):")
     print(markdown_table(
-        ["input rows", "driver peak RSS (MiB)", "wall time (s)", "rows/s"],
-        [[f"{n:,}", f"{r['peak_kib'] / 1024:.1f}", f"{r['wall_s']:.0f}",
-          f"{n / r['wall_s']:.0f}"] for n, r in sorted(results.items())]))
+        ["input", "input rows", "file size (MiB)", "driver peak RSS (MiB)", "wall time (s)",
+         "rows/s"],
+        [[f".{fmt}", f"{n:,}", f"{r['input_mib']:.1f}", f"{r['peak_kib'] / 1024:.1f}",
+          f"{r['wall_s']:.0f}", f"{n / r['wall_s']:.0f}"] for (fmt, n), r in results.items()]))
     print()
     print(f"Within the {largest:,}-row run, the driver's peak so far (VmHWM) once N rows were "
           f"written:")
-    at = results[largest]["at_mark"]
-    print(markdown_table(["rows written", "driver peak so far (MiB)"],
-                         [[f"{m:,}", f"{at[m] / 1024:.1f}"] for m in marks]))
+    print(markdown_table(["rows written"] + [f".{fmt} (MiB)" for fmt in args.formats],
+                         [[f"{m:,}"] + [f"{results[fmt, largest]['at_mark'][m] / 1024:.1f}"
+                                        for fmt in args.formats] for m in marks]))
 
 
 if __name__ == "__main__":

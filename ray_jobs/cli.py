@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from nanoserve.errors import InputError
 from nanoserve.model_store import DEFAULT_MODEL
 
 DESCRIPTION = """\
-Generate a completion for every row of a Parquet or JSONL file (or a folder of them) on a
-Ray worker pool, and write the results as Parquet parts into OUTPUT_DIR.
+Generate a completion for every row of a Parquet or JSON Lines file (or a folder tree of
+them) on a Ray worker pool, and write the results as Parquet parts into OUTPUT_DIR. INPUT and
+OUTPUT_DIR may be local paths or object-store URIs (s3://bucket/prefix/, gs://...).
 
 Each row needs a prompt: a 'prompt' (text), 'messages' (chat, [{role, content}, ...],
 rendered with the model's chat template) or 'prompt_token_ids' column; a row uses the
@@ -41,9 +41,12 @@ def add_batch_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("input", type=Path, help="a .parquet or .jsonl file, or a folder of them")
-    p.add_argument("-o", "--output", "--output-dir", dest="output_dir", type=Path, required=True,
-                   metavar="OUTPUT_DIR", help="folder for the Parquet parts and the manifest")
+    p.add_argument("input", help="a .parquet or JSON Lines file (.jsonl, .json, also .gz or .zst), "
+                   "or a folder of them (read recursively); a local path or a URI: s3://, "
+                   "gs://, ... (credentials from the store's usual environment and config)")
+    p.add_argument("-o", "--output", "--output-dir", dest="output_dir", required=True,
+                   metavar="OUTPUT_DIR", help="folder or object-store prefix (s3://bucket/out) "
+                   "for the Parquet parts and the manifest")
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="model name, Hugging Face folder, or .gguf file (default: %(default)s)")
     s = p.add_argument_group("sampling (defaults; per-row columns override them)")

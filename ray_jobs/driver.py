@@ -49,7 +49,7 @@ import pyarrow as pa
 from nanoserve.errors import NanoserveError
 from nanoserve.model_store import resolve_model
 from ray_jobs.batching import Batch, BatchLimits, make_batches
-from ray_jobs.io import InputInfo, iter_chunks, scan_input, write_part_atomic
+from ray_jobs.io import InputInfo, iter_chunks, scan_input
 from ray_jobs.local_ray import RaySession
 from ray_jobs.manifest import (
     PART_DIGEST_KEY,
@@ -68,6 +68,7 @@ from ray_jobs.placement import check_output_reachable
 from ray_jobs.pool import WorkerPool, WorkerReport, first_line, log
 from ray_jobs.prepare import ColumnPlan, PreparedRow, RowPreparer, load_model_meta, plan_columns
 from ray_jobs.report import ReportLog, piece_record, report_data, write_report
+from ray_jobs.storage import OutputDir
 from ray_jobs.timeline import PHASES, Timeline
 from ray_jobs.worker import (
     OOM_KEY,
@@ -150,8 +151,9 @@ def run_batch_job(input: str | Path, output_dir: str | Path, **options: Any) -> 
     preparer = RowPreparer(plan, tokenizer, config.max_position_embeddings, config.vocab_size,
                            opts.sampling_defaults())
     settings = _job_settings(opts, info, model_path, limits)
-    folder = Path(output_dir)
-    check_output_reachable(folder)
+    folder = OutputDir.open(output_dir)  # a local folder or an object-store prefix
+    if folder.local:
+        check_output_reachable(folder.path)
     with ExitStack() as stack:
         stack.enter_context(hold_output_dir(folder))  # one job per output folder at a time
         manifest = open_output_dir(folder, settings, opts.overwrite)
@@ -279,7 +281,7 @@ class _JobRun:
       stop the job (NanoserveError): workers that die on everything are not a row's fault.
     """
 
-    def __init__(self, opts: JobOptions, plan: ColumnPlan, folder: Path, manifest: Manifest,
+    def __init__(self, opts: JobOptions, plan: ColumnPlan, folder: OutputDir, manifest: Manifest,
                  start_pool: Callable[[], WorkerPool], total_rows: int,
                  timeline: Timeline, retry: set[int] = frozenset()) -> None:
         """`start_pool` is called when the first piece is sent: a rerun with nothing left
@@ -495,7 +497,7 @@ class _JobRun:
         """The one place a part is written (then recorded in the manifest)."""
         table = self._assemble(batch, results)
         table = table.replace_schema_metadata({PART_DIGEST_KEY: batch.digest().encode()})
-        write_part_atomic(table, self.folder / part_name(batch.batch_id))
+        self.folder.write_parquet(part_name(batch.batch_id), table)  # visible once complete
         self.manifest.record(batch.batch_id, len(batch.rows))
         self.manifest.save(self.folder)
         self._count(batch, results)

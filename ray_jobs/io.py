@@ -1,8 +1,20 @@
 """Dataset I/O for the batch job: input files read as a stream of Arrow record batches, and
 output parts written atomically.
 
-Input: a `.parquet` file, a `.jsonl` file, or a folder of them (top level, sorted by name;
-names starting with `_` or `.` are skipped, as pyarrow skips them; suffixes in any case).
+Input: a `.parquet` file, a JSON Lines file (`.jsonl`, `.ndjson`, or `.json` holding one
+object a line; any of them may be compressed: `.gz`, `.zst`), or a folder of them, local or
+on any filesystem `ray_jobs.storage` resolves (`s3://bucket/prefix/`, `gs://...`). A folder is
+read recursively, in the sorted order of the files' paths relative to it; a file or folder
+whose name starts with `_` or `.` is skipped (Spark's `_SUCCESS`, `.crc` files), as pyarrow
+skips them; suffixes match in any case. A folder named `key=value` (Hive partitioning, as
+pandas, polars, DuckDB, Spark and Ray Data write it) adds the string column `key` with
+`value` to the rows of every file under it, unless the file has a column of that name.
+Compressed files are decompressed as a stream, a block at a time.
+
+Passthrough columns keep the Arrow types their Parquet files have (large strings, string
+views, dictionaries, decimals, timestamps, structs ...); where files of one input disagree,
+`pa.unify_schemas(promote_options="permissive")` widens losslessly (string and large_string
+to large_string, int32 and int64 to int64, ...) or refuses (InputError).
 `scan_input` checks every file before the job starts (Parquet: the footer and the id column;
 JSONL: one streaming parse pass) and returns the one Arrow schema all rows are read with;
 `iter_chunks` then streams the rows in that schema, a bounded number at a time.
@@ -45,12 +57,16 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pyarrow.types as pat
 
 from nanoserve.errors import InputError
+from ray_jobs.storage import Location, check_bucket, open_lines, resolve, storage_error
 
-INPUT_SUFFIXES = (".parquet", ".jsonl")
+INPUT_SUFFIXES = (".parquet", ".jsonl", ".ndjson", ".json")
+COMPRESSIONS = {".gz": "gzip", ".zst": "zstd"}  # JSON Lines only (Parquet compresses inside)
+_EXPECTED = ".parquet or JSON Lines (.jsonl, .ndjson, .json; also .gz, .zst)"
 DEFAULT_CHUNK_ROWS = 1024
 DEFAULT_ID_COLUMN = "id"  # the id column when the job names none
 
@@ -70,13 +86,35 @@ _ARROW_ERRORS = (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # JSON's \uD800-\uDFFF
 
 
+@dataclass(frozen=True, eq=False)
+class InputFile:
+    """One input file: where it is, its path relative to the input folder (its name when
+    the input is this file), its format, and the Hive partition keys of its folders."""
+
+    loc: Location
+    rel: str
+    kind: str  # 'parquet' or 'jsonl'
+    compression: str | None = None  # 'gzip', 'zstd' (JSON Lines only)
+    partition: tuple[tuple[str, str], ...] = ()  # (key, value) of `key=value` folders
+
+    @property
+    def name(self) -> str:
+        return self.loc.name
+
+    def __str__(self) -> str:
+        return self.loc.uri
+
+    def __fspath__(self) -> str:  # local files only
+        return self.loc.path
+
+
 @dataclass(frozen=True)
 class InputInfo:
     """What `scan_input` learned: the files in read order, the unified schema, the row count,
     and the id column it checked (None when the input has none: ids are positions)."""
 
-    root: Path  # the path the user gave
-    files: tuple[Path, ...]
+    root: str  # the path or URI the user gave
+    files: tuple[InputFile, ...]
     schema: pa.Schema
     num_rows: int
     id_column: str | None = None
@@ -89,40 +127,70 @@ class InputChunk:
     1-based line number in a JSONL file (empty for Parquet)."""
 
     batch: pa.RecordBatch
-    file: Path
+    file: InputFile
     row_errors: dict[int, str] = field(default_factory=dict)
     lines: tuple[int, ...] = ()
 
 
-def _suffix(path: Path) -> str:
-    return path.suffix.lower()
+def _file_kind(name: str) -> tuple[str, str | None] | None:
+    """('parquet' or 'jsonl', compression) of a file name, or None if it is no input file."""
+    low = name.lower()
+    compression = None
+    for ext, codec in COMPRESSIONS.items():
+        if low.endswith(ext):
+            low, compression = low[:-len(ext)], codec
+            break
+    for suffix in INPUT_SUFFIXES:
+        if low.endswith(suffix):
+            if suffix == ".parquet":
+                return None if compression else ("parquet", None)
+            return "jsonl", compression
+    return None
 
 
-def list_input_files(path: str | Path) -> list[Path]:
+def _input_file(loc: Location, rel: str) -> InputFile | None:
+    kind = _file_kind(loc.name)
+    if kind is None:
+        return None
+    folders = rel.split("/")[:-1]
+    partition = tuple(tuple(p.split("=", 1)) for p in folders if "=" in p and p[0] != "=")
+    return InputFile(loc, rel, kind[0], kind[1], partition)
+
+
+def list_input_files(path: str | Path) -> list[InputFile]:
     """The input files of `path` in read order. InputError if there are none usable."""
-    path = Path(path)
-    if not path.exists():
-        raise InputError(f"no such file or folder: {path}")
-    if path.is_file():
-        if _suffix(path) not in INPUT_SUFFIXES:
+    root = resolve(path)
+    info = root.info()
+    if info.type == pafs.FileType.NotFound:
+        check_bucket(root)
+        raise InputError(f"no such file or folder: {root}")
+    if info.type == pafs.FileType.File:
+        f = _input_file(root, root.name)
+        if f is None:
+            suffix = Path(root.name).suffix
             raise InputError(
-                f"{path}: unknown input type {path.suffix or '(no suffix)'!r}; "
-                f"expected {' or '.join(INPUT_SUFFIXES)}"
-            )
-        return [path]
-    if not path.is_dir():
-        raise InputError(f"{path} is neither a file nor a folder")
+                f"{root}: unknown input type {suffix or '(no suffix)'!r}; expected {_EXPECTED}")
+        return [f]
+    if info.type != pafs.FileType.Directory:
+        raise InputError(f"{root} is neither a file nor a folder")
     try:
-        entries = list(path.iterdir())
-    except OSError as e:
-        raise InputError(f"{path}: cannot list the folder ({e.strerror})") from None
-    files = sorted(
-        p for p in entries
-        if p.is_file() and _suffix(p) in INPUT_SUFFIXES and not p.name.startswith(("_", "."))
-    )
+        entries = root.fs.get_file_info(pafs.FileSelector(root.path, recursive=True))
+    except (OSError, pa.ArrowException) as e:
+        raise storage_error(root.uri, e) from None
+    base = root.path.rstrip("/") + "/"
+    files = []
+    for entry in entries:
+        if entry.type != pafs.FileType.File or not entry.path.startswith(base):
+            continue
+        rel = entry.path[len(base):]
+        if any(part.startswith(("_", ".")) for part in rel.split("/")):
+            continue
+        f = _input_file(root.child(rel), rel)
+        if f is not None:
+            files.append(f)
     if not files:
-        raise InputError(f"{path}: the folder holds no {' or '.join(INPUT_SUFFIXES)} files")
-    return files
+        raise InputError(f"{root}: the folder holds no {_EXPECTED} files")
+    return sorted(files, key=lambda f: f.rel.split("/"))
 
 
 def scan_input(path: str | Path, chunk_rows: int = DEFAULT_CHUNK_ROWS,
@@ -142,14 +210,16 @@ def scan_input(path: str | Path, chunk_rows: int = DEFAULT_CHUNK_ROWS,
     jsonl_types: dict[str, dict[pa.DataType, int]] = {}  # column -> {type: values of it}
     num_rows = 0
     for f in files:
-        if _suffix(f) == ".parquet":
+        if f.kind == "parquet":
             pfile = _parquet_file(f)
-            schema = pfile.schema_arrow.remove_metadata()
+            schema = _with_partition_fields(pfile.schema_arrow.remove_metadata(), f)
             layouts.append(schema)
             n = pfile.metadata.num_rows
-            if id_name in schema.names and n:
+            if id_name in pfile.schema_arrow.names and n:
                 for batch in _parquet_batches(pfile, f, chunk_rows, columns=[id_name]):
                     ids.add(f, batch.column(0))
+            elif id_name in schema.names and n:  # a partition key named like the id column
+                ids.add(f, pa.array([dict(f.partition)[id_name]] * n))
             elif n:
                 ids.add(f, pa.nulls(n))
             num_rows += n
@@ -178,7 +248,7 @@ def scan_input(path: str | Path, chunk_rows: int = DEFAULT_CHUNK_ROWS,
     has_ids = id_name in schema.names
     if has_ids:
         ids.check(schema.field(id_name).type)
-    return InputInfo(root=Path(path), files=tuple(files), schema=schema, num_rows=num_rows,
+    return InputInfo(root=str(path), files=tuple(files), schema=schema, num_rows=num_rows,
                      id_column=id_name if has_ids else None)
 
 
@@ -212,9 +282,10 @@ def iter_chunks(info: InputInfo, chunk_rows: int = DEFAULT_CHUNK_ROWS) -> Iterat
     `info.schema` (columns a file lacks are null). A file that became unreadable since the
     scan is an InputError naming it."""
     for f in info.files:
-        if _suffix(f) == ".parquet":
+        if f.kind == "parquet":
             for batch in _parquet_batches(_parquet_file(f), f, chunk_rows):
                 if batch.num_rows:
+                    batch = _with_partition_columns(batch, f)
                     yield InputChunk(_conform_or_fail(batch, info.schema, f), f)
         else:
             yield from _iter_jsonl(f, chunk_rows, schema=info.schema, id_column=info.id_column)
@@ -233,21 +304,41 @@ def conform(batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:
     return pa.RecordBatch.from_arrays(columns, schema=schema)
 
 
-def _conform_or_fail(batch: pa.RecordBatch, schema: pa.Schema, path: Path) -> pa.RecordBatch:
+def _with_partition_fields(schema: pa.Schema, f: InputFile) -> pa.Schema:
+    """`schema` plus a string field per partition key the file does not have itself."""
+    for key, _ in f.partition:
+        if key not in schema.names:
+            schema = schema.append(pa.field(key, pa.string()))
+    return schema
+
+
+def _with_partition_columns(batch: pa.RecordBatch, f: InputFile) -> pa.RecordBatch:
+    """`batch` plus the file's partition keys as string columns (those it lacks)."""
+    for key, value in f.partition:
+        if key not in batch.schema.names:
+            batch = batch.append_column(key, pa.array([value] * batch.num_rows, pa.string()))
+    return batch
+
+
+def _conform_or_fail(batch: pa.RecordBatch, schema: pa.Schema, path: InputFile) -> pa.RecordBatch:
     try:
         return conform(batch, schema)
     except _ARROW_ERRORS as e:
         raise InputError(f"{path}: a column does not fit the input's schema ({e})") from None
 
 
-def _parquet_file(path: Path) -> pq.ParquetFile:
+def _parquet_file(path: InputFile) -> pq.ParquetFile:
+    loc = path.loc
     try:
-        return pq.ParquetFile(path)
+        source = loc.path if loc.local else loc.fs.open_input_file(loc.path)
+        return pq.ParquetFile(source)
     except (pa.ArrowInvalid, OSError) as e:
+        if not loc.local and not isinstance(e, pa.ArrowInvalid):
+            raise storage_error(loc.uri, e) from None
         raise InputError(f"{path}: not a readable Parquet file ({e})") from None
 
 
-def _parquet_batches(pfile: pq.ParquetFile, path: Path, chunk_rows: int,
+def _parquet_batches(pfile: pq.ParquetFile, path: InputFile, chunk_rows: int,
                      columns: list[str] | None = None) -> Iterator[pa.RecordBatch]:
     batches = pfile.iter_batches(batch_size=chunk_rows, columns=columns)
     while True:
@@ -270,13 +361,13 @@ class _IdScan:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.parts: list[tuple[Path, int, pa.Array]] = []  # (file, first row in file, values)
-        self._rows_in_file: dict[Path, int] = {}
+        self.parts: list[tuple[InputFile, int, pa.Array]] = []  # (file, first row, values)
+        self._rows_in_file: dict[str, int] = {}
 
-    def add(self, file: Path, values: pa.Array) -> None:
-        start = self._rows_in_file.get(file, 0)
+    def add(self, file: InputFile, values: pa.Array) -> None:
+        start = self._rows_in_file.get(file.rel, 0)
         self.parts.append((file, start, values))
-        self._rows_in_file[file] = start + len(values)
+        self._rows_in_file[file.rel] = start + len(values)
 
     def check(self, typ: pa.DataType) -> None:
         name = self.name
@@ -305,7 +396,7 @@ class _IdScan:
         for file, start, values in self.parts:
             if position < len(values):
                 row = start + position
-                if _suffix(file) == ".jsonl":
+                if file.kind == "jsonl":
                     return f"{file.name} line {_jsonl_line_of_row(file, row)}"
                 return f"{file.name} row {row} (counting from 0)"
             position -= len(values)
@@ -321,9 +412,9 @@ def _cast(values: pa.Array, typ: pa.DataType) -> pa.Array:
         raise InputError(f"the id column's values do not agree in type ({e})") from None
 
 
-def _jsonl_line_of_row(path: Path, row: int) -> int:
+def _jsonl_line_of_row(path: InputFile, row: int) -> int:
     """The 1-based line number of the `row`-th (0-based) non-blank line of a JSONL file."""
-    with open(path, "rb") as f:
+    with open_lines(path.loc, path.compression) as f:
         for lineno, raw in enumerate(f, start=1):
             if raw.strip():
                 if row == 0:
@@ -335,21 +426,22 @@ def _jsonl_line_of_row(path: Path, row: int) -> int:
 # --- JSONL -------------------------------------------------------------------------------------
 
 
-def _iter_jsonl(path: Path, chunk_rows: int, schema: pa.Schema | None,
+def _iter_jsonl(path: InputFile, chunk_rows: int, schema: pa.Schema | None,
                 id_column: str | None = None) -> Iterator[InputChunk]:
-    """Parse a JSONL file line by line into chunks. Blank lines are skipped; a UTF-8 byte
-    order mark at the start is allowed. With `schema` None each chunk's types are inferred
-    (the scan); otherwise rows are built in `schema`. `id_column` is read strictly (a value
-    of another type is an InputError, not a row error)."""
+    """Parse a JSONL file line by line into chunks (a compressed one decompressed as a
+    stream). Blank lines are skipped; a UTF-8 byte order mark at the start is allowed. With
+    `schema` None each chunk's types are inferred (the scan); otherwise rows are built in
+    `schema`. `id_column` is read strictly (a value of another type is an InputError, not a
+    row error). The file's partition keys are added to each row that lacks them."""
     rows: list[dict] = []
     lines: list[int] = []
     row_errors: dict[int, str] = {}
     try:
-        f = open(path, "rb")
+        f = open_lines(path.loc, path.compression)
     except OSError as e:
         raise InputError(f"{path}: cannot read ({e.strerror})") from None
     with f:
-        for lineno, raw in enumerate(f, start=1):
+        for lineno, raw in enumerate(_lines(f, path), start=1):
             if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
                 raw = raw[3:]
             if not raw.strip():
@@ -364,7 +456,7 @@ def _iter_jsonl(path: Path, chunk_rows: int, schema: pa.Schema | None,
                 row = json.loads(text)
             except json.JSONDecodeError as e:
                 raise InputError(f"{path}:{lineno}: not valid JSON ({e.msg}, column {e.colno})"
-                                 ) from None
+                                 f"{_json_hint(path)}") from None
             if _SURROGATE_ESCAPE.search(text):
                 row, scrubbed = _scrub_surrogates(row)
                 if scrubbed:
@@ -375,8 +467,11 @@ def _iter_jsonl(path: Path, chunk_rows: int, schema: pa.Schema | None,
             if not isinstance(row, dict):
                 hint = " (a JSON array file? write one object per line)" if isinstance(
                     row, list) and lineno == 1 else ""
+                hint += _json_hint(path)
                 raise InputError(f"{path}:{lineno}: each line must be a JSON object, got "
                                  f"{_JSON_NAMES.get(type(row), type(row).__name__)}{hint}")
+            for key, value in path.partition:
+                row.setdefault(key, value)
             rows.append(row)
             lines.append(lineno)
             if len(rows) == chunk_rows:
@@ -386,6 +481,26 @@ def _iter_jsonl(path: Path, chunk_rows: int, schema: pa.Schema | None,
     if rows:
         batch = _rows_to_batch(rows, lines, path, schema, id_column, row_errors)
         yield InputChunk(batch, path, row_errors, tuple(lines))
+
+
+def _json_hint(path: InputFile) -> str:
+    name = path.name.lower()
+    for ext in COMPRESSIONS:
+        name = name.removesuffix(ext)
+    return " (a .json file is read as JSON Lines: one object a line)" if name.endswith(
+        ".json") else ""
+
+
+def _lines(f: Any, path: InputFile) -> Iterator[bytes]:
+    """The lines of an open file; a corrupt compressed stream is an InputError naming it."""
+    while True:
+        try:
+            raw = f.readline()
+        except (OSError, pa.ArrowException, EOFError) as e:
+            raise InputError(f"{path}: cannot read ({' '.join(str(e).split())})") from None
+        if not raw:
+            return
+        yield raw
 
 
 def _scrub_surrogates(v: Any) -> tuple[Any, bool]:
@@ -403,7 +518,7 @@ def _scrub_surrogates(v: Any) -> tuple[Any, bool]:
     return v, False
 
 
-def _rows_to_batch(rows: list[dict], lines: list[int], path: Path, schema: pa.Schema | None,
+def _rows_to_batch(rows: list[dict], lines: list[int], path: InputFile, schema: pa.Schema | None,
                    id_column: str | None, row_errors: dict[int, str]) -> pa.RecordBatch:
     """Build one record batch column by column. A value that does not fit its column adds a
     row error to `row_errors` and reads as null; in `id_column` it is an InputError."""

@@ -25,6 +25,12 @@ point leaves a folder that resumes correctly:
 - a part recorded as done but missing from the folder is refused (InputError): its rows
   would be lost silently otherwise.
 The manifest holds per-batch data only (done ids, as ranges), never per-row data.
+
+The output may be a local folder or an object-store prefix (`ray_jobs.storage.OutputDir`;
+every function here takes either a path or an OutputDir). On an object store there are no
+temporary names: each part and the manifest is uploaded whole under its final key (visible
+only once complete), and the lock is a lease object written conditionally instead of a flock
+(`ray_jobs.storage.ObjectLease`); the rules above hold unchanged.
 """
 
 from __future__ import annotations
@@ -39,10 +45,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
 from nanoserve.errors import InputError
+from ray_jobs.storage import Location, OutputDir
 
 MANIFEST_NAME = "_nanoserve_manifest.json"
 PART_DIGEST_KEY = b"nanoserve.batch_digest"  # in each part's Parquet footer: `Batch.digest()`
@@ -56,6 +60,7 @@ SAMPLE_BYTES = 1 << 20
 _PART_RE = re.compile(r"part-(\d+)\.parquet")
 _OURS_RE = re.compile(r"(part-\d+\.parquet|\.part-\d+\.parquet\.tmp-\d+|"
                       rf"{re.escape(MANIFEST_NAME)}|\.{re.escape(MANIFEST_NAME)}\.tmp-\d+|"
+                      rf"\.{re.escape(SUCCESS_NAME)}\.tmp-\d+|"
                       rf"{re.escape(SUCCESS_NAME)}|{re.escape(LOCK_NAME)}|"
                       rf"{re.escape(REPORT_NAME)}|\.{re.escape(REPORT_NAME)}\.tmp-\d+)")
 
@@ -64,12 +69,20 @@ def part_name(batch_id: int) -> str:
     return f"part-{batch_id:05d}.parquet"
 
 
-def file_fingerprint(path: Path, label: str | None = None) -> dict[str, Any]:
+def file_fingerprint(path: Path | Location, label: str | None = None) -> dict[str, Any]:
     """{'name', 'size', 'sha256'}: the whole file's hash up to FULL_HASH_MAX_BYTES, else the
-    hash of its first and last SAMPLE_BYTES (marked by the key 'sha256_head_tail')."""
-    size = path.stat().st_size
+    hash of its first and last SAMPLE_BYTES (marked by the key 'sha256_head_tail'). `path`
+    may be a `Location` on any filesystem (its bytes as stored, compressed or not)."""
+    if isinstance(path, Location):
+        size = path.info().size
+        opened = path.fs.open_input_file(path.path)
+        name = path.name
+    else:
+        size = path.stat().st_size
+        opened = open(path, "rb")
+        name = path.name
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with opened as f:
         if size <= FULL_HASH_MAX_BYTES:
             while chunk := f.read(1 << 20):
                 h.update(chunk)
@@ -79,7 +92,7 @@ def file_fingerprint(path: Path, label: str | None = None) -> dict[str, Any]:
             f.seek(size - SAMPLE_BYTES)
             h.update(f.read(SAMPLE_BYTES))
             key = "sha256_head_tail"
-    return {"name": label or path.name, "size": size, key: h.hexdigest()}
+    return {"name": label or name, "size": size, key: h.hexdigest()}
 
 
 def model_identity(path: Path) -> list[dict[str, Any]]:
@@ -94,7 +107,10 @@ def model_identity(path: Path) -> list[dict[str, Any]]:
 
 
 def input_identity(root: Path, files: list[Path] | tuple[Path, ...]) -> list[dict[str, Any]]:
-    """Fingerprints of the input files, named relative to the input folder."""
+    """Fingerprints of the input files, named relative to the input folder. `files` may be
+    `ray_jobs.io.InputFile`s (any filesystem; named by their `rel`)."""
+    if files and not isinstance(files[0], Path):
+        return [file_fingerprint(f.loc, f.rel) for f in files]
     base = root if root.is_dir() else root.parent
     return [file_fingerprint(f, str(f.relative_to(base))) for f in files]
 
@@ -119,19 +135,19 @@ class Manifest:
         done = {i for a, b in d["done_batches"] for i in range(a, b + 1)}
         return cls(d["settings"], done, int(d["rows_done"]), bool(d["complete"]))
 
-    def save(self, folder: Path) -> None:
-        path = folder / MANIFEST_NAME
-        tmp = folder / f".{MANIFEST_NAME}.tmp-{os.getpid()}"
-        tmp.write_text(json.dumps(self.to_json(), indent=1, sort_keys=True) + "\n")
-        os.replace(tmp, path)
+    def save(self, folder: Path | OutputDir) -> None:
+        text = json.dumps(self.to_json(), indent=1, sort_keys=True) + "\n"
+        OutputDir.open(folder).write_bytes(MANIFEST_NAME, text.encode())
 
     @classmethod
-    def load(cls, folder: Path) -> Manifest | None:
+    def load(cls, folder: Path | OutputDir) -> Manifest | None:
+        folder = OutputDir.open(folder)
         path = folder / MANIFEST_NAME
-        if not path.exists():
+        data = folder.read_bytes(MANIFEST_NAME)
+        if data is None:
             return None
         try:
-            d = json.loads(path.read_text())
+            d = json.loads(data)
             if d.get("format") != FORMAT:
                 raise ValueError(f"format {d.get('format')!r}, expected {FORMAT}")
             return cls.from_json(d)
@@ -151,13 +167,21 @@ def settings_differences(old: Any, new: Any, prefix: str = "") -> list[str]:
 
 
 @contextlib.contextmanager
-def hold_output_dir(folder: Path) -> Iterator[None]:
-    """Create `folder` if needed and hold it for one job: an exclusive `flock` on
+def hold_output_dir(folder: Path | OutputDir) -> Iterator[None]:
+    """Create `folder` if needed and hold it for one job. An object-store prefix is held
+    by a lease object (`OutputDir.hold`, see `ray_jobs.storage.ObjectLease`). A local
+    folder: an exclusive `flock` on
     `folder/_nanoserve.lock`, or InputError naming the process that holds it. Two jobs
     writing one folder would delete each other's temporary files and record each other's
     batches. The kernel drops the lock when the holder exits, however it dies (SIGKILL
     included), so a killed job never leaves the folder locked. The lock file stays (Parquet
     readers skip `_` names). Where `fcntl` is missing (not POSIX) nothing is locked."""
+    out = OutputDir.open(folder)
+    if not out.local:
+        with out.hold():
+            yield
+        return
+    folder = Path(out.loc.uri)  # the local path as the user gave it
     if folder.exists() and not folder.is_dir():
         raise InputError(f"output {folder} exists and is not a folder")
     folder.mkdir(parents=True, exist_ok=True)
@@ -184,15 +208,15 @@ def hold_output_dir(folder: Path) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
-def open_output_dir(folder: Path, settings: dict[str, Any], overwrite: bool) -> Manifest:
+def open_output_dir(folder: Path | OutputDir, settings: dict[str, Any],
+                    overwrite: bool) -> Manifest:
     """Make `folder` ready for the job and return its manifest: fresh (empty folder, or
     `overwrite`), or the earlier run's one when resuming. Refuses (InputError) a folder with
     files nanoserve did not write, or the output of a job with other settings."""
     settings = json.loads(json.dumps(settings))  # the form it has once saved and loaded
-    if folder.exists() and not folder.is_dir():
-        raise InputError(f"output {folder} exists and is not a folder")
-    folder.mkdir(parents=True, exist_ok=True)
-    entries = sorted(p.name for p in folder.iterdir())
+    folder = OutputDir.open(folder)
+    folder.ensure()
+    entries = folder.names()
     foreign = [n for n in entries if not _OURS_RE.fullmatch(n)]
     if foreign:
         raise InputError(
@@ -201,7 +225,7 @@ def open_output_dir(folder: Path, settings: dict[str, Any], overwrite: bool) -> 
         )
     for name in entries:  # temporary files of an interrupted run
         if name.startswith("."):
-            (folder / name).unlink(missing_ok=True)
+            folder.delete(name)
     old = None if overwrite else Manifest.load(folder)
     parts = [n for n in entries if _PART_RE.fullmatch(n)]
     if old is None:
@@ -210,7 +234,7 @@ def open_output_dir(folder: Path, settings: dict[str, Any], overwrite: bool) -> 
                              f"use --overwrite to replace them")
         for name in entries:
             if name != LOCK_NAME:  # another job waits on this very file: keep its inode
-                (folder / name).unlink(missing_ok=True)
+                folder.delete(name)
         manifest = Manifest(settings)
         manifest.save(folder)
         return manifest
@@ -229,49 +253,51 @@ def open_output_dir(folder: Path, settings: dict[str, Any], overwrite: bool) -> 
             f"; use --overwrite to start the job afresh"
         )
     for i in on_disk - old.done:  # renamed into place after the last manifest update
-        if part_digest(folder / part_name(i)) is None:
-            (folder / part_name(i)).unlink()
+        if part_digest(folder, part_name(i)) is None:
+            folder.delete(part_name(i))
     return old
 
 
-def part_digest(path: Path) -> str | None:
-    """The batch digest in a part's footer; None if it has none or cannot be read."""
-    try:
-        meta = pq.read_schema(path).metadata or {}
-    except (OSError, pa.ArrowInvalid):
-        return None
-    value = meta.get(PART_DIGEST_KEY)
+def part_digest(folder: Path | OutputDir, name: str | None = None) -> str | None:
+    """The batch digest in a part's footer (`folder/name`, or the file `folder`); None if it
+    has none or cannot be read."""
+    if name is None:
+        folder, name = Path(folder).parent, Path(folder).name
+    schema = OutputDir.open(folder).parquet_schema(name)
+    value = (schema.metadata or {}).get(PART_DIGEST_KEY) if schema is not None else None
     return value.decode() if value is not None else None
 
 
-def adopt_part(folder: Path, manifest: Manifest, batch_id: int, digest: str,
+def adopt_part(folder: Path | OutputDir, manifest: Manifest, batch_id: int, digest: str,
                num_rows: int) -> bool:
     """Record an unrecorded part already in the folder as done, if it holds exactly this
     batch (same digest and row count); then the batch is not computed again."""
-    path = folder / part_name(batch_id)
-    if batch_id in manifest.done or not path.exists() or part_digest(path) != digest:
+    folder = OutputDir.open(folder)
+    name = part_name(batch_id)
+    if batch_id in manifest.done or part_digest(folder, name) != digest:
         return False
-    if pq.read_metadata(path).num_rows != num_rows:
+    if folder.parquet_num_rows(name) != num_rows:
         return False
     manifest.record(batch_id, num_rows)
     manifest.save(folder)
     return True
 
 
-def reopen_batches_with_errors(folder: Path, manifest: Manifest) -> set[int]:
+def reopen_batches_with_errors(folder: Path | OutputDir, manifest: Manifest) -> set[int]:
     """For `--retry-errors`: the batches whose parts in the folder hold an `error` row
     (recorded ones, and parts an interrupted run renamed into place without recording),
     taken out of the manifest (done ids, row count, completeness; `_SUCCESS` removed) so the
     run computes them again rather than keeping or adopting them. Their parts stay until the
     new parts replace them: a run killed before that adopts them again on the next start
     (same digest), as if never retried."""
+    folder = OutputDir.open(folder)
     retry: set[int] = set()
     rows = 0
-    for path in sorted(folder.glob("part-*.parquet")):
-        m = _PART_RE.fullmatch(path.name)
+    for name in folder.names():
+        m = _PART_RE.fullmatch(name)
         if m is None:
             continue
-        errors = pq.read_table(path, columns=["error"]).column("error")
+        errors = folder.parquet_column(name, "error")
         if errors.null_count < len(errors):
             batch_id = int(m.group(1))
             retry.add(batch_id)
@@ -281,21 +307,22 @@ def reopen_batches_with_errors(folder: Path, manifest: Manifest) -> set[int]:
         manifest.done -= retry
         manifest.rows_done -= rows
         manifest.complete = False
-        (folder / SUCCESS_NAME).unlink(missing_ok=True)
+        folder.delete(SUCCESS_NAME)
         manifest.save(folder)
     return retry
 
 
-def mark_complete(folder: Path, manifest: Manifest) -> None:
+def mark_complete(folder: Path | OutputDir, manifest: Manifest) -> None:
     """Mark the job done: parts not recorded (none, when every batch was written) are
     removed first, so the folder holds exactly the recorded rows."""
-    for path in folder.glob("part-*.parquet"):
-        m = _PART_RE.fullmatch(path.name)
+    folder = OutputDir.open(folder)
+    for name in folder.names():
+        m = _PART_RE.fullmatch(name)
         if m and int(m.group(1)) not in manifest.done:
-            path.unlink()
+            folder.delete(name)
     manifest.complete = True
     manifest.save(folder)
-    (folder / SUCCESS_NAME).write_text("")
+    folder.write_bytes(SUCCESS_NAME, b"")
 
 
 def _part_id(name: str) -> int:

@@ -85,6 +85,10 @@ def _kind_of_type(t: pa.DataType) -> str | None:
     """The prompt kind a column of type `t` holds; None for an all-null column; '' if none."""
     if pat.is_null(t):
         return None
+    if pat.is_dictionary(t):  # pandas categoricals, dictionary-encoded Parquet columns
+        t = t.value_type
+    if pat.is_string_view(t) or pat.is_binary_view(t):  # polars' strings
+        return TEXT
     if pat.is_string(t) or pat.is_large_string(t) or pat.is_binary(t) or pat.is_large_binary(t):
         return TEXT
     if pat.is_list(t) or pat.is_large_list(t):

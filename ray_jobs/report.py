@@ -25,11 +25,9 @@ import dataclasses
 import html
 import io
 import json
-import os
 import re
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -142,13 +140,14 @@ def report_data(log: ReportLog, summary: Any, settings: dict[str, Any],
     }
 
 
-def write_report(folder: Path, data: dict[str, Any]) -> Path:
-    """Render `data` (from `report_data`) into `folder/REPORT_NAME`, atomically."""
-    path = folder / REPORT_NAME
-    tmp = folder / f".{REPORT_NAME}.tmp-{os.getpid()}"
-    tmp.write_text(render_html(data), encoding="utf-8")
-    os.replace(tmp, path)
-    return path
+def write_report(folder: Any, data: dict[str, Any]) -> str:
+    """Render `data` (from `report_data`) into `REPORT_NAME` in the output folder (a path or
+    a `ray_jobs.storage.OutputDir`: local or object store), whole; returns where it is."""
+    from ray_jobs.storage import OutputDir
+
+    out = OutputDir.open(folder)
+    out.write_bytes(REPORT_NAME, render_html(data).encode("utf-8"))
+    return (out / REPORT_NAME).uri
 
 
 # --- rendering -------------------------------------------------------------------------

@@ -83,7 +83,7 @@ def test_parquet_with_schema_and_no_rows_is_refused_as_no_rows(tmp_path, capsys,
 def test_unknown_file_type(tmp_path, capsys, no_ray, name):
     (tmp_path / name).write_text("prompt\nhello\n")
     rc, err, _ = run_cli(capsys, tmp_path / name, "-o", tmp_path / "out")
-    assert_one_error_line(rc, err, name, "unknown input type", ".parquet or .jsonl")
+    assert_one_error_line(rc, err, name, "unknown input type", ".parquet or JSON Lines")
 
 
 def test_folder_without_supported_files(tmp_path, capsys, no_ray):
@@ -92,7 +92,7 @@ def test_folder_without_supported_files(tmp_path, capsys, no_ray):
     (data / "a.csv").write_text("prompt\nhi\n")
     (data / "_b.jsonl").write_text('{"prompt": "hidden"}\n')
     rc, err, _ = run_cli(capsys, data, "-o", tmp_path / "out")
-    assert_one_error_line(rc, err, "holds no .parquet or .jsonl files")
+    assert_one_error_line(rc, err, "holds no .parquet or JSON Lines")
 
 
 def test_no_prompt_column_lists_the_columns_found(tmp_path, capsys, no_ray):
