@@ -82,7 +82,9 @@ def bench_engine(model_dir: Path, prompts, max_tokens, device: str = "cuda",
     load_s = time.perf_counter() - t
     params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens]
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    llm.generate(prompts[:4], params[:4])  # warm-up: kernel compilation, allocator
+    # Warm-up: the whole workload once, so every kernel variant the timed run needs is
+    # compiled and the allocator has its blocks (a shorter warm-up left compilations in it).
+    llm.generate(prompts, params)
     sync()
     if llm.runner is not None:
         llm.runner.phase_times()  # reset

@@ -3,8 +3,9 @@
     out = x * cos + rotate_half(x) * sin,   rotate_half([a | b]) = [-b | a]
 
 per token n and head h: x [N, H, D] (any strides but the last), cos/sin [N, D] -> out
-[N, H, D] contiguous. Rounding follows the PyTorch form on half-precision tensors: each
-product is rounded to x's dtype, then their sum.
+[N, H, D] contiguous. The kernel computes each output in float32 and rounds it once; the
+PyTorch form on half-precision tensors also rounds each product, so in bf16/fp16 the two
+may differ by one unit in the last place (equal in float32 up to float32 rounding).
 
 - `rotary_reference`: PyTorch, the oracle (transformers' `apply_rotary_pos_emb` form).
 - `rotary`: Triton, one program per token over all its heads.
@@ -40,8 +41,8 @@ def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, stride_xn, stride_xh
     s1 = tl.load(sin_ptr + n * stride_sn + d).to(tl.float32)[None, :]
     s2 = tl.load(sin_ptr + n * stride_sn + HALF + d).to(tl.float32)[None, :]
     a32, b32 = a.to(tl.float32), b.to(tl.float32)
-    lo = (a32 * c1).to(ty).to(tl.float32) + (-b32 * s1).to(ty).to(tl.float32)
-    hi = (b32 * c2).to(ty).to(tl.float32) + (a32 * s2).to(ty).to(tl.float32)
+    lo = a32 * c1 - b32 * s1
+    hi = b32 * c2 + a32 * s2
     out_row = out_ptr + n * heads * 2 * HALF + h[:, None] * 2 * HALF
     tl.store(out_row + d[None, :], lo.to(ty), mask=mask)
     tl.store(out_row + HALF + d[None, :], hi.to(ty), mask=mask)

@@ -111,15 +111,16 @@ class ContinuousRunner:
 
     def _forward(self, slots: torch.Tensor, positions: torch.Tensor, writes: torch.Tensor,
                  ctx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decode step for the rows at row slots `slots` [b]: returns logits [b, V]
-        float32 and the argmax tokens [b], which are also written to last_tok."""
+        """One decode step for the rows at row slots `slots` [b]: returns logits [b, V] (the
+        model's dtype: the argmax of the exact float32 widening is the same, and half the
+        bytes move) and the argmax tokens [b], which are also written to last_tok."""
         ids = self.last_tok.index_select(0, slots)[:, None]  # [b, 1]
         tables = self.block_tables.index_select(0, slots)  # [b, W]
         hint = min(SPLIT_CONTEXT_HINT, self.width * self.pool.block_size)
         cache = StepCache(self.pool, writes, tables, ctx.to(torch.int32), hint)
         hidden = self.model.hidden_states(ids, positions[:, None], cache,
                                           AttentionMetadata.decode())
-        logits = self.model.compute_logits(hidden[:, 0])  # [b, V]
+        logits = self.model.lm_head(hidden[:, 0])  # [b, V]
         tokens = torch.argmax(logits, dim=-1)
         self.last_tok.index_copy_(0, slots, tokens)
         return logits, tokens

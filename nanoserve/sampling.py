@@ -132,7 +132,7 @@ def sample_next(logits: torch.Tensor, params: list[SamplingParams], keys: list[i
     Greedy rows take the exact argmax. The others draw by the Gumbel-max trick from
     counter-based noise (`gumbel_noise`): the draw depends on the row's key, its token
     number and its own logits only."""
-    tokens = torch.argmax(logits, dim=-1)
+    tokens = torch.argmax(logits, dim=-1)  # a half-precision row's argmax is its float32's
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if not sampled:
         return tokens

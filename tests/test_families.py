@@ -254,10 +254,29 @@ def test_gpu_kernels_greedy_equals_transformers(tmp_path, monkeypatch, family, w
     new = 40
     want = [_hf_greedy(hf, p, new) for p in prompts]
     pool = pool_for(model, prompts, new, 16)
-    assert greedy_generate_batch(model, prompts, new, (), pool) == want
+    _assert_greedy_near(hf, prompts, greedy_generate_batch(model, prompts, new, (), pool), want)
     params = [SamplingParams(max_tokens=new, temperature=0.0)] * len(prompts)
     outs, _ = generate_continuous(model, prompts, params, (), pool, max_batch_size=3)
-    assert [o.token_ids for o in outs] == want
+    _assert_greedy_near(hf, prompts, [o.token_ids for o in outs], want)
     with monkeypatch.context() as m:
         m.setenv("NANOSERVE_KERNELS", "reference")
-        assert greedy_generate_batch(model, prompts, new, (), pool) == want
+        _assert_greedy_near(hf, prompts, greedy_generate_batch(model, prompts, new, (), pool),
+                            want)
+
+
+def _assert_greedy_near(hf, prompts, got, want, tie=1e-4):
+    """Greedy tokens equal transformers', except where transformers' own logits at the first
+    divergence hold a near tie (|gap| < tie) between its token and ours: float32 on another
+    device sums in another order, and a tiny random model's logits tie often. At most one
+    prompt may diverge."""
+    diverged = 0
+    for prompt, g, w in zip(prompts, got, want, strict=True):
+        if g == w:
+            continue
+        diverged += 1
+        j = next(i for i, (a, b) in enumerate(zip(g, w)) if a != b)
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + w[:j]])).logits[0, -1].float()
+        gap = float(logits[w[j]] - logits[g[j]])
+        assert 0 <= gap < tie, (j, g[j], w[j], gap)
+    assert diverged <= 1, f"{diverged} prompts diverged"
