@@ -68,7 +68,7 @@ from ray_jobs.placement import check_output_reachable
 from ray_jobs.pool import WorkerPool, WorkerReport, first_line, log
 from ray_jobs.prepare import ColumnPlan, PreparedRow, RowPreparer, load_model_meta, plan_columns
 from ray_jobs.report import ReportLog, piece_record, report_data, write_report
-from ray_jobs.storage import OutputDir
+from ray_jobs.storage import OutputDir, is_uri
 from ray_jobs.timeline import PHASES, Timeline
 from ray_jobs.worker import (
     OOM_KEY,
@@ -152,8 +152,8 @@ def run_batch_job(input: str | Path, output_dir: str | Path, **options: Any) -> 
                            opts.sampling_defaults())
     settings = _job_settings(opts, info, model_path, limits)
     folder = OutputDir.open(output_dir)  # a local folder or an object-store prefix
-    if folder.local:
-        check_output_reachable(folder.path)
+    if folder.local:  # named as the user gave it (a path, or its file:// URI's path)
+        check_output_reachable(folder.path if is_uri(output_dir) else Path(output_dir))
     with ExitStack() as stack:
         stack.enter_context(hold_output_dir(folder))  # one job per output folder at a time
         manifest = open_output_dir(folder, settings, opts.overwrite)

@@ -144,7 +144,7 @@ class BatchWorker:
     def run_batch(self, batch_rows: list[GenerationRequest]) -> pa.Table:
         _fault_hold_while_file()
         _fault_kill_on_text(self.llm.tokenizer, batch_rows)
-        ooms_before = self.oom_errors
+        ooms = [0]  # device out-of-memory errors raised while running this batch
         results: list[dict[str, Any] | None] = [self._too_big_for_pool(r) for r in batch_rows]
         todo = [i for i, res in enumerate(results) if res is None]
         prompts = [list(batch_rows[i].prompt_token_ids) for i in todo]
@@ -152,13 +152,13 @@ class BatchWorker:
         stats = []
         try:
             if todo:
-                done, st = self._generate(prompts, params)
+                done, st = self._generate(prompts, params, ooms)
                 stats.append(st)
                 for i, c in zip(todo, done):
                     results[i] = _completion_row(c)
         except (NanoserveError, ValueError, RuntimeError):  # torch.OutOfMemoryError included
             for i, p, sp in zip(todo, prompts, params):
-                results[i], st = self._run_alone(p, sp)
+                results[i], st = self._run_alone(p, sp, ooms)
                 stats.append(st)
         table = pa.Table.from_pylist(results, schema=RESULT_SCHEMA)
         slots = sum(getattr(s, "prefill_slots", 0) for s in stats if s is not None)
@@ -167,7 +167,7 @@ class BatchWorker:
         idle = sum(getattr(s, "finished_row_steps", 0) for s in stats if s is not None)
         meta = {
             PREFILL_SLOTS_KEY: str(slots).encode(), PREFILL_TOKENS_KEY: str(real).encode(),
-            OOM_KEY: str(self.oom_errors - ooms_before).encode(),
+            OOM_KEY: str(ooms[0]).encode(),
             DECODE_ROW_STEPS_KEY: str(steps).encode(), FINISHED_ROW_STEPS_KEY: str(idle).encode()}
         if self._loop is not None and self.llm.enable_prefix_caching:
             cached = sum(getattr(s, "cached_tokens", 0) for s in stats if s is not None)
@@ -175,21 +175,33 @@ class BatchWorker:
         return table.replace_schema_metadata(meta)
 
     def _generate(self, prompts: list[list[int]], params: list[SamplingParams],
-                  alone: bool = False) -> tuple[list[Any], Any]:
+                  ooms: list[int], alone: bool = False) -> tuple[list[Any], Any]:
         """The engine's completions and prefill counts: through the running batch
         (continuous, packed prefills: no padding; `alone`: by itself, so a failure is its
-        own) or one call at a time (static, with the engine's own stats)."""
+        own) or one call at a time (static, with the engine's own stats). Adds to `ooms[0]`
+        the device out-of-memory errors of this call: the static engine's (it retries
+        smaller), or one when the running batch failed with one."""
         if self._loop is not None:
+            import torch
+
             from nanoserve.generate import BatchStats
 
-            done = self._loop.submit(prompts, params, alone=alone).result()
+            try:
+                done = self._loop.submit(prompts, params, alone=alone).result()
+            except torch.OutOfMemoryError:
+                ooms[0] += 1
+                raise
             cached = sum(c.num_cached_tokens for c in done)
             n = sum(len(p) for p in prompts) - cached
             return done, BatchStats(num_rows=len(prompts), prefill_slots=n, prefill_real_tokens=n,
                                     decode_row_steps=sum(len(c.token_ids) - 1 for c in done),
                                     cached_tokens=cached)
-        with self._engine_lock:
-            return self.llm.generate(prompts, params), getattr(self.llm, "last_stats", None)
+        with self._engine_lock:  # the two in-flight batches of a static engine take turns
+            before = self.oom_errors
+            try:
+                return self.llm.generate(prompts, params), getattr(self.llm, "last_stats", None)
+            finally:
+                ooms[0] += self.oom_errors - before
 
     def _too_big_for_pool(self, r: GenerationRequest) -> dict[str, Any] | None:
         """An error row for a request that cannot fit the KV pool even alone, else None.
@@ -205,11 +217,12 @@ class BatchWorker:
             f"need {need} blocks of {pool.block_size} tokens, the cache holds {pool.num_blocks}; "
             f"give the cache more memory or ask for fewer tokens", n)
 
-    def _run_alone(self, prompt: list[int], params: SamplingParams) -> tuple[dict[str, Any], Any]:
+    def _run_alone(self, prompt: list[int], params: SamplingParams,
+                   ooms: list[int]) -> tuple[dict[str, Any], Any]:
         import torch
 
         try:
-            done, stats = self._generate([prompt], [params], alone=True)
+            done, stats = self._generate([prompt], [params], ooms, alone=True)
             return _completion_row(done[0]), stats
         except torch.OutOfMemoryError as e:
             return error_row(f"the device ran out of memory even for this row alone: "

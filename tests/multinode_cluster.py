@@ -28,6 +28,7 @@ import shutil
 import sys
 import tempfile
 import threading
+import time
 import traceback
 from pathlib import Path
 
@@ -115,6 +116,24 @@ def patched(obj, name, make):
         setattr(obj, name, original)
 
 
+def _wait_gone(pids: list[int], timeout_s: float = 30.0) -> None:
+    """Wait until none of these processes is alive (a killed node's actors die as their
+    raylet's socket closes, a moment after the raylet)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        alive = []
+        for pid in pids:
+            try:
+                os.kill(pid, 0)
+                alive.append(pid)
+            except ProcessLookupError:
+                pass
+        if not alive:
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"the removed node's worker processes {pids} are still alive")
+
+
 def remove_node_of_worker_when(cluster, scenario, workers_full):
     """Patch the driver's `_submit`: once `workers_full(pool)` holds after a submission,
     remove (kill) the node whose workers hold the most pieces in flight (ties: the last
@@ -134,7 +153,9 @@ def remove_node_of_worker_when(cluster, scenario, workers_full):
                 "in_flight": {i: w.in_flight for i, w in enumerate(self.pool.workers)},
                 "workers_there": [i for i, w in enumerate(self.pool.workers)
                                   if w.info["node_id"] == node_id]}
+            pids = [w.info["pid"] for w in self.pool.workers if w.info["node_id"] == node_id]
             cluster.remove_node(node, allow_graceful=False)
+            _wait_gone(pids)  # else a held batch may finish before its process dies
             scenario.release_batches()
         return submit
     return make

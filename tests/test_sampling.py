@@ -9,18 +9,32 @@ import pytest
 import torch
 
 from nanoserve.generate import generate_batch, greedy_generate
-from nanoserve.sampling import SamplingParams, sample_next
+from nanoserve.sampling import SamplingParams, gumbel_noise, row_seed, sample_next
 
 
 def test_temperature_zero_is_argmax():
     logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(0))
     params = [SamplingParams(temperature=0.0)] * 5
-    assert sample_next(logits, params, [None] * 5) == logits.argmax(-1).tolist()
+    assert sample_next(logits, params, [None] * 5, [0] * 5).tolist() == logits.argmax(-1).tolist()
 
 
 def _draws(logits, p, n):
-    g = torch.Generator().manual_seed(p.seed)
-    return [sample_next(logits[None], [p], [g])[0] for _ in range(n)]
+    """The row's first n tokens' draws over fixed logits (token numbers 0..n-1)."""
+    key = row_seed(p)
+    return [int(sample_next(logits[None], [p], [key], [i])[0]) for i in range(n)]
+
+
+def test_noise_is_a_function_of_key_and_token_number_only():
+    """Batch invariance: a row's noise is the same alone or among other rows; another key
+    or token number gives other noise; the noise looks standard Gumbel."""
+    keys = torch.tensor([7, 2**62 + 5, 123456789], dtype=torch.int64)
+    counters = torch.tensor([0, 3, 9], dtype=torch.int64)
+    together = gumbel_noise(keys, counters, 1000)
+    for i in range(3):
+        assert torch.equal(gumbel_noise(keys[i:i + 1], counters[i:i + 1], 1000)[0], together[i])
+    assert not torch.equal(gumbel_noise(keys[:1], counters[1:2], 1000), together[:1])
+    big = gumbel_noise(torch.tensor([11]), torch.tensor([0]), 200_000)[0].double()
+    assert abs(big.mean() - 0.5772) < 0.02 and abs(big.std() - 1.2825) < 0.02
 
 
 def test_top_k_and_top_p_support():
