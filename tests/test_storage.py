@@ -207,7 +207,7 @@ def test_s3_driver_sigkilled_mid_job_resumes_with_nothing_lost_or_duplicated(
     env = {**os.environ, "TMPDIR": ray_tmp, "PYTHONPATH": str(REPO),
            "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("RAY_ADDRESS", None)
-    command = [sys.executable, "-m", "nanoserve.cli", "batch", f"s3://{bucket}/in/",
+    command = [sys.executable, "-m", "nanoserve_cli", "batch", f"s3://{bucket}/in/",
                "-o", f"s3://{bucket}/out", "--model", str(tiny_job_model), "--batch-size", "2",
                "--max-tokens", str(MAX_TOKENS), "--address", "local", "--no-progress"]
     with open(tmp_path / "first.log", "w") as log:
@@ -314,7 +314,7 @@ def test_bad_credentials_are_one_line(tmp_path):
                    "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_DEFAULT_REGION": "us-east-1",
                    "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
                    "AWS_EC2_METADATA_DISABLED": "true"}
-        r = subprocess.run([sys.executable, "-m", "nanoserve.cli", "batch",
+        r = subprocess.run([sys.executable, "-m", "nanoserve_cli", "batch",
                             "s3://some-bucket/in.jsonl", "-o", str(tmp_path / "out")],
                            env=job_env, capture_output=True, text=True, timeout=120)
     finally:
