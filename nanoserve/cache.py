@@ -205,6 +205,11 @@ class BatchedPagedKVCache:
             if len(t.blocks) > n:
                 self._bt_host[i, n:len(t.blocks)] = torch.tensor(t.blocks[n:], dtype=torch.int32)
 
+    def mirror_block_tables(self) -> None:
+        """Refresh the host mirror of every row's block table (after the tables were grown
+        outside a step: a prefill through another cache view)."""
+        self._mirror_new_blocks([0] * self.batch_size)
+
     def block_table_tensor(self) -> torch.Tensor:
         """[B, max_blocks] int32, padded with block 0 (in range: see invariant 2)."""
         width = max(1, max(len(t.blocks) for t in self.tables))

@@ -14,10 +14,12 @@ from dataclasses import dataclass
 import torch
 
 from nanoserve.attention import AttentionMetadata
+from nanoserve.block_manager import reserve_all_or_nothing
 from nanoserve.cache import BatchedPagedKVCache, CacheShape, DenseKVCache, KVPool
 from nanoserve.cuda_graph import DecodeStep, graphs_wanted, make_decode_step
 from nanoserve.errors import CacheFullError
 from nanoserve.model import LlamaForCausalLM
+from nanoserve.prefix_cache import lookup
 from nanoserve.sampling import SamplingParams, sample_next
 from nanoserve.sequence import Sequence, SequenceOutput
 
@@ -126,9 +128,16 @@ def right_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, 
 @torch.inference_mode()
 def generate_batch(model: LlamaForCausalLM, prompts: list[list[int]], params: list[SamplingParams],
                    eos_token_ids: tuple[int, ...] = (), pool: KVPool | None = None,
-                   tokenizer=None, decode_step: str = "auto") -> tuple[list[SequenceOutput], BatchStats]:
+                   tokenizer=None, decode_step: str = "auto", prefix_caching: bool = False,
+                   ) -> tuple[list[SequenceOutput], BatchStats]:
     """Static batched generation with per-row sampling. Raises CacheFullError, having
     changed nothing, when the batch cannot fit the pool at its peak.
+
+    prefix_caching: rows start from the longest cached run of their prompt's full blocks
+    (blocks an earlier batch on this pool named and freed, or still holds); when any row
+    hits, the batch's prefill is packed and attends to the cached context through the
+    paged prefill kernel, else it is the padded rectangle. Either way the batch names its
+    full prompt blocks for later batches.
 
     decode_step: how decode steps run (the tokens are the same): "eager" launches each
     kernel from Python with per-step tensors; "graph" replays a CUDA graph captured once
@@ -151,11 +160,19 @@ def generate_batch(model: LlamaForCausalLM, prompts: list[list[int]], params: li
     B, T = ids.shape
     stats = BatchStats(num_rows=B, prefill_slots=B * T, prefill_real_tokens=sum(lens))
     cache = BatchedPagedKVCache(pool, B)
+    alloc = pool.allocator
+    hits = [lookup(alloc, p, pool.block_size) for p in prompts] if prefix_caching else []
     step = None
     try:
-        hidden = model.hidden_states(ids.to(device), positions.to(device), cache,
-                                     AttentionMetadata.prefill(valid.to(device)))
-        last = hidden[torch.arange(B, device=device), (lens_t - 1).to(device)]  # [B, d]
+        if any(hits):
+            last = _prefill_after_cached(model, cache, prompts, hits, seqs, stats)
+        else:
+            hidden = model.hidden_states(ids.to(device), positions.to(device), cache,
+                                         AttentionMetadata.prefill(valid.to(device)))
+            last = hidden[torch.arange(B, device=device), (lens_t - 1).to(device)]  # [B, d]
+        if prefix_caching:  # queued after the prefill that writes them: safe to share
+            for table, prompt in zip(cache.tables, prompts):
+                table.register_full_blocks(prompt, alloc)
         _append(seqs, model.compute_logits(last))
         if decode_step == "auto":
             decode_step = "graph" if graphs_wanted(device, max_steps - 1) else "eager"
@@ -181,6 +198,42 @@ def generate_batch(model: LlamaForCausalLM, prompts: list[list[int]], params: li
         del step  # a captured graph's memory goes back to the allocator with it
         cache.free_all()
     return [s.output() for s in seqs], stats
+
+
+def _prefill_after_cached(model: LlamaForCausalLM, cache: BatchedPagedKVCache,
+                          prompts: list[list[int]], hits: list[list[int]],
+                          seqs: list[Sequence], stats: BatchStats) -> torch.Tensor:
+    """The static batch's prefill when some rows start from cached blocks: every row takes
+    its hit, the rest of each prompt is prefilled packed (no padding) over the row's whole
+    context. Returns each row's last hidden state [B, d]."""
+    from nanoserve.step_cache import StepCache
+
+    device, alloc = model.device, cache.pool.allocator
+    for table, hit in zip(cache.tables, hits):
+        table.take_cached(hit, alloc)
+    cached = [t.num_tokens for t in cache.tables]
+    new = [p[c:] for p, c in zip(prompts, cached)]  # never empty: a hit leaves the last token
+    writes = reserve_all_or_nothing(cache.tables, [len(n) for n in new], alloc)
+    cache.mirror_block_tables()
+    cu = [0]
+    for n in new:
+        cu.append(cu[-1] + len(n))
+    ids = torch.tensor([[t for n in new for t in n]], device=device)  # [1, N]
+    pos = torch.tensor([[c + j for c, n in zip(cached, new) for j in range(len(n))]],
+                       device=device)
+    step_cache = StepCache(
+        cache.pool, torch.tensor([s for w in writes for s in w], device=device),
+        cache.block_table_tensor(),
+        torch.tensor([c + len(n) for c, n in zip(cached, new)], dtype=torch.int32,
+                     device=device))
+    cu_t = torch.tensor(cu, dtype=torch.int32, device=device)
+    hidden = model.hidden_states(ids, pos, step_cache,
+                                 AttentionMetadata.packed(cu_t, max(len(n) for n in new)))
+    for seq, c in zip(seqs, cached):
+        seq.num_cached_tokens = c
+    stats.prefill_slots = stats.prefill_real_tokens = cu[-1]
+    stats.cached_tokens = sum(cached)
+    return hidden[0, cu_t[1:].long() - 1]  # [B, d]
 
 
 def _decode_pipelined(step: DecodeStep, seqs: list[Sequence], stats: BatchStats,

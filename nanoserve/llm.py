@@ -65,8 +65,9 @@ class LLM:
         either way (held to that by the tests).
         enable_prefix_caching: with the continuous scheduler, a prompt's leading full blocks
         that the pool already holds (an earlier row's same prefix) are reused, not
-        prefilled again (nanoserve/prefix_cache.py); the static scheduler never shares, nor
-        does a model with a sliding window."""
+        prefilled again (nanoserve/prefix_cache.py), with either scheduler (a static batch
+        finds the blocks earlier batches on the pool named); not for a model with a sliding
+        window."""
         self.enable_prefix_caching = enable_prefix_caching
         if scheduler not in SCHEDULERS:
             raise NanoserveError(f"scheduler must be one of {', '.join(SCHEDULERS)}, "
@@ -172,6 +173,7 @@ class LLM:
             outs, stats = generate_batch(
                 self.model, [prompts[i] for i in batch], [params[i] for i in batch],
                 self.eos_token_ids, self.pool, self.tokenizer, self.decode_step,
+                self.enable_prefix_caching,
             )
         except torch.OutOfMemoryError:
             if len(batch) == 1:

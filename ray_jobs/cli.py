@@ -91,7 +91,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="prefill every row's whole prompt, even a prefix that an earlier row's "
                         "KV blocks already hold (default: shared prefixes are computed and "
-                        "stored once per worker; continuous scheduler only)")
+                        "stored once per worker)")
     r.add_argument("--address", default=None,
                    help="Ray address (default: RAY_ADDRESS, a running cluster, else a "
                         "private local Ray; 'local' forces the latter)")

@@ -43,7 +43,7 @@ class JobOptions:
     kv_cache_fraction: float = 0.5  # of a GPU's free memory, for the KV pool
     kv_cache_bytes: int | None = None  # the KV pool's exact size per worker (else the above)
     scheduler: str = "auto"  # each worker's engine: continuous on a GPU, static on the CPU
-    prefix_caching: bool = True  # continuous engines reuse the KV blocks of shared prefixes
+    prefix_caching: bool = True  # engines reuse the KV blocks of shared prompt prefixes
     chunk_rows: int = DEFAULT_CHUNK_ROWS  # rows read and tokenized at a time
     max_in_flight_per_worker: int = 2
     worker_start_timeout_s: float = 600.0  # for an actor to be placed and load the model

@@ -169,7 +169,7 @@ class BatchWorker:
             PREFILL_SLOTS_KEY: str(slots).encode(), PREFILL_TOKENS_KEY: str(real).encode(),
             OOM_KEY: str(ooms[0]).encode(),
             DECODE_ROW_STEPS_KEY: str(steps).encode(), FINISHED_ROW_STEPS_KEY: str(idle).encode()}
-        if self._loop is not None and self.llm.enable_prefix_caching:
+        if getattr(self.llm, "enable_prefix_caching", False):
             cached = sum(getattr(s, "cached_tokens", 0) for s in stats if s is not None)
             meta[PROMPT_TOKENS_CACHED_KEY] = str(cached).encode()
         return table.replace_schema_metadata(meta)

@@ -273,6 +273,21 @@ def test_unknown_scheduler_is_refused():
 # --- prefix caching ---------------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def sharp_model(tiny_model_dir):
+    """The tiny model with its q and k projections scaled up: its attention is sharp, so a
+    token at a wrong position or a wrong cached key changes the output (the plain tiny
+    model's attention is nearly uniform, and its greedy tokens barely depend on either)."""
+    from nanoserve.model import build_model
+    from nanoserve.weights import load_checkpoint
+
+    config, sd = load_checkpoint(tiny_model_dir)
+    for name in sd:
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            sd[name] = sd[name] * 12
+    return build_model(config, sd)
+
+
 def shared_prefix_rows(prefix_len, n, seed, sampled=False, suffix=(1, 20)):
     rng = random.Random(seed)
     prefix = [rng.randrange(3, 128) for _ in range(prefix_len)]
@@ -285,7 +300,7 @@ def shared_prefix_rows(prefix_len, n, seed, sampled=False, suffix=(1, 20)):
 
 @pytest.mark.parametrize("prefix_len,sampled", [(0, False), (4, False), (9, True), (24, False),
                                                 (40, True)])
-def test_prefix_caching_gives_the_tokens_of_no_caching(tiny_model, prefix_len, sampled):
+def test_prefix_caching_gives_the_tokens_of_no_caching(sharp_model, prefix_len, sampled):
     """Rows sharing no block (prefix 0 or shorter than a block of 8), one block, several
     blocks, and prompts that end exactly on a block boundary (suffix 0 after 24 or 40
     tokens: the last block is prefilled again, never shared): each row's tokens with
@@ -295,8 +310,8 @@ def test_prefix_caching_gives_the_tokens_of_no_caching(tiny_model, prefix_len, s
                                          suffix=(0, 12) if prefix_len % 8 == 0 else (1, 12))
     runs = {}
     for caching in (False, True):
-        pool = make_pool(tiny_model, 128, block_size=8)
-        runs[caching] = generate_continuous(tiny_model, prompts, params, (), pool,
+        pool = make_pool(sharp_model, 128, block_size=8)
+        runs[caching] = generate_continuous(sharp_model, prompts, params, (), pool,
                                             max_batch_size=3, prefix_caching=caching)
         assert pool.allocator.num_free == pool.num_blocks
     (off, off_stats), (on, on_stats) = runs[False], runs[True]
@@ -311,18 +326,18 @@ def test_prefix_caching_gives_the_tokens_of_no_caching(tiny_model, prefix_len, s
     assert [o.num_cached_tokens for o in on][0] == 0  # the first row finds nothing
 
 
-def test_prefix_caching_with_preemption_keeps_tokens_and_blocks(tiny_model):
+def test_prefix_caching_with_preemption_keeps_tokens_and_blocks(sharp_model):
     prompts, params = shared_prefix_rows(16, 8, 2)
     params = [SamplingParams(max_tokens=24, ignore_eos=True, seed=i) for i in range(8)]
-    pool = make_pool(tiny_model, 24, block_size=4)
-    outs, stats = generate_continuous(tiny_model, prompts, params, (), pool, max_batch_size=8)
+    pool = make_pool(sharp_model, 24, block_size=4)
+    outs, stats = generate_continuous(sharp_model, prompts, params, (), pool, max_batch_size=8)
     assert stats.preemptions > 0 and stats.cached_tokens > 0
     for prompt, p, out in zip(prompts, params, outs):
-        assert out.token_ids == alone(tiny_model, prompt, p, ()).token_ids
+        assert out.token_ids == alone(sharp_model, prompt, p, ()).token_ids
     assert_free(pool)
 
 
-def test_a_corrupted_cached_block_changes_the_rows_that_reuse_it(tiny_model):
+def test_a_corrupted_cached_block_changes_the_rows_that_reuse_it(sharp_model):
     """The cache is really read: overwrite the K/V of the shared prefix's cached blocks
     between two calls over one pool, and the second call's rows (which reuse those blocks)
     come out different from the first's, while with caching off they do not."""
@@ -331,15 +346,47 @@ def test_a_corrupted_cached_block_changes_the_rows_that_reuse_it(tiny_model):
     prompts, params = shared_prefix_rows(32, 4, 6)
     params = [SamplingParams(max_tokens=8, ignore_eos=True)] * 4
     for caching in (True, False):
-        pool = make_pool(tiny_model, 64, block_size=8)
-        first, _ = generate_continuous(tiny_model, prompts, params, (), pool,
+        pool = make_pool(sharp_model, 64, block_size=8)
+        first, _ = generate_continuous(sharp_model, prompts, params, (), pool,
                                        prefix_caching=caching)
         for t in pool.k + pool.v:
             t.copy_(torch.randn_like(t))
-        second, stats = generate_continuous(tiny_model, prompts, params, (), pool,
+        second, stats = generate_continuous(sharp_model, prompts, params, (), pool,
                                             prefix_caching=caching)
         same = [a.token_ids == b.token_ids for a, b in zip(first, second)]
         if caching:
             assert stats.cached_tokens > 0 and not all(same)
         else:
             assert all(same)
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_static_batches_reuse_blocks_an_earlier_batch_named(sharp_model, sampled):
+    """The static path: a second batch on the pool starts from the prefix blocks the first
+    batch named (freed, kept in the cached-free LRU) and prefills the rest packed over
+    them; its tokens equal its tokens without caching, and every block comes back."""
+    prompts, params = shared_prefix_rows(24, 8, 9, sampled)
+    first, second = (prompts[:4], params[:4]), (prompts[4:], params[4:])
+    pool = make_pool(sharp_model, 64, block_size=8)
+    generate_batch(sharp_model, *first, (), pool, prefix_caching=True)
+    got, stats = generate_batch(sharp_model, *second, (), pool, prefix_caching=True)
+    want, plain = generate_batch(sharp_model, *second, (), make_pool(sharp_model, 64, 8))
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert stats.cached_tokens == 4 * 24  # 24 shared tokens: three full blocks of 8 per row
+    assert stats.prefill_real_tokens == plain.prefill_real_tokens - stats.cached_tokens
+    assert [o.num_cached_tokens for o in got] == [24] * 4
+    assert_free(pool)
+
+
+def test_llm_static_scheduler_with_and_without_prefix_caching(tiny_job_model):
+    from nanoserve.llm import LLM
+
+    prompts, params = shared_prefix_rows(40, 9, 10, sampled=True)
+    outs = {}
+    for caching in (False, True):
+        llm = LLM(model=str(tiny_job_model), device="cpu", kv_cache_bytes=8 << 20,
+                  max_batch_size=3, scheduler="static", enable_prefix_caching=caching)
+        outs[caching] = llm.generate(prompts, params)
+        hit = llm.last_stats.prefix_hit_rate
+        assert (hit > 0) == caching
+    assert [o.token_ids for o in outs[True]] == [o.token_ids for o in outs[False]]
