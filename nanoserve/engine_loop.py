@@ -15,7 +15,9 @@ exception; the loop goes on with later submissions. `submit(..., alone=True)` ru
 group by itself: it starts once nothing else runs, and nothing else is admitted until it
 ends, so its failure is its own (how a caller isolates a bad row).
 
-Invariant: only the loop's thread touches the scheduler, the runner and the pool.
+Invariant: only the loop's thread touches the scheduler, the runner and the pool; while a
+loop runs over an `LLM`, that LLM's own `generate` must not be called (it would drive the
+same runner and pool from another thread).
 """
 
 from __future__ import annotations
