@@ -262,6 +262,35 @@ def test_batch_job_with_the_continuous_scheduler(ray_session, tiny_job_model, ti
     assert [r["generated_token_ids"] for r in rows] == [w.token_ids for w in want]
 
 
+def test_batch_job_reports_the_prefix_hit_rate(ray_session, tiny_job_model, tiny_llm, tmp_path):
+    """Rows behind one long system text: the workers' prefix caches serve part of their
+    prompts; the summary (and its printed form) says how much, the rows equal the engine's,
+    and with --no-prefix-caching nothing is served from a cache."""
+    import json
+
+    import pyarrow.dataset as ds
+
+    from ray_jobs import run_batch_job
+
+    system = "You are a careful assistant. Answer in one short sentence. " * 6
+    texts = [system + t for t in TEXTS]
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    rates = {}
+    for caching in (True, False):
+        out = tmp_path / f"out-{caching}"
+        summary = run_batch_job(path, out, model=str(tiny_job_model), max_tokens=4,
+                                batch_size=3, kv_cache_bytes=32 << 20, progress=False,
+                                scheduler="continuous", prefix_caching=caching)
+        rates[caching] = summary.prefix_hit_rate
+        rows = sorted(ds.dataset(out).to_table().to_pylist(), key=lambda r: r["id"])
+        want = tiny_llm.generate([tiny_llm.tokenizer.encode(t) for t in texts],
+                                 SamplingParams(max_tokens=4))
+        assert [r["generated_token_ids"] for r in rows] == [w.token_ids for w in want]
+        assert ("prefix cache: " in summary.format()) == caching
+    assert rates[True] > 0.3 and rates[False] is None  # None: no engine had a prefix cache
+
+
 def test_unknown_scheduler_is_refused():
     from nanoserve.errors import NanoserveError
     from ray_jobs.driver import JobOptions
