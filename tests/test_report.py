@@ -78,7 +78,9 @@ def test_report_data_match_the_manifest_and_the_parts(job):
     # Rows of one batch asked for 1..4 tokens: the static batch ran to its longest row.
     assert data["totals"]["early_finish_waste"] > 0
     assert data["totals"]["padding_waste"] == pytest.approx(summary.padding_waste)
-    assert data["totals"]["prefix_cache_hit_rate"] is None
+    # The engine has a prefix cache (on by default): the page's rate is the summary's.
+    assert summary.prefix_hit_rate is not None
+    assert data["totals"]["prefix_cache_hit_rate"] == pytest.approx(summary.prefix_hit_rate)
     assert list(data["phases"]) == list(summary.timings)
 
 
