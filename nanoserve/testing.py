@@ -81,3 +81,19 @@ def save_tiny_family(folder: str | Path, family: str, tokenizer_source: str | Pa
 
 
 __all__ = ["save_tiny_family", "save_tiny_llama"]
+
+
+def assert_rows_match_engine(llm, prompts: list[str], rows: list[dict], max_tokens: int) -> None:
+    """The batch job's oracle check: `rows` (output rows of a job over the text `prompts`,
+    row id = position) hold every prompt exactly once, and each row's tokens, text and
+    finish reason are what `llm.generate` gives that prompt alone (greedy, `max_tokens`)."""
+    from nanoserve.sampling import SamplingParams
+
+    assert sorted(r["id"] for r in rows) == list(range(len(prompts)))
+    for row in rows:
+        ids = llm.tokenizer.encode(prompts[row["id"]])
+        (want,) = llm.generate([ids], [SamplingParams(max_tokens=max_tokens)])
+        assert row["error"] is None, row["error"]
+        assert row["generated_token_ids"] == want.token_ids, row["id"]
+        assert row["generated_text"] == want.text, row["id"]
+        assert row["finish_reason"] == want.finish_reason, row["id"]

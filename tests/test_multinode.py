@@ -23,7 +23,7 @@ import pyarrow.dataset as ds
 import pytest
 
 from nanoserve.errors import NanoserveError
-from nanoserve.sampling import SamplingParams
+from nanoserve.testing import assert_rows_match_engine
 from ray_jobs.autoscale import WorkerRange, parse_num_workers
 from ray_jobs.cli import main as batch_main
 
@@ -70,14 +70,7 @@ def assert_every_row_once_and_right(llm, results: Path, name: str) -> None:
     prompts = [json.loads(line)["prompt"]
                for line in (results / name / "in.jsonl").read_text().splitlines()]
     rows = ds.dataset(results / name / "out").to_table().to_pylist()
-    assert sorted(r["id"] for r in rows) == list(range(len(prompts)))
-    for row in rows:
-        ids = llm.tokenizer.encode(prompts[row["id"]])
-        (want,) = llm.generate([ids], [SamplingParams(max_tokens=MAX_TOKENS)])
-        assert row["error"] is None, row["error"]
-        assert row["generated_token_ids"] == want.token_ids, row["id"]
-        assert row["generated_text"] == want.text
-        assert row["finish_reason"] == want.finish_reason
+    assert_rows_match_engine(llm, prompts, rows, MAX_TOKENS)
 
 
 def test_a_job_spreads_over_two_worker_nodes(scenarios, tiny_llm):

@@ -27,7 +27,7 @@ import pytest
 
 import ray_jobs.driver as driver
 from nanoserve.errors import InputError
-from nanoserve.sampling import SamplingParams
+from nanoserve.testing import assert_rows_match_engine
 from ray_jobs import run_batch_job
 from ray_jobs.cli import main as batch_main
 from ray_jobs.local_ray import OWNER_FILE, TEMP_PREFIX
@@ -95,12 +95,7 @@ def wait_until_gone(sid):
 
 
 def assert_rows_match_oracle(llm, prompts, rows):
-    assert sorted(r["id"] for r in rows) == list(range(len(prompts)))
-    for row in rows:
-        ids = llm.tokenizer.encode(prompts[row["id"]])
-        (want,) = llm.generate([ids], [SamplingParams(max_tokens=MAX_TOKENS)])
-        assert row["error"] is None, row["error"]
-        assert row["generated_token_ids"] == want.token_ids, row["id"]
+    assert_rows_match_engine(llm, prompts, rows, MAX_TOKENS)
 
 
 def test_driver_killed_mid_job_resumes_keeping_written_parts(tiny_job_model, tiny_llm, tmp_path,

@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from nanoserve.errors import InputError, NanoserveError
-from nanoserve.sampling import SamplingParams
+from nanoserve.testing import assert_rows_match_engine
 from ray_jobs import run_batch_job
 from ray_jobs.cli import main as batch_main
 from ray_jobs.io import iter_chunks, scan_input
@@ -120,12 +120,7 @@ def job_options(tiny_job_model, **extra):
 
 
 def assert_rows_match_oracle(llm, prompts, rows):
-    assert sorted(r["id"] for r in rows) == list(range(len(prompts)))
-    for row in rows:
-        ids = llm.tokenizer.encode(prompts[row["id"]])
-        (want,) = llm.generate([ids], [SamplingParams(max_tokens=MAX_TOKENS)])
-        assert row["error"] is None, row["error"]
-        assert row["generated_token_ids"] == want.token_ids, row["id"]
+    assert_rows_match_engine(llm, prompts, rows, MAX_TOKENS)
 
 
 def sorted_by_id(table):
