@@ -10,9 +10,11 @@ and drives a `ContinuousRunner` (nanoserve/model_runner.py). Each iteration of `
       free block per running row after their prompts (what the next step can need); the
       admitted rows are prefilled together, packed (no padding), and new rows sample
       their first token on the device;
-   b. one decode step for every running row that may still need a token: each row's next
-      slot is reserved first (all rows or none); when the pool cannot give every row its
-      slot, queued work is read, and the most recently admitted rows are preempted (blocks
+   b. one decode step for every running row that may still need a token, the rows ordered
+      longest context first (so the attention kernel's programs for the longest rows
+      start first and the GPU's multiprocessors end together; `ORDER_LONGEST_FIRST`):
+      each row's next slot is reserved first (all rows or none); when the pool cannot
+      give every row its slot, queued work is read, and the most recently admitted rows are preempted (blocks
       freed, back to the front of the queue, recomputed later: prompt and tokens so far
       prefilled again, nothing sampled again);
 2. read the oldest unread operation's tokens, run the stop rules, and let rows that
@@ -53,6 +55,10 @@ from nanoserve.sequence import Sequence, SequenceOutput
 
 DEFAULT_MAX_PREFILL_TOKENS = 8192  # prompt tokens of one admission's packed prefill
 MAX_UNREAD = 2  # operations queued on the device ahead of the host
+# Decode steps list their rows longest context first: the decode attention launches one
+# program per (row, KV head) in row order, so the longest rows start first and the short
+# ones fill in behind them. A row's result does not depend on its place in the step.
+ORDER_LONGEST_FIRST = True
 
 
 def _blocks(tokens: int, block_size: int) -> int:
@@ -291,6 +297,8 @@ class ContinuousScheduler:
         return rows
 
     def _decode(self, rows: list[_Row]) -> None:
+        if ORDER_LONGEST_FIRST:
+            rows = sorted(rows, key=lambda r: -r.table.num_tokens)
         positions = [r.table.num_tokens for r in rows]
         writes = [w[0] for w in reserve_all_or_nothing(
             [r.table for r in rows], [1] * len(rows), self.pool.allocator)]
