@@ -1,7 +1,8 @@
 """The one place that chooses between the Triton kernels and their PyTorch references.
 
 The engine calls only `decode_attention`, `prefill_attention`, `paged_prefill_attention`,
-`store_kv`, `rms_norm`, `add_rms_norm`, `rotary` and `silu_and_mul` from here.
+`store_kv`, `rms_norm`, `add_rms_norm`, `rotary`, `rotary_store`, `silu_and_mul` and
+`argmax_scatter` from here.
 `use_triton(device)` is the rule (`NANOSERVE_KERNELS=reference` forces the references
 everywhere, for side-by-side checks of the two paths):
 - CUDA: the Triton kernels whenever Triton is installed;
@@ -22,6 +23,8 @@ from kernels import paged_attention
 from kernels._triton import HAS_TRITON, interpret_requested
 from kernels.activation import silu_and_mul as _silu_and_mul_triton
 from kernels.activation import silu_and_mul_reference
+from kernels.argmax import argmax_scatter as _argmax_scatter_triton
+from kernels.argmax import argmax_scatter_reference
 from kernels.kv_store import store_kv as _store_kv_triton
 from kernels.kv_store import store_kv_reference
 from kernels.paged_attention import paged_decode_attention, paged_decode_attention_reference
@@ -34,6 +37,8 @@ from kernels.rmsnorm import add_rms_norm_reference, rms_norm_reference
 from kernels.rmsnorm import rms_norm as _rms_norm_triton
 from kernels.rotary import rotary as _rotary_triton
 from kernels.rotary import rotary_reference
+from kernels.rotary_store import rotary_store as _rotary_store_triton
+from kernels.rotary_store import rotary_store_reference
 
 _TRUE = ("1", "true", "yes", "on")
 
@@ -66,13 +71,16 @@ def decode_attention(
     max_context_len: int | None = None,
     *,
     window: int | None = None,  # sliding window: the last `window` tokens; None: all
+    even_splits: bool = False,
 ) -> torch.Tensor:  # [B, Hq, D]
     """Paged decode attention: one query token per row over that row's cached context.
     max_context_len: a host-side bound on context_lens, used by the kernel only to choose
-    its split count (None: the block tables' capacity)."""
+    its split count (None: the block tables' capacity); even_splits: each row's context cut
+    into equal partitions (see `paged_decode_attention`)."""
     if use_triton(q.device):
         return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
-                                      max_context_len=max_context_len, window=window)
+                                      max_context_len=max_context_len, window=window,
+                                      even_splits=even_splits)
     return paged_decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, scale,
                                             window=window)
 
@@ -146,6 +154,25 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return rotary_reference(x, cos, sin)
 
 
+def rotary_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 num_q_heads: int) -> torch.Tensor:
+    """qkv [N, Hq + 2 Hkv, D]: rotary on q and k, k and v stored at `slot_mapping` (< 0:
+    not stored); returns q rotated [N, Hq, D]."""
+    args = (qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads)
+    if use_triton(qkv.device):
+        return _rotary_store_triton(*args)
+    return rotary_store_reference(*args)
+
+
+def argmax_scatter(logits: torch.Tensor, slots: torch.Tensor,
+                   last_tok: torch.Tensor) -> torch.Tensor:
+    """tokens = argmax of each row of logits [b, V]; last_tok[slots] = tokens; -> tokens."""
+    if use_triton(logits.device):
+        return _argmax_scatter_triton(logits, slots, last_tok)
+    return argmax_scatter_reference(logits, slots, last_tok)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[..., 2I] = [gate | up] -> silu(gate) * up [..., I]."""
     if use_triton(x.device):
@@ -155,7 +182,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 __all__ = [
     "add_rms_norm",
+    "argmax_scatter",
     "rotary",
+    "rotary_store",
     "decode_attention",
     "rms_norm",
     "silu_and_mul",

@@ -116,6 +116,12 @@ class LlamaAttention(nn.Module):
         if self.qkv is None:
             self.fuse()
         qkv = F.linear(x, *self.qkv).view(B, T, Hq + 2 * Hkv, D)
+        if self.q_norm is None and not meta.is_prefill and hasattr(cache, "rotary_store"):
+            # a continuous decode step: rotary and the K/V store in one kernel, then the
+            # paged read (what gqa_attention does, with the store already done)
+            q = cache.rotary_store(self.layer_idx, qkv, cos, sin, Hq)  # [B, 1, Hq, D]
+            out = cache.paged_attention(self.layer_idx, q[:, 0], window=self.window)
+            return self.o_proj(out.reshape(B, T, Hq * D))
         v = qkv[:, :, Hq + Hkv:]  # [B, T, Hkv, D]
         if self.q_norm is not None:  # per head, over D, before rotary
             q = apply_rotary(self.q_norm(qkv[:, :, :Hq]), cos, sin)  # [B, T, Hq, D]

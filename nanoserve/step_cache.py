@@ -8,6 +8,8 @@ the same object serves an eager step, a fixed-tensor step and a captured one.
 
 - `write(layer, k, v)`: k, v [B, T, Hkv, D] -> slots `slot_mapping` [B * T] (row-major);
   a slot < 0 stores nothing (the padding rows of a bucketed step).
+- `rotary_store(layer, qkv, cos, sin, num_q_heads)`: a decode step's rotary embedding of
+  q and k fused with the store of k and v (one kernel); returns q rotated.
 - `paged_attention(layer, q)`: q [B, Hq, D], each row over `context_lens[b]` tokens of its
   `block_tables[b]` (padding entries 0: in range, see the cache invariants).
 """
@@ -18,6 +20,11 @@ import torch
 
 from kernels import backend as kernel_backend
 from nanoserve.cache import KVPool
+
+# The decode read cuts each row's own context into the step's partitions (a captured step
+# meets rows of every length; partitions sized for the longest possible row would leave
+# the short rows' programs idle and the long rows' programs alone at the end).
+EVEN_SPLITS = True
 
 
 class StepCache:
@@ -44,6 +51,16 @@ class StepCache:
         k, v = k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:])
         kernel_backend.store_kv(k, v, self.pool.k[layer], self.pool.v[layer], self.slot_mapping)
 
+    def rotary_store(self, layer: int, qkv: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor, num_q_heads: int) -> torch.Tensor:
+        """qkv [B, T, Hq + 2 Hkv, D], cos/sin [B, T, D] -> q rotated [B, T, Hq, D]; k rotated
+        and v go to `slot_mapping`."""
+        B, T, H, D = qkv.shape
+        q = kernel_backend.rotary_store(
+            qkv.reshape(B * T, H, D), cos.reshape(B * T, D), sin.reshape(B * T, D),
+            self.pool.k[layer], self.pool.v[layer], self.slot_mapping, num_q_heads)
+        return q.view(B, T, num_q_heads, D)
+
     def paged_attention(self, layer: int, q: torch.Tensor, mask: torch.Tensor | None = None, *,
                         window: int | None = None) -> torch.Tensor:
         """window: the layer's sliding window (None: the whole context)."""
@@ -51,4 +68,5 @@ class StepCache:
             raise ValueError("the decode read needs block tables and context lengths, no mask")
         return kernel_backend.decode_attention(
             q, self.pool.k[layer], self.pool.v[layer], self.block_tables, self.context_lens,
-            q.shape[-1] ** -0.5, max_context_len=self.max_context_len, window=window)
+            q.shape[-1] ** -0.5, max_context_len=self.max_context_len, window=window,
+            even_splits=EVEN_SPLITS)
