@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import backend as kernel_backend
 from nanoserve.attention import AttentionMetadata
 from nanoserve.cache import KVPool
 from nanoserve.model import LlamaForCausalLM
@@ -121,8 +122,7 @@ class ContinuousRunner:
         hidden = self.model.hidden_states(ids, positions[:, None], cache,
                                           AttentionMetadata.decode())
         logits = self.model.lm_head(hidden[:, 0])  # [b, V]
-        tokens = torch.argmax(logits, dim=-1)
-        self.last_tok.index_copy_(0, slots, tokens)
+        tokens = kernel_backend.argmax_scatter(logits, slots, self.last_tok)  # [b]
         return logits, tokens
 
     def _views(self, b: int) -> tuple[torch.Tensor, ...]:
