@@ -154,6 +154,19 @@ def paged_decode_attention_reference(
 
 
 @triton.jit
+def _row_partition(span, partition_size, num_splits, BLOCK_N: tl.constexpr,
+                   EVEN_SPLITS: tl.constexpr):
+    """Tokens per partition of a row whose window holds `span` tokens: fixed, or (even
+    splits) the span cut into num_splits parts rounded up to BLOCK_N, at least
+    partition_size. Both kernels of a split call derive it the same way."""
+    if EVEN_SPLITS:
+        part = (span + num_splits - 1) // num_splits
+        part = ((part + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
+        return tl.maximum(part, partition_size)
+    return partition_size
+
+
+@triton.jit
 def _paged_decode_kernel(
     q_ptr,  # [B, Hq, D]
     k_ptr,  # [num_blocks, block_size, Hkv, D]
@@ -164,7 +177,7 @@ def _paged_decode_kernel(
     lse_ptr,  # [B, Hq, S] float32 log2-sum-exp of each partition (unused with one split)
     qk_scale,  # softmax scale * log2(e)
     window,  # sliding window (NO_WINDOW: none); splits cover positions from max(0, len - window)
-    partition_size,  # tokens per split, a multiple of BLOCK_N
+    partition_size,  # tokens per split, a multiple of BLOCK_N (EVEN_SPLITS: the least)
     num_splits,  # the last split also takes any tokens beyond num_splits * partition_size
     stride_qb,
     stride_qh,
@@ -194,6 +207,7 @@ def _paged_decode_kernel(
     SPLIT: tl.constexpr,  # write partial outputs + lse instead of the final output
     DOT_FP32: tl.constexpr,  # compute dots in float32 (fp32 inputs, CPU interpreter)
     HEADS_FASTEST: tl.constexpr,  # grid (Hkv, B, S) instead of (B, Hkv, S)
+    EVEN_SPLITS: tl.constexpr,  # each row's own span cut into num_splits equal partitions
 ):
     if HEADS_FASTEST:  # the KV heads of one row run side by side and read adjacent bytes
         kv_head = tl.program_id(0)
@@ -204,8 +218,9 @@ def _paged_decode_kernel(
     split = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + row)
     lo = tl.maximum(context_len - window, 0)  # first position inside the window
-    start = lo + split * partition_size
-    end = tl.minimum(start + partition_size, context_len)
+    part = _row_partition(context_len - lo, partition_size, num_splits, BLOCK_N, EVEN_SPLITS)
+    start = lo + split * part
+    end = tl.minimum(start + part, context_len)
     end = tl.where(split == num_splits - 1, context_len, end)
 
     g = tl.arange(0, GROUP_PAD)
@@ -270,13 +285,16 @@ def _combine_splits_kernel(
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     S_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    EVEN_SPLITS: tl.constexpr,
 ):
     row = tl.program_id(0)
     head = tl.program_id(1)
     row64 = row.to(tl.int64)
     context_len = tl.load(context_lens_ptr + row)
     span = context_len - tl.maximum(context_len - window, 0)  # tokens inside the window
-    used = tl.minimum((span + partition_size - 1) // partition_size, num_splits)
+    part = _row_partition(span, partition_size, num_splits, BLOCK_N, EVEN_SPLITS)
+    used = tl.minimum((span + part - 1) // part, num_splits)
     s = tl.arange(0, S_PAD)
     d = tl.arange(0, D_PAD)
     s_mask = s < used
@@ -352,6 +370,7 @@ def paged_decode_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     heads_fastest: bool | None = None,
+    even_splits: bool = False,
 ) -> torch.Tensor:  # [B, Hq, D], dtype of q
     """Triton paged decode attention; same contract as `paged_decode_attention_reference`.
 
@@ -368,6 +387,10 @@ def paged_decode_attention(
       neighbouring programs, so programs running together read neighbouring bytes of each
       cache block ([block_size, Hkv, D] is contiguous); False: the rows of one KV head are.
       Default `_HEADS_FASTEST`.
+    - `even_splits`: cut each row's own context into `num_splits` equal partitions (of at
+      least `_MIN_TOKENS_PER_SPLIT` tokens), instead of partitions sized for
+      `max_context_len`: a short row's programs are short, a long row's are not longer
+      than the rest, whatever the lengths a captured step meets.
     Values are not checked on the device: a row with `context_lens[i] == 0` yields zeros,
     and a length beyond the row's blocks reads whatever its padding blocks hold.
     """
@@ -393,9 +416,13 @@ def paged_decode_attention(
     )
     block_n = block_n or default_block_n
     num_stages = num_stages or default_stages
-    num_splits = max(1, min(int(num_splits), _cdiv(max_ctx, block_n)))
-    partition = _cdiv(_cdiv(max_ctx, num_splits), block_n) * block_n  # a multiple of BLOCK_N
-    num_splits = _cdiv(max_ctx, partition)
+    if even_splits:  # `partition`: the least partition, each row computes its own
+        partition = _cdiv(_MIN_TOKENS_PER_SPLIT, block_n) * block_n
+        num_splits = max(1, min(int(num_splits), _cdiv(max_ctx, partition)))
+    else:
+        num_splits = max(1, min(int(num_splits), _cdiv(max_ctx, block_n)))
+        partition = _cdiv(_cdiv(max_ctx, num_splits), block_n) * block_n  # of BLOCK_N
+        num_splits = _cdiv(max_ctx, partition)
     d_pad = next_power_of_2(head_dim)
     dot_fp32 = INTERPRETED or q.dtype == torch.float32
     launch = {"num_warps": num_warps or 4}
@@ -444,6 +471,7 @@ def paged_decode_attention(
         SPLIT=num_splits > 1,
         DOT_FP32=dot_fp32,
         HEADS_FASTEST=bool(heads_fastest),
+        EVEN_SPLITS=bool(even_splits),
         **launch,
     )
     if num_splits > 1:
@@ -464,6 +492,8 @@ def paged_decode_attention(
             HEAD_DIM=head_dim,
             D_PAD=d_pad,
             S_PAD=next_power_of_2(num_splits),
+            BLOCK_N=block_n,
+            EVEN_SPLITS=bool(even_splits),
             num_warps=4 if d_pad * next_power_of_2(num_splits) >= 2048 else 1,
         )
     return out
