@@ -612,10 +612,12 @@ def test_interp_decode_kernel_split_k_many_partitions(interp):
     )  # fmt: skip
     expected = paged_decode_attention_reference(q, k_cache, v_cache, tables, lens, 0.125)
     for splits, block_n in ((4, 16), (8, 16), (2, 128)):
-        out = paged.paged_decode_attention(
-            q, k_cache, v_cache, tables, lens, 0.125, num_splits=splits, block_n=block_n
-        )
-        assert_close(out, expected, torch.float32)
+        for even in (False, True):  # partitions sized for the bound, or per row
+            out = paged.paged_decode_attention(
+                q, k_cache, v_cache, tables, lens, 0.125, num_splits=splits, block_n=block_n,
+                even_splits=even,
+            )  # fmt: skip
+            assert_close(out, expected, torch.float32)
     # a host-side bound on the context that is too small still covers every token
     out = paged.paged_decode_attention(
         q, k_cache, v_cache, tables, lens, 0.125, num_splits=4, max_context_len=64, block_n=16
@@ -694,10 +696,11 @@ def test_interp_decode_kernel_window_matches_reference(interp, window):
     )
     k_bad = _poison_outside_window(k_cache, tables, lens, window, 16)
     v_bad = _poison_outside_window(v_cache, tables, lens, window, 16)
-    for splits, block_n in ((1, 16), (3, 16), (None, None)):
+    for splits, block_n, even in ((1, 16, False), (3, 16, False), (3, 16, True),
+                                  (None, None, False)):  # the last: compared below
         out = paged.paged_decode_attention(
             q, k_bad, v_bad, tables, lens, 0.125, window=window, num_splits=splits,
-            block_n=block_n,
+            block_n=block_n, even_splits=even,
         )  # fmt: skip
         assert_close(out, expected, torch.float32)
     if window >= 77:
@@ -879,3 +882,79 @@ def test_interp_rotary_and_add_rms_norm_match_references(interp):
                torch.randn(96, generator=g))
     for got, want in zip(add_rms_norm(a, r, w, 1e-5), add_rms_norm_reference(a, r, w, 1e-5)):
         assert_close(got, want, torch.float32)
+
+
+def _rotary_store_case(g, n=6, hq=4, hkv=2, d=32, num_blocks=5, block=4):
+    qkv = torch.randn(n, hq + 2 * hkv + 1, d, generator=g)[:, :hq + 2 * hkv]  # strided rows
+    cos, sin = torch.randn(n, d, generator=g), torch.randn(n, d, generator=g)
+    shape = (num_blocks, block, hkv, d)
+    slots = torch.tensor([3, -1, 17, 0, 9, -1], dtype=torch.int64)[:n]
+    return qkv, cos, sin, torch.zeros(shape), torch.zeros(shape), slots
+
+
+def test_rotary_store_reference_is_rotary_then_store():
+    from kernels.rotary import rotary_reference
+    from kernels.rotary_store import rotary_store_reference
+
+    g = torch.Generator().manual_seed(3)
+    qkv, cos, sin, kc, vc, slots = _rotary_store_case(g)
+    q = rotary_store_reference(qkv, cos, sin, kc, vc, slots, 4)
+    assert torch.equal(q, rotary_reference(qkv[:, :4], cos, sin))
+    k_want, v_want = torch.zeros_like(kc), torch.zeros_like(vc)
+    store_kv_reference(rotary_reference(qkv[:, 4:6], cos, sin), qkv[:, 6:], k_want, v_want,
+                       slots)
+    assert torch.equal(kc, k_want) and torch.equal(vc, v_want)
+    stored = (kc.view(-1, 2 * 32) != 0).any(1)  # per slot
+    assert stored.nonzero().flatten().tolist() == [0, 3, 9, 17]  # slot -1: nothing stored
+
+
+def test_interp_rotary_store_matches_reference(interp):
+    from kernels.rotary_store import rotary_store, rotary_store_reference
+
+    g = torch.Generator().manual_seed(5)
+    qkv, cos, sin, kc, vc, slots = _rotary_store_case(g)
+    kc2, vc2 = kc.clone(), vc.clone()
+    want = rotary_store_reference(qkv, cos, sin, kc, vc, slots, 4)
+    got = rotary_store(qkv, cos, sin, kc2, vc2, slots, 4)
+    assert_close(got, want, torch.float32)
+    assert_close(kc2, kc, torch.float32)
+    assert torch.equal(vc2, vc)
+
+
+def _argmax_cases(g):
+    V = 9000  # three chunks, the last partial
+    x = torch.randn(7, V, generator=g)
+    x[1, 5000] = x[1, 100] = x[1].max() + 1  # a tie across chunks: the first index
+    x[2, 8999] = x[2].max() + 1  # in the partial last chunk
+    x[3] = float("-inf")  # all -inf: index 0
+    x[4, 6000] = float("nan")  # NaN beats every number
+    x[4, 7] = float("inf")
+    x[5, 4200] = x[5, 4100] = float("nan")  # the first NaN
+    x[6, 4095:4097] = x[6].max() + 1  # a tie across a chunk boundary
+    return x
+
+
+def test_argmax_scatter_reference_rules():
+    from kernels.argmax import argmax_scatter_reference
+
+    x = _argmax_cases(torch.Generator().manual_seed(0))
+    last = torch.full((10,), -1, dtype=torch.int64)
+    slots = torch.tensor([9, 0, 3, 4, 5, 6, 1])
+    tokens = argmax_scatter_reference(x, slots, last)
+    assert tokens[1:].tolist() == [100, 8999, 0, 6000, 4100, 4095]
+    assert last[slots].tolist() == tokens.tolist() and last[[2, 7, 8]].tolist() == [-1] * 3
+
+
+def test_interp_argmax_scatter_matches_reference(interp):
+    from kernels.argmax import argmax_scatter, argmax_scatter_reference
+
+    x = _argmax_cases(torch.Generator().manual_seed(0))
+    slots = torch.tensor([9, 0, 3, 4, 5, 6, 1])
+    last, want_last = (torch.full((10,), -1, dtype=torch.int64) for _ in range(2))
+    want = argmax_scatter_reference(x, slots, want_last)
+    got = argmax_scatter(x, slots, last)
+    assert torch.equal(got, want) and torch.equal(last, want_last)
+    for dtype in (torch.bfloat16, torch.float16):  # half-width logits, ties made by rounding
+        xh = x.to(dtype)
+        assert torch.equal(argmax_scatter(xh, slots, last),
+                           argmax_scatter_reference(xh, slots, want_last))

@@ -104,9 +104,11 @@ def test_decode_kernel_matches_reference_bf16(group, head_dim, block_size):
     scale = 1.0 / math.sqrt(head_dim)
     expected = paged_decode_attention_reference(q, k_cache, v_cache, tables, ctx, scale)
     for splits in (None, 1, 5):  # heuristic, one program per (row, KV head), split-K
-        out = paged_decode_attention(q, k_cache, v_cache, tables, ctx, scale, num_splits=splits)
-        assert out.dtype == torch.bfloat16 and out.shape == q.shape
-        assert_close(out, expected, torch.bfloat16)
+        for even in (False, True):  # partitions sized for the bound, or per row
+            out = paged_decode_attention(q, k_cache, v_cache, tables, ctx, scale,
+                                         num_splits=splits, even_splits=even)
+            assert out.dtype == torch.bfloat16 and out.shape == q.shape
+            assert_close(out, expected, torch.bfloat16)
     for splits in (1, 5):  # both launch orders of the programs
         for heads_fastest in (False, True):
             out = paged_decode_attention(
@@ -332,9 +334,10 @@ def test_decode_kernel_window_matches_reference(window, dtype):
             before[int(tables[row, t // 16]), t % 16] = True
     k_bad = k_cache.masked_fill(before[:, :, None, None], float("nan"))
     v_bad = v_cache.masked_fill(before[:, :, None, None], float("nan"))
-    for splits in (None, 1, 5):
+    for splits, even in ((None, False), (1, False), (5, False), (5, True)):
         out = paged_decode_attention(
-            q, k_bad, v_bad, tables, ctx, scale, window=window, num_splits=splits
+            q, k_bad, v_bad, tables, ctx, scale, window=window, num_splits=splits,
+            even_splits=even,
         )
         assert_close(out, expected, dtype)
     if window >= max(lens):
@@ -390,3 +393,51 @@ def test_rotary_and_add_rms_norm_kernels_match_references(dtype):
     for got, want in zip(add_rms_norm(x, r, w, 1e-5), add_rms_norm_reference(x, r, w, 1e-5)):
         torch.testing.assert_close(got, want, rtol=2e-2 if dtype == torch.bfloat16 else 1e-5,
                                    atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rotary_store_equals_the_rotary_and_store_kernels(dtype):
+    """The fused kernel rounds where the two kernels it replaces round: bit for bit in
+    bf16; in float32 within the FMA contractions each compiled kernel may choose."""
+    from kernels.rotary import rotary
+    from kernels.rotary_store import rotary_store
+
+    g = torch.Generator(device="cuda").manual_seed(9)
+    for hq, hkv, d in ((32, 8, 64), (12, 2, 128)):
+        n, num_blocks, block = 300, 40, 16
+        qkv = torch.randn(n, hq + 2 * hkv, d, generator=g, device="cuda").to(dtype)
+        cos = torch.randn(n, d, generator=g, device="cuda").to(dtype)
+        sin = torch.randn(n, d, generator=g, device="cuda").to(dtype)
+        slots = torch.randperm(num_blocks * block, generator=g, device="cuda")[:n]
+        slots[::7] = -1
+        shape = (num_blocks, block, hkv, d)
+        kc, vc = (torch.zeros(shape, dtype=dtype, device="cuda") for _ in range(2))
+        kc2, vc2 = kc.clone(), vc.clone()
+        q = rotary_store(qkv, cos, sin, kc, vc, slots, hq)
+        qk = rotary(qkv[:, :hq + hkv], cos, sin)
+        store_kv(qk[:, hq:], qkv[:, hq + hkv:], kc2, vc2, slots)
+        if dtype == torch.float32:  # the compilers may contract other products into FMAs
+            torch.testing.assert_close(q, qk[:, :hq], rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(kc, kc2, rtol=1e-6, atol=1e-6)
+        else:  # rounding to 16 bits hides that: bit for bit
+            assert torch.equal(q, qk[:, :hq]) and torch.equal(kc, kc2)
+        assert torch.equal(vc, vc2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_argmax_scatter_equals_torch_argmax(dtype):
+    from kernels.argmax import argmax_scatter
+
+    g = torch.Generator(device="cuda").manual_seed(10)
+    for b, V in ((1, 128256), (7, 9000), (256, 128256), (33, 32000)):
+        x = torch.randn(b, V, generator=g, device="cuda").to(dtype)
+        if b > 1:
+            x[1, V // 2] = x[1, 3] = x[1].max() + 1  # a tie: the first index
+            x[-1] = float("-inf")
+        slots = torch.randperm(b + 5, device="cuda")[:b]
+        last = torch.full((b + 5,), -1, dtype=torch.int64, device="cuda")
+        tokens = argmax_scatter(x, slots, last)
+        want = torch.argmax(x, dim=-1)
+        assert torch.equal(tokens, want)
+        assert torch.equal(last[slots], want)
+        assert int((last >= 0).sum()) == b
