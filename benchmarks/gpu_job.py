@@ -141,6 +141,9 @@ def main() -> None:
     ap.add_argument("--skip-job", action="store_true", help="only the engine")
     ap.add_argument("--engine-runs", nargs="+", default=None, metavar="SCHEDULER:DECODE_STEP",
                     help="engine runs side by side, e.g. static:graph continuous:eager "
+                         "continuous:graph:given-order,fixed-splits (decode steps not ordered "
+                         "longest context first; partitions of the decode read sized for the "
+                         "longest possible row) "
                          "(default: static:graph continuous:graph; on the CPU the same "
                          "with the uncaptured 'static' step)")
     ap.add_argument("--out", type=Path, default=None, help="write results JSON here")
@@ -163,11 +166,22 @@ def main() -> None:
     runs = args.engine_runs or (["static:graph", "continuous:graph"] if device == "cuda"
                                 else ["static:static", "continuous:static"])
     results = []
+    from nanoserve import scheduler as continuous_scheduler
+    from nanoserve import step_cache
+
     for run in runs:
-        scheduler, _, decode_step = run.partition(":")
+        scheduler, decode_step, variant = (run.split(":") + ["", ""])[:3]
+        # given-order: decode steps list their rows as they run, not longest first;
+        # fixed-splits: the decode read's partitions sized for the longest possible row
+        continuous_scheduler.ORDER_LONGEST_FIRST = "given-order" not in variant
+        step_cache.EVEN_SPLITS = "fixed-splits" not in variant
         results.append(bench_engine(model_dir, prompts, max_tokens, device,
                                     decode_step or "auto", scheduler,
                                     (warm_prompts, max_tokens)))
+        if variant:
+            results[-1]["what"] += f", {variant}"
+    continuous_scheduler.ORDER_LONGEST_FIRST = True
+    step_cache.EVEN_SPLITS = True
     first = results[0]["token_ids"]
     for r in results[1:]:
         same = sum(a == b for a, b in zip(first, r["token_ids"]))
