@@ -1,0 +1,140 @@
+"""Every Triton kernel, launched as its wrapper launches it, compiles for a Hopper GPU
+(sm_90) on a machine without one.
+
+The interpreter tests (tests/test_kernels.py) run the kernels' Python on the CPU, which
+accepts code the GPU compiler refuses (a variable whose block shape changes inside an
+`if`, say). Here each wrapper is called with CPU tensors while `JITFunction.run` only
+records its arguments; each recorded launch is then compiled ahead of time, through
+PTX to a cubin with the ptxas Triton ships, for compute capability 9.0. Nothing runs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+HOPPER = GPUTarget("cuda", 90, 32)
+POINTER = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32",
+           torch.int32: "*i32", torch.int64: "*i64"}
+
+
+def _launches(monkeypatch, calls) -> list[tuple[JITFunction, tuple, dict]]:
+    """Run `calls` (wrappers of kernels) recording each kernel launch instead of running it."""
+    seen: list[tuple[JITFunction, tuple, dict]] = []
+
+    def record(self, *args, grid, warmup, **kwargs):
+        seen.append((self, args, kwargs))
+
+    monkeypatch.setattr(JITFunction, "run", record)
+    for call in calls:
+        call()
+    return seen
+
+
+def _compile(fn: JITFunction, args: tuple, kwargs: dict) -> None:
+    bound = dict(zip(fn.arg_names, args))
+    bound.update({k: v for k, v in kwargs.items() if k in fn.arg_names})
+    options = {k: v for k, v in kwargs.items() if k not in fn.arg_names}
+    signature, constexprs = {}, {}
+    for i, p in enumerate(fn.params):
+        v = bound[p.name]
+        if p.is_constexpr:
+            signature[p.name], constexprs[(i,)] = "constexpr", v
+        elif isinstance(v, torch.Tensor):
+            signature[p.name] = POINTER[v.dtype]
+        elif isinstance(v, bool):
+            signature[p.name] = "i1"
+        elif isinstance(v, int):
+            signature[p.name] = "i64" if abs(v) >= 2**31 else "i32"
+        elif isinstance(v, float):
+            signature[p.name] = "fp32"
+        else:
+            raise TypeError(f"{fn.__name__}: argument {p.name} of type {type(v).__name__}")
+    triton.compile(ASTSource(fn, signature, constexprs), target=HOPPER, options=options)
+
+
+def _wrapper_calls(dtype: torch.dtype):
+    from kernels.activation import silu_and_mul
+    from kernels.argmax import argmax_scatter
+    from kernels.kv_store import store_kv
+    from kernels.paged_attention import paged_decode_attention
+    from kernels.paged_prefill import paged_prefill_attention
+    from kernels.prefill_attention import prefill_attention
+    from kernels.rmsnorm import add_rms_norm, rms_norm
+    from kernels.rotary import rotary
+    from kernels.rotary_store import rotary_store
+
+    g = torch.Generator().manual_seed(0)
+    hq, hkv, d, block, num_blocks = 8, 2, 64, 16, 12
+
+    def t(*shape, dt=dtype):
+        return torch.randn(*shape, generator=g).to(dt)
+
+    kc, vc = t(num_blocks, block, hkv, d), t(num_blocks, block, hkv, d)
+    tables = torch.arange(1, 1 + 3 * 4, dtype=torch.int32).view(3, 4)
+    lens = torch.tensor([5, 40, 64], dtype=torch.int32)
+    q = t(3, hq, d)
+    cu = torch.tensor([0, 5, 12, 30], dtype=torch.int32)
+    qkv = t(30, hq + 2 * hkv, d)
+    cos, sin = t(30, d), t(30, d)
+    slots = torch.arange(30, dtype=torch.int64)
+    calls = [
+        lambda: paged_decode_attention(q, kc, vc, tables, lens, 0.125, num_splits=1),
+        lambda: paged_decode_attention(q, kc, vc, tables, lens, 0.125, num_splits=3, block_n=16),
+        lambda: paged_decode_attention(q, kc, vc, tables, lens, 0.125, num_splits=3,
+                                       even_splits=True, block_n=16),
+        lambda: paged_decode_attention(q, kc, vc, tables, lens, 0.125, window=7),
+        lambda: prefill_attention(qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:], cu, 18,
+                                  0.125),
+        lambda: prefill_attention(qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:], cu, 18,
+                                  0.125, window=5),
+        lambda: paged_prefill_attention(qkv[:, :hq], kc, vc, tables, cu, lens, 18, 0.125),
+        lambda: store_kv(qkv[:, hq:hq + hkv], qkv[:, hq + hkv:], kc, vc, slots),
+        lambda: rms_norm(t(30, 256), t(256), 1e-5),
+        lambda: add_rms_norm(t(30, 256), t(30, 256), t(256), 1e-5),
+        lambda: rotary(qkv[:, :hq + hkv], cos, sin),
+        lambda: rotary_store(qkv, cos, sin, kc, vc, slots, hq),
+        lambda: silu_and_mul(t(30, 512)),
+        lambda: argmax_scatter(t(3, 9000), torch.tensor([2, 0, 1]),
+                               torch.zeros(4, dtype=torch.int64)),
+    ]
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_every_kernel_compiles_for_hopper(monkeypatch, dtype):
+    launches = _launches(monkeypatch, _wrapper_calls(dtype))
+    names = {fn.__name__ for fn, _, _ in launches}
+    # every kernel module took part (the two split kernels, both argmax launches, ...)
+    assert {"_paged_decode_kernel", "_combine_splits_kernel", "_prefill_kernel",
+            "_paged_prefill_kernel", "_store_kv_kernel", "_rms_norm_kernel",
+            "_add_rms_norm_kernel", "_rotary_kernel", "_rotary_store_kernel",
+            "_silu_and_mul_kernel", "_chunk_max_kernel", "_pick_kernel"} <= names, names
+    monkeypatch.undo()
+    for fn, args, kwargs in launches:
+        _compile(fn, args, kwargs)
+
+
+def test_a_kernel_the_gpu_compiler_refuses_fails_here(monkeypatch):
+    """The check can fail: a block whose shape changes inside an `if` runs under the
+    interpreter but does not compile."""
+    from triton import language as tl
+
+    @triton.jit
+    def bad(x_ptr, n, A: tl.constexpr, B: tl.constexpr):
+        v = tl.load(x_ptr + tl.arange(0, A))
+        if n > 0:
+            v = tl.load(x_ptr + tl.arange(0, B))
+        tl.store(x_ptr + tl.arange(0, A), v)
+
+    x = torch.zeros(32)
+    launches = _launches(monkeypatch, [lambda: bad[(1,)](x, 1, A=32, B=8)])
+    monkeypatch.undo()
+    with pytest.raises(Exception, match="redefines|type"):
+        _compile(*launches[0])
