@@ -4,19 +4,20 @@
 and drives a `ContinuousRunner` (nanoserve/model_runner.py). Each iteration of `step`:
 
 1. while fewer than two operations are unread on the device:
-   a. admit: waiting rows join (first come, first served) while the running batch has
-      fewer than `max_batch_size` rows, the admitted prompts hold at most
-      `max_prefill_tokens` tokens together (the first always goes), and the pool keeps one
-      free block per running row after their prompts (what the next step can need); the
-      admitted rows are prefilled together, packed (no padding), and new rows sample
-      their first token on the device;
+   a. admit: when nothing runs, or when at least min(waiting rows, max_batch_size /
+      ADMIT_SHARE) row slots are free, waiting rows join (first come, first served)
+      while the running batch has fewer than `max_batch_size` rows, the admitted prompts
+      hold at most `max_prefill_tokens` tokens together (the first always goes), and the
+      pool keeps one free block per running row after their prompts (what the next step
+      can need); the admitted rows are prefilled together, packed (no padding), and new
+      rows sample their first token on the device;
    b. one decode step for every running row that may still need a token, the rows ordered
       longest context first (so the attention kernel's programs for the longest rows
       start first and the GPU's multiprocessors end together; `ORDER_LONGEST_FIRST`):
       each row's next slot is reserved first (all rows or none); when the pool cannot
-      give every row its slot, queued work is read, and the most recently admitted rows are preempted (blocks
-      freed, back to the front of the queue, recomputed later: prompt and tokens so far
-      prefilled again, nothing sampled again);
+      give every row its slot, queued work is read, and the most recently admitted rows
+      are preempted (blocks freed, back to the front of the queue, recomputed later:
+      prompt and tokens so far prefilled again, nothing sampled again);
 2. read the oldest unread operation's tokens, run the stop rules, and let rows that
    finished leave (their blocks and row slot go back).
 
@@ -59,6 +60,11 @@ MAX_UNREAD = 2  # operations queued on the device ahead of the host
 # program per (row, KV head) in row order, so the longest rows start first and the short
 # ones fill in behind them. A row's result does not depend on its place in the step.
 ORDER_LONGEST_FIRST = True
+# A running batch takes new rows once 1/ADMIT_SHARE of its row slots are free (8 of 256),
+# not row by row: each admission is one packed prefill launched op by op from the host,
+# and a batch job's rows finish about one every other step, so admitting each alone spends
+# the host's time between steps on prefills of one row. The slots wait a few steps.
+ADMIT_SHARE = 32
 
 
 def _blocks(tokens: int, block_size: int) -> int:
@@ -204,6 +210,10 @@ class ContinuousScheduler:
         """Take rows from the front of the queue while they fit (see the module docstring).
         With nothing running the first waiting row always fits: it fits the pool alone."""
         admitted: list[_Row] = []
+        if self.running and self.waiting:
+            free_slots = self.max_batch_size - len(self.running)
+            if free_slots < min(len(self.waiting), max(1, self.max_batch_size // ADMIT_SHARE)):
+                return admitted
         alloc, bs = self.pool.allocator, self.pool.block_size
         free = alloc.num_free
         tokens = 0

@@ -14,6 +14,7 @@ import pytest
 from nanoserve.cache import CacheShape, KVPool
 from nanoserve.errors import CacheFullError
 from nanoserve.generate import generate_batch, greedy_generate
+from nanoserve.model_runner import ContinuousRunner
 from nanoserve.sampling import SamplingParams
 from nanoserve.scheduler import generate_continuous
 
@@ -100,6 +101,37 @@ def test_prefill_token_budget_admits_fewer_rows_at_a_time(tiny_model):
     outs, stats = generate_continuous(tiny_model, prompts, params, (), pool,
                                       max_prefill_tokens=60)  # two 30-token prompts at a time
     assert stats.prefill_slots == 6 * 30  # no padding: same lengths, 3 prefills of 2 rows
+    for prompt, p, out in zip(prompts, params, outs):
+        assert out.token_ids == alone(tiny_model, prompt, p, ()).token_ids
+    assert_free(pool)
+
+
+def test_a_running_batch_takes_new_rows_in_groups(tiny_model, monkeypatch):
+    """With 32 row slots (ADMIT_SHARE 16: groups of 2) and rows that finish one per step,
+    no admission after the first takes fewer than two rows unless fewer wait; every row is
+    still the one it is alone."""
+    from nanoserve import scheduler as sched_mod
+
+    monkeypatch.setattr(sched_mod, "ADMIT_SHARE", 16)
+    rng = random.Random(9)
+    n = 48
+    prompts = [[rng.randrange(3, 128) for _ in range(rng.randint(3, 9))] for _ in range(n)]
+    params = [SamplingParams(max_tokens=2 + i, ignore_eos=True) for i in range(n)]  # one by one
+    sizes: list[int] = []
+    real_prefill = ContinuousRunner.prefill
+
+    def counting(self, tokens, *args, **kwargs):
+        sizes.append(len(tokens))
+        return real_prefill(self, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(ContinuousRunner, "prefill", counting)
+    pool = make_pool(tiny_model, 512, block_size=4)
+    outs, stats = generate_continuous(tiny_model, prompts, params, (), pool, max_batch_size=32)
+    assert sizes[0] == 32 and sum(sizes) == n and stats.preemptions == 0
+    waiting = n - 32
+    for size in sizes[1:]:
+        assert size >= min(2, waiting), sizes
+        waiting -= size
     for prompt, p, out in zip(prompts, params, outs):
         assert out.token_ids == alone(tiny_model, prompt, p, ()).token_ids
     assert_free(pool)
