@@ -48,10 +48,9 @@ def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, stride_xn, stride_xh
     tl.store(out_row + HALF + d[None, :], hi.to(ty), mask=mask)
 
 
-def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Triton form of `rotary_reference` (x [N, H, D] with x.stride(-1) == 1)."""
-    if not HAS_TRITON:
-        raise RuntimeError("rotary needs Triton; use the reference instead")
+def check_rotary_args(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """What the rotary kernels need: x [N, H, D] (D an even power of two), cos and sin
+    [N, D] in x's dtype, every head dimension contiguous."""
     N, H, D = x.shape
     if D % 2 or D & (D - 1):
         raise ValueError(f"head_dim must be an even power of two, got {D}")
@@ -59,6 +58,14 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
         raise ValueError(f"cos/sin must be [{N}, {D}] in {x.dtype}")
     if x.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
         raise ValueError("the head dimension must be contiguous")
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Triton form of `rotary_reference` (x [N, H, D] with x.stride(-1) == 1)."""
+    if not HAS_TRITON:
+        raise RuntimeError("rotary needs Triton; use the reference instead")
+    check_rotary_args(x, cos, sin)
+    N, H, D = x.shape
     out = torch.empty((N, H, D), dtype=x.dtype, device=x.device)
     if N:
         _rotary_kernel[(N,)](x, cos, sin, out, H, x.stride(0), x.stride(1), cos.stride(0),

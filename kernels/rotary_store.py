@@ -21,7 +21,7 @@ import torch
 
 from kernels._triton import HAS_TRITON, next_power_of_2, tl, triton
 from kernels.kv_store import check_store_args, store_kv_reference
-from kernels.rotary import rotary_reference
+from kernels.rotary import check_rotary_args, rotary_reference
 
 
 def _split(qkv: torch.Tensor, num_q_heads: int) -> tuple[torch.Tensor, ...]:
@@ -108,13 +108,8 @@ def rotary_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         raise RuntimeError("rotary_store needs Triton; use the reference instead")
     q, k, v = _split(qkv, num_q_heads)
     check_store_args(k, v, k_cache, v_cache, slot_mapping)
+    check_rotary_args(qkv, cos, sin)
     N, H, D = qkv.shape
-    if D % 2 or D & (D - 1):
-        raise ValueError(f"head_dim must be an even power of two, got {D}")
-    if cos.shape != (N, D) or sin.shape != (N, D) or cos.dtype != qkv.dtype:
-        raise ValueError(f"cos/sin must be [{N}, {D}] in {qkv.dtype}")
-    if qkv.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
-        raise ValueError("the head dimension must be contiguous")
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("the caches' head dimension must be contiguous")
     hkv = k.shape[1]
