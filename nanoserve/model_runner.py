@@ -96,10 +96,15 @@ class ContinuousRunner:
         self._used = [False] * RING
         self._next = 0
         self.buckets = decode_buckets(B)
+        # Fixed-tensor steps ("static", "graph") write their logits into one buffer, so the
+        # graphs of all buckets share it instead of each keeping its own [b, V] output.
+        self._logits = None if mode == "eager" else torch.empty(
+            B, model.config.vocab_size, dtype=model.lm_head.weight.dtype, device=dev)  # [B, V]
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._graph_out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # logits, tokens
         self.capture_s = 0.0
         self.graph_bytes = 0
+        self.capture_error: str | None = None  # why the graphs were not captured, if so
         # Phase timing (off unless `profile` is set): device time of each prefill and step
         # from event pairs, and host time spent waiting for results.
         self.profile = False
@@ -114,14 +119,19 @@ class ContinuousRunner:
                  ctx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step for the rows at row slots `slots` [b]: returns logits [b, V] (the
         model's dtype: the argmax of the exact float32 widening is the same, and half the
-        bytes move) and the argmax tokens [b], which are also written to last_tok."""
+        bytes move; fixed-tensor modes: a view of the shared buffer) and the argmax tokens
+        [b], which are also written to last_tok."""
         ids = self.last_tok.index_select(0, slots)[:, None]  # [b, 1]
         tables = self.block_tables.index_select(0, slots)  # [b, W]
         hint = min(SPLIT_CONTEXT_HINT, self.width * self.pool.block_size)
         cache = StepCache(self.pool, writes, tables, ctx.to(torch.int32), hint)
         hidden = self.model.hidden_states(ids, positions[:, None], cache,
                                           AttentionMetadata.decode())
-        logits = self.model.lm_head(hidden[:, 0])  # [b, V]
+        if self._logits is None:
+            logits = self.model.lm_head(hidden[:, 0])  # [b, V]
+        else:  # the LM head's own product (no bias), written into the shared buffer
+            logits = torch.mm(hidden[:, 0], self.model.lm_head.weight.t(),
+                              out=self._logits[:slots.shape[0]])  # [b, V]
         tokens = kernel_backend.argmax_scatter(logits, slots, self.last_tok)  # [b]
         return logits, tokens
 
@@ -130,13 +140,37 @@ class ContinuousRunner:
 
     def _capture_all(self) -> None:
         """One graph per bucket, largest first, all in one memory pool; each warmed up on a
-        side stream first. The padding-only inputs store nothing and read block 0."""
+        side stream first. The padding-only inputs store nothing and read block 0.
+
+        Memory: the graphs live outside the KV pool, in what the pool left free (LLM's
+        `kv_cache_fraction`); their size is logged. If they do not fit there (or a capture
+        fails), the runner drops them and runs the same step uncaptured ("static": the same
+        tokens, launched one by one), with a warning that says how to leave room."""
         t0 = time.perf_counter()
         before = torch.cuda.memory_reserved(self.device)
         self._inputs[0].fill_(self.pad)
         self._inputs[1].zero_()
         self._inputs[2].fill_(-1)
         self._inputs[3].fill_(1)
+        try:
+            self._capture_buckets()
+            failure = None
+        except torch.OutOfMemoryError:
+            failure = "out of memory"
+        except RuntimeError as exc:  # a capture the driver refused
+            failure = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        if failure is not None:  # here the exception and its frames are gone
+            self._drop_graphs(failure)
+            return
+        self.capture_s = time.perf_counter() - t0
+        self.graph_bytes = max(0, torch.cuda.memory_reserved(self.device) - before)
+        free, _ = torch.cuda.mem_get_info(self.device)
+        log.info("captured %d decode-step graphs (batch %d..%d) in %.1f s: %.0f MiB outside "
+                 "the KV pool, %.0f MiB of the device left free", len(self._graphs),
+                 min(self.buckets), max(self.buckets), self.capture_s,
+                 self.graph_bytes / 2**20, free / 2**20)
+
+    def _capture_buckets(self) -> None:
         mempool = torch.cuda.graph_pool_handle()
         for b in sorted(self.buckets, reverse=True):
             views = self._views(b)
@@ -150,11 +184,30 @@ class ContinuousRunner:
                 self._graph_out[b] = self._forward(*views)
             self._graphs[b] = graph
         torch.cuda.synchronize(self.device)
-        self.capture_s = time.perf_counter() - t0
-        self.graph_bytes = torch.cuda.memory_reserved(self.device) - before
-        log.info("captured %d decode-step graphs (batch %d..%d) in %.1f s, %.0f MiB",
-                 len(self._graphs), min(self.buckets), max(self.buckets), self.capture_s,
-                 self.graph_bytes / 2**20)
+
+    def _drop_graphs(self, failure: str) -> None:
+        """A capture failed: release what it made and run uncaptured from now on."""
+        self._graphs.clear()
+        self._graph_out.clear()
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        free, _ = torch.cuda.mem_get_info(self.device)
+        self.capture_error = failure
+        self.mode = "static"
+        advice = ("to capture them, leave room with a smaller kv_cache_fraction "
+                  "(--kv-cache-fraction) or max_batch_size" if failure == "out of memory"
+                  else "the tokens are the same")
+        log.warning("the decode-step CUDA graphs were not captured (%s; %.0f MiB of the device "
+                    "free after the KV pool): decode steps run uncaptured, which is slower; %s",
+                    failure, free / 2**20, advice)
+
+    def capture_summary(self) -> dict:
+        """How this runner's steps run: step mode, graphs captured, their memory (MiB) and
+        capture time (s), and why they were not captured (None when they were or when
+        none were asked for)."""
+        return {"step_mode": self.mode, "graphs": len(self._graphs),
+                "graph_mib": round(self.graph_bytes / 2**20, 1),
+                "capture_s": round(self.capture_s, 2), "capture_error": self.capture_error}
 
     # --- the ring ---------------------------------------------------------------------------
 

@@ -146,3 +146,62 @@ def test_continuous_batching_on_the_gpu_equals_each_row_alone(tiny_model_dir):
         assert pool.allocator.num_free == num_blocks
         if num_blocks == 8:
             assert stats.preemptions > 0
+
+
+def test_graphs_that_do_not_fit_fall_back_to_uncaptured_steps(tiny_model_dir, caplog):
+    """Capture under a memory cap (the allocator's limit set just above what it holds, plus
+    a margin: none, one small segment, plenty): where the graphs do not fit, the runner drops
+    them with a warning that says how to leave room and runs its steps uncaptured; either
+    way each row gets the tokens of the fully captured runner, and every block comes back."""
+    import logging
+
+    from nanoserve.cache import CacheShape, KVPool
+    from nanoserve.model_runner import ContinuousRunner
+    from nanoserve.sampling import SamplingParams
+    from nanoserve.scheduler import generate_continuous
+
+    config, sd = load_checkpoint(tiny_model_dir)
+    model = build_model(config, sd, torch.float32, "cuda")
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 128) for _ in range(rng.randint(1, 50))] for _ in range(20)]
+    params = [SamplingParams(max_tokens=rng.randint(1, 30), temperature=0.7 if i % 2 else 0.0,
+                             seed=i) for i in range(20)]
+    pool = KVPool(CacheShape.of(config), 256, 16, torch.float32, "cuda")
+
+    def run(runner):
+        outs, _ = generate_continuous(model, prompts, params, (2,), pool, max_batch_size=64,
+                                      runner=runner)
+        assert pool.allocator.num_free == 256
+        return [(o.token_ids, o.finish_reason) for o in outs]
+
+    full = ContinuousRunner(model, pool, 64, "graph")
+    assert full.capture_error is None and len(full._graphs) == len(full.buckets)
+    want = run(full)
+    del full
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(0).total_memory
+    fell_back = []
+    for margin in (0, 2 << 20, 1 << 30):
+        torch.cuda.empty_cache()
+        cap = torch.cuda.memory_reserved() + margin
+        caplog.clear()
+        try:
+            torch.cuda.set_per_process_memory_fraction(cap / total)
+            with caplog.at_level(logging.WARNING, logger="nanoserve.model_runner"):
+                runner = ContinuousRunner(model, pool, 64, "graph")
+        finally:
+            torch.cuda.set_per_process_memory_fraction(1.0)
+        summary = runner.capture_summary()
+        if runner.capture_error is None:
+            assert summary["step_mode"] == "graph"
+            assert summary["graphs"] == len(runner.buckets)
+        else:
+            assert summary == {"step_mode": "static", "graphs": 0, "graph_mib": 0.0,
+                               "capture_s": 0.0, "capture_error": "out of memory"}
+            assert "not captured (out of memory" in caplog.text
+            assert "kv_cache_fraction" in caplog.text
+            fell_back.append(margin)
+        assert run(runner) == want, margin
+        del runner
+    assert 0 in fell_back and (1 << 30) not in fell_back
