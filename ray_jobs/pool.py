@@ -166,6 +166,8 @@ class WorkerPool:
                 f"no worker was ready within {opts.worker_start_timeout_s:g} s: the cluster has "
                 f"no free {unit} for one, or the model loads more slowly than that"
             )
+        if opts.progress and pool.workers:
+            log(ready_line([w.info for w in pool.workers]))
         if late:
             log(f"nanoserve: {len(late)} of {count} workers were not ready within "
                  f"{opts.worker_start_timeout_s:g} s (no free {unit}?); going on with "
@@ -327,6 +329,29 @@ def first_line(text: str) -> str:
     return lines[0] if lines else text
 
 
+def ready_line(infos: list[dict[str, Any]]) -> str:
+    """One progress line for the workers that loaded: their batching, how their decode
+    steps run (CUDA graphs, their memory and capture time, or why not) and their KV pool.
+    Values are the first worker's; workers whose graphs failed are counted."""
+    first = infos[0]
+    parts = [f"{first.get('scheduler', 'static')} batching"]
+    steps = first.get("steps")
+    if steps:
+        captured = [i for i in infos if (i.get("steps") or {}).get("graphs")]
+        if captured:
+            s = captured[0]["steps"]
+            parts.append(f"decode steps as {s['graphs']} CUDA graphs a worker "
+                         f"({s['graph_mib']:,.0f} MiB, captured in {s['capture_s']:.1f} s)")
+        failed = [i["steps"]["capture_error"] for i in infos
+                  if (i.get("steps") or {}).get("capture_error")]
+        if failed:
+            parts.append(f"CUDA graphs not captured on {len(failed)} of {len(infos)} "
+                         f"worker(s) ({failed[0]}): their decode steps run uncaptured, slower")
+    if "kv_blocks" in first and "block_size" in first:
+        parts.append(f"KV pool {first['kv_blocks'] * first['block_size']:,} tokens a worker")
+    return f"nanoserve: {len(infos)} worker(s) ready: " + "; ".join(parts)
+
+
 def log(message: str) -> None:
     """One line on stderr that does not break the progress bar."""
     from tqdm import tqdm
@@ -334,4 +359,5 @@ def log(message: str) -> None:
     tqdm.write(message, file=sys.stderr)
 
 
-__all__ = ["RayBatchWorker", "WorkerPool", "WorkerReport", "WorkerSlot", "first_line", "log"]
+__all__ = ["RayBatchWorker", "WorkerPool", "WorkerReport", "WorkerSlot", "first_line", "log",
+           "ready_line"]

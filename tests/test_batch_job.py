@@ -333,3 +333,26 @@ def test_rerun_with_nothing_left_has_only_a_prepare_phase(jsonl_job):
     assert (again.rows, again.rows_resumed) == (0, summary.rows)
     assert list(again.timings) == ["prepare"]
     assert again.timings["prepare"] == pytest.approx(again.wall_time_s)
+
+
+def test_ready_line_says_batching_steps_and_pool(smollm2_llm):
+    """The progress line once workers load: from a real worker's `info()` (CPU: static
+    batching, no graphs), and for continuous workers whose graphs were captured on one and
+    did not fit on the other."""
+    from ray_jobs.pool import ready_line
+    from ray_jobs.worker import BatchWorker
+
+    info = BatchWorker.from_llm(smollm2_llm).info()
+    tokens = smollm2_llm.pool.num_blocks * smollm2_llm.pool.block_size
+    assert ready_line([info]) == (f"nanoserve: 1 worker(s) ready: static batching; "
+                                  f"KV pool {tokens:,} tokens a worker")
+    steps = {"step_mode": "graph", "graphs": 20, "graph_mib": 1206.4, "capture_s": 3.94,
+             "capture_error": None}
+    ok = dict(info, scheduler="continuous", steps=steps)
+    failed = dict(ok, steps=dict(steps, step_mode="static", graphs=0, graph_mib=0.0,
+                                 capture_s=0.0, capture_error="out of memory"))
+    assert ready_line([ok, failed]) == (
+        "nanoserve: 2 worker(s) ready: continuous batching; decode steps as 20 CUDA graphs a "
+        "worker (1,206 MiB, captured in 3.9 s); CUDA graphs not captured on 1 of 2 worker(s) "
+        "(out of memory): their decode steps run uncaptured, slower; "
+        f"KV pool {tokens:,} tokens a worker")
