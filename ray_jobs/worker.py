@@ -149,7 +149,7 @@ class BatchWorker:
         _fault_hold_while_file()
         _fault_kill_on_text(self.llm.tokenizer, batch_rows)
         ooms = [0]  # device out-of-memory errors raised while running this batch
-        results: list[dict[str, Any] | None] = [self._too_big_for_pool(r) for r in batch_rows]
+        results: list[dict[str, Any] | None] = [self._cannot_run(r) for r in batch_rows]
         todo = [i for i, res in enumerate(results) if res is None]
         prompts = [list(batch_rows[i].prompt_token_ids) for i in todo]
         params = [batch_rows[i].params for i in todo]
@@ -207,10 +207,17 @@ class BatchWorker:
             finally:
                 ooms[0] += self.oom_errors - before
 
-    def _too_big_for_pool(self, r: GenerationRequest) -> dict[str, Any] | None:
-        """An error row for a request that cannot fit the KV pool even alone, else None.
-        (The step count is `LLM.generate`'s: max_tokens, capped by the context.)"""
+    def _cannot_run(self, r: GenerationRequest) -> dict[str, Any] | None:
+        """An error row for a request that cannot run even alone (empty, no room in the
+        model's context, more than the KV pool holds), else None: such a row never fails
+        the rest of its batch. (The step count is `LLM.generate`'s: max_tokens, capped by
+        the context.)"""
         n = len(r.prompt_token_ids)
+        if n == 0:
+            return error_row("empty prompt: a row needs at least one token", 0)
+        if n >= self.llm.max_context:
+            return error_row(f"prompt has {n} tokens; the model's context is "
+                             f"{self.llm.max_context} tokens, which leaves no room to generate", n)
         steps = max(1, min(r.params.max_tokens, self.llm.max_context - n))
         pool = self.llm.pool
         need = blocks_for_batch([n], steps, pool.block_size)

@@ -293,20 +293,33 @@ def test_truncated_model_file_exits_2_before_any_worker(tmp_path, capsys, monkey
 
 
 def test_batch_worker_alone_matches_generate_and_isolates_a_bad_row(smollm2_llm):
-    """`BatchWorker` without Ray: rows in order, equal to `LLM.generate` alone; a row the
-    engine refuses becomes one error row instead of failing its batch."""
+    """`BatchWorker` without Ray: rows in order, equal to `LLM.generate` alone; rows that
+    cannot run (longer than the context, empty) become error rows before any work, so the
+    good rows still run as one batch (no row is re-run alone)."""
     worker = BatchWorker.from_llm(smollm2_llm)
+    alone = []
+    run_alone = worker._run_alone
+    worker._run_alone = lambda *a: alone.append(a) or run_alone(*a)
     ids = smollm2_llm.tokenizer.encode("Hi there")
     params = SamplingParams(max_tokens=3)
+    context = smollm2_llm.max_context
     table = worker.run_batch([GenerationRequest(tuple(ids), params),
-                              GenerationRequest((1,) * 9000, params)])  # longer than the context
+                              GenerationRequest((1,) * 9000, params),  # longer than the context
+                              GenerationRequest((1,) * context, params),  # no room to generate
+                              GenerationRequest((), params),
+                              GenerationRequest(tuple(ids), params)])
     assert table.schema.equals(RESULT_SCHEMA)
     (want,) = smollm2_llm.generate([ids], [params])
-    good, bad = table.to_pylist()
+    good, long, full, empty, good2 = table.to_pylist()
+    assert good == good2
     assert (good["generated_token_ids"], good["generated_text"], good["finish_reason"]) == (
         want.token_ids, want.text, want.finish_reason)
     assert good["num_input_tokens"] == len(ids) and good["error"] is None
-    assert bad["finish_reason"] == "error" and "9000 tokens" in bad["error"]
+    assert long["finish_reason"] == "error" and "9000 tokens" in long["error"]
+    assert full["finish_reason"] == "error" and f"context is {context} tokens" in full["error"]
+    assert (empty["finish_reason"], empty["error"]) == (
+        "error", "empty prompt: a row needs at least one token")
+    assert alone == []
     assert worker.gpu_ids() == []  # no GPU given by Ray to this process
 
 
