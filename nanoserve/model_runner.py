@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -180,8 +181,13 @@ class ContinuousRunner:
                 self._forward(*views)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=mempool):
-                self._graph_out[b] = self._forward(*views)
+            with warnings.catch_warnings():
+                # An allocation that fails before the first kernel leaves an empty graph,
+                # which torch reports as a capture on the wrong stream; the failure itself
+                # is what `_capture_all` reports. A captured forward is never empty.
+                warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
+                with torch.cuda.graph(graph, pool=mempool):
+                    self._graph_out[b] = self._forward(*views)
             self._graphs[b] = graph
         torch.cuda.synchronize(self.device)
 
