@@ -20,7 +20,9 @@ tables, the model, the LM head, argmax, scatter into last_tok) is one CUDA graph
 bucket ("graph"), or the same code run eagerly over the same tensors ("static"), or run
 over freshly made tensors of exactly n rows with no padding ("eager", the plain path the
 other two are held to). Rows that sample (temperature > 0) draw after the step, on the
-device, and overwrite their argmax in last_tok.
+device, and overwrite their argmax in last_tok. The graphs of all buckets write their
+logits into one shared buffer; graphs that do not fit in the memory the KV pool left are
+dropped at load, and the steps run "static" (see `_capture_all`).
 
 Staging and result buffers form a ring of RING entries; an operation (a prefill or a
 step) takes the next entry, and the host waits for the entry's previous use to have
