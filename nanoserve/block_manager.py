@@ -22,9 +22,10 @@ Invariants (checked by `check_integrity`):
   hold it, > 0), free (count 0, no name) or cached-free (count 0, a name);
   held + free + cached-free = total; no table holds a block twice;
 - the hash index maps each name to exactly the block that carries it;
-- only full, written blocks carry names, and only named blocks are shared: a table's
-  partial (or not yet written) blocks are its own (count 1, no name), so a block is never
-  written while shared. Tables without prefix caching hold count-1, unnamed blocks only.
+- only full, written blocks carry names, and only full blocks are shared (named ones through
+  the prefix cache, or the prompt blocks of a row's n samples, `BlockTable.fork`): a
+  table's partial (or not yet written) blocks are its own (count 1, no name), so a block
+  is never written while shared.
 """
 
 from __future__ import annotations
@@ -113,6 +114,15 @@ class BlockAllocator:
             self._ref[block] += 1
             self._evictable.pop(block, None)
 
+    def share(self, blocks: Sequence[int]) -> None:
+        """One more reference to each held block, named or not (a forked sample sharing its
+        prompt's full blocks). Only blocks somebody holds can be shared."""
+        for block in blocks:
+            if self._ref[block] < 1:
+                raise RuntimeError(f"block {block} is not held: only held blocks are shared")
+        for block in blocks:
+            self._ref[block] += 1
+
     def num_free_taken_by(self, blocks: Sequence[int]) -> int:
         """How many free blocks `take(blocks)` would use up (those waiting in the LRU): what an
         admission must count next to the blocks it allocates."""
@@ -196,6 +206,22 @@ class BlockTable:
         self.num_tokens = len(blocks) * self.block_size
         self.block_hashes = [allocator.block_hash(b) for b in blocks]  # type: ignore[misc]
 
+    def fork(self, allocator: BlockAllocator) -> tuple[BlockTable, tuple[int, int] | None]:
+        """A new table holding the same tokens (another sample of the same prompt): the full
+        blocks are shared (one more reference each), and a partly filled last block, which
+        both tables will write, is copied into a fresh block. Returns the new table and the
+        (source, destination) block whose K/V the caller must copy, if any. Raises
+        CacheFullError, changing nothing, when no block is free for the copy."""
+        full = self.num_tokens // self.block_size
+        tail = len(self.blocks) > full
+        fresh = allocator.allocate(1) if tail else []
+        allocator.share(self.blocks[:full])
+        child = BlockTable(self.block_size)
+        child.blocks = self.blocks[:full] + fresh
+        child.num_tokens = self.num_tokens
+        child.block_hashes = list(self.block_hashes[:full])
+        return child, ((self.blocks[full], fresh[0]) if tail else None)
+
     def register_full_blocks(self, token_ids: Sequence[int], allocator: BlockAllocator) -> int:
         """Name the full blocks written since the last call; `token_ids` are the sequence's
         tokens from position 0 (prompt, then generated). Call after the step that wrote them.
@@ -263,8 +289,6 @@ def check_integrity(allocator: BlockAllocator, tables: Iterable[BlockTable]) -> 
             raise AssertionError(f"block {block} is {state}")
         if block in free_set and named or block in cached_set and not named:
             raise AssertionError(f"block {block}: a named block on the free list or the reverse")
-        if ref > 1 and not named:
-            raise AssertionError(f"block {block} is shared but has no name")
     if len(held) + len(idle) != allocator.num_blocks:
         raise AssertionError(
             f"leak: {len(held)} held + {len(idle)} free != {allocator.num_blocks} total"

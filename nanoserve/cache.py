@@ -98,6 +98,16 @@ class KVPool:
         per_block = shape.bytes_per_token(dtype) * block_size
         return cls(shape, max(1, num_bytes // per_block), block_size, dtype, device)
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks' K/V, every layer: (source, destination) pairs (a forked
+        sample's partly filled last block). Queued on the device like any kernel."""
+        if not pairs:
+            return
+        src = torch.tensor([a for a, _ in pairs], dtype=torch.int64).to(self.device, non_blocking=True)
+        dst = torch.tensor([b for _, b in pairs], dtype=torch.int64).to(self.device, non_blocking=True)
+        for pool in (*self.k, *self.v):
+            pool.index_copy_(0, dst, pool.index_select(0, src))
+
     def flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """[num_slots, Hkv, D] views of one layer."""
         s = self.shape

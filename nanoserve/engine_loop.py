@@ -52,7 +52,8 @@ class EngineLoop:
         llm = self.llm
         return ContinuousScheduler(llm.model, llm.pool, llm.runner, llm.eos_token_ids,
                                    llm.tokenizer, llm.max_batch_size,
-                                   prefix_caching=llm.enable_prefix_caching)
+                                   prefix_caching=llm.enable_prefix_caching,
+                                   grammars=getattr(llm, "grammars", None))
 
     def submit(self, prompts: list[list[int]], params: list[SamplingParams],
                alone: bool = False) -> Future:

@@ -14,14 +14,16 @@ from dataclasses import dataclass
 import torch
 
 from nanoserve.attention import AttentionMetadata
-from nanoserve.block_manager import reserve_all_or_nothing
+from nanoserve.block_manager import BlockTable, reserve_all_or_nothing
 from nanoserve.cache import BatchedPagedKVCache, CacheShape, DenseKVCache, KVPool
 from nanoserve.cuda_graph import DecodeStep, graphs_wanted, make_decode_step
 from nanoserve.errors import CacheFullError
+from nanoserve.logprobs import entries, prompt_logprob_rows, unpack, with_token
 from nanoserve.model import LlamaForCausalLM
 from nanoserve.prefix_cache import lookup
-from nanoserve.sampling import SamplingParams, sample_next
-from nanoserve.sequence import Sequence, SequenceOutput
+from nanoserve.sampling import SamplingParams
+from nanoserve.sequence import Sequence, SequenceOutput, samples_of
+from nanoserve.step_sampling import StepSampling, sample_step
 
 
 @dataclass
@@ -129,15 +131,23 @@ def right_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, 
 def generate_batch(model: LlamaForCausalLM, prompts: list[list[int]], params: list[SamplingParams],
                    eos_token_ids: tuple[int, ...] = (), pool: KVPool | None = None,
                    tokenizer=None, decode_step: str = "auto", prefix_caching: bool = False,
-                   ) -> tuple[list[SequenceOutput], BatchStats]:
+                   grammars=None) -> tuple[list[SequenceOutput], BatchStats]:
     """Static batched generation with per-row sampling. Raises CacheFullError, having
-    changed nothing, when the batch cannot fit the pool at its peak.
+    changed nothing, when the batch cannot fit the pool at its peak. Returns one output per
+    sample: a prompt's `n` samples consecutively, in prompt order.
 
     prefix_caching: rows start from the longest cached run of their prompt's full blocks
     (blocks an earlier batch on this pool named and freed, or still holds); when any row
     hits, the batch's prefill is packed and attends to the cached context through the
     paged prefill kernel, else it is the padded rectangle. Either way the batch names its
-    full prompt blocks for later batches.
+    full prompt blocks for later batches. A row that asks for prompt logprobs prefills its
+    whole prompt (its logits are needed at every position).
+
+    n samples: the prompt is prefilled once; samples 1..n-1 then share its full blocks and
+    copy its last, partly filled one (`BlockTable.fork`), and every sample draws its first
+    token from the prompt's last logits with its own key.
+
+    grammars: the engine's `GrammarCache`, needed by rows with structured outputs.
 
     decode_step: how decode steps run (the tokens are the same): "eager" launches each
     kernel from Python with per-step tensors; "graph" replays a CUDA graph captured once
@@ -147,38 +157,50 @@ def generate_batch(model: LlamaForCausalLM, prompts: list[list[int]], params: li
     if decode_step not in DECODE_STEP_MODES:
         raise ValueError(f"decode_step must be one of {DECODE_STEP_MODES}, got {decode_step!r}")
     config, device = model.config, model.device
-    seqs = [Sequence(p, sp, eos_token_ids, config.max_position_embeddings, tokenizer)
-            for p, sp in zip(prompts, params)]
+    groups = [samples_of(p, sp, eos_token_ids, config.max_position_embeddings, tokenizer,
+                         grammars) for p, sp in zip(prompts, params)]
+    seqs = [s for g in groups for s in g]
+    parent_of = [i for i, g in enumerate(groups) for _ in g]  # the prompt each sample shares
     max_steps = max(s.max_new for s in seqs)
     if pool is None:
-        pool = pool_for(model, prompts, max_steps)
+        pool = pool_for(model, [p for p, g in zip(prompts, groups) for _ in g], max_steps)
     lens = [len(p) for p in prompts]
-    need = blocks_for_batch(lens, max_steps, pool.block_size)
+    need = blocks_for_batch([n for n, g in zip(lens, groups) for _ in g], max_steps,
+                            pool.block_size)
     if need > pool.allocator.num_free:
         raise CacheFullError(f"batch needs {need} KV blocks at its peak, pool has {pool.allocator.num_free} free")
     ids, positions, valid, lens_t = right_padded(prompts)
-    B, T = ids.shape
-    stats = BatchStats(num_rows=B, prefill_slots=B * T, prefill_real_tokens=sum(lens))
-    cache = BatchedPagedKVCache(pool, B)
+    P, T = ids.shape
+    B = len(seqs)
+    stats = BatchStats(num_rows=B, prefill_slots=P * T, prefill_real_tokens=sum(lens))
+    cache = BatchedPagedKVCache(pool, P)  # the prompts' tables; the forks join after
+    tables = list(cache.tables)  # every table this batch holds, freed at the end
     alloc = pool.allocator
-    hits = [lookup(alloc, p, pool.block_size) for p in prompts] if prefix_caching else []
+    hits = [[] if g[0].wants_prompt_logprobs else lookup(alloc, p, pool.block_size)
+            for p, g in zip(prompts, groups)] if prefix_caching else []
     step = None
     try:
         if any(hits):
-            last = _prefill_after_cached(model, cache, prompts, hits, seqs, stats)
+            last = _prefill_after_cached(model, cache, prompts, hits, groups, stats)
         else:
             hidden = model.hidden_states(ids.to(device), positions.to(device), cache,
                                          AttentionMetadata.prefill(valid.to(device)))
-            last = hidden[torch.arange(B, device=device), (lens_t - 1).to(device)]  # [B, d]
+            last = hidden[torch.arange(P, device=device), (lens_t - 1).to(device)]  # [P, d]
+            _prompt_logprobs(model, groups, [hidden[i, :n - 1] for i, n in enumerate(lens)],
+                             prompts)
         if prefix_caching:  # queued after the prefill that writes them: safe to share
             for table, prompt in zip(cache.tables, prompts):
                 table.register_full_blocks(prompt, alloc)
-        _append(seqs, model.compute_logits(last))
+        if B > P:
+            cache = _fork_samples(pool, cache, groups, tables)
+        _append(seqs, model.compute_logits(last.index_select(
+            0, torch.tensor(parent_of, device=device))), _words(grammars))
         if decode_step == "auto":
             decode_step = "graph" if graphs_wanted(device, max_steps - 1) else "eager"
         if not all(s.finished for s in seqs):
             peak_blocks = max(-(-(n + max_steps - 1) // pool.block_size) for n in lens)
-            feedback = all(s.params.greedy for s in seqs)
+            feedback = all(s.params.greedy and s.matcher is None and s.logprobs is None
+                           for s in seqs)
             step = make_decode_step(model, cache, peak_blocks, decode_step, feedback)
         if step is not None and step.feedback:
             _decode_pipelined(step, seqs, stats, max_steps - 1)
@@ -186,23 +208,67 @@ def generate_batch(model: LlamaForCausalLM, prompts: list[list[int]], params: li
             stats.decode_row_steps += B
             stats.finished_row_steps += sum(s.finished for s in seqs)
             if step is not None:
-                _append(seqs, step([s.output_ids[-1] for s in seqs]))
+                _append(seqs, step([s.output_ids[-1] for s in seqs]), _words(grammars))
                 continue
             step_ids = torch.tensor([[s.output_ids[-1]] for s in seqs], device=device)
             step_pos = torch.tensor([[n] for n in cache.seq_lens], device=device)
             hidden = model.hidden_states(step_ids, step_pos, cache, AttentionMetadata.decode())
-            _append(seqs, model.compute_logits(hidden[:, 0]))
+            _append(seqs, model.compute_logits(hidden[:, 0]), _words(grammars))
     finally:
         if step is not None:
             step.close()  # nothing queued may still write into blocks freed below
         del step  # a captured graph's memory goes back to the allocator with it
         cache.free_all()
+        for t in tables:  # tables the batch's cache did not hold yet (a failure mid-fork)
+            if t.blocks:
+                t.free(alloc)
     return [s.output() for s in seqs], stats
+
+
+def _words(grammars) -> int:
+    return grammars.words if grammars is not None else 0
+
+
+def _fork_samples(pool: KVPool, cache: BatchedPagedKVCache, groups: list[list[Sequence]],
+                  tables: list[BlockTable]) -> BatchedPagedKVCache:
+    """After the prompts' prefill: a table per sample, samples 1..n-1 forked from their
+    prompt's table; returns the batch's cache over every sample's table, in order."""
+    pairs = []
+    rows = []
+    for table, group in zip(cache.tables, groups):
+        rows.append(table)
+        for _ in group[1:]:
+            child, pair = table.fork(pool.allocator)
+            tables.append(child)
+            rows.append(child)
+            if pair is not None:
+                pairs.append(pair)
+    pool.copy_blocks(pairs)  # queued after the prefill that wrote the source blocks
+    return BatchedPagedKVCache.over(pool, rows)
+
+
+def _prompt_logprobs(model: LlamaForCausalLM, groups: list[list[Sequence]],
+                     hidden: list[torch.Tensor], prompts: list[list[int]]) -> None:
+    """Set the prompt logprobs of the rows that ask (every sample of the row gets them).
+    hidden[i]: row i's hidden states at its prompt positions 0..len-2."""
+    asking = [i for i, g in enumerate(groups) if g[0].wants_prompt_logprobs]
+    if not asking:
+        return
+    device = model.device
+    computed = []
+    for i in asking:
+        k = groups[i][0].params.prompt_logprobs
+        targets = torch.tensor(prompts[i][1:], device=device)
+        computed.append(prompt_logprob_rows(model.compute_logits, hidden[i], targets, k))
+    for i, rows in zip(asking, computed):
+        values = entries(rows.tolist(), prompts[i][1:], groups[i][0].params.prompt_logprobs)
+        for s in groups[i]:
+            s.prompt_logprobs = values
 
 
 def _prefill_after_cached(model: LlamaForCausalLM, cache: BatchedPagedKVCache,
                           prompts: list[list[int]], hits: list[list[int]],
-                          seqs: list[Sequence], stats: BatchStats) -> torch.Tensor:
+                          groups: list[list[Sequence]], stats: BatchStats) -> torch.Tensor:
     """The static batch's prefill when some rows start from cached blocks: every row takes
     its hit, the rest of each prompt is prefilled packed (no padding) over the row's whole
     context. Returns each row's last hidden state [B, d]."""
@@ -229,11 +295,14 @@ def _prefill_after_cached(model: LlamaForCausalLM, cache: BatchedPagedKVCache,
     cu_t = torch.tensor(cu, dtype=torch.int32, device=device)
     hidden = model.hidden_states(ids, pos, step_cache,
                                  AttentionMetadata.packed(cu_t, max(len(n) for n in new)))
-    for seq, c in zip(seqs, cached):
-        seq.num_cached_tokens = c
+    for group, c in zip(groups, cached):
+        for seq in group:
+            seq.num_cached_tokens = c
     stats.prefill_slots = stats.prefill_real_tokens = cu[-1]
     stats.cached_tokens = sum(cached)
-    return hidden[0, cu_t[1:].long() - 1]  # [B, d]
+    # A row asking for prompt logprobs took no hit: its new tokens are its whole prompt.
+    _prompt_logprobs(model, groups, [hidden[0, a:b - 1] for a, b in zip(cu, cu[1:])], prompts)
+    return hidden[0, cu_t[1:].long() - 1]  # [P, d]
 
 
 def _decode_pipelined(step: DecodeStep, seqs: list[Sequence], stats: BatchStats,
@@ -262,11 +331,14 @@ def _decode_pipelined(step: DecodeStep, seqs: list[Sequence], stats: BatchStats,
             return
 
 
-def _append(seqs: list[Sequence], logits: torch.Tensor) -> None:
-    """Sample one token for every unfinished row. logits: [B, V]."""
+def _append(seqs: list[Sequence], logits: torch.Tensor, words: int = 0) -> None:
+    """Sample one token for every unfinished row (`nanoserve.step_sampling`). logits: [B, V]."""
     live = [i for i, s in enumerate(seqs) if not s.finished]
-    tokens = sample_next(logits[live], [seqs[i].params for i in live],
-                         [seqs[i].key for i in live],
-                         [len(seqs[i].output_ids) for i in live]).tolist()
-    for i, t in zip(live, tokens):
-        seqs[i].append(t)
+    rows = [seqs[i] for i in live]
+    sampling = StepSampling.of(rows, [len(s.output_ids) for s in rows], words)
+    tokens, lp = sample_step(logits[live], sampling)
+    tokens = tokens.tolist()
+    lps = dict(zip(sampling.logprob_rows, lp.tolist())) if lp is not None else {}
+    for j, (s, t) in enumerate(zip(rows, tokens)):
+        if not s.finished:  # a grammar that allowed nothing ended it while masking
+            s.append(t, with_token(unpack(lps[j], s.params.logprobs), t) if j in lps else None)

@@ -18,6 +18,7 @@ from nanoserve.model_runner import ContinuousRunner
 from nanoserve.model_store import DEFAULT_MODEL, resolve_model
 from nanoserve.sampling import SamplingParams
 from nanoserve.scheduler import generate_continuous
+from nanoserve.structured import GrammarCache
 from nanoserve.sequence import SequenceOutput as Completion
 from nanoserve.tokenizer import Tokenizer
 from nanoserve.weights import load_checkpoint
@@ -90,6 +91,9 @@ class LLM:
             # prefills every prompt whole (the tokens are the same either way).
             self.enable_prefix_caching = False
         self.eos_token_ids = tuple(sorted(set(config.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
+        # Structured outputs: xgrammar's view of this tokenizer, built at the first
+        # constrained row; each constraint compiled once.
+        self.grammars = GrammarCache(self.tokenizer, config.vocab_size, self.eos_token_ids)
         self.max_batch_size = max_batch_size
         if kv_cache_bytes is None:
             if self.device.type == "cuda":
@@ -113,7 +117,8 @@ class LLM:
 
     def generate(self, prompt_token_ids: list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[Completion]:
-        """One completion per prompt, in order. Static scheduler: prompts are cut into
+        """One completion per sample, in prompt order: a prompt whose params ask for n
+        samples gives n consecutive completions (`sample_index` 0..n-1). Static scheduler: prompts are cut into
         static batches that fit the pool at their peak; a batch the device cannot hold is
         halved and retried. Continuous scheduler: one continuous batch over all prompts
         (capped at max_batch_size running rows); if the device runs out of memory there, the
@@ -130,7 +135,7 @@ class LLM:
                 outs, stats = generate_continuous(
                     self.model, prompt_token_ids, params, self.eos_token_ids, self.pool,
                     self.tokenizer, self.max_batch_size, runner=self.runner,
-                    prefix_caching=self.enable_prefix_caching)
+                    prefix_caching=self.enable_prefix_caching, grammars=self.grammars)
             except torch.OutOfMemoryError:
                 torch.cuda.empty_cache()  # below: static batches, halved until they fit
             else:
@@ -149,15 +154,18 @@ class LLM:
         batches: list[list[int]] = []
         cur: list[int] = []
         bs, total = self.pool.block_size, self.pool.num_blocks
+        def lens(rows: list[int]) -> list[int]:  # one per sample
+            return [len(prompts[j]) for j in rows for _ in range(params[j].n)]
+
         for i in range(len(prompts)):
             trial = cur + [i]
             steps = max(self._max_new(prompts[j], params[j]) for j in trial)
-            need = blocks_for_batch([len(prompts[j]) for j in trial], steps, bs)
-            if cur and (need > total or len(trial) > self.max_batch_size):
+            need = blocks_for_batch(lens(trial), steps, bs)
+            if cur and (need > total or len(lens(trial)) > self.max_batch_size):
                 batches.append(cur)
                 trial = [i]
                 steps = self._max_new(prompts[i], params[i])
-                need = blocks_for_batch([len(prompts[i])], steps, bs)
+                need = blocks_for_batch(lens(trial), steps, bs)
             if need > total:
                 raise CacheFullError(
                     f"prompt {i} ({len(prompts[i])} tokens + {steps} new) needs {need} KV blocks; "
@@ -173,7 +181,7 @@ class LLM:
             outs, stats = generate_batch(
                 self.model, [prompts[i] for i in batch], [params[i] for i in batch],
                 self.eos_token_ids, self.pool, self.tokenizer, self.decode_step,
-                self.enable_prefix_caching,
+                self.enable_prefix_caching, self.grammars,
             )
         except torch.OutOfMemoryError:
             if len(batch) == 1:

@@ -34,16 +34,17 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from kernels import backend as kernel_backend
 from nanoserve.attention import AttentionMetadata
 from nanoserve.cache import KVPool
+from nanoserve.logprobs import prompt_logprob_rows
 from nanoserve.model import LlamaForCausalLM
-from nanoserve.sampling import SamplingParams, sample_next
 from nanoserve.step_cache import StepCache
+from nanoserve.step_sampling import StepSampling, sample_step
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +65,15 @@ def decode_buckets(max_batch_size: int) -> list[int]:
 
 @dataclass
 class Launched:
-    """An operation queued on the device whose tokens the host has not read yet."""
+    """An operation queued on the device whose tokens the host has not read yet. After
+    `read`, `logprobs` holds the logprob rows of its sampling's `logprob_rows` and `prompt`
+    the prompt-logprob rows of the prefill's rows that asked, both on the host."""
 
     ring: int  # ring entry holding its results
     n: int  # tokens it produced (rows that sample; all rows of a decode step)
+    logprobs: torch.Tensor | None = None  # [m, 2 + 2k] float32, host
+    prompt: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (row, [len-1, ..])
+    pending: tuple | None = None  # a deferred decode's (logits, argmax tokens, n)
 
 
 class ContinuousRunner:
@@ -228,13 +234,25 @@ class ContinuousRunner:
         return k
 
     def _finish(self, k: int, tokens: torch.Tensor, n: int,
-                end: torch.cuda.Event | None = None) -> Launched:
+                end: torch.cuda.Event | None = None, logprobs: torch.Tensor | None = None,
+                prompt: list[tuple[int, torch.Tensor]] = (),
+                op: Launched | None = None) -> Launched:
+        """Queue the copies of an operation's results to the host, then its event."""
         if end is not None:
             end.record()
         self._out[k, :n].copy_(tokens[:n], non_blocking=True)
+        op = op or Launched(k, n)
+        op.logprobs = self._to_host(logprobs)
+        op.prompt = [(i, self._to_host(t)) for i, t in prompt]
         if self._done[k] is not None:
             self._done[k].record()
-        return Launched(k, n)
+        return op
+
+    def _to_host(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None or self.device.type != "cuda":
+            return t
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return host.copy_(t, non_blocking=True)
 
     def read(self, op: Launched) -> list[int]:
         """The operation's tokens (waits for it)."""
@@ -286,16 +304,20 @@ class ContinuousRunner:
         val = torch.tensor(tokens, dtype=torch.long).to(self.device, non_blocking=True)
         self.last_tok.index_copy_(0, idx, val)
 
-    def prefill(self, tokens: list[list[int]], writes: list[int], samplers: list[int],
-                slots: list[int], params: list[SamplingParams], keys: list[int | None],
-                counters: list[int], cached: list[int] | None = None) -> Launched:
+    def prefill(self, tokens: list[list[int]], writes: list[int], slots: list[int],
+                sample_from: list[int], sample_slots: list[int],
+                sampling: StepSampling | None, cached: list[int] | None = None,
+                prompt_logprobs: list[tuple[int, int]] = ()) -> Launched:
         """One packed prefill of several rows' new tokens (no padding): writes their K/V to
-        `writes` (one slot per token, in order), then for the rows at indexes `samplers`
-        samples a first token from the logits of their last position and stores it in
-        last_tok at their row slot. params/keys/counters: one per sampling row. cached:
-        per row, how many tokens before `tokens` its block table already holds (the prefix
-        cache's blocks): those rows' new tokens sit at positions cached.. and attend to the
-        cached context through their block tables (set beforehand)."""
+        `writes` (one slot per token, in order). Then each sampler j draws a token from the
+        logits of the last position of row `sample_from[j]` (several samplers may share one
+        row: a prompt's n samples) under `sampling` (one entry per sampler) and stores it in
+        last_tok at row slot `sample_slots[j]`. cached: per row, how many tokens before
+        `tokens` its block table already holds (the prefix cache's blocks): those rows' new
+        tokens sit at positions cached.. and attend to the cached context through their
+        block tables (set beforehand; `slots` are the rows' row slots).
+        prompt_logprobs: (row, k) for rows whose new tokens are their whole prompt and that
+        want its logprobs (read back in `Launched.prompt`)."""
         dev = self.device
         end = self._mark("prefill")
         cached = cached or [0] * len(tokens)
@@ -318,23 +340,30 @@ class ContinuousRunner:
             cache = StepCache(self.pool, writes_t)
         hidden = self.model.hidden_states(ids_t, pos_t, cache,
                                           AttentionMetadata.packed(cu_t, max(lens)))
+        prompt = []
+        for i, k_top in prompt_logprobs:
+            targets = ids_t[0, cu[i] + 1:cu[i + 1]]
+            prompt.append((i, prompt_logprob_rows(self.model.compute_logits,
+                                                   hidden[0, cu[i]:cu[i + 1] - 1], targets, k_top)))
         k = self._take_ring()
-        if not samplers:
-            return self._finish(k, self.last_tok, 0, end)
-        last = torch.tensor([cu[i + 1] - 1 for i in samplers], dtype=torch.long)
+        if not sample_from:
+            return self._finish(k, self.last_tok, 0, end, prompt=prompt)
+        last = torch.tensor([cu[i + 1] - 1 for i in sample_from], dtype=torch.long)
         h = hidden[0].index_select(0, last.to(dev, non_blocking=True))  # [n, d]
-        new = sample_next(self.model.compute_logits(h), params, keys, counters)
-        idx = torch.tensor([slots[i] for i in samplers], dtype=torch.long)
+        new, lp = sample_step(self.model.compute_logits(h), sampling)
+        idx = torch.tensor(sample_slots, dtype=torch.long)
         self.last_tok.index_copy_(0, idx.to(dev, non_blocking=True), new)
-        return self._finish(k, new, len(samplers), end)
+        return self._finish(k, new, len(sample_from), end, lp, prompt)
 
     def decode(self, slots: list[int], positions: list[int], writes: list[int],
-               new_blocks: list[tuple[int, int, int]], params: list[SamplingParams],
-               keys: list[int | None], counters: list[int]) -> Launched:
+               new_blocks: list[tuple[int, int, int]], sampling: StepSampling | None,
+               defer: bool = False) -> Launched:
         """One decode step for n rows: row slots, the position of each row's input token,
         the slot its K/V go to (reserved by the caller), and the block-table entries that
-        changed since the last step as (row slot, index, block). params/keys/counters: per
-        row, for the rows that sample (all greedy: nothing but the step's argmax)."""
+        changed since the last step as (row slot, index, block). sampling: per row (None:
+        all greedy, nothing but the step's argmax). defer: queue the forward only; the
+        caller queues the sampling with `finish_decode` (a structured output's masks need
+        the rows' previous tokens, read while this forward runs) before any other step."""
         n = len(slots)
         k = self._take_ring()
         end = self._mark("decode")
@@ -343,7 +372,9 @@ class ContinuousRunner:
         ctx = [p + 1 for p in positions]
         if self.mode == "eager":
             inputs = torch.tensor([slots, positions, writes, ctx], dtype=torch.long)
-            logits, tokens = self._forward(*inputs.to(self.device, non_blocking=True))
+            inputs = inputs.to(self.device, non_blocking=True)
+            logits, tokens = self._forward(*inputs)
+            where = inputs[0]
         else:
             b = next(x for x in self.buckets if x >= n)
             stage = self._stage[k]
@@ -358,12 +389,22 @@ class ContinuousRunner:
                 logits, tokens = self._graph_out[b]
             else:
                 logits, tokens = self._forward(*self._views(b))
-        if any(not p.greedy for p in params):
-            tokens = sample_next(logits[:n], params, keys, counters)
-            self.last_tok.index_copy_(0, self._inputs[0, :n] if self.mode != "eager" else
-                                      torch.tensor(slots).to(self.device, non_blocking=True),
-                                      tokens)
-        return self._finish(k, tokens, n, end)
+            where = self._inputs[0, :n]
+        op = Launched(k, n, pending=(logits, tokens, where, end))
+        if not defer:
+            self.finish_decode(op, sampling)
+        return op
+
+    def finish_decode(self, op: Launched, sampling: StepSampling | None) -> None:
+        """Queue a decode step's sampling (when not all greedy and plain) and the copies of
+        its results. The step's logits must still be in place: no step queued since."""
+        logits, tokens, where, end = op.pending
+        op.pending = None
+        lp = None
+        if sampling is not None and not sampling.trivial:
+            tokens, lp = sample_step(logits[:op.n], sampling, tokens[:op.n])
+            self.last_tok.index_copy_(0, where, tokens)
+        self._finish(op.ring, tokens, op.n, end, lp, op=op)
 
     def _update_tables(self, k: int, new_blocks: list[tuple[int, int, int]]) -> None:
         u = len(new_blocks)

@@ -15,7 +15,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nanoserve.structured import StructuredOutputs, apply_bitmask
+
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes
+MAX_N = 128  # samples per prompt
+MAX_LOGPROBS = 20  # alternatives per token
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,10 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings: the text is cut before the first one
     stop_token_ids: tuple[int, ...] = ()  # extra token ids that end the row (kept in output)
     ignore_eos: bool = False  # keep going past the model's EOS tokens
+    n: int = 1  # samples of the prompt (prefilled once); sample i draws with seed + i
+    logprobs: int | None = None  # per generated token: its logprob, rank and this many top
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first
+    structured_outputs: StructuredOutputs | None = None  # JSON schema, regex, choice, grammar
     extra: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -57,6 +65,19 @@ class SamplingParams:
             out.append(f"seed must be in [-2**63, 2**64), got {self.seed}")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             out.append("stop strings must be non-empty strings")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            out.append(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (isinstance(k, bool) or not isinstance(k, int)
+                                  or not 0 <= k <= MAX_LOGPROBS):
+                out.append(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {k!r}")
+        so = self.structured_outputs
+        if so is not None:
+            if not isinstance(so, StructuredOutputs):
+                out.append("structured_outputs must be a nanoserve.structured.StructuredOutputs")
+            else:
+                out += so.problems()
         return out
 
     @property
@@ -64,14 +85,15 @@ class SamplingParams:
         return self.temperature == 0
 
 
-def row_seed(params: SamplingParams) -> int | None:
-    """The row's 63-bit sampling key: its seed folded into [0, 2**63), or a fresh random one
-    when it has none; None for a greedy row (it draws nothing)."""
+def row_seed(params: SamplingParams, sample_index: int = 0) -> int | None:
+    """The row's 63-bit sampling key: its seed (plus the sample's index, for sample i of n)
+    folded into [0, 2**63), or a fresh random one when it has none; None for a greedy row
+    (it draws nothing). So sample i of a row equals the row alone with seed + i."""
     if params.greedy:
         return None
     if params.seed is None:
         return random.getrandbits(63)
-    return params.seed % (1 << 63)
+    return (params.seed + sample_index) % (1 << 63)
 
 
 # Counter-based noise: a draw is a pure function of (row key, token index, vocabulary id),
@@ -124,27 +146,48 @@ def _filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
 
 
 def sample_next(logits: torch.Tensor, params: list[SamplingParams], keys: list[int | None],
-                counters: list[int]) -> torch.Tensor:
+                counters: list[int], bitmask: torch.Tensor | None = None,
+                masked: list[int] | None = None) -> torch.Tensor:
     """One next token per row, on the logits' device, with no host sync per row.
     logits: [B, V]; keys: each row's `row_seed` (None for greedy rows); counters: how many
-    tokens each row has generated before this one. Returns [B] int64 on that device.
+    tokens each row has generated before this one; bitmask [len(masked), ceil(V/32)] int32
+    (host or device): the allowed tokens of the rows at indexes `masked` (structured
+    outputs), applied before temperature and the cut. Returns [B] int64 on that device.
 
     Greedy rows take the exact argmax. The others draw by the Gumbel-max trick from
     counter-based noise (`gumbel_noise`): the draw depends on the row's key, its token
-    number and its own logits only."""
+    number and its own logits only. `logits` itself is never changed."""
     tokens = torch.argmax(logits, dim=-1)  # a half-precision row's argmax is its float32's
+    masked = masked or []
     sampled = [i for i, p in enumerate(params) if not p.greedy]
-    if not sampled:
+    rows = sorted(set(sampled) | set(masked))
+    if not rows:
         return tokens
     dev = logits.device
-    idx = torch.tensor(sampled, dtype=torch.int64).to(dev, non_blocking=True)
-    sp = [params[i] for i in sampled]
-    temperature = torch.tensor([p.temperature for p in sp], dtype=torch.float32).to(dev)
-    top_k = torch.tensor([max(p.top_k, 0) for p in sp], dtype=torch.int64).to(dev)
-    top_p = torch.tensor([p.top_p for p in sp], dtype=torch.float32).to(dev)
-    key_t = torch.tensor([keys[i] for i in sampled], dtype=torch.int64).to(dev)
-    ctr_t = torch.tensor([counters[i] for i in sampled], dtype=torch.int64).to(dev)
-    cut = any(p.top_k > 0 or p.top_p < 1 for p in sp)
-    x = _filter_logits(logits.index_select(0, idx).float(), temperature, top_k, top_p, cut)
-    drawn = torch.argmax(x + gumbel_noise(key_t, ctr_t, x.shape[-1]), dim=-1)
+    idx = torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True)
+    x = logits.index_select(0, idx).float()  # [m, V], a copy
+    if masked:
+        at = {r: j for j, r in enumerate(rows)}
+        where = torch.tensor([at[r] for r in masked], dtype=torch.int64).to(dev, non_blocking=True)
+        sub = x.index_select(0, where)
+        apply_bitmask(sub, bitmask.to(dev, non_blocking=True))
+        x.index_copy_(0, where, sub)
+    sp = [params[i] for i in rows]
+    draws = [not p.greedy for p in sp]
+    temperature = torch.tensor([p.temperature if d else 1.0 for p, d in zip(sp, draws)],
+                               dtype=torch.float32).to(dev)
+    top_k = torch.tensor([max(p.top_k, 0) if d else 0 for p, d in zip(sp, draws)],
+                         dtype=torch.int64).to(dev)
+    top_p = torch.tensor([p.top_p if d else 1.0 for p, d in zip(sp, draws)],
+                         dtype=torch.float32).to(dev)
+    cut = any(d and (p.top_k > 0 or p.top_p < 1) for p, d in zip(sp, draws))
+    x = _filter_logits(x, temperature, top_k, top_p, cut)
+    if any(draws):
+        key_t = torch.tensor([keys[i] if d else 0 for i, d in zip(rows, draws)],
+                             dtype=torch.int64).to(dev)
+        ctr_t = torch.tensor([counters[i] for i in rows], dtype=torch.int64).to(dev)
+        noise = gumbel_noise(key_t, ctr_t, x.shape[-1])
+        on = torch.tensor(draws).to(dev)
+        x = x + torch.where(on[:, None], noise, torch.zeros((), device=dev))
+    drawn = torch.argmax(x, dim=-1)
     return tokens.index_copy(0, idx, drawn)

@@ -27,6 +27,18 @@ that stops on EOS or a stop string is known to have finished one step late, so a
 one step per such row computes a token that is dropped (`BatchStats.finished_row_steps`).
 A row that stops on length is never stepped past its last token.
 
+Output controls (`nanoserve.step_sampling`, shared with the static batches): a decode step
+holding a row with a structured output queues its forward, then reads the older operations
+(the rows' previous tokens) while that forward runs, fills the rows' bitmasks from their
+matchers, and queues the masked sampling: the graph boundary is at the logits, and rows
+without a constraint keep the captured step's argmax. A row's `n` samples are admitted
+together: the prompt is prefilled once, samples 1..n-1 fork its block table (full blocks
+shared, the partly filled last block copied) and draw their first tokens from the same
+logits with their own keys. Samples that did not fit that admission run later as rows of
+their own (the prefix cache may still serve their prompt). Logprobs ride back with the
+tokens; prompt logprobs are computed at the prefill of a row that asks, which never
+starts from cached blocks.
+
 Invariants: a row's tokens are the ones it gets alone (greedy exactly; sampled rows draw
 from counter-based noise keyed by their seed and token number, which preemption does not
 disturb); every block is free again when `run` returns or raises; a row is in at most one
@@ -48,11 +60,13 @@ from nanoserve.block_manager import BlockTable, reserve_all_or_nothing
 from nanoserve.cache import KVPool
 from nanoserve.errors import CacheFullError
 from nanoserve.generate import BatchStats, pool_for
+from nanoserve.logprobs import entries, unpack, with_token
 from nanoserve.model import LlamaForCausalLM
 from nanoserve.model_runner import ContinuousRunner, Launched
 from nanoserve.prefix_cache import blocks_to_admit, hash_blocks, max_cached_blocks
 from nanoserve.sampling import SamplingParams
-from nanoserve.sequence import Sequence, SequenceOutput
+from nanoserve.sequence import Sequence, SequenceOutput, samples_of
+from nanoserve.step_sampling import StepSampling
 
 DEFAULT_MAX_PREFILL_TOKENS = 8192  # prompt tokens of one admission's packed prefill
 MAX_UNREAD = 2  # operations queued on the device ahead of the host
@@ -83,9 +97,12 @@ class _Group:
 class _Row:
     """A row's generation state and, while it runs, its block table and row slot."""
 
-    def __init__(self, seq: Sequence, group: _Group, index: int) -> None:
+    def __init__(self, seq: Sequence, group: _Group, index: int,
+                 fork_of: _Row | None = None) -> None:
         self.seq = seq
         self.group, self.index = group, index
+        self.fork_of = fork_of  # sample 0 of its prompt, for samples 1..n-1
+        self.forks: list[_Row] = []  # samples admitted with it, forked at its prefill
         self.table: BlockTable | None = None
         self.slot: int | None = None
         self.launched = 0  # tokens whose computation was queued (prefill sample included)
@@ -117,15 +134,26 @@ class _Row:
         return not self.seq.finished and self.launched < self.seq.max_new
 
 
+class _Op:
+    """An operation queued on the device and what reading it needs: the rows its tokens go
+    to (in order), the sampling it was queued with, and the rows whose prompt logprobs it
+    computes (each with the samples forked from it)."""
+
+    def __init__(self, launched: Launched, rows: list[_Row], sampling: StepSampling | None,
+                 prompt: list[_Row] = ()) -> None:
+        self.launched, self.rows, self.sampling, self.prompt = launched, rows, sampling, prompt
+
+
 class ContinuousScheduler:
     def __init__(self, model: LlamaForCausalLM, pool: KVPool, runner: ContinuousRunner,
                  eos_token_ids: tuple[int, ...] = (), tokenizer=None,
                  max_batch_size: int | None = None,
                  max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
-                 prefix_caching: bool = True) -> None:
+                 prefix_caching: bool = True, grammars=None) -> None:
         """prefix_caching: a new row starts from the longest run of its prompt's full blocks
         that the pool already holds (nanoserve/prefix_cache.py) and prefills only the rest;
-        its own full prompt blocks are named for later rows once written."""
+        its own full prompt blocks are named for later rows once written. grammars: the
+        engine's `GrammarCache` (rows with structured outputs need it)."""
         if max_prefill_tokens < 1:
             raise ValueError("max_prefill_tokens must be >= 1")
         self.model, self.pool, self.runner = model, pool, runner
@@ -133,9 +161,11 @@ class ContinuousScheduler:
         self.max_batch_size = min(max_batch_size or runner.max_batch_size, runner.max_batch_size)
         self.max_prefill_tokens = max_prefill_tokens
         self.prefix_caching = prefix_caching
+        self.grammars = grammars
+        self.words = grammars.words if grammars is not None else 0
         self.waiting: deque[_Row] = deque()
         self.running: list[_Row] = []
-        self.unread: deque[tuple[Launched, list[_Row]]] = deque()
+        self.unread: deque[_Op] = deque()
         self.free_slots = list(range(runner.max_batch_size - 1, -1, -1))
         self.stats = BatchStats()
 
@@ -143,12 +173,19 @@ class ContinuousScheduler:
 
     def add(self, prompts: list[list[int]], params: list[SamplingParams],
             on_done: Callable[[list[SequenceOutput]], None] | None = None) -> _Group:
-        """Queue rows. Raises ValueError (a bad prompt) or CacheFullError (a row that cannot
-        fit the pool even alone) having queued none of them."""
+        """Queue rows; a row asking for n samples is n rows, and `on_done` gets one output per
+        sample (a prompt's samples consecutively). Raises ValueError (a bad prompt or
+        constraint) or CacheFullError (a row that cannot fit the pool even alone) having
+        queued none of them."""
         max_context = self.model.config.max_position_embeddings
-        group = _Group(len(prompts), on_done)
-        rows = [_Row(Sequence(p, sp, self.eos_token_ids, max_context, self.tokenizer), group, i)
-                for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
+        samples = [samples_of(p, sp, self.eos_token_ids, max_context, self.tokenizer,
+                              self.grammars) for p, sp in zip(prompts, params, strict=True)]
+        group = _Group(sum(len(g) for g in samples), on_done)
+        rows: list[_Row] = []
+        for g in samples:
+            first = _Row(g[0], group, len(rows))
+            rows.append(first)
+            rows += [_Row(seq, group, len(rows) + j, fork_of=first) for j, seq in enumerate(g[1:])]
         for r in rows:
             need = _blocks(r.peak_tokens(), self.pool.block_size)
             if need > min(self.pool.num_blocks, self.runner.width):
@@ -198,7 +235,7 @@ class ContinuousScheduler:
                 if rows:
                     self._decode(rows)
         if self.unread:
-            self._read(*self.unread.popleft())
+            self._read(self.unread.popleft())
         elif self.waiting and not self.running:
             raise CacheFullError(
                 f"prompt {self.waiting[0].index} cannot start: the pool has "
@@ -222,7 +259,7 @@ class ContinuousScheduler:
             row = self.waiting[0]
             prefill = row.prefill_tokens()
             hit: list[int] = []
-            if self.prefix_caching:
+            if self.prefix_caching and not row.seq.wants_prompt_logprobs:
                 names = row.block_names(bs)
                 for name in names:
                     block = alloc.cached_block(name)
@@ -246,10 +283,28 @@ class ContinuousScheduler:
             admitted.append(self.waiting.popleft())
             free -= need
             tokens += n
+            row.forks = []
+            while (self.waiting and self.waiting[0].fork_of is row and not row.seq.output_ids
+                   and not self.waiting[0].seq.output_ids
+                   and len(self.running) + len(admitted) < self.max_batch_size):
+                # Another sample of this prompt: it shares the full prompt blocks and needs its
+                # own for the rest of its prompt and its next token.
+                fork_need = _blocks(len(prefill) + 1, bs) - len(prefill) // bs
+                if fork_need + len(self.running) + len(admitted) > free:
+                    break
+                child = self.waiting.popleft()
+                child.hit = []
+                row.forks.append(child)
+                admitted.append(child)
+                free -= fork_need
         return admitted
 
-    def _prefill(self, rows: list[_Row]) -> None:
+    def _prefill(self, admitted: list[_Row]) -> None:
+        """Prefill the admitted rows packed; the samples forked from one of them take its
+        table (`BlockTable.fork`) and sample their first tokens from its last logits."""
         alloc = self.pool.allocator
+        forked = {id(c) for r in admitted for c in r.forks}
+        rows = [r for r in admitted if id(r) not in forked]
         full = [r.prefill_tokens() for r in rows]
         tables = [BlockTable(self.pool.block_size) for _ in rows]
         for r, table in zip(rows, tables):
@@ -261,28 +316,46 @@ class ContinuousScheduler:
         for r, table in zip(rows, tables):
             r.table, r.slot, r.hit = table, self.free_slots.pop(), []
             r.sent_blocks = len(table.blocks)
-        self.running += rows
-        self.runner.set_block_tables([r.slot for r in rows], [t.blocks for t in tables])
+        pairs = []
+        samplers: list[_Row] = []
+        sample_from: list[int] = []
+        for i, r in enumerate(rows):
+            if not r.seq.output_ids:  # new: it samples its first token here
+                samplers.append(r)
+                sample_from.append(i)
+            for c in r.forks:
+                c.table, pair = r.table.fork(alloc)
+                c.slot, c.hit = self.free_slots.pop(), []
+                c.sent_blocks = len(c.table.blocks)
+                c.seq.num_cached_tokens = r.seq.num_cached_tokens
+                pairs += [pair] if pair is not None else []
+                samplers.append(c)
+                sample_from.append(i)
+        self.running += rows + [c for r in rows for c in r.forks]
+        placed = rows + [c for r in rows for c in r.forks]
+        self.runner.set_block_tables([r.slot for r in placed], [r.table.blocks for r in placed])
         recomputed = [r for r in rows if r.seq.output_ids]
         if recomputed:
             self.runner.set_last_tokens([r.slot for r in recomputed],
                                         [r.seq.output_ids[-1] for r in recomputed])
-        new = [i for i, r in enumerate(rows) if not r.seq.output_ids]
-        samplers = [rows[i] for i in new]
+        prompt = [i for i, r in enumerate(rows) if r.seq.wants_prompt_logprobs]
+        sampling = (StepSampling.of([r.seq for r in samplers], [0] * len(samplers), self.words)
+                    if samplers else None)
         op = self.runner.prefill(
-            tokens, [s for w in writes for s in w], new, [r.slot for r in rows],
-            [r.seq.params for r in samplers], [r.seq.key for r in samplers],
-            [0] * len(samplers), cached)
+            tokens, [s for w in writes for s in w], [r.slot for r in rows], sample_from,
+            [r.slot for r in samplers], sampling, cached,
+            [(i, rows[i].seq.params.prompt_logprobs) for i in prompt])
+        self.pool.copy_blocks(pairs)  # queued after the prefill that wrote the sources
         if self.prefix_caching:  # queued after the prefill that writes them: safe to share
             for r, f in zip(rows, full):
                 r.table.register_full_blocks(f, alloc)
-        for r in rows:
+        for r in placed:
             r.launched = max(len(r.seq.output_ids), 1)
         n = sum(len(t) for t in tokens)
         self.stats.prefill_slots += n
         self.stats.prefill_real_tokens += n
         self.stats.cached_tokens += sum(cached)
-        self.unread.append((op, samplers))
+        self.unread.append(_Op(op, samplers, sampling, [rows[i] for i in prompt]))
 
     # --- decode ------------------------------------------------------------------------------
 
@@ -293,7 +366,7 @@ class ContinuousScheduler:
         alloc = self.pool.allocator
         if sum(r.table.blocks_needed(1) for r in rows) > alloc.num_free:
             while self.unread:
-                self._read(*self.unread.popleft())
+                self._read(self.unread.popleft())
             rows = [r for r in self.running if r.wants_step()]
             preempted: list[_Row] = []
             while rows and sum(r.table.blocks_needed(1) for r in rows) > alloc.num_free:
@@ -318,32 +391,51 @@ class ContinuousScheduler:
                 new_blocks += [(r.slot, j, r.table.blocks[j])
                                for j in range(r.sent_blocks, len(r.table.blocks))]
                 r.sent_blocks = len(r.table.blocks)
-        sampled = any(not r.seq.params.greedy for r in rows)
-        op = self.runner.decode(
-            [r.slot for r in rows], positions, writes, new_blocks,
-            [r.seq.params for r in rows] if sampled else [],
-            [r.seq.key for r in rows] if sampled else [],
-            [r.launched for r in rows] if sampled else [])
+        counters = [r.launched for r in rows]
+        constrained = any(r.seq.matcher is not None for r in rows)
+        plain = all(r.seq.params.greedy and r.seq.logprobs is None for r in rows)
+        sampling = None
+        if not constrained and not plain:
+            sampling = StepSampling.of([r.seq for r in rows], counters, self.words)
+        op = self.runner.decode([r.slot for r in rows], positions, writes, new_blocks,
+                                sampling, defer=constrained)
+        if constrained:  # the masks need every earlier token: read while the forward runs
+            while self.unread:
+                self._read(self.unread.popleft())
+            sampling = StepSampling.of([r.seq for r in rows], counters, self.words)
+            self.runner.finish_decode(op, sampling)
         for r in rows:
             r.launched += 1
         self.stats.decode_row_steps += len(rows)
-        self.unread.append((op, rows))
+        self.unread.append(_Op(op, rows, sampling))
 
     # --- results -----------------------------------------------------------------------------
 
-    def _read(self, op: Launched, rows: list[_Row]) -> None:
-        tokens = self.runner.read(op)
-        for r, t in zip(rows, tokens, strict=True):
+    def _read(self, op: _Op) -> None:
+        tokens = self.runner.read(op.launched)
+        lps = {}
+        if op.sampling is not None and op.launched.logprobs is not None:
+            lps = dict(zip(op.sampling.logprob_rows, op.launched.logprobs.tolist()))
+        self._set_prompt_logprobs(op)  # a prefill's rows that asked for them
+        for j, (r, t) in enumerate(zip(op.rows, tokens, strict=True)):
             if r.seq.finished or r.table is None:  # finished before this step was read
                 self.stats.finished_row_steps += 1
                 continue
-            r.seq.append(t)
+            lp = with_token(unpack(lps[j], r.seq.params.logprobs), t) if j in lps else None
+            r.seq.append(t, lp)
         finished = [r for r in self.running if r.seq.finished]
         if finished:
             self.running = [r for r in self.running if not r.seq.finished]
             for r in finished:
                 self._release(r)
                 self._finish(r)
+
+    def _set_prompt_logprobs(self, op: _Op) -> None:
+        for r, (_, host) in zip(op.prompt, op.launched.prompt):
+            values = entries(host.tolist(), r.seq.prompt_ids[1:], r.seq.params.prompt_logprobs)
+            for s in [r] + [c for c in r.forks]:
+                if s.seq.prompt_logprobs is None:
+                    s.seq.prompt_logprobs = values
 
     def _release(self, r: _Row) -> None:
         if r.table is not None:
@@ -367,7 +459,7 @@ def generate_continuous(model: LlamaForCausalLM, prompts: list[list[int]],
                         pool: KVPool | None = None, tokenizer=None, max_batch_size: int = 256,
                         max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
                         runner: ContinuousRunner | None = None, step_mode: str = "eager",
-                        prefix_caching: bool = True,
+                        prefix_caching: bool = True, grammars=None,
                         ) -> tuple[list[SequenceOutput], BatchStats]:
     """Generate every prompt with continuous batching; see the module docstring. `runner`:
     an engine's own (graphs captured once), else one made for this call in `step_mode`.
@@ -379,11 +471,13 @@ def generate_continuous(model: LlamaForCausalLM, prompts: list[list[int]],
     if not prompts:
         return [], BatchStats()
     if pool is None:
-        pool = pool_for(model, prompts, max(p.max_tokens for p in params))
+        pool = pool_for(model, [p for p, sp in zip(prompts, params) for _ in range(sp.n)],
+                        max(p.max_tokens for p in params))
     if runner is None:
-        runner = ContinuousRunner(model, pool, min(max_batch_size, len(prompts)), step_mode)
+        runner = ContinuousRunner(model, pool, min(max_batch_size, sum(p.n for p in params)),
+                                  step_mode)
     sched = ContinuousScheduler(model, pool, runner, eos_token_ids, tokenizer, max_batch_size,
-                                max_prefill_tokens, prefix_caching)
+                                max_prefill_tokens, prefix_caching, grammars)
     group = sched.add(prompts, params)
     sched.run()
     return list(group.outputs), sched.stats

@@ -1,15 +1,24 @@
-"""Per-row generation state: the tokens so far, the row's sampling key, and the stop rules.
+"""Per-row generation state: the tokens so far, the row's sampling key, its structured
+output's matcher, its logprobs, and the stop rules.
 
 A row finishes with reason 'stop' on an EOS token (unless `ignore_eos`), on one of its
-`stop_token_ids`, or when its text contains one of its `stop` strings (the text is cut
-before it); with reason 'length' when it has `max_tokens` tokens or the model's context
-is full. Finished rows take no further tokens.
+`stop_token_ids`, when its text contains one of its `stop` strings (the text is cut
+before it), or when its structured output's grammar has terminated; with reason 'length'
+when it has `max_tokens` tokens or the model's context is full (a constrained row's text
+may then not parse); with reason 'error' when its grammar allows no next token. Finished
+rows take no further tokens.
+
+Sample i of a row asked for n samples is its own Sequence (`sample_index` i), drawing with
+the row's seed + i (`row_seed`); the schedulers prefill the prompt once for all n.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+from nanoserve.logprobs import TokenLogprob
 from nanoserve.sampling import SamplingParams, row_seed
 
 
@@ -20,11 +29,15 @@ class SequenceOutput:
     finish_reason: str  # 'stop' or 'length'
     num_prompt_tokens: int
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+    sample_index: int = 0  # which of the row's n samples
+    logprobs: list[TokenLogprob] | None = None  # one per token, when asked
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens after the first
+    error: str | None = None  # finish_reason 'error': why
 
 
 class Sequence:
     def __init__(self, prompt_ids: list[int], params: SamplingParams, eos_token_ids: tuple[int, ...],
-                 max_context: int, tokenizer=None) -> None:
+                 max_context: int, tokenizer=None, grammars=None, sample_index: int = 0) -> None:
         if not prompt_ids:
             raise ValueError("empty prompt: a row needs at least one token")
         if len(prompt_ids) >= max_context:
@@ -35,7 +48,16 @@ class Sequence:
             raise ValueError("stop strings need a tokenizer")
         self.prompt_ids = list(prompt_ids)
         self.params = params
-        self.key: int | None = row_seed(params)  # the row's sampling key (None: greedy)
+        self.sample_index = sample_index
+        self.key: int | None = row_seed(params, sample_index)  # sampling key (None: greedy)
+        self.matcher = None  # the structured output's place in its grammar
+        if params.structured_outputs is not None:
+            if grammars is None:
+                raise ValueError("structured outputs need the engine's grammar cache")
+            self.matcher = grammars.matcher(params.structured_outputs)  # ValueError if bad
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        self.prompt_logprobs: list[TokenLogprob] | None = None  # set by the prefill
+        self.error: str | None = None
         # Tokens this row may still add: its cap, or what the context has room for.
         self.max_new = min(params.max_tokens, max_context - len(prompt_ids))
         self._stop_ids = set(params.stop_token_ids)
@@ -61,10 +83,36 @@ class Sequence:
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
-    def append(self, token: int) -> None:
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None and self.prompt_logprobs is None
+
+    def fill_mask(self, bitmask: torch.Tensor, index: int) -> None:
+        """Write this constrained row's allowed next tokens into row `index` of a host
+        bitmask; a grammar that allows nothing ends the row with finish_reason 'error' (its
+        token of this step is then dropped)."""
+        if self.finished or self.matcher.terminated:
+            return
+        if not self.matcher.fill(bitmask, index):
+            bitmask[index].fill_(-1)
+            self.error = ("the structured output's grammar allows no next token after "
+                          f"{len(self.output_ids)} tokens: the constraint cannot be met")
+            self.finish_reason = "error"
+
+    def append(self, token: int, logprob: TokenLogprob | None = None) -> None:
         if self.finished:
             raise RuntimeError("a finished sequence takes no tokens")
         self.output_ids.append(token)
+        if self.logprobs is not None and logprob is not None:
+            self.logprobs.append(logprob)
+        if self.matcher is not None and not self.matcher.terminated:
+            if not self.matcher.accept(token):
+                self.error = f"token {token} does not follow the structured output's grammar"
+                self.finish_reason = "error"
+                return
+            if self.matcher.terminated:
+                self.finish_reason = "stop"
+                return
         if token in self._stop_ids:
             self.finish_reason = "stop"
         elif self._detok is not None and self._hit_stop_string(token):
@@ -91,4 +139,14 @@ class Sequence:
         else:
             text = None
         return SequenceOutput(list(self.output_ids), text, self.finish_reason or "length",
-                              len(self.prompt_ids), self.num_cached_tokens)
+                              len(self.prompt_ids), self.num_cached_tokens, self.sample_index,
+                              None if self.logprobs is None else list(self.logprobs),
+                              self.prompt_logprobs, self.error)
+
+
+def samples_of(prompt_ids: list[int], params: SamplingParams, eos_token_ids: tuple[int, ...],
+               max_context: int, tokenizer=None, grammars=None) -> list[Sequence]:
+    """The row's `params.n` samples, sample i drawing with the row's seed + i. Raises
+    ValueError (a bad prompt or constraint) having made none."""
+    return [Sequence(prompt_ids, params, eos_token_ids, max_context, tokenizer, grammars, i)
+            for i in range(params.n)]

@@ -1,0 +1,321 @@
+"""Output controls in the engine: structured outputs, logprobs and n samples, through both
+schedulers (static batches and continuous batching share `nanoserve.step_sampling`).
+
+Oracles: `json.loads` + `jsonschema` for JSON rows, `re.fullmatch` for regex rows, the
+choice list; the row run alone for rows sharing a batch; `log_softmax` of transformers'
+logits on the same weights for logprobs; each sample's seeded row alone for n samples."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+
+from nanoserve.block_manager import check_integrity
+from nanoserve.generate import generate_batch, pool_for
+from nanoserve.sampling import SamplingParams
+from nanoserve.scheduler import generate_continuous
+from nanoserve.structured import (
+    GrammarCache,
+    StructuredOutputs,
+    allocate_bitmask,
+    apply_bitmask,
+    structured_from_request,
+)
+
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                      "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {"colors": {"type": "array", "items": {
+        "type": "string", "enum": ["red", "green", "blue"]}, "minItems": 1, "maxItems": 3}},
+     "required": ["colors"], "additionalProperties": False},
+    {"type": "object", "properties": {"city": {"type": "string", "maxLength": 15},
+                                      "location": {"type": "object", "properties": {
+                                          "lat": {"type": "number", "minimum": -90, "maximum": 90},
+                                          "lon": {"type": "number", "minimum": -180,
+                                                  "maximum": 180}},
+                                          "required": ["lat", "lon"],
+                                          "additionalProperties": False}},
+     "required": ["city", "location"], "additionalProperties": False},
+    {"type": "object", "properties": {"sentiment": {"enum": ["positive", "negative", "neutral"]},
+                                      "score": {"type": "number", "minimum": 0, "maximum": 1}},
+     "required": ["sentiment", "score"], "additionalProperties": False},
+    {"type": "object", "properties": {"title": {"type": "string", "maxLength": 20},
+                                      "year": {"type": "integer", "minimum": 1900,
+                                               "maximum": 2030},
+                                      "rating": {"type": "integer", "minimum": 1, "maximum": 5}},
+     "required": ["title"], "additionalProperties": False},
+    {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"},
+                                      "ok": {"type": "boolean"}},
+     "required": ["code", "ok"], "additionalProperties": False},
+    {"type": "array", "items": {"type": "integer", "minimum": 1, "maximum": 9},
+     "minItems": 2, "maxItems": 4},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": {
+        "type": "string", "maxLength": 8}, "maxItems": 2},
+        "meta": {"type": "object", "properties": {"source": {"type": "string", "maxLength": 10}},
+                 "required": ["source"], "additionalProperties": False}},
+     "required": ["meta"], "additionalProperties": False},
+]
+PROMPTS = [
+    "Describe a person as JSON.", "Pick some colors as JSON.", "Give a city and its coordinates.",
+    "Rate the sentiment of: I love this!", "Name a good movie.", "Make up a product code.",
+    "List a few small numbers.", "Tag this article about sports.",
+]
+
+
+def _chat(llm, text):
+    return llm.tokenizer.encode(llm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True),
+        add_special_tokens=False)
+
+
+def _json_params(schema, max_tokens=120):
+    return SamplingParams(max_tokens=max_tokens, structured_outputs=StructuredOutputs(json=schema))
+
+
+def _both(llm, prompts, params):
+    """The same rows through the static batches and continuous batching (eager steps)."""
+    static, _ = generate_batch(llm.model, prompts, params, llm.eos_token_ids, llm.pool,
+                               llm.tokenizer, grammars=llm.grammars)
+    cont, _ = generate_continuous(llm.model, prompts, params, llm.eos_token_ids, llm.pool,
+                                  llm.tokenizer, grammars=llm.grammars)
+    check_integrity(llm.pool.allocator, [])
+    return static, cont
+
+
+def test_json_schemas_parse_and_validate_through_both_schedulers(smollm2_llm):
+    prompts = [_chat(smollm2_llm, p) for p in PROMPTS]
+    params = [_json_params(s) for s in SCHEMAS]
+    for outs in _both(smollm2_llm, prompts, params):
+        for out, schema in zip(outs, SCHEMAS):
+            assert out.finish_reason == "stop", out.text
+            jsonschema.validate(json.loads(out.text), schema)
+
+
+def test_regex_choice_and_json_object_rows(smollm2_llm):
+    llm = smollm2_llm
+    prompts = [_chat(llm, "What is today's date?"), _chat(llm, "Is the sky blue?"),
+               _chat(llm, "Describe a cat."), _chat(llm, "Write a greeting.")]
+    regex = r"[0-9]{4}-[0-9]{2}-[0-9]{2}"
+    choices = ("yes", "no", "maybe")
+    grammar = 'root ::= "Hello, " name "!"\nname ::= [A-Z][a-z]+'
+    params = [SamplingParams(max_tokens=30, structured_outputs=StructuredOutputs(regex=regex)),
+              SamplingParams(max_tokens=10, structured_outputs=StructuredOutputs(choice=choices)),
+              SamplingParams(max_tokens=80, structured_outputs=StructuredOutputs(json_object=True)),
+              SamplingParams(max_tokens=20, structured_outputs=StructuredOutputs(grammar=grammar))]
+    for outs in _both(llm, prompts, params):
+        assert re.fullmatch(regex, outs[0].text), outs[0].text
+        assert outs[1].text in choices
+        assert isinstance(json.loads(outs[2].text), dict)
+        assert re.fullmatch(r"Hello, [A-Z][a-z]+!", outs[3].text), outs[3].text
+        assert all(o.finish_reason == "stop" for o in outs)
+
+
+def test_an_unconstrained_row_in_a_constrained_batch_gets_its_tokens_alone(smollm2_llm):
+    llm = smollm2_llm
+    plain = _chat(llm, "Tell me about the moon.")
+    prompts = [_chat(llm, PROMPTS[0]), plain, _chat(llm, PROMPTS[3])]
+    params = [_json_params(SCHEMAS[0], 40), SamplingParams(max_tokens=24),
+              _json_params(SCHEMAS[3], 40)]
+    alone_static, alone_cont = _both(llm, [plain], [SamplingParams(max_tokens=24)])
+    static, cont = _both(llm, prompts, params)
+    assert static[1].token_ids == alone_static[0].token_ids
+    assert cont[1].token_ids == alone_cont[0].token_ids == alone_static[0].token_ids
+    seeded = SamplingParams(max_tokens=24, temperature=0.8, seed=7)
+    alone, _ = _both(llm, [plain], [seeded])
+    mixed = generate_batch(llm.model, prompts, [params[0], seeded, params[2]], llm.eos_token_ids,
+                           llm.pool, llm.tokenizer, grammars=llm.grammars)[0]
+    assert mixed[1].token_ids == alone[0].token_ids
+
+
+def test_a_row_cut_by_max_tokens_ends_with_length(smollm2_llm):
+    llm = smollm2_llm
+    params = [SamplingParams(max_tokens=3, structured_outputs=StructuredOutputs(
+        regex=r"[a-z]{20}"))]
+    for outs in _both(llm, [_chat(llm, "Spell a long word.")], params):
+        assert outs[0].finish_reason == "length"
+        assert re.fullmatch(r"[a-z]+", outs[0].text)
+
+
+# --- the bitmask and the constraint's checks -----------------------------------------------
+
+
+def test_apply_bitmask_matches_xgrammar():
+    import xgrammar as xgr
+
+    torch.manual_seed(0)
+    V = 100
+    bm = torch.randint(-(2**31), 2**31 - 1, (3, (V + 31) // 32), dtype=torch.int32)
+    logits = torch.randn(3, V)
+    ours = apply_bitmask(logits.clone(), bm)
+    theirs = logits.clone()
+    xgr.apply_token_bitmask_inplace(theirs, bm)
+    assert torch.equal(ours, theirs)
+    full = allocate_bitmask(1, 4)
+    assert torch.equal(apply_bitmask(torch.zeros(1, V), full), torch.zeros(1, V))
+
+
+@pytest.mark.parametrize(("request_fields", "message"), [
+    ({"guided_json": "{not json"}, "not valid JSON"),
+    ({"guided_json": [1, 2]}, "must be a JSON object"),
+    ({"guided_json": {"type": "string", "not": {"maxLength": 2}}}, "'not'"),
+    ({"guided_json": {"$ref": "https://example.com/s.json"}}, "outside the schema"),
+    ({"guided_choice": []}, "non-empty list"),
+    ({"guided_choice": "yes"}, "list of strings"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "one structured output"),
+    ({"response_format": {"type": "xml"}}, "json_schema, json_object, text"),
+    ({"response_format": {"type": "json_schema"}}, "json_schema"),
+])
+def test_malformed_requests_are_refused_with_their_problem(request_fields, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        structured_from_request(request_fields)
+
+
+def test_response_format_and_guided_fields_are_read():
+    schema = {"type": "object"}
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+    assert structured_from_request({"response_format": rf}) == StructuredOutputs(json=schema)
+    assert structured_from_request({"response_format": {"type": "json_object"}}).json_object
+    assert structured_from_request({"response_format": {"type": "text"}}) is None
+    assert structured_from_request({"guided_json": json.dumps(schema)}) == StructuredOutputs(
+        json=schema)
+    assert structured_from_request({"guided_choice": ["a", "b"]}).choice == ("a", "b")
+    assert structured_from_request({}) is None
+
+
+@pytest.mark.parametrize(("so", "message"), [
+    (StructuredOutputs(json={"type": 5}), "JSON schema could not be compiled"),
+    (StructuredOutputs(json={"type": "integer", "minimum": 5, "maximum": 3}), "could not be compiled"),
+    (StructuredOutputs(regex="[a-z"), "regex could not be compiled"),
+    (StructuredOutputs(grammar='root ::= "a" | '), "grammar could not be compiled"),
+])
+def test_constraints_that_do_not_compile_are_refused(smollm2_llm, so, message):
+    cache = GrammarCache(smollm2_llm.tokenizer, smollm2_llm.config.vocab_size,
+                         smollm2_llm.eos_token_ids)
+    with pytest.raises(ValueError, match=message):
+        cache.check(so)
+    with pytest.raises(ValueError, match=message):  # the error is cached too
+        cache.compile(so)
+    with pytest.raises(ValueError, match=message):  # a row with it never starts
+        generate_batch(smollm2_llm.model, [[1, 2, 3]], [SamplingParams(structured_outputs=so)],
+                       smollm2_llm.eos_token_ids, smollm2_llm.pool, smollm2_llm.tokenizer,
+                       grammars=cache)
+    check_integrity(smollm2_llm.pool.allocator, [])
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"n": 0}, "n must be an integer in [1, 128]"), ({"n": 129}, "n must be"),
+    ({"logprobs": 21}, "logprobs must be an integer in [0, 20]"),
+    ({"prompt_logprobs": -1}, "prompt_logprobs must be"),
+    ({"structured_outputs": StructuredOutputs(choice=())}, "non-empty list"),
+])
+def test_bad_sampling_values_are_refused(fields, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        SamplingParams(**fields)
+
+
+# --- logprobs against transformers ---------------------------------------------------------
+
+
+def _hf_logprobs(model_dir, ids):
+    from transformers import LlamaForCausalLM
+
+    hf = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids])).logits[0]
+    return torch.log_softmax(logits.float(), dim=-1)  # [T, V]: position t predicts t + 1
+
+
+@pytest.mark.parametrize("scheduler", ["static", "continuous"])
+def test_logprobs_and_prompt_logprobs_equal_transformers(tiny_model, tiny_model_dir, scheduler):
+    prompts = [[5, 9, 17, 33, 2 + 60], [7, 8, 9, 10, 11, 12, 13, 40, 41, 42, 43, 44, 45, 46, 47,
+                                         48, 49, 50, 51]]
+    params = [SamplingParams(max_tokens=6, logprobs=5, prompt_logprobs=3, ignore_eos=True),
+              SamplingParams(max_tokens=5, temperature=0.9, seed=3, logprobs=0,
+                             prompt_logprobs=0, ignore_eos=True)]
+    run = generate_batch if scheduler == "static" else generate_continuous
+    pool = pool_for(tiny_model, prompts, 8)
+    outs, _ = run(tiny_model, prompts, params, pool=pool)
+    for prompt, p, out in zip(prompts, params, outs):
+        lsm = _hf_logprobs(tiny_model_dir, prompt + out.token_ids)
+        n = len(prompt)
+        assert len(out.logprobs) == len(out.token_ids)
+        for j, (tok, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+            row = lsm[n - 1 + j]
+            assert entry.token_id == tok
+            assert entry.logprob == pytest.approx(float(row[tok]), abs=1e-4)
+            assert entry.rank == int((row > row[tok]).sum()) + 1
+            top = row.topk(p.logprobs)
+            assert [t for t, _ in entry.top] == top.indices.tolist()
+            assert [lp for _, lp in entry.top] == pytest.approx(top.values.tolist(), abs=1e-4)
+        assert len(out.prompt_logprobs) == n - 1
+        for j, entry in enumerate(out.prompt_logprobs):
+            row = lsm[j]
+            assert entry.token_id == prompt[j + 1]
+            assert entry.logprob == pytest.approx(float(row[prompt[j + 1]]), abs=1e-4)
+            assert entry.rank == int((row > row[prompt[j + 1]]).sum()) + 1
+            assert [t for t, _ in entry.top] == row.topk(p.prompt_logprobs).indices.tolist()
+    assert outs[0].logprobs[0].rank == 1  # greedy: the argmax
+
+
+def test_prompt_logprobs_are_right_whatever_the_prefix_cache_holds(tiny_model):
+    prompt = list(range(3, 3 + 37))
+    pool = pool_for(tiny_model, [prompt] * 3, 4)
+    want, _ = generate_batch(tiny_model, [prompt], [SamplingParams(
+        max_tokens=2, prompt_logprobs=2)], pool=pool)
+    # The prompt's blocks are cached now; a row asking for prompt logprobs ignores them.
+    warm, _ = generate_batch(tiny_model, [prompt], [SamplingParams(max_tokens=2)], pool=pool,
+                             prefix_caching=True)
+    for run in (generate_batch, generate_continuous):
+        got, stats = run(tiny_model, [prompt], [SamplingParams(max_tokens=2, prompt_logprobs=2)],
+                         pool=pool, prefix_caching=True)
+        assert len(got[0].prompt_logprobs) == len(prompt) - 1
+        for a, b in zip(got[0].prompt_logprobs, want[0].prompt_logprobs):
+            assert (a.token_id, a.rank) == (b.token_id, b.rank)
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+        assert stats.cached_tokens == 0
+
+
+# --- n samples -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scheduler", ["static", "continuous"])
+@pytest.mark.parametrize("prompt_len", [16, 21])  # a full last block, a partial one
+def test_each_of_n_samples_equals_its_seeded_row_alone(tiny_model, scheduler, prompt_len):
+    prompt = [(7 * i + 3) % 120 + 3 for i in range(prompt_len)]
+    other = [9, 10, 11]
+    n = 4
+    params = SamplingParams(max_tokens=7, temperature=1.0, seed=11, n=n, ignore_eos=True,
+                            logprobs=1)
+    run = generate_batch if scheduler == "static" else generate_continuous
+    pool = pool_for(tiny_model, [prompt] * n + [other], 8)
+    outs, stats = run(tiny_model, [prompt, other], [params, SamplingParams(max_tokens=3)],
+                      pool=pool)
+    assert [o.sample_index for o in outs] == [0, 1, 2, 3, 0]
+    assert stats.prefill_real_tokens == prompt_len + len(other)  # the prompt once
+    check_integrity(pool.allocator, [])
+    for i in range(n):
+        alone, _ = generate_batch(tiny_model, [prompt], [SamplingParams(
+            max_tokens=7, temperature=1.0, seed=11 + i, ignore_eos=True, logprobs=1)], pool=pool)
+        assert outs[i].token_ids == alone[0].token_ids
+        assert [e.logprob for e in outs[i].logprobs] == pytest.approx(
+            [e.logprob for e in alone[0].logprobs], abs=1e-5)
+    assert len({tuple(o.token_ids) for o in outs[:n]}) > 1  # the samples differ
+
+
+def test_n_samples_in_a_pool_too_small_to_fork_them_all_at_once(tiny_model):
+    """Samples that do not fit the prompt's admission run later as rows of their own."""
+    prompt = list(range(3, 3 + 20))
+    params = SamplingParams(max_tokens=6, temperature=0.7, seed=5, n=3, ignore_eos=True)
+    pool = pool_for(tiny_model, [prompt], 6)
+    outs, _ = generate_continuous(tiny_model, [prompt], [params], pool=pool, max_batch_size=2)
+    for i, out in enumerate(outs):
+        alone, _ = generate_batch(tiny_model, [prompt], [SamplingParams(
+            max_tokens=6, temperature=0.7, seed=5 + i, ignore_eos=True)], pool=pool)
+        assert out.token_ids == alone[0].token_ids
+    check_integrity(pool.allocator, [])
