@@ -18,8 +18,8 @@ from nanoserve.model_runner import ContinuousRunner
 from nanoserve.model_store import DEFAULT_MODEL, resolve_model
 from nanoserve.sampling import SamplingParams
 from nanoserve.scheduler import generate_continuous
-from nanoserve.structured import GrammarCache
 from nanoserve.sequence import SequenceOutput as Completion
+from nanoserve.structured import GrammarCache
 from nanoserve.tokenizer import Tokenizer
 from nanoserve.weights import load_checkpoint
 

@@ -163,6 +163,7 @@ class ContinuousScheduler:
         self.prefix_caching = prefix_caching
         self.grammars = grammars
         self.words = grammars.words if grammars is not None else 0
+        self.pin = pool.device.type == "cuda"  # host buffers the device copies from
         self.waiting: deque[_Row] = deque()
         self.running: list[_Row] = []
         self.unread: deque[_Op] = deque()
@@ -339,7 +340,8 @@ class ContinuousScheduler:
             self.runner.set_last_tokens([r.slot for r in recomputed],
                                         [r.seq.output_ids[-1] for r in recomputed])
         prompt = [i for i, r in enumerate(rows) if r.seq.wants_prompt_logprobs]
-        sampling = (StepSampling.of([r.seq for r in samplers], [0] * len(samplers), self.words)
+        sampling = (StepSampling.of([r.seq for r in samplers], [0] * len(samplers), self.words,
+                                    self.pin)
                     if samplers else None)
         op = self.runner.prefill(
             tokens, [s for w in writes for s in w], [r.slot for r in rows], sample_from,
@@ -392,17 +394,17 @@ class ContinuousScheduler:
                                for j in range(r.sent_blocks, len(r.table.blocks))]
                 r.sent_blocks = len(r.table.blocks)
         counters = [r.launched for r in rows]
-        constrained = any(r.seq.matcher is not None for r in rows)
+        constrained = any(r.seq.constrained for r in rows)
         plain = all(r.seq.params.greedy and r.seq.logprobs is None for r in rows)
         sampling = None
         if not constrained and not plain:
-            sampling = StepSampling.of([r.seq for r in rows], counters, self.words)
+            sampling = StepSampling.of([r.seq for r in rows], counters, self.words, self.pin)
         op = self.runner.decode([r.slot for r in rows], positions, writes, new_blocks,
                                 sampling, defer=constrained)
         if constrained:  # the masks need every earlier token: read while the forward runs
             while self.unread:
                 self._read(self.unread.popleft())
-            sampling = StepSampling.of([r.seq for r in rows], counters, self.words)
+            sampling = StepSampling.of([r.seq for r in rows], counters, self.words, self.pin)
             self.runner.finish_decode(op, sampling)
         for r in rows:
             r.launched += 1

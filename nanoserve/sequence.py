@@ -16,8 +16,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from nanoserve.logprobs import TokenLogprob
 from nanoserve.sampling import SamplingParams, row_seed
 
@@ -87,17 +85,17 @@ class Sequence:
     def wants_prompt_logprobs(self) -> bool:
         return self.params.prompt_logprobs is not None and self.prompt_logprobs is None
 
-    def fill_mask(self, bitmask: torch.Tensor, index: int) -> None:
-        """Write this constrained row's allowed next tokens into row `index` of a host
-        bitmask; a grammar that allows nothing ends the row with finish_reason 'error' (its
-        token of this step is then dropped)."""
-        if self.finished or self.matcher.terminated:
-            return
-        if not self.matcher.fill(bitmask, index):
-            bitmask[index].fill_(-1)
-            self.error = ("the structured output's grammar allows no next token after "
-                          f"{len(self.output_ids)} tokens: the constraint cannot be met")
-            self.finish_reason = "error"
+    @property
+    def constrained(self) -> bool:
+        """A structured output still steers this row's next token."""
+        return self.matcher is not None and not self.finished and not self.matcher.terminated
+
+    def cannot_continue(self) -> None:
+        """Its grammar allows no next token: the row ends with finish_reason 'error' (the
+        token of the step that found it is dropped)."""
+        self.error = ("the structured output's grammar allows no next token after "
+                      f"{len(self.output_ids)} tokens: the constraint cannot be met")
+        self.finish_reason = "error"
 
     def append(self, token: int, logprob: TokenLogprob | None = None) -> None:
         if self.finished:

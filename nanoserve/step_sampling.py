@@ -19,7 +19,7 @@ import torch
 from nanoserve.logprobs import logprob_rows
 from nanoserve.sampling import SamplingParams, sample_next
 from nanoserve.sequence import Sequence
-from nanoserve.structured import allocate_bitmask
+from nanoserve.structured import allocate_bitmask, fill_bitmasks
 
 
 @dataclass
@@ -33,17 +33,22 @@ class StepSampling:
     k: int = 0  # the most alternatives any of them asks for
 
     @classmethod
-    def of(cls, seqs: list[Sequence], counters: list[int], words: int = 0) -> StepSampling:
+    def of(cls, seqs: list[Sequence], counters: list[int], words: int = 0,
+           pin: bool = False) -> StepSampling:
         """Sampling for `seqs` (one per row, in the step's order; a row that finished may
         still be in a step: it takes no mask). counters: tokens each row drew before this
-        one. words: int32 words per bitmask row (needed when a row is constrained)."""
-        masked = tuple(i for i, s in enumerate(seqs) if s.matcher is not None
-                       and not s.finished and not s.matcher.terminated)
+        one. words: int32 words per bitmask row (needed when a row is constrained); pin:
+        the bitmask in pinned memory (for a CUDA device). A row whose grammar allows no
+        token ends here (`Sequence.cannot_continue`) and samples unmasked (dropped)."""
+        masked = tuple(i for i, s in enumerate(seqs) if s.constrained)
         bitmask = None
         if masked:
-            bitmask = allocate_bitmask(len(masked), words)
+            bitmask = allocate_bitmask(len(masked), words, pin)
+            ok = fill_bitmasks([seqs[i].matcher for i in masked], bitmask)
             for j, i in enumerate(masked):
-                seqs[i].fill_mask(bitmask, j)
+                if not ok[j]:
+                    bitmask[j].fill_(-1)
+                    seqs[i].cannot_continue()
         lp = tuple(i for i, s in enumerate(seqs) if s.params.logprobs is not None)
         return cls([s.params for s in seqs], [s.key for s in seqs], list(counters), bitmask,
                    masked, lp, max((seqs[i].params.logprobs for i in lp), default=0))

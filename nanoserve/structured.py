@@ -301,9 +301,25 @@ class RowMatcher:
         return bool(bitmask[index].any())
 
 
-def allocate_bitmask(rows: int, words: int) -> torch.Tensor:
-    """An all-allowed host bitmask [rows, words] int32."""
-    return torch.full((rows, words), -1, dtype=torch.int32)
+def allocate_bitmask(rows: int, words: int, pin: bool = False) -> torch.Tensor:
+    """An all-allowed host bitmask [rows, words] int32 (pinned: for a CUDA device)."""
+    return torch.full((rows, words), -1, dtype=torch.int32, pin_memory=pin)
+
+
+_batch_filler = None
+
+
+def fill_bitmasks(matchers: list[RowMatcher], bitmask: torch.Tensor) -> list[bool]:
+    """Row j of `bitmask` <- the allowed next tokens of matchers[j], for all rows at once on
+    xgrammar's thread pool (it releases the GIL). Returns, per row, whether any token is
+    allowed."""
+    global _batch_filler
+    if len(matchers) == 1:
+        return [matchers[0].fill(bitmask, 0)]
+    if _batch_filler is None:
+        _batch_filler = _xgrammar().BatchGrammarMatcher()
+    _batch_filler.batch_fill_next_token_bitmask([m._m for m in matchers], bitmask)
+    return bitmask.any(dim=1).tolist()
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
@@ -318,4 +334,4 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = ["GrammarCache", "RowMatcher", "StructuredOutputs", "allocate_bitmask",
-           "apply_bitmask", "structured_from_request"]
+           "apply_bitmask", "fill_bitmasks", "structured_from_request"]

@@ -97,3 +97,47 @@ def assert_rows_match_engine(llm, prompts: list[str], rows: list[dict], max_toke
         assert row["generated_token_ids"] == want.token_ids, row["id"]
         assert row["generated_text"] == want.text, row["id"]
         assert row["finish_reason"] == want.finish_reason, row["id"]
+
+
+def save_tiny_byte_llama(folder: str | Path, seed: int = 0) -> Path:
+    """A tiny random LlamaForCausalLM (saved by transformers) with a byte-level tokenizer of
+    its own: ids 0..255 are the 256 bytes, 256 `<s>`, 257 `</s>` (EOS). Every string is
+    some sequence of tokens, so grammars (structured outputs) work on it, with no files
+    from elsewhere: the GPU tests' model for output controls."""
+    import json
+
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = Path(folder)
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=258, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=16, max_position_embeddings=512, tie_word_embeddings=False,
+                      bos_token_id=256, eos_token_id=257)
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    byte_char = sorted(alphabet, key=lambda c: _BYTE_ORDER(c))
+    vocab = {c: i for i, c in enumerate(byte_char)}
+    vocab.update({"<s>": 256, "</s>": 257})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    from tokenizers import AddedToken
+
+    tok.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True)])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": False}))
+    return folder
+
+
+def _BYTE_ORDER(char: str) -> int:
+    """The byte a byte-level BPE character stands for (GPT-2's bytes-to-unicode map)."""
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
+    if ord(char) in printable:
+        return ord(char)
+    others = [b for b in range(256) if b not in printable]
+    return others[ord(char) - 256]

@@ -210,3 +210,14 @@ def test_graphs_that_do_not_fit_fall_back_to_uncaptured_steps(tiny_model_dir, ca
         assert run(runner) == want, margin
         del runner
     assert 0 in fell_back and (1 << 30) not in fell_back
+
+
+def test_output_controls_through_captured_continuous_steps(tmp_path):
+    """float32 on the GPU: structured outputs (the masked sampling after the captured
+    forward), logprobs, prompt logprobs and n samples in one continuous batch whose decode
+    steps are CUDA graphs: every row equals itself alone through the static path."""
+    from test_output_controls import mixed_controls_equal_rows_alone
+
+    from nanoserve.testing import save_tiny_byte_llama
+
+    mixed_controls_equal_rows_alone("cuda", "graph", save_tiny_byte_llama(tmp_path / "m"))

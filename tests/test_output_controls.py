@@ -319,3 +319,67 @@ def test_n_samples_in_a_pool_too_small_to_fork_them_all_at_once(tiny_model):
             max_tokens=6, temperature=0.7, seed=5 + i, ignore_eos=True)], pool=pool)
         assert out.token_ids == alone[0].token_ids
     check_integrity(pool.allocator, [])
+
+
+# --- every control at once, through the continuous runner's fixed-tensor step --------------
+
+
+def mixed_controls_equal_rows_alone(device: str, mode: str, folder) -> None:
+    """Constrained, logprob, n-sample, sampled and plain rows in one continuous batch (rows
+    joining and leaving; `mode` "static" runs the captured step's code uncaptured, "graph"
+    captures it) each equal the row run alone through the static path on the same model:
+    tokens, finish reasons and logprobs. Every block comes back."""
+    from nanoserve.cache import CacheShape, KVPool
+    from nanoserve.llm import LLM
+    from nanoserve.model_runner import ContinuousRunner
+
+    llm = LLM(str(folder), device=device, dtype="float32", scheduler="static",
+              kv_cache_bytes=16 << 20)
+    tok = llm.tokenizer
+    small = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0,
+                                                    "maximum": 99},
+                                              "b": {"enum": ["x", "yy"]}},
+             "required": ["a", "b"], "additionalProperties": False}
+    rows = [
+        ("alpha", SamplingParams(max_tokens=30, structured_outputs=StructuredOutputs(json=small))),
+        ("beta", SamplingParams(max_tokens=12, logprobs=3)),
+        ("gamma", SamplingParams(max_tokens=10, temperature=0.9, seed=4, n=3, logprobs=2)),
+        ("delta", SamplingParams(max_tokens=8, structured_outputs=StructuredOutputs(
+            regex="[a-c]{2,5}!"), temperature=0.7, seed=1)),
+        ("epsilon", SamplingParams(max_tokens=15)),
+        ("zeta", SamplingParams(max_tokens=9, structured_outputs=StructuredOutputs(
+            choice=("left", "right")), n=2, temperature=1.0, seed=9)),
+        ("eta eta eta eta eta eta", SamplingParams(max_tokens=6, prompt_logprobs=1)),
+    ]
+    prompts = [tok.encode(t, add_special_tokens=False) for t, _ in rows]
+    params = [p for _, p in rows]
+    pool = KVPool(CacheShape.of(llm.config), 64, 4, torch.float32, device)
+    runner = ContinuousRunner(llm.model, pool, 4, mode)  # fewer slots than rows: they queue
+    outs, _ = generate_continuous(llm.model, prompts, params, llm.eos_token_ids, pool, tok,
+                                  max_batch_size=4, runner=runner, grammars=llm.grammars)
+    want = []
+    for prompt, p in zip(prompts, params):
+        want += generate_batch(llm.model, [prompt], [p], llm.eos_token_ids, None, tok,
+                               grammars=llm.grammars)[0]
+    assert len(outs) == len(want) == sum(p.n for p in params)
+    for got, exp in zip(outs, want):
+        assert (got.token_ids, got.finish_reason, got.sample_index) == (
+            exp.token_ids, exp.finish_reason, exp.sample_index)
+        if exp.logprobs is not None:
+            assert [(e.token_id, e.rank) for e in got.logprobs] == [
+                (e.token_id, e.rank) for e in exp.logprobs]
+            assert [e.logprob for e in got.logprobs] == pytest.approx(
+                [e.logprob for e in exp.logprobs], abs=1e-4)
+        if exp.prompt_logprobs is not None:
+            assert [e.logprob for e in got.prompt_logprobs] == pytest.approx(
+                [e.logprob for e in exp.prompt_logprobs], abs=1e-4)
+    assert json.loads(outs[0].text)["b"] in ("x", "yy")
+    assert re.fullmatch("[a-c]{2,5}!", outs[5].text)
+    assert {outs[7].text, outs[8].text} <= {"left", "right"}
+    assert pool.allocator.num_free == pool.num_blocks
+
+
+def test_mixed_controls_through_the_fixed_tensor_step(tmp_path):
+    from nanoserve.testing import save_tiny_byte_llama
+
+    mixed_controls_equal_rows_alone("cpu", "static", save_tiny_byte_llama(tmp_path / "m"))
