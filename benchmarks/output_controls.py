@@ -76,19 +76,26 @@ def make_model(folder: Path, tokenizer_json: Path) -> Path:
 def timed(llm, prompts, params) -> dict:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
+    llm.runner.profile = True
+    llm.runner.phase_times()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     torch.cuda.synchronize()
     s = time.perf_counter() - t0
+    phases = llm.runner.phase_times()
+    llm.runner.profile = False
     tokens = sum(len(o.token_ids) for o in outs)
     return {"s": s, "tokens": tokens, "rate": tokens / s, "outs": outs,
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "phases": "device prefill {prefill_s:.1f} s + decode {decode_s:.1f} s, host waited "
+                      "{host_wait_s:.1f} s".format(**phases)}
 
 
 def row(name, a, b, note=""):
     ratio = a["rate"] / b["rate"]
     print(f"| {name} | {a['tokens']:,} | {a['s']:.2f} | {a['rate']:,.0f} | {b['rate']:,.0f} | "
-          f"{ratio:.2f}x | {a['peak_gib']:.1f} / {b['peak_gib']:.1f} | {note} |", flush=True)
+          f"{ratio:.2f}x | {a['peak_gib']:.1f} / {b['peak_gib']:.1f} | {note}; with: "
+          f"{a['phases']}; without: {b['phases']} |", flush=True)
 
 
 def main() -> None:

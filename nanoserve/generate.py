@@ -18,7 +18,7 @@ from nanoserve.block_manager import BlockTable, reserve_all_or_nothing
 from nanoserve.cache import BatchedPagedKVCache, CacheShape, DenseKVCache, KVPool
 from nanoserve.cuda_graph import DecodeStep, graphs_wanted, make_decode_step
 from nanoserve.errors import CacheFullError
-from nanoserve.logprobs import entries, prompt_logprob_rows, unpack, with_token
+from nanoserve.logprobs import entries, prompt_logprob_rows
 from nanoserve.model import LlamaForCausalLM
 from nanoserve.prefix_cache import lookup
 from nanoserve.sampling import SamplingParams
@@ -341,4 +341,4 @@ def _append(seqs: list[Sequence], logits: torch.Tensor, words: int = 0) -> None:
     lps = dict(zip(sampling.logprob_rows, lp.tolist())) if lp is not None else {}
     for j, (s, t) in enumerate(zip(rows, tokens)):
         if not s.finished:  # a grammar that allowed nothing ended it while masking
-            s.append(t, with_token(unpack(lps[j], s.params.logprobs), t) if j in lps else None)
+            s.append(t, lps.get(j))

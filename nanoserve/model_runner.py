@@ -43,6 +43,7 @@ from nanoserve.attention import AttentionMetadata
 from nanoserve.cache import KVPool
 from nanoserve.logprobs import prompt_logprob_rows
 from nanoserve.model import LlamaForCausalLM
+from nanoserve.sampling import MAX_LOGPROBS
 from nanoserve.step_cache import StepCache
 from nanoserve.step_sampling import StepSampling, sample_step
 
@@ -101,6 +102,8 @@ class ContinuousRunner:
         self._stage = torch.zeros(RING, 4, B, dtype=torch.long, pin_memory=pin)
         self._bt_stage = torch.zeros(RING, 3, B, dtype=torch.long, pin_memory=pin)
         self._out = torch.zeros(RING, B, dtype=torch.long, pin_memory=pin)
+        # Logprob rows of an operation's sampled tokens (`nanoserve.logprobs.logprob_rows`).
+        self._lp_out = torch.zeros(RING, B, 2 + 2 * MAX_LOGPROBS, pin_memory=pin)
         self._done = [torch.cuda.Event() if pin else None for _ in range(RING)]
         self._used = [False] * RING
         self._next = 0
@@ -242,7 +245,9 @@ class ContinuousRunner:
             end.record()
         self._out[k, :n].copy_(tokens[:n], non_blocking=True)
         op = op or Launched(k, n)
-        op.logprobs = self._to_host(logprobs)
+        if logprobs is not None:
+            op.logprobs = self._lp_out[k, :logprobs.shape[0], :logprobs.shape[1]]
+            op.logprobs.copy_(logprobs, non_blocking=True)
         op.prompt = [(i, self._to_host(t)) for i, t in prompt]
         if self._done[k] is not None:
             self._done[k].record()

@@ -175,19 +175,19 @@ def sample_next(logits: torch.Tensor, params: list[SamplingParams], keys: list[i
     sp = [params[i] for i in rows]
     draws = [not p.greedy for p in sp]
     temperature = torch.tensor([p.temperature if d else 1.0 for p, d in zip(sp, draws)],
-                               dtype=torch.float32).to(dev)
+                               dtype=torch.float32).to(dev, non_blocking=True)
     top_k = torch.tensor([max(p.top_k, 0) if d else 0 for p, d in zip(sp, draws)],
-                         dtype=torch.int64).to(dev)
+                         dtype=torch.int64).to(dev, non_blocking=True)
     top_p = torch.tensor([p.top_p if d else 1.0 for p, d in zip(sp, draws)],
-                         dtype=torch.float32).to(dev)
+                         dtype=torch.float32).to(dev, non_blocking=True)
     cut = any(d and (p.top_k > 0 or p.top_p < 1) for p, d in zip(sp, draws))
     x = _filter_logits(x, temperature, top_k, top_p, cut)
     if any(draws):
         key_t = torch.tensor([keys[i] if d else 0 for i, d in zip(rows, draws)],
-                             dtype=torch.int64).to(dev)
-        ctr_t = torch.tensor([counters[i] for i in rows], dtype=torch.int64).to(dev)
+                             dtype=torch.int64).to(dev, non_blocking=True)
+        ctr_t = torch.tensor([counters[i] for i in rows], dtype=torch.int64).to(dev, non_blocking=True)
         noise = gumbel_noise(key_t, ctr_t, x.shape[-1])
-        on = torch.tensor(draws).to(dev)
+        on = torch.tensor(draws).to(dev, non_blocking=True)
         x = x + torch.where(on[:, None], noise, torch.zeros((), device=dev))
     drawn = torch.argmax(x, dim=-1)
     return tokens.index_copy(0, idx, drawn)

@@ -60,13 +60,14 @@ from nanoserve.block_manager import BlockTable, reserve_all_or_nothing
 from nanoserve.cache import KVPool
 from nanoserve.errors import CacheFullError
 from nanoserve.generate import BatchStats, pool_for
-from nanoserve.logprobs import entries, unpack, with_token
+from nanoserve.logprobs import entries
 from nanoserve.model import LlamaForCausalLM
 from nanoserve.model_runner import ContinuousRunner, Launched
 from nanoserve.prefix_cache import blocks_to_admit, hash_blocks, max_cached_blocks
 from nanoserve.sampling import SamplingParams
 from nanoserve.sequence import Sequence, SequenceOutput, samples_of
 from nanoserve.step_sampling import StepSampling
+from nanoserve.structured import accept_tokens
 
 DEFAULT_MAX_PREFILL_TOKENS = 8192  # prompt tokens of one admission's packed prefill
 MAX_UNREAD = 2  # operations queued on the device ahead of the host
@@ -419,12 +420,13 @@ class ContinuousScheduler:
         if op.sampling is not None and op.launched.logprobs is not None:
             lps = dict(zip(op.sampling.logprob_rows, op.launched.logprobs.tolist()))
         self._set_prompt_logprobs(op)  # a prefill's rows that asked for them
-        for j, (r, t) in enumerate(zip(op.rows, tokens, strict=True)):
-            if r.seq.finished or r.table is None:  # finished before this step was read
-                self.stats.finished_row_steps += 1
-                continue
-            lp = with_token(unpack(lps[j], r.seq.params.logprobs), t) if j in lps else None
-            r.seq.append(t, lp)
+        live = [j for j, r in enumerate(op.rows) if not r.seq.finished and r.table is not None]
+        self.stats.finished_row_steps += len(op.rows) - len(live)
+        steered = [j for j in live if op.rows[j].seq.constrained]
+        accepted = dict(zip(steered, accept_tokens([op.rows[j].seq.matcher for j in steered],
+                                                   [tokens[j] for j in steered]))) if steered else {}
+        for j in live:
+            op.rows[j].seq.append(tokens[j], lps.get(j), accepted.get(j))
         finished = [r for r in self.running if r.seq.finished]
         if finished:
             self.running = [r for r in self.running if not r.seq.finished]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nanoserve.logprobs import TokenLogprob
+from nanoserve.logprobs import TokenLogprob, entries
 from nanoserve.sampling import SamplingParams, row_seed
 
 
@@ -53,7 +53,8 @@ class Sequence:
             if grammars is None:
                 raise ValueError("structured outputs need the engine's grammar cache")
             self.matcher = grammars.matcher(params.structured_outputs)  # ValueError if bad
-        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        # One row of `logprob_rows` per token (host floats), while the row runs.
+        self.logprobs: list[list[float]] | None = [] if params.logprobs is not None else None
         self.prompt_logprobs: list[TokenLogprob] | None = None  # set by the prefill
         self.error: str | None = None
         # Tokens this row may still add: its cap, or what the context has room for.
@@ -97,14 +98,20 @@ class Sequence:
                       f"{len(self.output_ids)} tokens: the constraint cannot be met")
         self.finish_reason = "error"
 
-    def append(self, token: int, logprob: TokenLogprob | None = None) -> None:
+    def append(self, token: int, logprob: list[float] | None = None,
+               accepted: bool | None = None) -> None:
+        """Add the next token. logprob: its row of `nanoserve.logprobs.logprob_rows` (made
+        into a `TokenLogprob` only when the output is read); accepted: the caller already
+        advanced the matcher by this token (a batch of rows at once), with this result."""
         if self.finished:
             raise RuntimeError("a finished sequence takes no tokens")
         self.output_ids.append(token)
         if self.logprobs is not None and logprob is not None:
             self.logprobs.append(logprob)
         if self.matcher is not None and not self.matcher.terminated:
-            if not self.matcher.accept(token):
+            if accepted is None:
+                accepted = self.matcher.accept(token)
+            if not accepted:
                 self.error = f"token {token} does not follow the structured output's grammar"
                 self.finish_reason = "error"
                 return
@@ -138,7 +145,8 @@ class Sequence:
             text = None
         return SequenceOutput(list(self.output_ids), text, self.finish_reason or "length",
                               len(self.prompt_ids), self.num_cached_tokens, self.sample_index,
-                              None if self.logprobs is None else list(self.logprobs),
+                              None if self.logprobs is None else entries(
+                                  self.logprobs, self.output_ids, self.params.logprobs),
                               self.prompt_logprobs, self.error)
 
 

@@ -309,16 +309,27 @@ def allocate_bitmask(rows: int, words: int, pin: bool = False) -> torch.Tensor:
 _batch_filler = None
 
 
+def _filler():
+    global _batch_filler
+    if _batch_filler is None:
+        _batch_filler = _xgrammar().BatchGrammarMatcher()
+    return _batch_filler
+
+
+def accept_tokens(matchers: list[RowMatcher], tokens: list[int]) -> list[bool]:
+    """Advance each matcher by its token, all in one call; whether each was allowed."""
+    if len(matchers) == 1:
+        return [matchers[0].accept(tokens[0])]
+    return list(_filler().batch_accept_token([m._m for m in matchers], [int(t) for t in tokens]))
+
+
 def fill_bitmasks(matchers: list[RowMatcher], bitmask: torch.Tensor) -> list[bool]:
     """Row j of `bitmask` <- the allowed next tokens of matchers[j], for all rows at once on
     xgrammar's thread pool (it releases the GIL). Returns, per row, whether any token is
     allowed."""
-    global _batch_filler
     if len(matchers) == 1:
         return [matchers[0].fill(bitmask, 0)]
-    if _batch_filler is None:
-        _batch_filler = _xgrammar().BatchGrammarMatcher()
-    _batch_filler.batch_fill_next_token_bitmask([m._m for m in matchers], bitmask)
+    _filler().batch_fill_next_token_bitmask([m._m for m in matchers], bitmask)
     return bitmask.any(dim=1).tolist()
 
 
@@ -334,4 +345,4 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = ["GrammarCache", "RowMatcher", "StructuredOutputs", "allocate_bitmask",
-           "apply_bitmask", "fill_bitmasks", "structured_from_request"]
+           "accept_tokens", "apply_bitmask", "fill_bitmasks", "structured_from_request"]
