@@ -32,6 +32,7 @@ import torch
 
 from benchmarks.gpu_job import LLAMA_1B, make_random_model
 
+PROFILE = False
 SCHEMAS = [
     {"type": "object", "properties": {"items": {"type": "array", "minItems": 6, "maxItems": 10,
         "items": {"type": "object", "properties": {
@@ -79,7 +80,15 @@ def timed(llm, prompts, params) -> dict:
     llm.runner.profile = True
     llm.runner.phase_times()
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params)
+    if PROFILE and len(prompts) > 256:
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        outs = prof.runcall(llm.generate, prompts, params)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+    else:
+        outs = llm.generate(prompts, params)
     torch.cuda.synchronize()
     s = time.perf_counter() - t0
     phases = llm.runner.phase_times()
@@ -104,7 +113,11 @@ def main() -> None:
     ap.add_argument("--n-prompts", type=int, default=512)
     ap.add_argument("--tokenizer", type=Path, default=None)
     ap.add_argument("--only", choices=["json", "logprobs", "n"], action="append")
+    ap.add_argument("--profile", action="store_true",
+                    help="print the host's hottest functions (cProfile) of each timed run")
     args = ap.parse_args()
+    global PROFILE
+    PROFILE = args.profile
     from nanoserve.llm import LLM
     from nanoserve.sampling import SamplingParams
     from nanoserve.structured import StructuredOutputs

@@ -261,7 +261,7 @@ def _prompt_logprobs(model: LlamaForCausalLM, groups: list[list[Sequence]],
         targets = torch.tensor(prompts[i][1:], device=device)
         computed.append(prompt_logprob_rows(model.compute_logits, hidden[i], targets, k))
     for i, rows in zip(asking, computed):
-        values = entries(rows.tolist(), prompts[i][1:], groups[i][0].params.prompt_logprobs)
+        values = entries(rows.cpu().numpy(), prompts[i][1:], groups[i][0].params.prompt_logprobs)
         for s in groups[i]:
             s.prompt_logprobs = values
 
@@ -338,7 +338,7 @@ def _append(seqs: list[Sequence], logits: torch.Tensor, words: int = 0) -> None:
     sampling = StepSampling.of(rows, [len(s.output_ids) for s in rows], words)
     tokens, lp = sample_step(logits[live], sampling)
     tokens = tokens.tolist()
-    lps = dict(zip(sampling.logprob_rows, lp.tolist())) if lp is not None else {}
+    lps = dict(zip(sampling.logprob_rows, lp.cpu().numpy())) if lp is not None else {}
     for j, (s, t) in enumerate(zip(rows, tokens)):
         if not s.finished:  # a grammar that allowed nothing ended it while masking
             s.append(t, lps.get(j))

@@ -15,8 +15,10 @@ so a long prompt never holds `[prompt, vocab]` logits at once.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 PROMPT_CHUNK = 256  # prompt positions whose logits exist at once
@@ -75,9 +77,52 @@ def prompt_logprob_rows(lm_head, hidden: torch.Tensor, targets: torch.Tensor,
     return torch.cat(out)
 
 
-def entries(rows: list[list[float]], tokens: list[int], k: int) -> list[TokenLogprob]:
-    return [with_token(unpack(r, k), t) for r, t in zip(rows, tokens)]
+class Logprobs(Sequence):
+    """A row's logprobs, one `TokenLogprob` per token, kept as arrays: token_ids [T] int64,
+    values [T, 2 + 2k'] float32 (`logprob_rows` layout, k' >= k); entries are made when
+    read. `as_dicts()` is the Arrow/JSON form."""
+
+    def __init__(self, token_ids, values, k: int) -> None:
+        self.token_ids = np.asarray(token_ids, dtype=np.int64)
+        self.values = np.asarray(values, dtype=np.float32).reshape(len(self.token_ids), -1)
+        self.k = k
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return with_token(unpack(self.values[i].tolist(), self.k), int(self.token_ids[i]))
+
+    def __eq__(self, other) -> bool:
+        return list(self) == list(other)
+
+    def as_dicts(self) -> list[dict]:
+        v, k = self.values, self.k
+        kk = (v.shape[1] - 2) // 2 if len(v) else 0
+        lp, rank = v[:, 0].tolist(), v[:, 1].astype(np.int64).tolist()
+        ids = v[:, 2:2 + k].astype(np.int64).tolist()
+        tops = v[:, 2 + kk:2 + kk + k].tolist()
+        return [{"token_id": t, "logprob": a, "rank": r,
+                 "top": [{"token_id": i, "logprob": x} for i, x in zip(ti, tx)]}
+                for t, a, r, ti, tx in zip(self.token_ids.tolist(), lp, rank, ids, tops)]
+
+    def __repr__(self) -> str:
+        return f"Logprobs({len(self)} tokens, k={self.k})"
 
 
-__all__ = ["PROMPT_CHUNK", "TokenLogprob", "entries", "logprob_rows", "prompt_logprob_rows",
-           "unpack", "with_token"]
+def entries(rows, tokens: list[int], k: int) -> Logprobs:
+    """rows: one `logprob_rows` row per token (lists or arrays), tokens: the tokens."""
+    def own(r):  # rows of different steps carry different k' >= k: keep k of each
+        r = np.asarray(r, dtype=np.float32)
+        kk = (len(r) - 2) // 2
+        return r if kk == k else np.concatenate((r[:2 + k], r[2 + kk:2 + kk + k]))
+
+    values = np.stack([own(r) for r in rows]) if len(rows) else \
+        np.zeros((0, 2 + 2 * k), dtype=np.float32)
+    return Logprobs(tokens[:len(rows)], values, k)
+
+
+__all__ = ["PROMPT_CHUNK", "Logprobs", "TokenLogprob", "entries", "logprob_rows",
+           "prompt_logprob_rows", "unpack", "with_token"]

@@ -246,7 +246,8 @@ class ContinuousRunner:
         self._out[k, :n].copy_(tokens[:n], non_blocking=True)
         op = op or Launched(k, n)
         if logprobs is not None:
-            op.logprobs = self._lp_out[k, :logprobs.shape[0], :logprobs.shape[1]]
+            m, cols = logprobs.shape  # a contiguous piece: the copy stays asynchronous
+            op.logprobs = self._lp_out[k].view(-1)[:m * cols].view(m, cols)
             op.logprobs.copy_(logprobs, non_blocking=True)
         op.prompt = [(i, self._to_host(t)) for i, t in prompt]
         if self._done[k] is not None:

@@ -418,7 +418,8 @@ class ContinuousScheduler:
         tokens = self.runner.read(op.launched)
         lps = {}
         if op.sampling is not None and op.launched.logprobs is not None:
-            lps = dict(zip(op.sampling.logprob_rows, op.launched.logprobs.tolist()))
+            values = op.launched.logprobs.numpy().copy()  # the ring's buffer is reused
+            lps = dict(zip(op.sampling.logprob_rows, values))
         self._set_prompt_logprobs(op)  # a prefill's rows that asked for them
         live = [j for j, r in enumerate(op.rows) if not r.seq.finished and r.table is not None]
         self.stats.finished_row_steps += len(op.rows) - len(live)
@@ -436,7 +437,7 @@ class ContinuousScheduler:
 
     def _set_prompt_logprobs(self, op: _Op) -> None:
         for r, (_, host) in zip(op.prompt, op.launched.prompt):
-            values = entries(host.tolist(), r.seq.prompt_ids[1:], r.seq.params.prompt_logprobs)
+            values = entries(host.numpy(), r.seq.prompt_ids[1:], r.seq.params.prompt_logprobs)
             for s in [r] + [c for c in r.forks]:
                 if s.seq.prompt_logprobs is None:
                     s.seq.prompt_logprobs = values

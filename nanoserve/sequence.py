@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nanoserve.logprobs import TokenLogprob, entries
+from nanoserve.logprobs import Logprobs, entries
 from nanoserve.sampling import SamplingParams, row_seed
 
 
@@ -28,8 +28,8 @@ class SequenceOutput:
     num_prompt_tokens: int
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
     sample_index: int = 0  # which of the row's n samples
-    logprobs: list[TokenLogprob] | None = None  # one per token, when asked
-    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens after the first
+    logprobs: Logprobs | None = None  # one TokenLogprob per token, when asked
+    prompt_logprobs: Logprobs | None = None  # prompt tokens after the first
     error: str | None = None  # finish_reason 'error': why
 
 
@@ -54,8 +54,8 @@ class Sequence:
                 raise ValueError("structured outputs need the engine's grammar cache")
             self.matcher = grammars.matcher(params.structured_outputs)  # ValueError if bad
         # One row of `logprob_rows` per token (host floats), while the row runs.
-        self.logprobs: list[list[float]] | None = [] if params.logprobs is not None else None
-        self.prompt_logprobs: list[TokenLogprob] | None = None  # set by the prefill
+        self.logprobs: list | None = [] if params.logprobs is not None else None
+        self.prompt_logprobs: Logprobs | None = None  # set by the prefill
         self.error: str | None = None
         # Tokens this row may still add: its cap, or what the context has room for.
         self.max_new = min(params.max_tokens, max_context - len(prompt_ids))
@@ -89,7 +89,7 @@ class Sequence:
     @property
     def constrained(self) -> bool:
         """A structured output still steers this row's next token."""
-        return self.matcher is not None and not self.finished and not self.matcher.terminated
+        return self.matcher is not None and self.finish_reason is None and not self.matcher.terminated
 
     def cannot_continue(self) -> None:
         """Its grammar allows no next token: the row ends with finish_reason 'error' (the
@@ -98,7 +98,7 @@ class Sequence:
                       f"{len(self.output_ids)} tokens: the constraint cannot be met")
         self.finish_reason = "error"
 
-    def append(self, token: int, logprob: list[float] | None = None,
+    def append(self, token: int, logprob=None,
                accepted: bool | None = None) -> None:
         """Add the next token. logprob: its row of `nanoserve.logprobs.logprob_rows` (made
         into a `TokenLogprob` only when the output is read); accepted: the caller already

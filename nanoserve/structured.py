@@ -275,24 +275,24 @@ class GrammarCache:
             return ValueError(f"the {what} could not be compiled: {_clean(str(e))}")
 
     def matcher(self, so: StructuredOutputs) -> RowMatcher:
-        return RowMatcher(self.compile(so), self.words)
+        return RowMatcher(self.compile(so), self.words, self.eos_token_ids)
 
 
 class RowMatcher:
     """One row's place in its grammar."""
 
-    def __init__(self, compiled: Any, words: int) -> None:
+    def __init__(self, compiled: Any, words: int, stop_ids: tuple[int, ...] = ()) -> None:
+        self.stop_ids = frozenset(stop_ids)
         self._m = _xgrammar().GrammarMatcher(compiled)
         self.words = words
+        self.terminated = False  # it accepted a stop token: the grammar is done
 
     def accept(self, token: int) -> bool:
         """Advance by one sampled token; False if the grammar does not allow it (never for
         a token sampled under this row's mask)."""
-        return bool(self._m.accept_token(int(token)))
-
-    @property
-    def terminated(self) -> bool:
-        return bool(self._m.is_terminated())
+        ok = bool(self._m.accept_token(int(token)))
+        self.terminated = bool(self._m.is_terminated())
+        return ok
 
     def fill(self, bitmask: torch.Tensor, index: int) -> bool:
         """Write the allowed next tokens into row `index` of `bitmask` (int32, CPU). Returns
@@ -312,7 +312,9 @@ _batch_filler = None
 def _filler():
     global _batch_filler
     if _batch_filler is None:
-        _batch_filler = _xgrammar().BatchGrammarMatcher()
+        import os
+
+        _batch_filler = _xgrammar().BatchGrammarMatcher(max_threads=max(1, os.cpu_count() or 1))
     return _batch_filler
 
 
@@ -320,7 +322,11 @@ def accept_tokens(matchers: list[RowMatcher], tokens: list[int]) -> list[bool]:
     """Advance each matcher by its token, all in one call; whether each was allowed."""
     if len(matchers) == 1:
         return [matchers[0].accept(tokens[0])]
-    return list(_filler().batch_accept_token([m._m for m in matchers], [int(t) for t in tokens]))
+    ok = list(_filler().batch_accept_token([m._m for m in matchers], [int(t) for t in tokens]))
+    for m, t in zip(matchers, tokens):
+        if int(t) in m.stop_ids:  # only a stop token ends a grammar
+            m.terminated = bool(m._m.is_terminated())
+    return ok
 
 
 def fill_bitmasks(matchers: list[RowMatcher], bitmask: torch.Tensor) -> list[bool]:
@@ -330,7 +336,7 @@ def fill_bitmasks(matchers: list[RowMatcher], bitmask: torch.Tensor) -> list[boo
     if len(matchers) == 1:
         return [matchers[0].fill(bitmask, 0)]
     _filler().batch_fill_next_token_bitmask([m._m for m in matchers], bitmask)
-    return bitmask.any(dim=1).tolist()
+    return bitmask.numpy().any(axis=1).tolist()
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
