@@ -312,9 +312,7 @@ _batch_filler = None
 def _filler():
     global _batch_filler
     if _batch_filler is None:
-        import os
-
-        _batch_filler = _xgrammar().BatchGrammarMatcher(max_threads=max(1, os.cpu_count() or 1))
+        _batch_filler = _xgrammar().BatchGrammarMatcher()
     return _batch_filler
 
 
