@@ -197,7 +197,7 @@ class WorkerPool:
         # A range or `auto` goes as soon as MIN are ready; the others join when loaded
         # (`grow`), so a GPU the cluster lists but cannot place on (a node lost, not yet
         # noticed) holds nothing up.
-        waited = wanted.low if wanted is not None and wanted.grows else count
+        waited = min(count, wanted.low) if wanted is not None and wanted.grows else count
         pool.workers = [WorkerSlot(None, {}, alive=False) for _ in range(waited)]
         loading = [pool._launch(i, blocking=True) for i in range(waited)]
         loading += [pool._launch(None, blocking=False) for _ in range(count - waited)]
