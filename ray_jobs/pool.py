@@ -4,11 +4,20 @@ they are started and replaced, which one takes the next piece of work, and what 
 
 The pool never lets Ray restart an actor or retry a task behind the driver's back
 (max_restarts=0, max_task_retries=0): the driver alone decides what runs again.
+
+A worker that dies while it loads the model (its process killed: the kernel's
+out-of-memory killer, a crash; or its node lost: a spot node reclaimed) is replaced by a
+fresh actor, as one that dies mid-batch is, and the job goes on; `died_while_loading`
+tells such a death from a load that fails (the loader raised: a bad checkpoint, an
+unsupported model, no device memory for the weights), which stops the job at once with its
+cause. A slot whose actors die while loading more than `max_deaths_in_a_row` times in a row
+is given up, with a line naming the likely cause (the node's host memory, or the node).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -61,18 +70,39 @@ class RayBatchWorker(BatchWorker):
 
 @dataclass
 class WorkerSlot:
-    handle: Any
-    info: dict[str, Any]
+    handle: Any  # its actor (None until its first actor has loaded the model)
+    info: dict[str, Any]  # its actor's info() ({} until then)
     in_flight: int = 0
     batches: int = 0  # pieces of batches this slot generated (a whole batch is one piece)
     rows: int = 0
-    restarts: int = 0  # times the actor died and was replaced
+    restarts: int = 0  # times its actor died (mid-batch or while loading) and was replaced
     ready_s: float | None = None  # seconds from the job's start to the first actor ready
     last_result_s: float | None = None  # seconds from the job's start to its last result
     result_s: list[float] = field(default_factory=list)  # ... to each of its results
     alive: bool = True
     holds_suspect: bool = False  # running a suspect piece, which it runs alone
     last_prefix: tuple[int, ...] = ()  # the leading tokens of the last piece sent to it
+
+
+@dataclass
+class _Loading:
+    """An actor loading the model: its `info()` call, the slot it fills (None: a worker that
+    joins, taking the next index once loaded), how many actors before it in that slot died
+    while loading, in a row, and when waiting for it ends. `blocking`: the job waits for it
+    (a worker the job starts with, the first replacement of one that died mid-batch); else
+    it joins the pool when loaded (`grow`) and is waited for only while no worker is alive
+    (the replacement of one that died while loading, a worker on a GPU that joined)."""
+
+    handle: Any
+    ref: Any
+    slot: int | None
+    deaths: int
+    deadline: float
+    blocking: bool
+
+
+LOAD_DEATH_CAUSE = ("the likely cause is too little host memory on its node for the model (the "
+                    "kernel's out-of-memory killer: see dmesg there), or a failing node")
 
 
 class WorkerPool:
@@ -85,25 +115,41 @@ class WorkerPool:
     has no room for it, or the model loads too slowly) is given up; a worker that cannot
     load the model fails the job with one line (ModelError).
 
+    A worker that dies while loading (`died_while_loading`: at the start, as a replacement,
+    or joining) is replaced by a fresh actor in its slot, with one line saying so; the
+    replacement is waited for only while no worker is alive, else it joins when loaded
+    (`grow`). After `max_load_deaths` such deaths in a row the slot is given up (one line
+    naming the likely cause); when that leaves no worker the job stops with that line. A
+    slot given up is not refilled by `grow`.
+
     Nodes come and go (ray_jobs.autoscale): a worker whose node is lost is not replaced
     on the spot (`replace`; the driver sends its batches to the others); on GPUs the pool
-    then asks the cluster every `poll_s` for GPUs beyond its workers (`grow`): up to
+    then asks the cluster every GROW_POLL_S for GPUs beyond its workers (`grow`): up to
     `--num-workers`' MAX for a range or `auto`, up to the number started for a plain number
     (so a lost worker comes back when a GPU is free or a node joins). A started actor is
     `pending` until its model is loaded, and joins the pool then; it holds no work before."""
 
     def __init__(self, actor_cls: Any, kwargs: dict[str, Any], timeout_s: float,
-                 timeline: Timeline) -> None:
+                 timeline: Timeline, max_load_deaths: int = 8) -> None:
         self.actor_cls = actor_cls
         self.kwargs = kwargs
         self.timeout_s = timeout_s
         self.timeline = timeline
+        self.max_load_deaths = max_load_deaths  # deaths while loading in a row, per slot
         self.workers: list[WorkerSlot] = []
-        self.poll_s: float | None = None  # None: the pool never grows (CPU workers)
+        self.grows = False  # GPU workers: `grow` asks the cluster for GPUs beyond the workers
         self.max_workers: int | None = None  # grow up to this many live workers (None: all GPUs)
-        self.pending: list[tuple[Any, Any]] = []  # (actor, its info() ref) still loading
+        self.pending: list[_Loading] = []  # actors still loading that the job does not wait for
         self.nodes_lost: list[LostNode] = []
+        self.given_up = 0  # slots given up after their actors kept dying while loading
+        self.gave_up: str | None = None  # the last such slot: who, how often, Ray's reason
         self._next_check = 0.0
+
+    @property
+    def poll_s(self) -> float | None:
+        """How long the driver waits for a result before calling `grow` again (None: until
+        a result comes, for a pool that neither grows nor has actors loading)."""
+        return GROW_POLL_S if self.grows or self.pending else None
 
     @classmethod
     def start(cls, opts: JobOptions, timeline: Timeline) -> WorkerPool:
@@ -143,147 +189,208 @@ class WorkerPool:
                   "kv_cache_fraction": opts.kv_cache_fraction,
                   "kv_cache_bytes": opts.kv_cache_bytes, "num_threads": num_threads,
                   "scheduler": opts.scheduler, "prefix_caching": opts.prefix_caching}
-        pool = cls(actor_cls, kwargs, opts.worker_start_timeout_s, timeline)
+        pool = cls(actor_cls, kwargs, opts.worker_start_timeout_s, timeline,
+                   opts.max_deaths_in_a_row)
         if opts.progress:
             where = f"{num_gpus} GPU(s)" if num_gpus else "CPU"
             log(f"nanoserve: starting {count} worker(s) on {where}, loading {opts.model}")
-        handles = [actor_cls.remote(**kwargs) for _ in range(count)]
-        if wanted is not None and wanted.grows and count > wanted.low:
-            # Go as soon as MIN are ready; the others join when loaded (`grow`), so a GPU
-            # the cluster lists but cannot place on (a node lost, not yet noticed) holds
-            # nothing up.
-            pool.pending = [(h, h.info.remote()) for h in handles[wanted.low:]]
-            handles = handles[:wanted.low]
-        ready = pool._wait_ready(handles)
-        late = [h for h, r in zip(handles, ready) if r is None]
-        for h in late:
-            ray.kill(h, no_restart=True)
-        for h, r in zip(handles, ready):
-            if r is not None:
-                pool.workers.append(WorkerSlot(h, r[0], ready_s=r[1]))
-        if not pool.workers:
+        # A range or `auto` goes as soon as MIN are ready; the others join when loaded
+        # (`grow`), so a GPU the cluster lists but cannot place on (a node lost, not yet
+        # noticed) holds nothing up.
+        waited = min(count, wanted.low) if wanted is not None and wanted.grows else count
+        pool.workers = [WorkerSlot(None, {}, alive=False) for _ in range(waited)]
+        loading = [pool._launch(i, blocking=True) for i in range(waited)]
+        loading += [pool._launch(None, blocking=False) for _ in range(count - waited)]
+        late = pool._wait_loaded(loading)
+        if not pool.num_alive():
+            pool.shutdown()
+            if pool.gave_up is not None:
+                raise NanoserveError(pool.none_left())
             raise NanoserveError(
                 f"no worker was ready within {opts.worker_start_timeout_s:g} s: the cluster has "
                 f"no free {unit} for one, or the model loads more slowly than that"
             )
-        if opts.progress and pool.workers:
-            log(ready_line([w.info for w in pool.workers]))
+        if opts.progress:
+            log(ready_line([w.info for w in pool.workers if w.alive]))
         if late:
-            log(f"nanoserve: {len(late)} of {count} workers were not ready within "
+            log(f"nanoserve: {late} of {count} workers were not ready within "
                  f"{opts.worker_start_timeout_s:g} s (no free {unit}?); going on with "
-                 f"{len(pool.workers)}")
+                 f"{pool.num_alive()}")
         if num_gpus:
-            pool.poll_s = GROW_POLL_S
+            pool.grows = True
             pool.max_workers = wanted.high if wanted is not None and wanted.grows else count
         return pool
 
-    def _wait_ready(self, handles: list[Any]) -> list[tuple[dict[str, Any], float] | None]:
-        """Each actor's `info()` once its model is loaded, with when that was (seconds from
-        the job's start); None for one not ready within the timeout. Answers are taken as
-        they come: the first worker that cannot load the model raises ModelError at once
-        (after killing these actors), without waiting for the others or the timeout."""
+    def _launch(self, slot: int | None, blocking: bool, deaths: int = 0) -> _Loading:
+        """Start an actor (it loads the model in its constructor) and ask for its `info()`."""
+        handle = self.actor_cls.remote(**self.kwargs)
+        return _Loading(handle, handle.info.remote(), slot, deaths,
+                        time.monotonic() + self.timeout_s, blocking)
+
+    def _wait_loaded(self, loading: list[_Loading]) -> int:
+        """Wait for these actors' models to load; each fills its slot as it answers, one
+        that dies while loading is replaced (`_died_loading`). Returns once no blocking
+        actor is left and a worker is alive (the others join later: `pending`), or nothing
+        is left. A blocking actor not ready by its deadline is killed, its slot left empty; a
+        non-blocking one goes to `pending`. Returns how many were killed so. The first
+        actor that cannot load the model raises ModelError at once (every actor killed),
+        without waiting for the others or the timeout."""
         import ray
 
-        refs = [h.info.remote() for h in handles]
-        ready: dict[Any, tuple[dict[str, Any], float]] = {}
-        deadline = time.monotonic() + self.timeout_s
-        waiting = list(refs)
-        while waiting:
-            done, waiting = ray.wait(waiting, num_returns=1,
-                                     timeout=max(0.0, deadline - time.monotonic()))
-            if not done:
-                break  # the timeout: the rest are late
-            try:
-                info = ray.get(done[0])
-            except ray.exceptions.RayError as e:
-                self._kill(handles)
-                raise ModelError(f"a worker died while loading the model: "
-                                 f"{first_line(str(e))}") from None
-            if "load_error" in info:
-                self._kill(handles)
-                raise ModelError(f"a worker could not load the model: {info['load_error']}")
-            ready[done[0]] = (info, self.timeline.now())
-        return [ready.get(ref) for ref in refs]
+        waiting = {e.ref: e for e in loading}
+        late = 0
+        while waiting and (not self.num_alive() or any(e.blocking for e in waiting.values())):
+            first = min(waiting.values(), key=lambda e: e.deadline)
+            done, _ = ray.wait(list(waiting), num_returns=1,
+                               timeout=max(0.0, first.deadline - time.monotonic()))
+            if not done:  # the timeout: `first` is late
+                del waiting[first.ref]
+                if first.blocking:
+                    ray.kill(first.handle, no_restart=True)
+                    late += 1
+                else:
+                    self.pending.append(first)
+                continue
+            entry = waiting.pop(done[0])
+            again = self._settle_loading(entry, list(waiting.values()))
+            if again is not None:
+                waiting[again.ref] = again
+        self.pending.extend(waiting.values())
+        return late
+
+    def _settle_loading(self, entry: _Loading, others: list[_Loading] = ()) -> _Loading | None:
+        """An actor that answered `info()`: loaded (it fills its slot, or joins as a new
+        worker), or dead while loading (returns its replacement, or None when the slot is
+        given up). A load that failed raises ModelError, after killing every actor of the
+        pool and `others`."""
+        import ray
+
+        try:
+            info = ray.get(entry.ref)
+        except ray.exceptions.RayError as e:
+            if died_while_loading(e):
+                return self._died_loading(entry, e)
+            self._kill([entry.handle] + [o.handle for o in others])
+            self.shutdown()
+            raise ModelError(f"a worker could not load the model: {first_line(str(e))}") \
+                from None
+        if "load_error" in info:
+            self._kill([entry.handle] + [o.handle for o in others])
+            self.shutdown()
+            raise ModelError(f"a worker could not load the model: {info['load_error']}")
+        now = self.timeline.now()
+        node = str(info.get("node_id", "?"))[:12]
+        if entry.slot is None:
+            self.workers.append(WorkerSlot(entry.handle, info, ready_s=now))
+            log(f"nanoserve: worker {len(self.workers) - 1} joined on node {node} (GPU ids "
+                f"{info.get('gpu_ids')}); {self.num_alive()} worker(s) now")
+            return None
+        worker = self.workers[entry.slot]
+        worker.handle, worker.info, worker.alive = entry.handle, info, True
+        if worker.ready_s is None:
+            worker.ready_s = now
+        if entry.deaths:
+            log(f"nanoserve: worker {entry.slot} loaded the model on node {node} after "
+                f"{entry.deaths} death(s) while loading; {self.num_alive()} worker(s) now")
+        return None
+
+    def _died_loading(self, entry: _Loading, error: Exception) -> _Loading | None:
+        """An actor that died while loading: start a fresh one in its slot (a joining
+        worker gets a slot now), not waited for while another worker is alive; or, after
+        `max_load_deaths` deaths in a row, give the slot up (None)."""
+        import ray
+
+        ray.kill(entry.handle, no_restart=True)
+        deaths = entry.deaths + 1
+        slot = entry.slot
+        who = f"worker {slot}"
+        if slot is None:  # a slot of its own from now on: its restarts count, as any worker's
+            self.workers.append(WorkerSlot(None, {}, alive=False))
+            slot = len(self.workers) - 1
+            who = f"a joining worker (worker {slot})"
+        reason = death_reason(error)
+        if deaths > self.max_load_deaths:
+            self.given_up += 1
+            self.gave_up = (f"{who} died {deaths} times in a row while loading the model "
+                            f"(last: {reason})")
+            log(f"nanoserve: {self.gave_up}; giving it up: {LOAD_DEATH_CAUSE} "
+                f"({self.num_alive()} worker(s) left)")
+            return None
+        log(f"nanoserve: {who} died while loading the model ({reason}); replacing it "
+            f"(restart {deaths} of at most {self.max_load_deaths})")
+        self.workers[slot].restarts += 1
+        return self._launch(slot, blocking=False, deaths=deaths)
+
+    def none_left(self) -> str:
+        """The job-level line when no worker is left."""
+        if self.gave_up is not None:
+            return (f"{self.gave_up}, and no worker is left: {LOAD_DEATH_CAUSE}; the job "
+                    f"stopped (rerun it to resume)")
+        return "no worker is left; the job stopped (rerun it to resume)"
 
     def replace(self, index: int) -> None:
-        """Kill worker `index` (it died or failed) and start a fresh actor in its place.
-        If the new one is not ready in time the slot is left dead (the job goes on with
-        the others, or stops when none is left); a load failure is a ModelError."""
+        """Kill worker `index` (it died or failed) and start a fresh actor in its place,
+        waiting for it to load (a replacement of that one, if it dies while loading, is
+        waited for only while no other worker is alive). If the new one is not ready in
+        time the slot is left dead (the job goes on with the others, or stops when none is
+        left); a load failure is a ModelError."""
         import ray
 
         worker = self.workers[index]
         ray.kill(worker.handle, no_restart=True)
+        worker.alive = False
         lost = node_lost(worker.info.get("node_id", ""), index) if "node_id" in worker.info \
             else None
         if lost is not None:  # nothing to restart there; `grow` may start one elsewhere
-            worker.alive = False
             self.nodes_lost.append(lost)
             log(f"nanoserve: {lost.describe()} was lost; its batches run again on the "
                 f"other workers ({self.num_alive()} left)")
             return
-        handle = self.actor_cls.remote(**self.kwargs)
-        (ready,) = self._wait_ready([handle])
         worker.restarts += 1
-        if ready is None:
-            ray.kill(handle, no_restart=True)
-            worker.alive = False
+        if self._wait_loaded([self._launch(index, blocking=True)]):
             log(f"nanoserve: worker {index} died and its replacement was not ready within "
                  f"{self.timeout_s:g} s; going on without it")
-            return
-        worker.handle, worker.info = handle, ready[0]
 
     def grow(self) -> None:
-        """Take in the pending actors whose model is loaded, then (at most every `poll_s`)
-        start one pending actor per GPU the cluster has beyond the live and pending
-        workers, up to `max_workers`. A pending actor that dies (its node lost while it
-        loaded) is dropped; one that cannot load the model fails the job (ModelError)."""
+        """Take in the pending actors that answered (loaded: they join the pool; dead while
+        loading: replaced, see `_died_loading`), then, on GPUs (at most every GROW_POLL_S),
+        start one pending actor per GPU the cluster has beyond the live and pending workers
+        and the slots given up, up to `max_workers`. One that cannot load the model fails
+        the job (ModelError)."""
         import ray
 
-        if self.poll_s is None:
-            return
         if self.pending:
-            refs = [ref for _, ref in self.pending]
+            refs = [e.ref for e in self.pending]
             done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-            for handle, ref in [p for p in self.pending if p[1] in done]:
-                self.pending.remove((handle, ref))
-                self._adopt(handle, ref)
+            for entry in [e for e in self.pending if e.ref in done]:
+                self.pending.remove(entry)
+                self._adopt(entry)
+        if not self.grows:
+            return
         now = time.monotonic()
         if now < self._next_check:
             return
-        self._next_check = now + self.poll_s
+        self._next_check = now + GROW_POLL_S
         gpus = int(ray.cluster_resources().get("GPU", 0))
         target = gpus if self.max_workers is None else min(gpus, self.max_workers)
-        for _ in range(target - self.num_alive() - len(self.pending)):
-            handle = self.actor_cls.remote(**self.kwargs)
-            self.pending.append((handle, handle.info.remote()))
+        for _ in range(target - self.num_alive() - len(self.pending) - self.given_up):
+            self.pending.append(self._launch(None, blocking=False))
 
-    def _adopt(self, handle: Any, ref: Any) -> None:
-        import ray
-
-        try:
-            info = ray.get(ref)
-        except ray.exceptions.RayError as e:
-            ray.kill(handle, no_restart=True)
-            log(f"nanoserve: a joining worker died while loading the model "
-                f"({first_line(str(e))}); going on without it")
-            return
-        if "load_error" in info:
-            self.shutdown()
-            raise ModelError(f"a worker could not load the model: {info['load_error']}")
-        self.workers.append(WorkerSlot(handle, info, ready_s=self.timeline.now()))
-        log(f"nanoserve: worker {len(self.workers) - 1} joined on node "
-            f"{str(info.get('node_id', '?'))[:12]} (GPU ids {info.get('gpu_ids')}); "
-            f"{self.num_alive()} worker(s) now")
+    def _adopt(self, entry: _Loading) -> None:
+        """A pending actor that answered: it joins the pool, or is replaced (`grow`)."""
+        again = self._settle_loading(entry)
+        if again is not None:
+            self.pending.append(again)
 
     def pick(self, alone: bool, limit: int, prefix: tuple[int, ...] = ()) -> int | None:
         """The live worker with the fewest pieces in flight that can take one more: `alone`,
         an idle one; else one holding fewer than `limit` pieces and no suspect. Ties go to
         the worker whose last piece began with the same `prefix` tokens (its prefix cache
         likely holds them), then to the lowest index. None if none can now;
-        NanoserveError when none is alive."""
+        NanoserveError when none is alive (`none_left`)."""
         alive = [i for i, w in enumerate(self.workers) if w.alive]
         if not alive:
-            raise NanoserveError("no worker is left; the job stopped (rerun it to resume)")
+            raise NanoserveError(self.none_left())
         if alone:
             free = [i for i in alive if self.workers[i].in_flight == 0]
         else:
@@ -313,7 +420,8 @@ class WorkerPool:
                      for i, w in enumerate(self.workers))
 
     def shutdown(self) -> None:
-        self._kill([w.handle for w in self.workers] + [h for h, _ in self.pending])
+        self._kill([w.handle for w in self.workers if w.handle is not None]
+                   + [e.handle for e in self.pending])
         self.pending = []
 
     @staticmethod
@@ -322,6 +430,34 @@ class WorkerPool:
 
         for h in handles:
             ray.kill(h, no_restart=True)
+
+
+def died_while_loading(error: Exception) -> bool:
+    """Whether `error`, raised by Ray for an actor's first call, says the actor's process
+    or node went away (it is replaced): ActorDiedError (unless its constructor raised) or
+    ActorUnavailableError, NodeDiedError, WorkerCrashedError, LocalRayletDiedError, or
+    Ray's OutOfMemoryError (its memory monitor killed the process). Otherwise the load
+    failed: a RayTaskError (the constructor or `info()` raised), a runtime environment
+    that could not be set up, ..."""
+    import ray
+
+    exc = ray.exceptions
+    if isinstance(error, exc.RayTaskError):
+        return False
+    if isinstance(error, exc.RayActorError):
+        return not error.actor_init_failed
+    return isinstance(error, (exc.NodeDiedError, exc.WorkerCrashedError,
+                              exc.LocalRayletDiedError, exc.OutOfMemoryError))
+
+
+def death_reason(error: Exception) -> str:
+    """Ray's reason for a death in a few words ('its worker process has died', 'its node
+    has died'), else the first line of its message."""
+    for line in str(error).splitlines():
+        match = re.search(r"\bbecause (its [^.]+)", line)
+        if match:
+            return match.group(1).strip()
+    return first_line(str(error))
 
 
 def first_line(text: str) -> str:
@@ -359,5 +495,5 @@ def log(message: str) -> None:
     tqdm.write(message, file=sys.stderr)
 
 
-__all__ = ["RayBatchWorker", "WorkerPool", "WorkerReport", "WorkerSlot", "first_line", "log",
-           "ready_line"]
+__all__ = ["RayBatchWorker", "WorkerPool", "WorkerReport", "WorkerSlot", "death_reason",
+           "died_while_loading", "first_line", "log", "ready_line"]

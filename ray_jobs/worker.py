@@ -23,8 +23,13 @@ the driver forwards to its actors; never set them in production):
   into the batch, when a row's prompt, decoded, contains the marker (a "poison row");
 - `NANOSERVE_FAULT_OOM_ABOVE_ROWS=<n>`: the model's forward raises torch.OutOfMemoryError
   on inputs of more than n rows (0: on every input);
-- `NANOSERVE_FAULT_LOAD=raise|exit`: loading the model raises a ModelError, or the
-  process exits;
+- `NANOSERVE_FAULT_LOAD=raise|exit`: loading the model raises a ModelError (a load that
+  fails: the job stops), or the process exits (a worker that dies while loading: it is
+  replaced);
+- `NANOSERVE_FAULT_HOLD_LOAD_WHILE_FILE=<path>`: `BatchWorker.__init__` waits, before it
+  loads anything, for as long as that file exists; as it starts waiting it appends a line
+  `<pid> <Ray node id>` to `<path>.holding` (a test SIGKILLs that process, or removes that
+  node, certainly while the worker loads, then deletes the file);
 - `NANOSERVE_FAULT_HOLD_WHILE_FILE=<path>`: a batch waits before it starts for as long as
   that file exists (a test holds batches in flight, e.g. while it removes or adds a node,
   then deletes the file; the workers of a one-machine test cluster share the file system).
@@ -61,6 +66,7 @@ FAULT_KILL_ON_TEXT = "NANOSERVE_FAULT_KILL_ON_TEXT"
 FAULT_OOM_ABOVE_ROWS = "NANOSERVE_FAULT_OOM_ABOVE_ROWS"
 FAULT_LOAD = "NANOSERVE_FAULT_LOAD"
 FAULT_HOLD_WHILE_FILE = "NANOSERVE_FAULT_HOLD_WHILE_FILE"
+FAULT_HOLD_LOAD_WHILE_FILE = "NANOSERVE_FAULT_HOLD_LOAD_WHILE_FILE"
 
 
 @dataclass(frozen=True)
@@ -94,6 +100,7 @@ class BatchWorker:
         `kv_cache_bytes` sizes the KV pool exactly (else `kv_cache_fraction` of a GPU's free
         memory, or the engine's CPU default); `scheduler`: the engine's batching, "static"
         or "continuous" (see `nanoserve.llm.LLM`)."""
+        _fault_hold_load_while_file()
         import torch
 
         from nanoserve.llm import LLM
@@ -279,6 +286,24 @@ def _fault_on_load() -> None:
         raise ModelError(f"{FAULT_LOAD}=raise: the model could not be loaded on this worker")
     if how == "exit":
         os._exit(3)
+
+
+def _fault_hold_load_while_file() -> None:
+    path = os.environ.get(FAULT_HOLD_LOAD_WHILE_FILE)
+    if not path or not os.path.exists(path):
+        return
+    node = "-"
+    try:
+        import ray
+
+        if ray.is_initialized():
+            node = ray.get_runtime_context().get_node_id()
+    except ImportError:
+        pass
+    with open(f"{path}.holding", "a") as f:  # one short write: lines of processes never mix
+        f.write(f"{os.getpid()} {node}\n")
+    while os.path.exists(path):
+        time.sleep(0.05)
 
 
 def _fault_kill_on_text(tokenizer: Any, rows: list[GenerationRequest]) -> None:

@@ -9,7 +9,9 @@ The head node has no GPU; each worker node is started with its own logical GPUs
 is removed the way a node is lost: its raylet and workers SIGKILLed
 (`Cluster.remove_node(allow_graceful=False)`). Where a scenario needs batches in flight when
 a node leaves or joins, the workers hold them with the worker's testing hook
-`NANOSERVE_FAULT_HOLD_WHILE_FILE` until the scenario deletes that file.
+`NANOSERVE_FAULT_HOLD_WHILE_FILE` until the scenario deletes that file; where a node must
+leave while workers load the model, they wait in their constructor on
+`NANOSERVE_FAULT_HOLD_LOAD_WHILE_FILE`, which also names their pids and nodes.
 
 For each scenario NAME it writes RESULTS_DIR/NAME/in.jsonl (the input), NAME/out (the job's
 output folder) and NAME/result.json: the summary (workers with their node ids, nodes lost,
@@ -52,6 +54,7 @@ MAX_TOKENS = 3
 NODE = {"node_ip_address": "127.0.0.1", "include_dashboard": False,
         "object_store_memory": 80 << 20}
 HOLD = "NANOSERVE_FAULT_HOLD_WHILE_FILE"
+HOLD_LOAD = "NANOSERVE_FAULT_HOLD_LOAD_WHILE_FILE"
 HOLD_LIMIT_S = 120  # a safety valve only: batches held longer are let go (see node_added)
 WORKER_START_S = 60  # as --worker-start-timeout: a replacement that is never placed is given up
 # The GCS marks a node dead after its health checks fail: by default after about half a
@@ -104,6 +107,29 @@ class Scenario:
     def release_batches(self) -> None:
         self.hold.unlink(missing_ok=True)
         os.environ.pop(HOLD, None)
+
+    def hold_loads(self, now: bool = True) -> None:
+        """Workers started from now on wait in their constructor while `hold_load` exists
+        (created now, or later with `now=False`)."""
+        self.hold_load = self.dir / "hold-load"
+        if now:
+            self.hold_load.write_text("held")
+        os.environ[HOLD_LOAD] = str(self.hold_load)
+
+    def loading(self, n: int, timeout_s: float = 120.0) -> list[tuple[int, str]]:
+        """(pid, node id) of the first `n` workers held in their constructor."""
+        path = Path(f"{self.hold_load}.holding")
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            lines = path.read_text().splitlines() if path.exists() else []
+            if len(lines) >= n:
+                return [(int(pid), node) for pid, node in (ln.split() for ln in lines[:n])]
+            time.sleep(0.05)
+        raise RuntimeError(f"fewer than {n} workers reached the load hold in {timeout_s:g} s")
+
+    def release_loads(self) -> None:
+        self.hold_load.unlink(missing_ok=True)
+        os.environ.pop(HOLD_LOAD, None)
 
 
 @contextlib.contextmanager
@@ -161,6 +187,25 @@ def remove_node_of_worker_when(cluster, scenario, workers_full):
     return make
 
 
+def remove_node_while_loading(cluster, scenario, holding: int):
+    """In a thread: once `holding` workers wait in their constructor, kill the node of the
+    last of them (raylet and workers), then let the loads go (also on failure)."""
+    def remove():
+        try:
+            pid, node_id = scenario.loading(holding)[-1]
+            node = next(n for n in cluster.worker_nodes if n.node_id == node_id)
+            scenario.record["removed"] = {"node_id": node_id, "pid": pid}
+            cluster.remove_node(node, allow_graceful=False)
+            _wait_gone([pid])
+        except Exception:  # the scenario's record says so; the test fails on it
+            scenario.record["remover_error"] = traceback.format_exc()
+        finally:
+            scenario.release_loads()
+    thread = threading.Thread(target=remove, daemon=True)
+    thread.start()
+    return thread
+
+
 def main(model: str, results: Path) -> None:
     global MODEL
     MODEL = model
@@ -214,8 +259,8 @@ def main(model: str, results: Path) -> None:
             return submit
 
         def release_on_adopt(original):
-            def adopt(self, handle, ref):
-                original(self, handle, ref)
+            def adopt(self, entry):
+                original(self, entry)
                 s.release_batches()
             return adopt
 
@@ -223,6 +268,59 @@ def main(model: str, results: Path) -> None:
                 patched(pool.WorkerPool, "_adopt", release_on_adopt):
             s.run(num_workers="1-2")
         s.release_batches()
+
+        # A node lost while its worker loads the model: two one-GPU nodes, both workers held
+        # in their constructor; one node is killed. Its worker is replaced (the replacement
+        # waits for a GPU and holds nothing up); the job runs on the other.
+        cluster.wait_for_nodes(timeout=120)
+        s = Scenario(results, "node_lost_while_loading", 8)
+        s.record["nodes"] = {n.node_id[:12]: n.node_id for n in cluster.worker_nodes}
+        s.hold_loads()
+        remover = remove_node_while_loading(cluster, s, 2)
+        s.run(num_workers=2, worker_start_timeout_s=WORKER_START_S)
+        remover.join(timeout=HOLD_LIMIT_S)
+        s.release_loads()
+        (s.dir / "result.json").write_text(json.dumps(s.record, indent=1))  # + the remover's
+
+        # A joining worker's node lost while it loads: `--num-workers 1-2` starts on the one
+        # GPU node left; a second joins at the first submission, with batches held, and its
+        # worker is held in its constructor; that node is killed. The joining worker is
+        # replaced (it waits for a GPU); the batches go once the driver has said so.
+        cluster.wait_for_nodes(timeout=120)
+        s = Scenario(results, "joiner_lost_while_loading", 8)
+        (first,) = cluster.worker_nodes
+        s.hold_batches()
+        s.hold_loads(now=False)
+        removers = []
+
+        def add_node_at_first_submit(original):
+            def submit(self, piece, index):
+                original(self, piece, index)
+                if self.sent == 1:
+                    s.hold_load.write_text("held")
+                    s.record["nodes"] = {"first": first.node_id,
+                                         "joined": gpu_node(cluster, 1).node_id}
+                    removers.append(remove_node_while_loading(cluster, s, 1))
+                    valve = threading.Timer(HOLD_LIMIT_S, s.release_batches)
+                    valve.daemon = True
+                    valve.start()
+            return submit
+
+        def release_on_load_death(original):
+            def log(message):
+                original(message)
+                if "died while loading" in message:
+                    s.release_batches()
+            return log
+
+        with patched(driver._JobRun, "_submit", add_node_at_first_submit), \
+                patched(pool, "log", release_on_load_death):
+            s.run(num_workers="1-2", worker_start_timeout_s=WORKER_START_S)
+        for remover in removers:
+            remover.join(timeout=HOLD_LIMIT_S)
+        s.release_batches()
+        s.release_loads()
+        (s.dir / "result.json").write_text(json.dumps(s.record, indent=1))  # + the remover's
 
         # No GPU node at the start: `auto` waits for one, then fails after its timeout.
         for node in list(cluster.worker_nodes):

@@ -1,6 +1,7 @@
 """The batch job under failure, on the tests' local Ray (CPU): workers killed mid-batch,
-a row that kills its worker every time, workers that cannot start, too many workers, a KV
-pool too small for a batch, device out-of-memory errors.
+a row that kills its worker every time, workers killed while they load the model, workers
+that cannot start, too many workers, a KV pool too small for a batch, device out-of-memory
+errors.
 
 Model: a tiny random Llama (hidden 64, 2 layers) that uses the default model's tokenizer,
 so a worker starts in a few seconds and a restart is cheap. Oracle: every answered row
@@ -17,6 +18,9 @@ import json
 import os
 import re
 import signal
+import threading
+import time
+from pathlib import Path
 
 import pyarrow.dataset as ds
 import pytest
@@ -24,8 +28,10 @@ import pytest
 import ray_jobs.driver as driver
 from nanoserve.errors import ModelError, NanoserveError
 from nanoserve.sampling import SamplingParams
+from nanoserve.testing import assert_rows_match_engine
 from ray_jobs import run_batch_job
 from ray_jobs.cli import main as batch_main
+from ray_jobs.worker import FAULT_HOLD_LOAD_WHILE_FILE
 
 MAX_TOKENS = 3
 KV_BYTES = 32 << 20  # a small KV pool: workers start faster than with the 1 GiB CPU default
@@ -159,19 +165,108 @@ def test_workers_that_die_on_every_batch_stop_the_job(ray_session, tiny_job_mode
     assert list((tmp_path / "out").glob("part-*")) == []
 
 
-@pytest.mark.parametrize("how, message", [
-    ("raise", "error: a worker could not load the model: .*NANOSERVE_FAULT_LOAD=raise"),
-    ("exit", "error: a worker died while loading the model: "),
-])
 def test_worker_that_cannot_load_the_model_fails_the_job_in_one_line(
-        ray_session, tiny_job_model, tmp_path, monkeypatch, capsys, how, message):
-    monkeypatch.setenv("NANOSERVE_FAULT_LOAD", how)
+        ray_session, tiny_job_model, tmp_path, monkeypatch, capsys):
+    """A load that raises (here a ModelError from the worker's hook; a bad checkpoint, an
+    unsupported model, no device memory for the weights) stops the job at once: one line,
+    exit status 2, nothing written, no worker started again."""
+    monkeypatch.setenv("NANOSERVE_FAULT_LOAD", "raise")
     path = write_prompts(tmp_path / "in.jsonl", PROMPTS[:2])
     rc = batch_main([str(path), "-o", str(tmp_path / "out"), "--model", str(tiny_job_model),
                      "--max-tokens", "2", "--no-progress"])
     assert rc == 2
-    errors = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
-    assert len(errors) == 1 and re.match(message, errors[0]), errors
+    err = capsys.readouterr().err.splitlines()
+    errors = [ln for ln in err if ln.startswith("error:")]
+    assert len(errors) == 1 and re.match(
+        "error: a worker could not load the model: .*NANOSERVE_FAULT_LOAD=raise", errors[0]), err
+    assert not any("died while loading" in ln for ln in err), err
+    assert list((tmp_path / "out").glob("part-*")) == []
+
+
+def holding(hold: Path, n: int, timeout_s: float = 120.0) -> list[int]:
+    """The pids of the first `n` workers waiting in their constructor on `hold` (the
+    worker's NANOSERVE_FAULT_HOLD_LOAD_WHILE_FILE hook), once there are that many."""
+    deadline = time.monotonic() + timeout_s
+    lines: list[str] = []
+    while time.monotonic() < deadline:
+        path = Path(f"{hold}.holding")
+        lines = path.read_text().splitlines() if path.exists() else []
+        if len(lines) >= n:
+            return [int(ln.split()[0]) for ln in lines[:n]]
+        if not hold.exists():
+            break
+        time.sleep(0.05)
+    raise TimeoutError(f"{len(lines)} of {n} workers reached the load hold")
+
+
+def test_worker_killed_while_loading_is_replaced_and_the_job_completes(
+        ray_session, tiny_job_model, tiny_llm, tmp_path, monkeypatch, capsys):
+    """Two workers held in their constructor, before loading the model; one is SIGKILLed
+    there (as the kernel's out-of-memory killer or a reclaimed node would). It is replaced
+    by a fresh actor (held too, so the replacement certainly starts), with one line saying
+    so; the job completes: every row once, equal to the engine's output alone."""
+    hold = tmp_path / "hold-load"
+    hold.write_text("held")
+    monkeypatch.setenv(FAULT_HOLD_LOAD_WHILE_FILE, str(hold))
+    killed: list[int] = []
+    failure: list[BaseException] = []
+
+    def kill_one_then_release():
+        try:
+            first = holding(hold, 2)
+            os.kill(first[1], signal.SIGKILL)
+            killed.append(first[1])
+            holding(hold, 3)  # its replacement reached the hold
+        except BaseException as e:  # the test reports it
+            failure.append(e)
+        finally:
+            hold.unlink(missing_ok=True)
+
+    thread = threading.Thread(target=kill_one_then_release, daemon=True)
+    thread.start()
+    try:
+        path = write_prompts(tmp_path / "in.jsonl", PROMPTS)
+        summary = run_job(tiny_job_model, path, tmp_path / "out", num_workers=2,
+                          worker_start_timeout_s=120)
+    finally:
+        hold.unlink(missing_ok=True)
+        thread.join(timeout=130)
+    assert not failure, failure
+    assert killed
+    err = capsys.readouterr().err
+    died = re.findall(r"nanoserve: worker (\d) died while loading the model \((.*)\); "
+                      r"replacing it \(restart 1 of at most 8\)", err)
+    assert len(died) == 1, err
+    assert died[0][1] == "its worker process has died", err
+    assert "could not load" not in err
+    assert summary.worker_restarts == 1 and len(summary.workers) == 2
+    assert summary.workers[int(died[0][0])].restarts == 1
+    assert summary.rows == len(PROMPTS) and summary.error_rows == 0
+    assert_rows_match_engine(tiny_llm, PROMPTS, output_rows(tmp_path / "out"), MAX_TOKENS)
+
+
+def test_a_slot_whose_workers_keep_dying_while_loading_is_given_up(
+        ray_session, tiny_job_model, tmp_path, monkeypatch, capsys):
+    """Every worker process exits while loading (the hook's `exit`; as one the kernel's
+    out-of-memory killer ends every time would): the slot's actor is replaced up to the
+    restart budget (`max_deaths_in_a_row`, here 1), then given up; with no worker left the
+    job stops with one line naming the likely cause. Nothing is written."""
+    monkeypatch.setenv("NANOSERVE_FAULT_LOAD", "exit")
+    path = write_prompts(tmp_path / "in.jsonl", PROMPTS[:2])
+    with pytest.raises(NanoserveError) as caught:
+        run_job(tiny_job_model, path, tmp_path / "out", max_deaths_in_a_row=1)
+    message = str(caught.value)
+    assert re.fullmatch(
+        r"worker 0 died 2 times in a row while loading the model \(last: its worker process "
+        r"has died\), and no worker is left: the likely cause is too little host memory on "
+        r"its node for the model \(the kernel's out-of-memory killer: see dmesg there\), or "
+        r"a failing node; the job stopped \(rerun it to resume\)", message), message
+    err = capsys.readouterr().err
+    assert len(re.findall(r"nanoserve: worker 0 died while loading the model \(its worker "
+                          r"process has died\); replacing it \(restart 1 of at most 1\)",
+                          err)) == 1, err
+    assert "giving it up: the likely cause is too little host memory" in err
+    assert list((tmp_path / "out").glob("part-*")) == []
 
 
 def test_more_workers_than_the_cluster_can_place_are_capped_with_a_warning(

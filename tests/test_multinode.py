@@ -1,7 +1,8 @@
 """The batch job on a real multi-node Ray cluster (ray.cluster_utils.Cluster on this
 machine; worker nodes with their own logical GPUs, run on the CPU): a job spread over two
 nodes, a node lost mid-job (also the one holding the most batches), a node added mid-job,
-a job that waits for its first GPU node. Also where the output may go (`placement`).
+a node lost while its worker loads the model (at the start, and a joining worker's), a job
+that waits for its first GPU node. Also where the output may go (`placement`).
 
 The cluster and its jobs run in one process of their own (tests/multinode_cluster.py, one
 cluster for all scenarios, nodes added and removed between them); each test reads what its
@@ -138,6 +139,54 @@ def test_a_node_added_mid_job_is_used(scenarios, tiny_llm):
     assert any(re.match(r"nanoserve: worker 1 joined on node " + record["nodes"]["d"][:12], ln)
                for ln in record["stderr"]), record["stderr"]
     assert_every_row_once_and_right(tiny_llm, scenarios, "node_added")
+
+
+def _assert_one_load_death(record, who: str) -> int:
+    """The one line saying `who` died while loading and is replaced; its worker index."""
+    assert "remover_error" not in record, record["remover_error"]
+    assert "removed" in record, "no node was removed while a worker loaded"
+    died = [re.match(rf"nanoserve: {who} died while loading the model \((.*)\); replacing "
+                     rf"it \(restart 1 of at most 8\)$", ln) for ln in record["stderr"]]
+    died = [m for m in died if m]
+    assert len(died) == 1, record["stderr"]
+    assert died[0].group(2) in ("its node has died", "its worker process has died"), died[0]
+    return int(died[0].group(1))
+
+
+def test_a_node_lost_while_its_worker_loads_the_model(scenarios, tiny_llm):
+    """Two one-GPU nodes, both workers held in their constructor; one node is killed. That
+    worker is replaced, with one line (the replacement waits for a GPU and holds nothing
+    up); the job runs on the other node's worker: every row once, equal to the engine."""
+    record = finished(scenarios, "node_lost_while_loading")
+    index = _assert_one_load_death(record, r"worker (\d)")
+    summary = record["summary"]
+    assert summary["error_rows"] == 0 and summary["rows"] == 8
+    workers = summary["workers"]
+    assert len(workers) == 2
+    assert workers[index]["restarts"] == 1 and workers[index]["batches"] == 0
+    (other,) = [w for w in workers if w["index"] != index]
+    assert other["node_id"] in record["nodes"].values()
+    assert other["node_id"] != record["removed"]["node_id"]
+    assert other["batches"] == 4
+    assert "recovered: 1 worker restart(s)" in summary["format"]
+    assert not any(ln.startswith("error") or "could not load" in ln for ln in record["stderr"])
+    assert_every_row_once_and_right(tiny_llm, scenarios, "node_lost_while_loading")
+
+
+def test_a_joining_workers_node_lost_while_it_loads(scenarios, tiny_llm):
+    """`--num-workers 1-2`: a GPU node joins mid-job and its node is killed while the
+    worker started there loads the model. That worker is replaced (a slot of its own, one
+    line); the job completes on the first worker: every row once, equal to the engine."""
+    record = finished(scenarios, "joiner_lost_while_loading")
+    assert record["removed"]["node_id"] == record["nodes"]["joined"]
+    index = _assert_one_load_death(record, r"a joining worker \(worker (\d)\)")
+    summary = record["summary"]
+    assert summary["error_rows"] == 0 and summary["rows"] == 8
+    workers = summary["workers"]
+    assert index == 1 and len(workers) == 2
+    assert workers[0]["node_id"] == record["nodes"]["first"] and workers[0]["batches"] == 4
+    assert workers[1]["restarts"] == 1 and workers[1]["batches"] == 0
+    assert_every_row_once_and_right(tiny_llm, scenarios, "joiner_lost_while_loading")
 
 
 def test_no_gpu_node_waits_then_fails_with_a_message(scenarios):
