@@ -30,8 +30,9 @@ A row that stops on length is never stepped past its last token.
 Output controls (`nanoserve.step_sampling`, shared with the static batches): a decode step
 holding a row with a structured output queues its forward, then reads the older operations
 (the rows' previous tokens) while that forward runs, fills the rows' bitmasks from their
-matchers, and queues the masked sampling: the graph boundary is at the logits, and rows
-without a constraint keep the captured step's argmax. A row's `n` samples are admitted
+matchers, and queues the masked sampling; that step is read at the next iteration, once
+the next forward is queued. The graph boundary is at the logits: rows without a
+constraint keep the captured step's argmax. A row's `n` samples are admitted
 together: the prompt is prefilled once, samples 1..n-1 fork its block table (full blocks
 shared, the partly filled last block copied) and draw their first tokens from the same
 logits with their own keys. Samples that did not fit that admission run later as rows of
@@ -227,6 +228,7 @@ class ContinuousScheduler:
             self.unread.clear()
 
     def step(self) -> None:
+        steered = False  # a step with a structured output was queued, its older ops read
         if len(self.unread) < MAX_UNREAD:
             admitted = self._admit()
             if admitted:
@@ -235,9 +237,12 @@ class ContinuousScheduler:
             if rows:
                 rows = self._reserve_or_preempt(rows)
                 if rows:
-                    self._decode(rows)
+                    steered = self._decode(rows)
         if self.unread:
-            self._read(self.unread.popleft())
+            # After a steered step the host leaves it unread: the next step's forward is
+            # queued first, and this one is read while that forward runs.
+            if not (steered and len(self.unread) < MAX_UNREAD):
+                self._read(self.unread.popleft())
         elif self.waiting and not self.running:
             raise CacheFullError(
                 f"prompt {self.waiting[0].index} cannot start: the pool has "
@@ -382,7 +387,8 @@ class ContinuousScheduler:
             self.waiting.extendleft(preempted)  # popped newest first: order restored
         return rows
 
-    def _decode(self, rows: list[_Row]) -> None:
+    def _decode(self, rows: list[_Row]) -> bool:
+        """Queue one decode step of `rows`; True when a structured output steered it."""
         if ORDER_LONGEST_FIRST:
             rows = sorted(rows, key=lambda r: -r.table.num_tokens)
         positions = [r.table.num_tokens for r in rows]
@@ -411,6 +417,7 @@ class ContinuousScheduler:
             r.launched += 1
         self.stats.decode_row_steps += len(rows)
         self.unread.append(_Op(op, rows, sampling))
+        return constrained
 
     # --- results -----------------------------------------------------------------------------
 
