@@ -58,7 +58,8 @@ class StructuredOutputs:
 
     def __post_init__(self) -> None:
         if self.json is not None and not isinstance(self.json, str):
-            object.__setattr__(self, "json", json.dumps(self.json, sort_keys=True))
+            # The schema's own key order: properties are generated in it.
+            object.__setattr__(self, "json", json.dumps(self.json))
         if self.choice is not None and not isinstance(self.choice, tuple):
             choice = self.choice
             object.__setattr__(self, "choice", tuple(choice) if isinstance(choice, list)
@@ -189,6 +190,15 @@ def structured_from_request(fields: dict[str, Any]) -> StructuredOutputs | None:
     return so
 
 
+_REGEX_SPECIAL = frozenset("\\.^$*+?{}[]|()/")
+
+
+def _literal(text: str) -> str:
+    """A regex matching exactly `text` (only the regex syntax escaped: xgrammar's regex
+    reader warns on escapes of plain characters such as a space)."""
+    return "".join("\\" + c if c in _REGEX_SPECIAL else c for c in text)
+
+
 def _xgrammar():
     try:
         import xgrammar
@@ -267,7 +277,7 @@ class GrammarCache:
             if so.regex is not None:
                 return compiler.compile_regex(so.regex)
             if so.choice is not None:
-                return compiler.compile_regex("|".join(re.escape(c) for c in so.choice))
+                return compiler.compile_regex("|".join(_literal(c) for c in so.choice))
             return compiler.compile_grammar(so.grammar)
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError for every kind
             what = {"json": "JSON schema", "regex": "regex", "grammar": "grammar"}.get(
