@@ -32,11 +32,13 @@ def _add_generate_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
     p.add_argument("--n", type=int, default=1, metavar="N",
-                   help="samples per prompt, 1-128; sample i draws with seed + i (default: 1)")
+                   help="samples per prompt, 1-128; sample i draws with seed + i (with "
+                        "temperature 0 all are the same greedy text) (default: 1)")
     p.add_argument("--logprobs", type=int, default=None, metavar="K",
                    help="print each generated token's logprob and rank and the K (0-20) most "
                         "likely tokens at its place")
-    s = p.add_argument_group("structured output (at most one)")
+    s = p.add_argument_group("structured output (at most one; a completion cut short by "
+                             "--max-tokens ends with finish_reason=length and may not parse)")
     s.add_argument("--json-schema", type=Path, default=None, metavar="FILE",
                    help="a JSON schema file: the text is JSON valid under it")
     s.add_argument("--regex", default=None, metavar="REGEX",

@@ -69,21 +69,23 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--ignore-eos", action="store_true", help="generate past end-of-sequence")
     s.add_argument("--n", type=int, default=1, metavar="N",
                    help="samples per row, 1-128: one output row each (column 'sample_index'), "
-                        "sample i drawing with seed + i (default: 1)")
+                        "sample i drawing with seed + i; greedy rows (temperature 0) give n "
+                        "equal samples (default: 1)")
     s.add_argument("--logprobs", type=int, default=None, metavar="K",
                    help="per generated token: its logprob and rank and the K (0-20) most likely "
                         "tokens, in the output column 'logprobs' (default: none)")
     s.add_argument("--prompt-logprobs", type=int, default=None, metavar="K",
                    help="the same for each prompt token after the first, in the column "
                         "'prompt_logprobs' (default: none)")
-    g = p.add_argument_group("structured output (the job's default; per-row columns override "
-                             "it; at most one)")
+    g = p.add_argument_group(
+        "structured output (the job's default, at most one; per-row columns override it; a "
+        "row cut short by --max-tokens ends with finish_reason 'length' and may not parse)")
     g.add_argument("--json-schema", type=Path, default=None, metavar="FILE",
-                   help="a JSON schema file: every row's text is JSON valid under it")
+                   help="a JSON schema file: a row's text is JSON valid under it")
     g.add_argument("--regex", default=None, metavar="REGEX",
-                   help="every row's whole text matches this regular expression")
+                   help="a row's whole text matches this regular expression")
     g.add_argument("--choice", action="append", default=[], metavar="TEXT",
-                   help="every row's text is one of these (repeat the flag for each choice)")
+                   help="a row's text is one of these (repeat the flag for each choice)")
     c = p.add_argument_group("columns")
     c.add_argument("--prompt-column", default=None, metavar="NAME",
                    help="the column holding the prompt (text, messages or token ids)")
