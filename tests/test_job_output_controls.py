@@ -28,7 +28,7 @@ from nanoserve.structured import StructuredOutputs
 from nanoserve_cli import main as nanoserve_main
 from ray_jobs import run_batch_job
 from ray_jobs.io import LOGPROBS_TYPE, RESULT_COLUMNS
-from ray_jobs.manifest import Manifest
+from ray_jobs.manifest import REPORT_NAME, Manifest
 from ray_jobs.worker import BatchWorker, GenerationRequest
 
 KV_BYTES = 32 << 20
@@ -138,6 +138,9 @@ def test_constrained_rows_parse_validate_and_match(constrained_job):
     assert not {"sample_index", "logprobs", "prompt_logprobs"} & set(names)
     # JSON documents in JSONL are passed through as their JSON text.
     assert json.loads(by_id["person"]["guided_json"]) == PERSON
+    # Default output controls leave the manifest's settings as a job before them wrote them.
+    assert set(Manifest.load(out).settings["sampling"]) == {
+        "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos"}
 
 
 def test_constrained_and_plain_rows_equal_the_engine_alone(constrained_job, smollm2_llm):
@@ -211,6 +214,12 @@ def test_n_job_writes_one_row_per_id_and_sample(n_job):
     assert (summary.rows, summary.input_rows, summary.error_rows) == (10, 7, 5)
     assert "rows: 10 for 7 input rows (5 error rows)" in summary.format()
     assert Manifest.load(out).rows_done == 10
+    page = (out / REPORT_NAME).read_text()
+    data = json.loads(re.search(r'id="nanoserve-report-data">(.*?)</script>', page,
+                                re.S).group(1).replace("<\\/", "</"))
+    assert (data["totals"]["rows"], data["totals"]["error_rows"]) == (10, 5)
+    assert data["summary"]["input_rows"] == 7
+    assert sum(p["rows"] for p in data["pieces"]) == 5  # samples the workers answered
     assert summary.output_tokens == sum(r["num_generated_tokens"] for r in by_key.values())
     for i in range(3):  # input columns repeated on every sample
         assert by_key[(0, i)]["prompt"] == N_ROWS[0]["prompt"] and by_key[(0, i)]["n"] == 3
@@ -506,15 +515,15 @@ def test_processor_refuses_a_default_constraint_that_does_not_compile(tiny_job_m
                         structured_outputs=StructuredOutputs(regex="[a-"))
 
 
-# --- nanoserve generate (the default model) --------------------------------------------------
+# --- nanoserve generate (tiny model: the grammar, not the model, makes the text valid) ------
 
 
 def test_generate_with_a_json_schema_prints_valid_samples_and_logprobs(tmp_path, capsys,
-                                                                       smollm2_gguf_path):
+                                                                       tiny_job_model):
     schema = tmp_path / "person.json"
     schema.write_text(json.dumps(PERSON))
-    rc = nanoserve_main(["generate", "--model", str(smollm2_gguf_path), "--device", "cpu",
-                         "--chat", "--json-schema", str(schema), "--max-tokens", "40",
+    rc = nanoserve_main(["generate", "--model", str(tiny_job_model), "--device", "cpu",
+                         "--json-schema", str(schema), "--max-tokens", "100",
                          "--n", "2", "--temperature", "0.7", "--seed", "1", "--logprobs", "1",
                          "Extract the person: Maria Lopez is 34 years old."])
     printed = capsys.readouterr().out.splitlines()
