@@ -5,9 +5,11 @@
     python examples/ray_data.py --input 's3://bucket/prompts/' --output out/
 
 Rows need a `prompt`, `messages` or `prompt_token_ids` column (per-row `max_tokens`,
-`temperature`, `top_p`, `top_k`, `seed` columns override the defaults); each output row is
+`temperature`, `top_p`, `top_k`, `seed` columns override the defaults, as do `n`,
+`logprobs`, `prompt_logprobs` and structured outputs: see the README); each output row is
 the input row plus `generated_text`, `generated_token_ids`, `num_input_tokens`,
-`num_generated_tokens`, `finish_reason` and `error` (bad rows are error rows).
+`num_generated_tokens`, `finish_reason` and `error` (bad rows are error rows), once per
+sample.
 Ray Data streams the dataset through the engines, so it may be larger than memory.
 """
 

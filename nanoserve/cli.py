@@ -31,6 +31,20 @@ def _add_generate_parser(sub) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+    p.add_argument("--n", type=int, default=1, metavar="N",
+                   help="samples per prompt, 1-128; sample i draws with seed + i (with "
+                        "temperature 0 all are the same greedy text) (default: 1)")
+    p.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="print each generated token's logprob and rank and the K (0-20) most "
+                        "likely tokens at its place")
+    s = p.add_argument_group("structured output (at most one; a completion cut short by "
+                             "--max-tokens ends with finish_reason=length and may not parse)")
+    s.add_argument("--json-schema", type=Path, default=None, metavar="FILE",
+                   help="a JSON schema file: the text is JSON valid under it")
+    s.add_argument("--regex", default=None, metavar="REGEX",
+                   help="the whole text matches this regular expression")
+    s.add_argument("--choice", action="append", default=[], metavar="TEXT",
+                   help="the text is one of these (repeat the flag for each choice)")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
 
@@ -47,21 +61,86 @@ def _run_generate(args) -> int:
             raise NanoserveError(f"cannot read {args.file}: {e.strerror}") from None
     if not prompts:
         raise NanoserveError("no prompts: give them as arguments or with --file")
+    structured = _structured_output(args)
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                                top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+                                top_p=args.top_p, top_k=args.top_k, seed=args.seed, n=args.n,
+                                logprobs=args.logprobs, structured_outputs=structured)
     except ValueError as e:
         raise NanoserveError(str(e)) from None
     llm = LLM(args.model, dtype=args.dtype, device=args.device)
+    if structured is not None:
+        try:
+            llm.grammars.check(structured)
+        except ValueError as e:
+            raise NanoserveError(f"{_structured_flag(args)}: {e}") from None
     tok = llm.tokenizer
     texts = [tok.apply_chat_template([{"role": "user", "content": p}]) if args.chat else p
              for p in prompts]
     ids = [tok.encode(t) for t in texts]
-    for i, (p, out) in enumerate(zip(prompts, llm.generate(ids, params))):
+    outs = llm.generate(ids, params)
+    for i, p in enumerate(prompts):
         print(f"=== [{i}] {p}")
-        print(out.text)
-        print(f"--- {len(out.token_ids)} tokens, finish_reason={out.finish_reason}")
+        for out in outs[i * args.n:(i + 1) * args.n]:
+            if args.n > 1:
+                print(f"--- sample {out.sample_index}")
+            print(out.text if out.finish_reason != "error" else f"(error: {out.error})")
+            print(f"--- {len(out.token_ids)} tokens, finish_reason={out.finish_reason}")
+            if out.logprobs is not None:
+                for entry in out.logprobs:
+                    print("    " + _logprob_line(tok, entry))
     return 0
+
+
+def _structured_flag(args) -> str:
+    if args.json_schema is not None:
+        return f"--json-schema {args.json_schema}"
+    return "--regex" if args.regex is not None else "--choice"
+
+
+def _structured_output(args):
+    """The constraint the flags ask for (a StructuredOutputs), or None; NanoserveError with
+    one line for a file that cannot be read or a malformed constraint."""
+    import json
+
+    from nanoserve.structured import StructuredOutputs
+
+    asked = [a for a, v in (("--json-schema", args.json_schema), ("--regex", args.regex),
+                            ("--choice", args.choice)) if v is not None and v != []]
+    if not asked:
+        return None
+    if len(asked) > 1:
+        raise NanoserveError(f"give at most one structured output, not {' and '.join(asked)}")
+    if args.json_schema is not None:
+        try:
+            text = args.json_schema.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            reason = e.strerror if isinstance(e, OSError) else f"not UTF-8 text ({e.reason})"
+            raise NanoserveError(f"--json-schema {args.json_schema}: cannot read it "
+                                 f"({reason})") from None
+        try:
+            json.loads(text)
+        except ValueError as e:
+            raise NanoserveError(f"--json-schema {args.json_schema}: not valid JSON ({e})") from None
+        so = StructuredOutputs(json=text)
+    else:
+        so = StructuredOutputs(regex=args.regex, choice=tuple(args.choice) or None)
+    problems = so.problems()
+    if problems:
+        raise NanoserveError(f"{_structured_flag(args)}: {problems[0]}")
+    return so
+
+
+def _logprob_line(tok, entry) -> str:
+    """One generated token's logprob compactly: the token, its logprob and rank, then the
+    most likely tokens at its place."""
+    def piece(token_id: int) -> str:
+        return repr(tok.decode([token_id], skip_special_tokens=False))
+
+    line = f"{piece(entry.token_id)} {entry.logprob:.4f} (rank {entry.rank})"
+    if entry.top:
+        line += "; top: " + ", ".join(f"{piece(t)} {lp:.4f}" for t, lp in entry.top)
+    return line
 
 
 def _run_fetch_model(args) -> int:

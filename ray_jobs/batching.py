@@ -9,6 +9,9 @@ longest first (ties by input position), and cut, in that order, into batches bou
   the padded rectangle of a static batch run to its longest possible end. It bounds both
   the prefill rectangle (rows x longest prompt) and the KV slots the batch can ever need.
   A single row costlier than the bound forms a batch of its own.
+A row asking for n samples (`n`, default 1) weighs n rows in both bounds: its samples are
+n rows of the engine's batch and n output rows. A row heavier than `batch_size` forms a
+batch of its own.
 
 The window's error rows (prepared as errors on the driver) form their own batches first;
 they are written by the driver and never sent to a worker.
@@ -48,6 +51,8 @@ class BatchRow(Protocol):
 
     @property
     def max_tokens(self) -> int: ...
+
+    # Optional: `n`, the samples it asks for (its weight in a batch; 1 when absent).
 
 
 @dataclass(frozen=True)
@@ -97,13 +102,26 @@ class Batch:
         rebuilds a different batch under the same id is detected by it."""
         h = hashlib.sha256()
         for r in self.rows:
-            h.update(f"{r.position}:{r.num_prompt_tokens}:{r.error is not None};".encode())
+            samples = f"x{weight(r)}" if weight(r) != 1 else ""
+            h.update(f"{r.position}:{r.num_prompt_tokens}:{r.error is not None}{samples};"
+                     .encode())
         return h.hexdigest()[:16]
+
+    @property
+    def num_samples(self) -> int:
+        """Output rows it gives: one per sample."""
+        return sum(weight(r) for r in self.rows)
+
+
+def weight(row: BatchRow) -> int:
+    """The samples a row asks for: its weight in a batch."""
+    return getattr(row, "n", 1)
 
 
 def batch_cost(rows: Iterable[BatchRow]) -> int:
     rows = list(rows)
-    return len(rows) * max((r.num_prompt_tokens + r.max_tokens for r in rows), default=0)
+    return sum(weight(r) for r in rows) * max(
+        (r.num_prompt_tokens + r.max_tokens for r in rows), default=0)
 
 
 def make_batches(rows: Iterable[BatchRow], limits: BatchLimits) -> Iterator[Batch]:
@@ -128,18 +146,30 @@ def cut_window(window: list[BatchRow], limits: BatchLimits) -> list[list[BatchRo
     errors = [r for r in window if r.error is not None]
     good = sorted((r for r in window if r.error is None),
                   key=lambda r: (-r.num_prompt_tokens, r.position))
-    groups = [errors[i:i + limits.batch_size] for i in range(0, len(errors), limits.batch_size)]
+    groups: list[list[BatchRow]] = []
     current: list[BatchRow] = []
+    rows = 0  # samples in `current`
+    for r in errors:
+        if current and rows + weight(r) > limits.batch_size:
+            groups.append(current)
+            current, rows = [], 0
+        current.append(r)
+        rows += weight(r)
+    if current:
+        groups.append(current)
+    current, rows = [], 0
     longest = 0  # max(prompt + max_tokens) over `current`
     for r in good:
         need = r.num_prompt_tokens + r.max_tokens
         grown = max(longest, need)
-        too_many = len(current) + 1 > limits.batch_size
-        too_big = limits.max_batch_tokens is not None and (len(current) + 1) * grown > limits.max_batch_tokens
+        w = weight(r)
+        too_many = rows + w > limits.batch_size
+        too_big = limits.max_batch_tokens is not None and (rows + w) * grown > limits.max_batch_tokens
         if current and (too_many or too_big):
             groups.append(current)
-            current, grown = [], need
+            current, grown, rows = [], need, 0
         current.append(r)
+        rows += w
         longest = grown
     if current:
         groups.append(current)

@@ -11,7 +11,9 @@ Exit status: 0 when the job completed (error rows included); 2 with one line
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 from nanoserve.errors import InputError
 from nanoserve.model_store import DEFAULT_MODEL
@@ -23,8 +25,15 @@ OUTPUT_DIR may be local paths or object-store URIs (s3://bucket/prefix/, gs://..
 
 Each row needs a prompt: a 'prompt' (text), 'messages' (chat, [{role, content}, ...],
 rendered with the model's chat template) or 'prompt_token_ids' column; a row uses the
-first of these that it has. Optional columns: 'id' (else the row's 0-based position),
-and per-row 'max_tokens', 'temperature', 'top_p', 'top_k', 'seed'.
+first of these that it has. Optional columns: 'id' (else the row's 0-based position);
+per-row 'max_tokens', 'temperature', 'top_p', 'top_k', 'seed', 'n' (samples, 1-128),
+'logprobs' and 'prompt_logprobs' (0-20 alternatives); and a structured output:
+'response_format' (OpenAI's {"type": "json_schema", "json_schema": {"name", "schema"}} or
+{"type": "json_object"}), 'guided_json' (a JSON schema, object or JSON text),
+'guided_regex', 'guided_choice' (a list of strings) or 'guided_grammar' (EBNF). Per-row
+values override the flags below. A row asking for n samples gives n output rows, keyed on
+(id, sample_index); 'logprobs' / 'prompt_logprobs' output columns hold
+list<struct<token_id, logprob, rank, top: list<struct<token_id, logprob>>>>.
 
 A rerun into the same OUTPUT_DIR resumes where the last run stopped. Each run that computes
 something writes a self-contained HTML report, OUTPUT_DIR/_nanoserve_report.html
@@ -58,6 +67,25 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop string (repeatable)")
     s.add_argument("--ignore-eos", action="store_true", help="generate past end-of-sequence")
+    s.add_argument("--n", type=int, default=1, metavar="N",
+                   help="samples per row, 1-128: one output row each (column 'sample_index'), "
+                        "sample i drawing with seed + i; greedy rows (temperature 0) give n "
+                        "equal samples (default: 1)")
+    s.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="per generated token: its logprob and rank and the K (0-20) most likely "
+                        "tokens, in the output column 'logprobs' (default: none)")
+    s.add_argument("--prompt-logprobs", type=int, default=None, metavar="K",
+                   help="the same for each prompt token after the first, in the column "
+                        "'prompt_logprobs' (default: none)")
+    g = p.add_argument_group(
+        "structured output (the job's default, at most one; per-row columns override it; a "
+        "row cut short by --max-tokens ends with finish_reason 'length' and may not parse)")
+    g.add_argument("--json-schema", type=Path, default=None, metavar="FILE",
+                   help="a JSON schema file: a row's text is JSON valid under it")
+    g.add_argument("--regex", default=None, metavar="REGEX",
+                   help="a row's whole text matches this regular expression")
+    g.add_argument("--choice", action="append", default=[], metavar="TEXT",
+                   help="a row's text is one of these (repeat the flag for each choice)")
     c = p.add_argument_group("columns")
     c.add_argument("--prompt-column", default=None, metavar="NAME",
                    help="the column holding the prompt (text, messages or token ids)")
@@ -115,11 +143,14 @@ def run_batch_cli(args: argparse.Namespace) -> int:
     try:
         SamplingParams(**{"max_tokens": args.max_tokens, "temperature": args.temperature,
                         "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed,
-                        "stop": tuple(args.stop), "ignore_eos": args.ignore_eos})
+                        "stop": tuple(args.stop), "ignore_eos": args.ignore_eos,
+                        "n": args.n, "logprobs": args.logprobs,
+                        "prompt_logprobs": args.prompt_logprobs})
     except ValueError as e:
         raise InputError(f"invalid sampling options: {e}") from None
     if args.kv_cache_memory is not None and args.kv_cache_memory <= 0:
         raise InputError(f"--kv-cache-memory must be > 0 GiB, got {args.kv_cache_memory}")
+    json_schema = None if args.json_schema is None else read_json_schema(args.json_schema)
 
     summary = run_batch_job(
         args.input, args.output_dir, model=args.model, max_tokens=args.max_tokens,
@@ -129,13 +160,36 @@ def run_batch_cli(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         max_batch_tokens=args.max_batch_tokens, address=args.address,
         overwrite=args.overwrite, retry_errors=args.retry_errors, scheduler=args.scheduler,
-        prefix_caching=args.prefix_caching,
+        prefix_caching=args.prefix_caching, n=args.n, logprobs=args.logprobs,
+        prompt_logprobs=args.prompt_logprobs, json_schema=json_schema, regex=args.regex,
+        choice=tuple(args.choice),
         prompt_column=args.prompt_column, id_column=args.id_column,
         progress=args.progress, kv_cache_fraction=args.kv_cache_fraction,
         kv_cache_bytes=None if args.kv_cache_memory is None else int(args.kv_cache_memory * 2**30),
     )
     print(summary.format())
     return 0
+
+
+def read_json_schema(path: Path) -> str:
+    """The text of a `--json-schema FILE`; InputError (one line naming the file) when it
+    cannot be read, is not JSON, or is not a usable schema's shape (whether it compiles is
+    checked with the model's tokenizer, before any worker starts)."""
+    from nanoserve.structured import StructuredOutputs
+
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) else f"not UTF-8 text ({e.reason})"
+        raise InputError(f"--json-schema {path}: cannot read it ({reason})") from None
+    try:
+        json.loads(text)
+    except ValueError as e:
+        raise InputError(f"--json-schema {path}: not valid JSON ({e})") from None
+    problems = StructuredOutputs(json=text).problems()
+    if problems:
+        raise InputError(f"--json-schema {path}: {problems[0]}")
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,13 +12,21 @@ the result columns out.
 Contract (see docs/interfaces.md):
 - input rows as `nanoserve batch` reads them: a `prompt` (text), `messages` (chat) or
   `prompt_token_ids` column (or the one `prompt_column` names; a row uses the first of them
-  it has), and optional per-row `max_tokens`, `temperature`, `top_p`, `top_k`, `seed`;
-- output: every input row, once, with its columns unchanged and the result columns of
+  it has), and optional per-row `max_tokens`, `temperature`, `top_p`, `top_k`, `seed`, `n`,
+  `logprobs`, `prompt_logprobs` and structured outputs (`response_format`, `guided_json`,
+  `guided_regex`, `guided_choice`, `guided_grammar`);
+- output: every input row, once per sample (n rows for a row asking for n samples, its
+  columns repeated), with its columns unchanged and the result columns of
   `ray_jobs.io.RESULT_SCHEMA` appended (`generated_text`, `generated_token_ids`,
-  `num_input_tokens`, `num_generated_tokens`, `finish_reason`, `error`). Row order within
-  a batch is kept; Ray Data may reorder blocks (keep an id column to join on);
+  `num_input_tokens`, `num_generated_tokens`, `finish_reason`, `error`), then the output
+  controls the batch can need (`prepare.output_controls`): `sample_index` when the default
+  `n` is above 1 or the batch has an `n` column, `logprobs` / `prompt_logprobs` when the
+  defaults or a column ask for them (an input `logprobs` / `prompt_logprobs` column is
+  replaced by the result column of its name). Row order within a batch is kept; Ray Data
+  may reorder blocks (keep an id column to join on);
 - a bad row (empty prompt, malformed messages, token ids out of range, invalid sampling
-  values, a prompt the KV cache cannot hold, a generation failure) is an `error` row, as in
+  values, a structured output that is malformed or does not compile, a prompt the KV cache
+  cannot hold, a generation failure) is an `error` row (n of them for n samples), as in
   `nanoserve batch`; the dataset does not fail for it. A dataset whose columns hold no
   prompt at all is refused with an `InputError` when its first batch is read;
 - run by a fixed pool of `concurrency` actors, each holding one engine (`BatchWorker`) for
@@ -28,9 +36,10 @@ Contract (see docs/interfaces.md):
   own rows alone, so a dataset larger than memory flows through.
 
 The same per-row steps as the batch job, reused: `RowPreparer` (rows to token ids and
-`SamplingParams`, or error rows) and `BatchWorker.run_batch` (token ids to an Arrow table
-in `RESULT_SCHEMA`, error rows for what does not fit). Nothing else is written: no
-manifest, no resume (Ray Data's own execution decides what runs again).
+`SamplingParams`, or error rows; constraints compiled once per actor) and
+`BatchWorker.run_batch` (token ids to an Arrow table with a row per sample, error rows for
+what does not fit). Nothing else is written: no manifest, no resume (Ray Data's own
+execution decides what runs again).
 """
 
 from __future__ import annotations
@@ -43,9 +52,15 @@ from typing import Any
 import pyarrow as pa
 
 from nanoserve.model_store import DEFAULT_MODEL, resolve_model
-from ray_jobs.io import RESULT_SCHEMA, InputChunk
-from ray_jobs.prepare import ColumnPlan, RowPreparer, load_model_meta, plan_columns
-from ray_jobs.worker import BatchWorker, GenerationRequest, error_row
+from ray_jobs.io import InputChunk, result_schema
+from ray_jobs.prepare import (
+    ColumnPlan,
+    RowPreparer,
+    load_model_meta,
+    output_controls,
+    plan_columns,
+)
+from ray_jobs.worker import BatchWorker, GenerationRequest, error_rows
 
 
 class DatasetGenerator:
@@ -63,38 +78,56 @@ class DatasetGenerator:
         self.worker = BatchWorker(str(path), dtype=dtype, kv_cache_fraction=kv_cache_fraction,
                                   kv_cache_bytes=kv_cache_bytes, scheduler=scheduler,
                                   num_threads=num_threads)
-        self._preparers: dict[pa.Schema, RowPreparer] = {}
+        self._preparers: dict[pa.Schema, tuple[RowPreparer, tuple[str, ...]]] = {}
 
-    def _preparer(self, schema: pa.Schema) -> RowPreparer:
-        """One `RowPreparer` per input schema seen (blocks may differ, e.g. an all-null
-        column). Row ids play no part here: rows are never matched back by id."""
+    def _preparer(self, schema: pa.Schema) -> tuple[RowPreparer, tuple[str, ...]]:
+        """One `RowPreparer` (and the output controls) per input schema seen (blocks may
+        differ, e.g. an all-null column). Row ids play no part here: rows are never matched
+        back by id. The preparers share the actor's engine's grammar cache."""
         if schema not in self._preparers:
             plan: ColumnPlan = dataclasses.replace(
                 plan_columns(schema, self.prompt_column), id_column=None)
-            self._preparers[schema] = RowPreparer(
+            llm = self.worker.llm
+            preparer = RowPreparer(
                 plan, self.tokenizer, self.config.max_position_embeddings,
-                self.config.vocab_size, self.sampling)
+                self.config.vocab_size, self.sampling, eos_token_ids=llm.eos_token_ids,
+                grammars=llm.grammars)
+            controls = output_controls(plan, self.sampling)
+            plan.output_schema(controls)  # InputError for a clashing column
+            self._preparers[schema] = (preparer, controls)
         return self._preparers[schema]
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        """`batch`'s rows, in order, with the result columns appended."""
+        """`batch`'s rows, in order, each once per sample, with the result columns
+        appended."""
         batch = batch.combine_chunks()
         record = pa.RecordBatch.from_arrays(
             [c.chunk(0) if c.num_chunks else pa.array([], c.type) for c in batch.columns],
             schema=batch.schema)
-        rows = self._preparer(batch.schema).prepare(InputChunk(record, Path("<dataset>")), 0)
-        results: list[dict[str, Any] | None] = [
-            error_row(r.error) if r.error is not None else None for r in rows]
+        preparer, controls = self._preparer(batch.schema)
+        rows = preparer.prepare(InputChunk(record, Path("<dataset>")), 0)
+        results: list[list[dict[str, Any]] | None] = [
+            error_rows(r.error, 0, r.n) if r.error is not None else None for r in rows]
         todo = [i for i, r in enumerate(rows) if r.error is None]
         if todo:
             answered = self.worker.run_batch(
                 [GenerationRequest(rows[i].prompt_token_ids, rows[i].params) for i in todo])
-            for i, res in zip(todo, answered.to_pylist(), strict=True):
-                results[i] = res
-        table = pa.Table.from_pylist(results, schema=RESULT_SCHEMA)
-        for field, column in zip(RESULT_SCHEMA, table.columns):
-            batch = batch.append_column(field, column)
-        return batch
+            flat, at = answered.to_pylist(), 0
+            for i in todo:
+                results[i] = flat[at:at + rows[i].n]
+                at += rows[i].n
+            if at != len(flat):
+                raise RuntimeError(f"the worker answered {len(flat)} rows for {at} samples")
+        repeat = [i for i, samples in enumerate(results) for _ in samples]
+        out = batch.take(pa.array(repeat, pa.int64())) if repeat != list(range(len(rows))) \
+            else batch
+        out = out.drop_columns([c for c in controls if c in out.column_names])
+        schema = result_schema(controls)
+        table = pa.Table.from_pylist([res for samples in results for res in samples],
+                                     schema=schema)
+        for field, column in zip(schema, table.columns):
+            out = out.append_column(field, column)
+        return out
 
 
 def build_processor(model: str = DEFAULT_MODEL, *, concurrency: int = 1,
@@ -106,8 +139,10 @@ def build_processor(model: str = DEFAULT_MODEL, *, concurrency: int = 1,
     the module docstring). `concurrency` actors, each with `num_gpus` GPUs (1: one engine
     per GPU; 0: on the CPU, `num_cpus` cores each, default 1); `batch_size` rows per call
     of an engine; `sampling`: the `SamplingParams` fields (`max_tokens`, `temperature`,
-    `top_p`, `top_k`, `seed`, `stop`, `ignore_eos`) that per-row columns override.
-    Options are checked here, before any actor starts (InputError, ValueError)."""
+    `top_p`, `top_k`, `seed`, `stop`, `ignore_eos`, `n`, `logprobs`, `prompt_logprobs`,
+    `structured_outputs`: a `nanoserve.structured.StructuredOutputs`) that per-row columns
+    override. Options are checked here, before any actor starts (InputError, ValueError);
+    a default structured output is compiled with the model's tokenizer here too."""
     from nanoserve.errors import InputError
     from nanoserve.sampling import SamplingParams
 
@@ -119,10 +154,15 @@ def build_processor(model: str = DEFAULT_MODEL, *, concurrency: int = 1,
     if "stop" in sampling:
         sampling["stop"] = tuple(sampling["stop"] or ())
     try:
-        SamplingParams(**sampling)
+        params = SamplingParams(**sampling)
     except (TypeError, ValueError) as e:
         raise InputError(f"invalid sampling options: {e}") from None
-    resolve_model(model)  # a model that is not there is refused here, not in every actor
+    path = resolve_model(model)  # a model that is not there is refused here, not in every actor
+    if params.structured_outputs is not None:
+        config, tokenizer = load_model_meta(path)
+        plan = ColumnPlan((("prompt", "text"),), None, (), pa.schema([("prompt", pa.string())]))
+        RowPreparer(plan, tokenizer, config.max_position_embeddings, config.vocab_size,
+                    sampling)  # InputError if it does not compile
     if num_gpus:
         resources: dict[str, Any] = {"num_gpus": num_gpus, "num_cpus": num_cpus or 0}
         num_threads = None

@@ -18,6 +18,13 @@ the batches in flight (at most `max_in_flight_per_worker` per worker, plus retri
 manifest records done batch ids, never per-row data. Output rows are grouped by batch
 (sorted by prompt length within a window, longest first), not in input order: join on `id`.
 
+A row asking for n samples gives n output rows, keyed on (`id`, `sample_index`), its input
+columns repeated: a worker answers one result row per sample, in order, and the driver
+regroups them per input row. A row that fails as a whole gives n error rows. Parts, resume
+and `--retry-errors` work per batch as before, so every (id, sample_index) is written
+exactly once. Counts: `JobSummary.rows` (and the manifest's `rows_done`, the report) count
+output rows; `input_rows` and `input_tokens` count each input row once.
+
 Nothing lost, nothing duplicated (see `_JobRun` for the bookkeeping):
 - a worker that dies is replaced and the batches it held run again; a batch that kills
   its worker every time is cut in halves until the row at fault stands alone, and that
@@ -66,7 +73,14 @@ from ray_jobs.manifest import (
 from ray_jobs.options import JobOptions
 from ray_jobs.placement import check_output_reachable
 from ray_jobs.pool import WorkerPool, WorkerReport, first_line, log
-from ray_jobs.prepare import ColumnPlan, PreparedRow, RowPreparer, load_model_meta, plan_columns
+from ray_jobs.prepare import (
+    ColumnPlan,
+    PreparedRow,
+    RowPreparer,
+    load_model_meta,
+    output_controls,
+    plan_columns,
+)
 from ray_jobs.report import ReportLog, piece_record, report_data, write_report
 from ray_jobs.storage import OutputDir, is_uri
 from ray_jobs.timeline import PHASES, Timeline
@@ -76,7 +90,7 @@ from ray_jobs.worker import (
     PREFILL_TOKENS_KEY,
     PROMPT_TOKENS_CACHED_KEY,
     GenerationRequest,
-    error_row,
+    error_rows,
 )
 
 MAX_BATCH_ATTEMPTS = 2  # deaths of its worker a batch may cause before it is cut in halves
@@ -90,9 +104,9 @@ class JobSummary:
     runs into the same folder."""
 
     output_dir: str
-    rows: int
+    rows: int  # output rows written: one per sample of each input row
     error_rows: int
-    rows_resumed: int
+    rows_resumed: int  # output rows
     input_tokens: int
     output_tokens: int
     wall_time_s: float
@@ -110,10 +124,13 @@ class JobSummary:
     # whose engines have one (None: no engine had one).
     prefix_hit_rate: float | None = None
     nodes_lost: tuple[str, ...] = ()  # e.g. "node 3f2a9c1e07b4 (10.0.0.7, worker 1)"
+    input_rows: int | None = None  # input rows answered by this run (None: = rows)
 
     def format(self) -> str:
+        samples = (f" for {self.input_rows} input rows"
+                   if self.input_rows is not None and self.input_rows != self.rows else "")
         lines = [
-            f"rows: {self.rows} ({self.error_rows} error rows)"
+            f"rows: {self.rows}{samples} ({self.error_rows} error rows)"
             + (f", {self.rows_resumed} done by an earlier run" if self.rows_resumed else ""),
             f"tokens: {self.input_tokens} input, {self.output_tokens} output",
             f"wall time: {self.wall_time_s:.1f} s, {self.output_tokens_per_s:.1f} output tokens/s",
@@ -148,8 +165,11 @@ def run_batch_job(input: str | Path, output_dir: str | Path, **options: Any) -> 
                          opts.window_batches * opts.batch_size)
     model_path = resolve_model(opts.model)
     config, tokenizer = load_model_meta(model_path)
+    eos = tuple(sorted(set(config.eos_token_ids) | set(tokenizer.eos_token_ids)))
     preparer = RowPreparer(plan, tokenizer, config.max_position_embeddings, config.vocab_size,
-                           opts.sampling_defaults())
+                           opts.sampling_defaults(), eos_token_ids=eos)
+    controls = output_controls(plan, opts.sampling_defaults())
+    plan.output_schema(controls)  # an input column that clashes is refused here
     settings = _job_settings(opts, info, model_path, limits)
     folder = OutputDir.open(output_dir)  # a local folder or an object-store prefix
     if folder.local:  # named as the user gave it (a path, or its file:// URI's path)
@@ -175,7 +195,8 @@ def run_batch_job(input: str | Path, output_dir: str | Path, **options: Any) -> 
             timeline.mark("workers")
             return pool
 
-        run = _JobRun(opts, plan, folder, manifest, start_pool, info.num_rows, timeline, retry)
+        run = _JobRun(opts, plan, folder, manifest, start_pool, info.num_rows, timeline, retry,
+                      controls)
         run.execute(make_batches(_prepared_rows(info, preparer, opts.chunk_rows), limits))
         mark_complete(folder, manifest)
     timeline.mark("shutdown")
@@ -194,9 +215,20 @@ def run_batch_job(input: str | Path, output_dir: str | Path, **options: Any) -> 
 
 def _job_settings(opts: JobOptions, info: InputInfo, model_path: Path,
                   limits: BatchLimits) -> dict[str, Any]:
-    """What the manifest compares on resume: everything that changes the output rows."""
+    """What the manifest compares on resume: everything that changes the output rows. The
+    output controls appear only when set (`n` above 1, logprobs asked, a job-wide structured
+    output), so the output of a job from before them still resumes."""
     sampling = opts.sampling_defaults()
     sampling["stop"] = list(sampling["stop"])
+    for key in ("n", "logprobs", "prompt_logprobs", "structured_outputs"):
+        value = sampling.pop(key)
+        if value is not None and not (key == "n" and value == 1):
+            sampling[key] = value
+    so = sampling.get("structured_outputs")
+    if so is not None:
+        sampling["structured_outputs"] = {k: list(v) if k == "choice" else v
+                                          for k in ("json", "regex", "choice")
+                                          if (v := getattr(so, k)) is not None}
     return {
         "model": {"files": model_identity(model_path), "dtype": opts.dtype},
         "input": {"files": input_identity(info.root, info.files), "num_rows": info.num_rows},
@@ -219,7 +251,7 @@ class _Pending:
     """A batch sent to the workers whose rows are not all answered yet."""
 
     batch: Batch
-    results: list[dict[str, Any] | None]  # one per row, in batch order
+    results: list[list[dict[str, Any]] | None]  # per row, in batch order: one per sample
     left: int  # rows without a result
 
 
@@ -283,16 +315,18 @@ class _JobRun:
 
     def __init__(self, opts: JobOptions, plan: ColumnPlan, folder: OutputDir, manifest: Manifest,
                  start_pool: Callable[[], WorkerPool], total_rows: int,
-                 timeline: Timeline, retry: set[int] = frozenset()) -> None:
+                 timeline: Timeline, retry: set[int] = frozenset(),
+                 controls: tuple[str, ...] = ()) -> None:
         """`start_pool` is called when the first piece is sent: a rerun with nothing left
         to compute starts neither Ray nor a worker. `retry`: batch ids an earlier run wrote
-        that are computed again (their parts are replaced), never adopted."""
+        that are computed again (their parts are replaced), never adopted. `controls`: the
+        output-control columns the parts have (`prepare.output_controls`)."""
         from tqdm import tqdm
 
         self.opts = opts
         self.retry = retry
-        self.schema = plan.output_schema()
-        self.input_fields = [f for f in plan.input_schema if f.name != "id"]
+        self.schema = plan.output_schema(controls)
+        self.input_fields = plan.passthrough_fields(controls)
         self.folder = folder
         self.manifest = manifest
         self.start_pool = start_pool
@@ -302,6 +336,7 @@ class _JobRun:
         self.sent = 0
         self.deaths_in_a_row = 0
         self.rows = self.error_rows = self.rows_resumed = self.num_batches = 0
+        self.input_rows = 0
         self.input_tokens = self.output_tokens = 0
         self.padded_slots = self.padded_real = 0
         self.cached_tokens = self.cached_prompt_tokens = 0  # batches from prefix-caching engines
@@ -357,11 +392,11 @@ class _JobRun:
         batch, or queue the batch."""
         n = len(batch.rows)
         if batch.batch_id not in self.retry and (batch.batch_id in self.manifest.done or adopt_part(
-                self.folder, self.manifest, batch.batch_id, batch.digest(), n)):
-            self.rows_resumed += n
+                self.folder, self.manifest, batch.batch_id, batch.digest(), batch.num_samples)):
+            self.rows_resumed += batch.num_samples
             self.bar.update(n)
         elif batch.is_error:
-            self._write(batch, [error_row(r.error) for r in batch.rows])
+            self._write(batch, [error_rows(r.error, 0, r.n) for r in batch.rows])
         else:
             self.queue.append(_Piece(_Pending(batch, [None] * n, n), tuple(range(n))))
 
@@ -404,19 +439,20 @@ class _JobRun:
         """A piece the worker answered: with a table, or with an exception it raised."""
         worker = self.pool.workers[sent.worker]
         piece = sent.piece
+        rows = piece.pending.batch.rows
         if outcome == "raised":
             message = f"generation failed: {first_line(str(value.cause or value))}"
-            rows = piece.pending.batch.rows
-            self._answer(piece, [error_row(message, rows[i].num_prompt_tokens)
+            self._answer(piece, [error_rows(message, rows[i].num_prompt_tokens, rows[i].n)
                                  for i in piece.rows])
             return
         meta = value.schema.metadata or {}
         self.padded_slots += int(meta.get(PREFILL_SLOTS_KEY, 0))
         self.padded_real += int(meta.get(PREFILL_TOKENS_KEY, 0))
+        answered = _per_row(value.to_pylist(), [rows[i].n for i in piece.rows])
         if PROMPT_TOKENS_CACHED_KEY in meta:
             self.any_prefix_cache = True
             self.cached_tokens += int(meta[PROMPT_TOKENS_CACHED_KEY])
-            self.cached_prompt_tokens += sum(n or 0 for n in value["num_input_tokens"].to_pylist())
+            self.cached_prompt_tokens += sum(r[0]["num_input_tokens"] or 0 for r in answered)
         ooms = int(meta.get(OOM_KEY, 0))
         if ooms:
             self.oom_errors += ooms
@@ -430,7 +466,7 @@ class _JobRun:
         self.report.pieces.append(piece_record(piece.pending.batch.batch_id, sent.worker,
                                                worker.last_result_s, value))
         self.deaths_in_a_row = 0
-        self._answer(piece, value.to_pylist())
+        self._answer(piece, answered)
 
     def _worker_died(self, sent: _Sent, error: Exception) -> None:
         """Every piece in flight on the dead worker ends now: those that ran before the
@@ -479,13 +515,14 @@ class _JobRun:
             return [_Piece(piece.pending, piece.rows[:half], split=True, suspect=True),
                     _Piece(piece.pending, piece.rows[half:], split=True, suspect=True)]
         row = piece.pending.batch.rows[piece.rows[0]]
-        self._answer(piece, [error_row(
+        self._answer(piece, [error_rows(
             f"the worker died while processing this row ({cause}); isolated after its batch "
-            f"killed the worker {MAX_BATCH_ATTEMPTS} times", row.num_prompt_tokens)])
+            f"killed the worker {MAX_BATCH_ATTEMPTS} times", row.num_prompt_tokens, row.n)])
         return []
 
-    def _answer(self, piece: _Piece, results: list[dict[str, Any]]) -> None:
-        """Store a piece's results; write the batch once every row has one."""
+    def _answer(self, piece: _Piece, results: list[list[dict[str, Any]]]) -> None:
+        """Store a piece's results (per row, its samples'); write the batch once every row
+        has them."""
         pending = piece.pending
         for i, res in zip(piece.rows, results, strict=True):
             pending.results[i] = res
@@ -493,33 +530,37 @@ class _JobRun:
         if pending.left == 0:
             self._write(pending.batch, pending.results)
 
-    def _write(self, batch: Batch, results: list[dict[str, Any]]) -> None:
+    def _write(self, batch: Batch, results: list[list[dict[str, Any]]]) -> None:
         """The one place a part is written (then recorded in the manifest)."""
         table = self._assemble(batch, results)
         table = table.replace_schema_metadata({PART_DIGEST_KEY: batch.digest().encode()})
         self.folder.write_parquet(part_name(batch.batch_id), table)  # visible once complete
-        self.manifest.record(batch.batch_id, len(batch.rows))
+        self.manifest.record(batch.batch_id, table.num_rows)
         self.manifest.save(self.folder)
         self._count(batch, results)
-        self.report.written(batch.batch_id, results)
+        self.report.written(batch.batch_id, [res for samples in results for res in samples])
 
-    def _assemble(self, batch: Batch, results: list[dict[str, Any]]) -> pa.Table:
-        """`id`, the input columns, then the results: one output row per batch row."""
-        rows = batch.rows
+    def _assemble(self, batch: Batch, results: list[list[dict[str, Any]]]) -> pa.Table:
+        """`id`, the input columns, then the results: one output row per sample of each
+        batch row (its id and input columns repeated)."""
+        rows = [r for r, samples in zip(batch.rows, results) for _ in samples]
+        flat = [res for samples in results for res in samples]
         arrays = [pa.array([r.id for r in rows], type=self.schema.field("id").type)]
         arrays += [pa.array([r.values[f.name] for r in rows], type=f.type)
                    for f in self.input_fields]
         result_fields = list(self.schema)[len(arrays):]
-        arrays += [pa.array([res[f.name] for res in results], type=f.type) for f in result_fields]
+        arrays += [pa.array([res[f.name] for res in flat], type=f.type) for f in result_fields]
         return pa.Table.from_arrays(arrays, schema=self.schema)
 
-    def _count(self, batch: Batch, results: list[dict[str, Any]]) -> None:
+    def _count(self, batch: Batch, results: list[list[dict[str, Any]]]) -> None:
         n = len(batch.rows)
-        self.rows += n
+        flat = [res for samples in results for res in samples]
+        self.rows += len(flat)
+        self.input_rows += n
         self.num_batches += 1
-        self.error_rows += sum(res["finish_reason"] == "error" for res in results)
-        self.input_tokens += sum(res["num_input_tokens"] or 0 for res in results)
-        self.output_tokens += sum(res["num_generated_tokens"] or 0 for res in results)
+        self.error_rows += sum(res["finish_reason"] == "error" for res in flat)
+        self.input_tokens += sum(samples[0]["num_input_tokens"] or 0 for samples in results)
+        self.output_tokens += sum(res["num_generated_tokens"] or 0 for res in flat)
         elapsed = max(time.perf_counter() - self.t0, 1e-9)
         self.bar.update(n)
         self.bar.set_postfix_str(f"{self.output_tokens / elapsed:.1f} out tok/s", refresh=False)
@@ -539,7 +580,21 @@ class _JobRun:
             worker_restarts=sum(w.restarts for w in self.pool.workers) if self.pool is not None else 0,
             device_oom_errors=self.oom_errors, timings=self.timeline.timings(),
             nodes_lost=self.pool.lost_nodes() if self.pool is not None else (),
+            input_rows=self.input_rows,
         )
+
+
+def _per_row(table_rows: list[dict[str, Any]], samples: list[int]) -> list[list[dict[str, Any]]]:
+    """A worker's result rows (one per sample, a row's samples consecutive) grouped per
+    input row; a worker that answered another number of rows is a NanoserveError."""
+    if len(table_rows) != sum(samples):
+        raise NanoserveError(f"a worker answered {len(table_rows)} result rows for "
+                             f"{sum(samples)} samples; rerun to resume")
+    out, at = [], 0
+    for n in samples:
+        out.append(table_rows[at:at + n])
+        at += n
+    return out
 
 
 def _fetch(ref: Any, timeout: float | None = None) -> tuple[str, Any]:

@@ -14,7 +14,11 @@ Compressed files are decompressed as a stream, a block at a time.
 Passthrough columns keep the Arrow types their Parquet files have (large strings, string
 views, dictionaries, decimals, timestamps, structs ...); where files of one input disagree,
 `pa.unify_schemas(promote_options="permissive")` widens losslessly (string and large_string
-to large_string, int32 and int64 to int64, ...) or refuses (InputError).
+to large_string, int32 and int64 to int64, ...) or refuses (InputError). In JSON Lines, the
+values of `response_format` and `guided_json` (JSON documents: a schema, OpenAI's
+response format) are read as their JSON text (a string column), objects and strings alike:
+Arrow would merge objects of different keys into one struct, with nulls for the keys a row
+lacks.
 `scan_input` checks every file before the job starts (Parquet: the footer and the id column;
 JSONL: one streaming parse pass) and returns the one Arrow schema all rows are read with;
 `iter_chunks` then streams the rows in that schema, a bounded number at a time.
@@ -80,6 +84,33 @@ RESULT_SCHEMA = pa.schema([
     ("error", pa.string()),  # null unless the row failed
 ])
 RESULT_COLUMNS = tuple(RESULT_SCHEMA.names)
+
+# Generated or prompt tokens' logprobs (`nanoserve.logprobs.TokenLogprob.as_dict`): per token
+# its id, logprob (of the model's raw logits), rank (1: the most likely) and the `top` k most
+# likely tokens there, most likely first.
+LOGPROB_TOP_TYPE = pa.struct([("token_id", pa.int32()), ("logprob", pa.float32())])
+LOGPROBS_TYPE = pa.list_(pa.struct([("token_id", pa.int32()), ("logprob", pa.float32()),
+                                    ("rank", pa.int32()), ("top", pa.list_(LOGPROB_TOP_TYPE))]))
+# The output-control columns, after RESULT_SCHEMA's, each present only when the job can need
+# it: `sample_index` when a row may ask for n > 1 samples (one output row per sample),
+# `logprobs` / `prompt_logprobs` when a row may ask for them. A worker's table always has all.
+CONTROL_SCHEMA = pa.schema([
+    ("sample_index", pa.int32()),  # which of the row's n samples (0..n-1)
+    ("logprobs", LOGPROBS_TYPE),  # one per generated token; null unless asked
+    ("prompt_logprobs", LOGPROBS_TYPE),  # one per prompt token after the first; null unless asked
+])
+CONTROL_COLUMNS = tuple(CONTROL_SCHEMA.names)
+WORKER_RESULT_SCHEMA = pa.schema(list(RESULT_SCHEMA) + list(CONTROL_SCHEMA))
+# Input columns whose values are JSON documents (a JSON schema, OpenAI's response_format): a
+# JSONL object there is read as its JSON text, since Arrow would turn objects of different
+# keys into one struct with nulls for the keys a row lacks.
+JSON_TEXT_COLUMNS = ("response_format", "guided_json")
+
+
+def result_schema(controls: tuple[str, ...] = ()) -> pa.Schema:
+    """RESULT_SCHEMA followed by the output-control columns named in `controls`, in
+    CONTROL_SCHEMA's order."""
+    return pa.schema(list(RESULT_SCHEMA) + [f for f in CONTROL_SCHEMA if f.name in controls])
 
 _ARROW_ERRORS = (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OverflowError,
                  UnicodeEncodeError)
@@ -472,6 +503,10 @@ def _iter_jsonl(path: InputFile, chunk_rows: int, schema: pa.Schema | None,
                                  f"{_JSON_NAMES.get(type(row), type(row).__name__)}{hint}")
             for key, value in path.partition:
                 row.setdefault(key, value)
+            for key in JSON_TEXT_COLUMNS:
+                value = row.get(key)
+                if value is not None and not isinstance(value, str):
+                    row[key] = json.dumps(value, ensure_ascii=False)
             rows.append(row)
             lines.append(lineno)
             if len(rows) == chunk_rows:

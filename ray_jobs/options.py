@@ -3,10 +3,11 @@ built. Its own module so that the driver and the worker pool both read it, one w
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
-from nanoserve.errors import NanoserveError
+from nanoserve.errors import InputError, NanoserveError
 from nanoserve.model_store import DEFAULT_MODEL
 from ray_jobs.autoscale import parse_num_workers
 from ray_jobs.io import DEFAULT_CHUNK_ROWS
@@ -28,6 +29,13 @@ class JobOptions:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    n: int = 1  # samples per row (1-128): one output row each, sample i drawing with seed + i
+    logprobs: int | None = None  # per generated token: its logprob, rank and this many top
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first
+    # A structured output for every row that sets none of its own (at most one of these):
+    json_schema: str | dict | None = None  # a JSON schema (JSON text, or a dict)
+    regex: str | None = None  # the whole text matches it
+    choice: tuple[str, ...] = ()  # the text is one of these
     dtype: str = "auto"  # bfloat16 on GPU, float32 on CPU
     # None: one per GPU of the cluster, 1 without GPUs; or "MIN-MAX" / "auto": GPU workers
     # that grow as GPUs join (see ray_jobs.autoscale)
@@ -52,6 +60,26 @@ class JobOptions:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop or ()))
+        object.__setattr__(self, "choice", tuple(self.choice or ()))
+        schema = self.json_schema
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as e:
+                raise InputError(f"--json-schema: the JSON schema is not valid JSON "
+                                     f"({e})") from None
+        if schema is not None:  # one text whatever the file's layout (keys keep their order:
+            # the properties of an object are generated in it)
+            object.__setattr__(self, "json_schema", json.dumps(schema, ensure_ascii=False))
+        asked = [flag for flag, value in (("--json-schema", self.json_schema),
+                                          ("--regex", self.regex), ("--choice", self.choice))
+                 if value is not None and value != ()]
+        if len(asked) > 1:
+            raise InputError(f"give at most one structured output for the job, not "
+                                 f"{' and '.join(asked)}")
+        so = self.structured_outputs()
+        if so is not None and so.problems():
+            raise InputError(f"{asked[0]}: {so.problems()[0]}")
         if self.scheduler not in SCHEDULERS:
             raise NanoserveError(f"unknown scheduler {self.scheduler!r}; choose "
                                  f"{', '.join(SCHEDULERS)}")
@@ -66,10 +94,22 @@ class JobOptions:
             raise NanoserveError(
                 f"worker_start_timeout_s must be > 0, got {self.worker_start_timeout_s}")
 
+    def structured_outputs(self) -> Any:
+        """The job-wide `nanoserve.structured.StructuredOutputs`, or None."""
+        if self.json_schema is None and self.regex is None and not self.choice:
+            return None
+        from nanoserve.structured import StructuredOutputs
+
+        return StructuredOutputs(json=self.json_schema, regex=self.regex,
+                                 choice=self.choice or None)
+
     def sampling_defaults(self) -> dict[str, Any]:
+        """The `SamplingParams` fields every row starts from."""
         return {"max_tokens": self.max_tokens, "temperature": self.temperature,
                 "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
-                "stop": self.stop, "ignore_eos": self.ignore_eos}
+                "stop": self.stop, "ignore_eos": self.ignore_eos, "n": self.n,
+                "logprobs": self.logprobs, "prompt_logprobs": self.prompt_logprobs,
+                "structured_outputs": self.structured_outputs()}
 
 
 __all__ = ["DTYPES", "SCHEDULERS", "JobOptions"]

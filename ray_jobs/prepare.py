@@ -20,11 +20,29 @@ chunk's row errors), its id is null, its prompt is null, empty or only whitespac
 its bytes are not UTF-8, its messages are malformed or the template fails on them (an
 unsafe operation included: a template problem touches only the chat rows, plain prompts
 still run), its token ids are out of range, its prompt leaves no room in the model's
-context (prompt tokens + 1 > max_position_embeddings), or its per-row sampling values are
-invalid. Job-level problems are `InputError`s, raised before any worker starts: from
+context (prompt tokens + 1 > max_position_embeddings), its per-row sampling values are
+invalid (`n` outside 1-128, `logprobs` / `prompt_logprobs` outside 0-20, ...), or its
+structured output cannot be used: a malformed `response_format`, a schema that is not JSON
+or not a schema, a JSON-schema feature the grammar engine does not enforce, a regex or
+grammar that does not compile, an empty choice list, or a choice list whose every choice
+needs more tokens than the row's `max_tokens`. A row that asked for n samples and fails as
+a whole gives n error rows (one when its `n` itself is invalid).
+
+Structured outputs per row: OpenAI's `response_format` or vLLM's `guided_json`,
+`guided_regex`, `guided_choice`, `guided_grammar` columns
+(`nanoserve.structured.structured_from_request`); a row that sets any of them replaces the
+job's default constraint (`{"type": "text"}` asks for none). Each constraint is compiled
+here once, on the driver, by one `GrammarCache` for the job (made at the first constrained
+row: building it costs seconds), so a bad one is an error row before any worker. A JSON
+document (schema, response format) may be JSON text or, from Parquet, a struct; a struct's
+null fields are dropped (Arrow gives a struct every key any row has), so a schema that
+needs a JSON `null` value is best stored as JSON text.
+
+Job-level problems are `InputError`s, raised before any worker starts: from
 `plan_columns` (no prompt column, a column of the wrong type, a name clash with an output
-column) and from `RowPreparer` (invalid job sampling options; chat rows for a model whose
-chat template is missing or does not compile).
+column) and from `RowPreparer` (invalid job sampling options or a job-wide structured
+output that does not compile; chat rows for a model whose chat template is missing or
+does not compile).
 """
 
 from __future__ import annotations
@@ -41,13 +59,26 @@ import pyarrow.types as pat
 
 from nanoserve.config import ModelConfig
 from nanoserve.errors import InputError, ModelError, NanoserveError
-from nanoserve.sampling import SamplingParams
-from ray_jobs.io import DEFAULT_ID_COLUMN, RESULT_COLUMNS, RESULT_SCHEMA, InputChunk
+from nanoserve.sampling import MAX_N, SamplingParams
+from nanoserve.structured import GrammarCache, StructuredOutputs, structured_from_request
+from ray_jobs.io import (
+    CONTROL_COLUMNS,
+    DEFAULT_ID_COLUMN,
+    RESULT_COLUMNS,
+    InputChunk,
+    result_schema,
+)
 
 PROMPT_COLUMNS = ("prompt", "messages", "prompt_token_ids")  # default candidates, in order
-INT_OVERRIDES = ("max_tokens", "top_k", "seed")
+INT_OVERRIDES = ("max_tokens", "top_k", "seed", "n", "logprobs", "prompt_logprobs")
 FLOAT_OVERRIDES = ("temperature", "top_p")
-OVERRIDE_COLUMNS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
+OVERRIDE_COLUMNS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "n", "logprobs",
+                    "prompt_logprobs")
+# Per-row structured outputs (OpenAI's and vLLM's request fields).
+CONSTRAINT_COLUMNS = ("response_format", "guided_json", "guided_regex", "guided_choice",
+                      "guided_grammar")
+# The job-wide flag of each kind of default constraint (for messages).
+_FLAG_OF_KIND = {"json": "--json-schema", "regex": "--regex", "choice": "--choice"}
 
 TEXT, MESSAGES, TOKEN_IDS = "text", "messages", "token_ids"
 _KIND_OF_NAME = {"prompt": TEXT, "messages": MESSAGES, "prompt_token_ids": TOKEN_IDS}
@@ -67,6 +98,7 @@ class ColumnPlan:
     id_column: str | None
     override_columns: tuple[str, ...]
     input_schema: pa.Schema
+    constraint_columns: tuple[str, ...] = ()  # the CONSTRAINT_COLUMNS the input has
 
     @property
     def id_type(self) -> pa.DataType:
@@ -74,11 +106,37 @@ class ColumnPlan:
             return pa.int64()
         return self.input_schema.field(self.id_column).type
 
-    def output_schema(self) -> pa.Schema:
-        """`id`, then every input column (an input `id` column only once), then the results."""
-        fields = [pa.field("id", self.id_type)]
-        fields += [f for f in self.input_schema if f.name != "id"]
-        return pa.schema(fields + list(RESULT_SCHEMA))
+    def passthrough_fields(self, controls: tuple[str, ...] = ()) -> list[pa.Field]:
+        """The input columns an output row repeats: all but `id` (written first) and the
+        request columns `logprobs` / `prompt_logprobs` where `controls` has result columns of
+        those names (the number asked is the length of each entry's `top`)."""
+        return [f for f in self.input_schema if f.name != "id" and f.name not in controls]
+
+    def output_schema(self, controls: tuple[str, ...] = ()) -> pa.Schema:
+        """`id`, then the input columns (`passthrough_fields`), then the results
+        (`ray_jobs.io.result_schema(controls)`). InputError if an input column clashes with
+        an output-control column."""
+        if "sample_index" in controls and "sample_index" in self.input_schema.names:
+            raise InputError("input column 'sample_index' clashes with the output column of "
+                             "that name (rows ask for n samples); rename it")
+        fields = [pa.field("id", self.id_type)] + self.passthrough_fields(controls)
+        return pa.schema(fields + list(result_schema(controls)))
+
+
+def output_controls(plan: ColumnPlan, defaults: dict[str, Any]) -> tuple[str, ...]:
+    """The output-control columns a job's output has (see `ray_jobs.io.CONTROL_SCHEMA`):
+    `sample_index` when the default n is above 1 or the input has an `n` column, `logprobs`
+    / `prompt_logprobs` when the job's default asks for them or the input has the column.
+    A function of the options and the input's columns, never of the rows' values, so every
+    part of a job has the same schema."""
+    columns = set(plan.override_columns)
+    out = []
+    if defaults.get("n", 1) != 1 or "n" in columns:
+        out.append("sample_index")
+    for name in ("logprobs", "prompt_logprobs"):
+        if defaults.get(name) is not None or name in columns:
+            out.append(name)
+    return tuple(c for c in CONTROL_COLUMNS if c in out)
 
 
 def _kind_of_type(t: pa.DataType) -> str | None:
@@ -150,7 +208,29 @@ def plan_columns(schema: pa.Schema, prompt_column: str | None = None,
         t = schema.field(n).type
         if not (pat.is_null(t) or pat.is_integer(t) or pat.is_floating(t)):
             raise InputError(f"column {n!r} (a per-row sampling value) must be numeric, not {t}")
-    return ColumnPlan(prompts, id_column, overrides, schema)
+    constraints = tuple(n for n in CONSTRAINT_COLUMNS if n in names)
+    for n in constraints:
+        t = schema.field(n).type
+        if pat.is_null(t):
+            continue
+        if n in ("response_format", "guided_json"):
+            fits, want = _is_text(t) or pat.is_struct(t), "JSON text (a string) or an object"
+        elif n == "guided_choice":
+            fits = ((pat.is_list(t) or pat.is_large_list(t))
+                    and (pat.is_null(t.value_type) or _is_text(t.value_type)))
+            want = "a list of strings"
+        else:
+            fits, want = _is_text(t), "text (a string)"
+        if not fits:
+            raise InputError(f"column {n!r} (a per-row structured output) must hold {want}, "
+                             f"not {t}")
+    return ColumnPlan(prompts, id_column, overrides, schema, constraints)
+
+
+def _is_text(t: pa.DataType) -> bool:
+    if pat.is_dictionary(t):
+        t = t.value_type
+    return pat.is_string(t) or pat.is_large_string(t) or pat.is_string_view(t)
 
 
 @dataclass(frozen=True)
@@ -164,6 +244,9 @@ class PreparedRow:
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams | None
     error: str | None = None
+    # Output rows (samples) it gives: params.n; for an error row the n it asked for, or 1
+    # when that is not a valid n.
+    n: int = 1
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -179,21 +262,50 @@ class RowPreparer:
     job's options); per-row override columns replace them where not null.
 
     Built before any worker starts, it refuses (InputError) what would fail every row:
-    invalid job sampling options, and chat rows for a model whose chat template is missing
-    or does not compile (a tokenizer without a `chat_template` attribute is not checked)."""
+    invalid job sampling options, a job-wide structured output (`defaults`'
+    `structured_outputs`) that does not compile or, when no row overrides `max_tokens`,
+    whose choices all need more tokens than the job's, and chat rows for a model whose chat
+    template is missing or does not compile (a tokenizer without a `chat_template`
+    attribute is not checked). `eos_token_ids`: the model's (xgrammar's stop tokens);
+    `grammars`: a grammar cache to share (an engine's), else one is made when needed."""
 
     def __init__(self, plan: ColumnPlan, tokenizer: Any, max_context: int, vocab_size: int,
-                 defaults: dict[str, Any]) -> None:
+                 defaults: dict[str, Any], eos_token_ids: tuple[int, ...] = (),
+                 grammars: GrammarCache | None = None) -> None:
         self.plan = plan
         self.tokenizer = tokenizer
         self.max_context = max_context
         self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos_token_ids or getattr(tokenizer, "eos_token_ids", ()))
         self.defaults = dict(defaults)
+        self._grammars = grammars
+        self._token_bytes: tuple[frozenset[bytes], int] | None = None
+        self._shortest_choice: dict[tuple[str, ...], tuple[str, int]] = {}
         try:
-            SamplingParams(**self.defaults)
+            default = SamplingParams(**self.defaults)
         except ValueError as e:
             raise InputError(f"invalid sampling options: {e}") from None
+        self._check_default_constraint(default)
         self._check_chat_template()
+
+    @property
+    def grammars(self) -> GrammarCache:
+        """The job's one grammar cache, made at the first constraint it checks."""
+        if self._grammars is None:
+            self._grammars = GrammarCache(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._grammars
+
+    def _check_default_constraint(self, default: SamplingParams) -> None:
+        so = default.structured_outputs
+        if so is None:
+            return
+        flag = _FLAG_OF_KIND.get(so.kind, "structured output")
+        try:
+            self.grammars.check(so)
+            if "max_tokens" not in self.plan.override_columns:
+                self._check_choices_fit(so, default.max_tokens, "--max-tokens")
+        except ValueError as e:
+            raise InputError(f"invalid {flag}: {e}") from None
 
     def _check_chat_template(self) -> None:
         chat_columns = [c for c, kind in self.plan.prompt_columns if kind == MESSAGES
@@ -231,8 +343,19 @@ class RowPreparer:
                     params = self._params(values, len(ids))
                 except (ValueError, TypeError) as e:  # the row's own data is at fault
                     error, ids, params = str(e), (), None
-            out.append(PreparedRow(position, row_id, values, ids, params, error))
+            n = params.n if params is not None else self._asked_n(values)
+            out.append(PreparedRow(position, row_id, values, ids, params, error, n))
         return out
+
+    def _asked_n(self, values: dict[str, Any]) -> int:
+        """The samples an error row asked for (its `n`, else the job's), or 1 if that is not
+        a valid n."""
+        n = values.get("n") if "n" in self.plan.override_columns else None
+        if n is None or (isinstance(n, float) and math.isnan(n)):
+            n = self.defaults.get("n", 1)
+        if isinstance(n, float) and n.is_integer():
+            n = int(n)
+        return n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_N else 1
 
     def _prompt_ids(self, values: dict[str, Any]) -> tuple[int, ...]:
         for column, kind in self.plan.prompt_columns:
@@ -299,6 +422,9 @@ class RowPreparer:
                     raise ValueError(f"{name} must be an integer, got {value!r}")
                 value = int(value)
             fields[name] = value
+        constraint = self._constraint(values)
+        if constraint is not False:
+            fields["structured_outputs"] = constraint
         try:
             params = SamplingParams(**fields)
         except ValueError as e:
@@ -306,7 +432,68 @@ class RowPreparer:
         room = self.max_context - num_prompt_tokens  # >= 1, checked with the prompt
         if params.max_tokens > room:
             params = dataclasses.replace(params, max_tokens=room)
+        if params.structured_outputs is not None:
+            self._check_choices_fit(params.structured_outputs, params.max_tokens, "max_tokens")
         return params
+
+    def _constraint(self, values: dict[str, Any]) -> StructuredOutputs | None | bool:
+        """The row's own structured output (None: it asks for none), checked by compiling
+        it; False when the row sets no constraint column (the job's default applies).
+        ValueError names the problem."""
+        fields = {}
+        for name in self.plan.constraint_columns:
+            value = values.get(name)
+            if value is not None:
+                fields[name] = _json_value(value) if isinstance(value, dict) else value
+        if not fields:
+            return False
+        so = structured_from_request(fields)
+        if so is not None:
+            self.grammars.check(so)
+        return so
+
+    def _check_choices_fit(self, so: StructuredOutputs, max_tokens: int, name: str) -> None:
+        """ValueError when every choice of a choice list needs more than `max_tokens`
+        tokens (so the row could only end cut short, its text none of the choices). A choice
+        needs its shortest spelling in the vocabulary's tokens: the grammar allows any."""
+        if so.choice is None:
+            return
+        if so.choice not in self._shortest_choice:  # once per choice list
+            need = {c: self._min_tokens(so, c) for c in so.choice}
+            shortest = min(need, key=lambda c: need[c])
+            self._shortest_choice[so.choice] = (shortest, need[shortest])
+        shortest, need = self._shortest_choice[so.choice]
+        if need > max_tokens:
+            raise ValueError(
+                f"no choice of the choice list can be written within {name} ({max_tokens} "
+                f"tokens): the shortest, {shortest!r}, needs {need}; raise {name}")
+
+    def _min_tokens(self, so: StructuredOutputs, text: str) -> int:
+        """The fewest tokens of the model's vocabulary (stop and special tokens aside) whose
+        bytes spell `text`; a large number if none do."""
+        if self._token_bytes is None:
+            info = self.grammars.compile(so).tokenizer_info
+            skip = set(info.stop_token_ids) | set(info.special_token_ids)
+            pieces = frozenset(b for i, b in enumerate(info.decoded_vocab) if b and i not in skip)
+            self._token_bytes = (pieces, max(map(len, pieces)))
+        pieces, longest = self._token_bytes
+        data = text.encode("utf-8")
+        best = [0] + [len(data) + 1] * len(data)  # best[i]: tokens spelling data[:i]
+        for i in range(1, len(data) + 1):
+            for j in range(max(0, i - longest), i):
+                if best[j] + 1 < best[i] and data[j:i] in pieces:
+                    best[i] = best[j] + 1
+        return best[-1] if best[-1] <= len(data) else 1 << 30
+
+
+def _json_value(value: Any) -> Any:
+    """A JSON document read from an Arrow struct: its null fields dropped (Arrow gives a
+    struct every key that any row's object has)."""
+    if isinstance(value, dict):
+        return {k: _json_value(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_json_value(v) for v in value]
+    return value
 
 
 def load_model_meta(path: Path) -> tuple[ModelConfig, Any]:

@@ -54,7 +54,7 @@ class PieceRecord:
     batch_id: int
     worker: int
     finished_s: float
-    rows: int
+    rows: int  # result rows: one per sample
     error_rows: int
     prompt_tokens: int
     output_tokens: int
@@ -66,13 +66,19 @@ class PieceRecord:
 
 
 def piece_record(batch_id: int, worker: int, finished_s: float, table: pa.Table) -> PieceRecord:
-    """The record of a worker's answer (`BatchWorker.run_batch`'s table)."""
+    """The record of a worker's answer (`BatchWorker.run_batch`'s table: one row per sample).
+    `rows` counts samples (what a batch's size bounds); `prompt_tokens` counts each prompt
+    once (its first sample's row), as the engine prefills it once."""
     meta = table.schema.metadata or {}
     cached = meta.get(PROMPT_TOKENS_CACHED_KEY)
+    prompt_tokens = table["num_input_tokens"].to_pylist()
+    if "sample_index" in table.schema.names:
+        prompt_tokens = [n for n, i in zip(prompt_tokens, table["sample_index"].to_pylist())
+                         if not i]
     return PieceRecord(
         batch_id, worker, finished_s, table.num_rows,
         error_rows=sum(r == "error" for r in table["finish_reason"].to_pylist()),
-        prompt_tokens=sum(n or 0 for n in table["num_input_tokens"].to_pylist()),
+        prompt_tokens=sum(n or 0 for n in prompt_tokens),
         output_tokens=sum(n or 0 for n in table["num_generated_tokens"].to_pylist()),
         prefill_slots=int(meta.get(PREFILL_SLOTS_KEY, 0)),
         prefill_real_tokens=int(meta.get(PREFILL_TOKENS_KEY, 0)),
@@ -167,7 +173,10 @@ def render_html(data: dict[str, Any]) -> str:
     sections.append(_section("Phases", _plot_phases(data) + _table(
         [(PHASES.get(k, k), f"{v:.2f} s") for k, v in data["phases"].items()])))
     headline = [
-        ("rows", "rows", s["rows"]), ("error_rows", "error rows", s["error_rows"]),
+        ("rows", "rows", s["rows"]),
+        *([("input_rows", "input rows (n samples each give n rows)", s["input_rows"])]
+          if s.get("input_rows") not in (None, s["rows"]) else []),
+        ("error_rows", "error rows", s["error_rows"]),
         ("rows_resumed", "rows done by an earlier run", s["rows_resumed"]),
         ("input_tokens", "input tokens", s["input_tokens"]),
         ("output_tokens", "output tokens", s["output_tokens"]),

@@ -6,9 +6,12 @@ The device is chosen inside the worker: `cuda` when Ray gave it a GPU and torch 
 else `cpu` (so logical GPUs on a CPU machine still work, on the CPU).
 
 `run_batch` takes `GenerationRequest`s (token ids and their `SamplingParams`) and returns an
-Arrow table with one row per request, in order, in `RESULT_SCHEMA`. Memory is handled in
-three layers, none of which fails the batch:
-- a row that cannot fit the worker's KV pool even alone becomes an `error` row at once;
+Arrow table in `WORKER_RESULT_SCHEMA` with one row per sample: a request asking for n
+samples has n consecutive rows (`sample_index` 0..n-1), whether answered or failed; the
+`logprobs` / `prompt_logprobs` columns are null unless the request asked for them. Memory
+and bad constraints are handled in three layers, none of which fails the batch:
+- a row that cannot fit the worker's KV pool even alone, or whose structured output does
+  not compile (`LLM.grammars`, compiled once per worker), becomes `error` rows at once;
 - the other rows go to `LLM.generate`, which cuts them into sub-batches that fit the pool
   and halves a sub-batch the device runs out of memory on (torch.OutOfMemoryError);
 - a batch that still fails as a whole is run row by row, so one bad row becomes one
@@ -51,7 +54,7 @@ import pyarrow as pa
 from nanoserve.errors import ModelError, NanoserveError
 from nanoserve.generate import blocks_for_batch
 from nanoserve.sampling import SamplingParams
-from ray_jobs.io import RESULT_SCHEMA
+from ray_jobs.io import WORKER_RESULT_SCHEMA
 
 PREFILL_SLOTS_KEY = b"nanoserve.prefill_slots"  # rows x longest prompt, summed over sub-batches
 PREFILL_TOKENS_KEY = b"nanoserve.prefill_real_tokens"
@@ -156,7 +159,8 @@ class BatchWorker:
         _fault_hold_while_file()
         _fault_kill_on_text(self.llm.tokenizer, batch_rows)
         ooms = [0]  # device out-of-memory errors raised while running this batch
-        results: list[dict[str, Any] | None] = [self._cannot_run(r) for r in batch_rows]
+        # Per request, its samples' rows.
+        results: list[list[dict[str, Any]] | None] = [self._cannot_run(r) for r in batch_rows]
         todo = [i for i, res in enumerate(results) if res is None]
         prompts = [list(batch_rows[i].prompt_token_ids) for i in todo]
         params = [batch_rows[i].params for i in todo]
@@ -165,13 +169,14 @@ class BatchWorker:
             if todo:
                 done, st = self._generate(prompts, params, ooms)
                 stats.append(st)
-                for i, c in zip(todo, done):
-                    results[i] = _completion_row(c)
+                for i, rows in zip(todo, _per_request(done, params), strict=True):
+                    results[i] = rows
         except (NanoserveError, ValueError, RuntimeError):  # torch.OutOfMemoryError included
             for i, p, sp in zip(todo, prompts, params):
                 results[i], st = self._run_alone(p, sp, ooms)
                 stats.append(st)
-        table = pa.Table.from_pylist(results, schema=RESULT_SCHEMA)
+        table = pa.Table.from_pylist([row for rows in results for row in rows],
+                                     schema=WORKER_RESULT_SCHEMA)
         slots = sum(getattr(s, "prefill_slots", 0) for s in stats if s is not None)
         real = sum(getattr(s, "prefill_real_tokens", 0) for s in stats if s is not None)
         steps = sum(getattr(s, "decode_row_steps", 0) for s in stats if s is not None)
@@ -202,7 +207,7 @@ class BatchWorker:
             except torch.OutOfMemoryError:
                 ooms[0] += 1
                 raise
-            cached = sum(c.num_cached_tokens for c in done)
+            cached = sum(c.num_cached_tokens for c in done if c.sample_index == 0)  # per prompt
             n = sum(len(p) for p in prompts) - cached
             return done, BatchStats(num_rows=len(prompts), prefill_slots=n, prefill_real_tokens=n,
                                     decode_row_steps=sum(len(c.token_ids) - 1 for c in done),
@@ -214,39 +219,52 @@ class BatchWorker:
             finally:
                 ooms[0] += self.oom_errors - before
 
-    def _cannot_run(self, r: GenerationRequest) -> dict[str, Any] | None:
-        """An error row for a request that cannot run even alone (empty, no room in the
-        model's context, more than the KV pool holds), else None: such a row never fails
-        the rest of its batch. (The step count is `LLM.generate`'s: max_tokens, capped by
-        the context.)"""
+    def _cannot_run(self, r: GenerationRequest) -> list[dict[str, Any]] | None:
+        """Error rows (one per sample) for a request that cannot run even alone (empty, no
+        room in the model's context, a structured output that does not compile, more than
+        the KV pool holds), else None: such a row never fails the rest of its batch. (The
+        step count is `LLM.generate`'s: max_tokens, capped by the context. The static
+        engine runs a request's samples in one batch, so they must fit the pool together;
+        the continuous one can run them one by one.)"""
         n = len(r.prompt_token_ids)
+        samples = r.params.n
         if n == 0:
-            return error_row("empty prompt: a row needs at least one token", 0)
+            return error_rows("empty prompt: a row needs at least one token", 0, samples)
         if n >= self.llm.max_context:
-            return error_row(f"prompt has {n} tokens; the model's context is "
-                             f"{self.llm.max_context} tokens, which leaves no room to generate", n)
+            return error_rows(f"prompt has {n} tokens; the model's context is "
+                              f"{self.llm.max_context} tokens, which leaves no room to "
+                              f"generate", n, samples)
+        if r.params.structured_outputs is not None:
+            try:
+                self.llm.grammars.check(r.params.structured_outputs)
+            except ValueError as e:
+                return error_rows(str(e), n, samples)
         steps = max(1, min(r.params.max_tokens, self.llm.max_context - n))
         pool = self.llm.pool
-        need = blocks_for_batch([n], steps, pool.block_size)
+        together = samples if self._loop is None else 1
+        need = blocks_for_batch([n] * together, steps, pool.block_size)
         if need <= pool.num_blocks:
             return None
-        return error_row(
-            f"does not fit the worker's KV cache even alone: {n} prompt tokens + {steps} new "
+        what = f"{samples} samples of {n} prompt tokens" if together > 1 else f"{n} prompt tokens"
+        return error_rows(
+            f"does not fit the worker's KV cache even alone: {what} + {steps} new "
             f"need {need} blocks of {pool.block_size} tokens, the cache holds {pool.num_blocks}; "
-            f"give the cache more memory or ask for fewer tokens", n)
+            f"give the cache more memory or ask for fewer tokens", n, samples)
 
     def _run_alone(self, prompt: list[int], params: SamplingParams,
-                   ooms: list[int]) -> tuple[dict[str, Any], Any]:
+                   ooms: list[int]) -> tuple[list[dict[str, Any]], Any]:
         import torch
 
         try:
             done, stats = self._generate([prompt], [params], ooms, alone=True)
-            return _completion_row(done[0]), stats
+            (rows,) = _per_request(done, [params])
+            return rows, stats
         except torch.OutOfMemoryError as e:
-            return error_row(f"the device ran out of memory even for this row alone: "
-                             f"{_first_line(str(e))}", len(prompt)), None
+            return error_rows(f"the device ran out of memory even for this row alone: "
+                              f"{_first_line(str(e))}", len(prompt), params.n), None
         except (NanoserveError, ValueError, RuntimeError) as e:
-            return error_row(f"generation failed: {type(e).__name__}: {e}", len(prompt)), None
+            return error_rows(f"generation failed: {type(e).__name__}: {e}", len(prompt),
+                              params.n), None
 
 
 def _watch_model(model: Any) -> list[int]:
@@ -324,13 +342,44 @@ def _first_line(text: str) -> str:
     return lines[0] if lines else text
 
 
+def _per_request(done: list[Any], params: list[SamplingParams]) -> list[list[dict[str, Any]]]:
+    """The engine's completions (one per sample, a request's n samples consecutive) as
+    result rows grouped per request."""
+    want = sum(p.n for p in params)
+    if len(done) != want:
+        raise RuntimeError(f"the engine answered {len(done)} samples for {want} asked")
+    out, at = [], 0
+    for p in params:
+        out.append([_completion_row(c) for c in done[at:at + p.n]])
+        at += p.n
+    return out
+
+
 def _completion_row(c: Any) -> dict[str, Any]:
+    """A completion as a result row (`WORKER_RESULT_SCHEMA`). A sample the engine ended with
+    finish_reason 'error' (its structured output allowed no next token) is an error row."""
+    if c.finish_reason == "error":
+        return error_row(c.error or "generation failed", c.num_prompt_tokens, c.sample_index)
     return {"generated_text": c.text, "generated_token_ids": list(c.token_ids),
             "num_input_tokens": c.num_prompt_tokens, "num_generated_tokens": len(c.token_ids),
-            "finish_reason": c.finish_reason, "error": None}
+            "finish_reason": c.finish_reason, "error": None,
+            "sample_index": c.sample_index,
+            "logprobs": _logprob_dicts(c.logprobs),
+            "prompt_logprobs": _logprob_dicts(c.prompt_logprobs)}
 
 
-def error_row(message: str, num_input_tokens: int = 0) -> dict[str, Any]:
+def _logprob_dicts(entries: list[Any] | None) -> list[dict[str, Any]] | None:
+    return None if entries is None else [e.as_dict() for e in entries]
+
+
+def error_row(message: str, num_input_tokens: int = 0, sample_index: int = 0) -> dict[str, Any]:
+    """A failed sample's result row: no text or tokens, `finish_reason` 'error'."""
     return {"generated_text": None, "generated_token_ids": None,
             "num_input_tokens": num_input_tokens, "num_generated_tokens": 0,
-            "finish_reason": "error", "error": message}
+            "finish_reason": "error", "error": message, "sample_index": sample_index,
+            "logprobs": None, "prompt_logprobs": None}
+
+
+def error_rows(message: str, num_input_tokens: int = 0, n: int = 1) -> list[dict[str, Any]]:
+    """A request that failed as a whole: one error row per sample (0..n-1)."""
+    return [error_row(message, num_input_tokens, i) for i in range(n)]

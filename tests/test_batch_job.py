@@ -26,7 +26,7 @@ from nanoserve.errors import InputError
 from nanoserve.sampling import SamplingParams
 from ray_jobs import run_batch_job
 from ray_jobs.cli import main as batch_main
-from ray_jobs.io import RESULT_SCHEMA
+from ray_jobs.io import WORKER_RESULT_SCHEMA
 from ray_jobs.manifest import (
     LOCK_NAME,
     MANIFEST_NAME,
@@ -308,7 +308,7 @@ def test_batch_worker_alone_matches_generate_and_isolates_a_bad_row(smollm2_llm)
                               GenerationRequest((1,) * context, params),  # no room to generate
                               GenerationRequest((), params),
                               GenerationRequest(tuple(ids), params)])
-    assert table.schema.equals(RESULT_SCHEMA)
+    assert table.schema.equals(WORKER_RESULT_SCHEMA)  # one row per sample, with its index
     (want,) = smollm2_llm.generate([ids], [params])
     good, long, full, empty, good2 = table.to_pylist()
     assert good == good2

@@ -118,3 +118,32 @@ def test_batching_streams_one_window_at_a_time():
     first = next(batches)
     assert len(pulled) == 32  # one window read, not the input
     assert len(first.rows) == 4
+
+
+@dataclass(frozen=True)
+class SampledRow(Row):
+    n: int = 1
+
+
+@settings(max_examples=100, deadline=None)
+@given(rows=st.lists(st.tuples(st.integers(1, 50), st.integers(1, 8), st.integers(1, 6)),
+                     max_size=60),
+       limits=limits_strategy)
+def test_a_row_weighs_its_samples_in_both_bounds(rows, limits):
+    rows = [SampledRow(i, p, m, None, n) for i, (p, m, n) in enumerate(rows)]
+    batches = list(make_batches(iter(rows), limits))
+    assert sorted(r.position for b in batches for r in b.rows) == list(range(len(rows)))
+    for b in batches:
+        assert b.num_samples == sum(r.n for r in b.rows)
+        if len(b.rows) > 1:  # a row heavier than a bound stands alone
+            assert b.num_samples <= limits.batch_size
+            if limits.max_batch_tokens is not None:
+                assert batch_cost(b.rows) <= limits.max_batch_tokens
+
+
+def test_samples_enter_the_digest():
+    one = list(make_batches([SampledRow(0, 5, 4, None, 1)], BatchLimits(batch_size=4)))[0]
+    two = list(make_batches([SampledRow(0, 5, 4, None, 2)], BatchLimits(batch_size=4)))[0]
+    plain = list(make_batches([Row(0, 5, 4)], BatchLimits(batch_size=4)))[0]
+    assert one.digest() == plain.digest() != two.digest()  # n = 1 keeps earlier digests
+    assert batch_cost(two.rows) == 2 * (5 + 4)

@@ -155,3 +155,20 @@ def test_part_write_is_atomic_and_leaves_no_temporary(tmp_path):
     write_part_atomic(table, tmp_path / "part-00000.parquet")
     assert [p.name for p in tmp_path.iterdir()] == ["part-00000.parquet"]
     assert ds.dataset(tmp_path).to_table().equals(table)
+
+
+def test_json_documents_in_jsonl_are_read_as_their_json_text(tmp_path):
+    """`guided_json` / `response_format` objects of different keys are not merged into one
+    struct with nulls: each row keeps its document, as JSON text; strings stay as written."""
+    a = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+    b = {"type": "object", "properties": {"y": {"const": None}}}
+    rows = [{"prompt": "p", "guided_json": a}, {"prompt": "p", "guided_json": json.dumps(b)},
+            {"prompt": "p", "guided_json": b, "response_format": {"type": "json_object"}},
+            {"prompt": "p"}]
+    info = scan_input(write_jsonl(tmp_path / "in.jsonl", rows))
+    assert info.schema.field("guided_json").type == pa.string()
+    assert info.schema.field("response_format").type == pa.string()
+    got = read_all(info)
+    assert [None if r["guided_json"] is None else json.loads(r["guided_json"])
+            for r in got] == [a, b, b, None]
+    assert json.loads(got[2]["response_format"]) == {"type": "json_object"}

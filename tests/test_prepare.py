@@ -162,3 +162,83 @@ def test_invalid_job_defaults_are_an_input_error():
     plan = plan_columns(pa.schema([("prompt", pa.string())]))
     with pytest.raises(InputError, match="top_p"):
         RowPreparer(plan, ByteTokenizer(), 64, 258, {**DEFAULTS, "top_p": 2.0})
+
+
+# --- output controls: n, logprobs and structured outputs per row ----------------------------
+
+
+def test_an_error_row_gives_the_samples_it_asked_for():
+    schema = pa.schema([("prompt", pa.string()), ("n", pa.int64())])
+    rows = prepare([{"prompt": "", "n": 3}, {"prompt": "", "n": 0}, {"prompt": ""},
+                    {"prompt": "ab", "n": 2}], schema)
+    assert [(r.error is not None, r.n) for r in rows] == [(True, 3), (True, 1), (True, 1),
+                                                          (False, 2)]
+    assert rows[3].params.n == 2
+
+
+def test_constraint_columns_must_have_their_type():
+    for column, typ in [("guided_regex", pa.int64()), ("guided_choice", pa.list_(pa.int64())),
+                        ("guided_json", pa.int64()), ("response_format", pa.list_(pa.string()))]:
+        with pytest.raises(InputError, match=f"column '{column}' \\(a per-row structured "
+                                             f"output\\) must hold"):
+            plan_columns(pa.schema([("prompt", pa.string()), (column, typ)]))
+
+
+def test_output_controls_follow_the_job_options_and_the_columns():
+    from ray_jobs.prepare import output_controls
+
+    plain = plan_columns(pa.schema([("prompt", pa.string())]))
+    assert output_controls(plain, DEFAULTS) == ()
+    assert output_controls(plain, {**DEFAULTS, "n": 2, "prompt_logprobs": 0}) == (
+        "sample_index", "prompt_logprobs")
+    asked = plan_columns(pa.schema([("prompt", pa.string()), ("n", pa.int64()),
+                                    ("logprobs", pa.int64())]))
+    controls = output_controls(asked, DEFAULTS)
+    assert controls == ("sample_index", "logprobs")
+    schema = asked.output_schema(controls)
+    assert schema.names == ["id", "prompt", "n", "generated_text", "generated_token_ids",
+                            "num_input_tokens", "num_generated_tokens", "finish_reason",
+                            "error", "sample_index", "logprobs"]
+    clash = plan_columns(pa.schema([("prompt", pa.string()), ("sample_index", pa.int64())]))
+    assert clash.output_schema(()).names[2] == "sample_index"  # no samples: no clash
+    with pytest.raises(InputError, match="input column 'sample_index' clashes"):
+        clash.output_schema(("sample_index",))
+
+
+def test_structured_output_columns_are_read_checked_and_override_the_default(
+        smollm2_gguf_path):
+    """JSON text and Arrow structs (a struct's null fields dropped: Arrow gives every row
+    every key), OpenAI's response_format, vLLM's guided_* fields; a row that sets none gets
+    the job's default, `{"type": "text"}` asks for none; bad ones are error rows."""
+    from nanoserve.structured import StructuredOutputs
+    from ray_jobs.prepare import load_model_meta
+
+    config, tokenizer = load_model_meta(smollm2_gguf_path)
+    schema_a = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    schema_b = {"type": "object", "properties": {"b": {"type": "string"}}}
+    rows = [{"prompt": "x", "guided_json": schema_a}, {"prompt": "x", "guided_json": schema_b},
+            {"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {
+                "name": "b", "schema": schema_b}}},
+            {"prompt": "x", "response_format": {"type": "text"}},
+            {"prompt": "x", "guided_choice": ["yes", "no"]},
+            {"prompt": "x"},
+            {"prompt": "x", "guided_regex": "[a-"},
+            {"prompt": "x", "guided_choice": ["a rather long answer"], "max_tokens": 2}]
+    keys = dict.fromkeys(k for r in rows for k in r)
+    batch = pa.RecordBatch.from_pydict({k: [r.get(k) for r in rows] for k in keys})
+    # guided_json: one struct type with both a and b, as Parquet would hold it
+    assert pa.types.is_struct(batch.schema.field("guided_json").type)
+    plan = plan_columns(batch.schema)
+    default = StructuredOutputs(regex="[0-9]+")
+    preparer = RowPreparer(plan, tokenizer, config.max_position_embeddings, config.vocab_size,
+                           {**DEFAULTS, "structured_outputs": default})
+    got = preparer.prepare(InputChunk(batch, None), 0)
+    assert [r.params.structured_outputs for r in got[:6]] == [
+        StructuredOutputs(json=schema_a), StructuredOutputs(json=schema_b),
+        StructuredOutputs(json=schema_b), None, StructuredOutputs(choice=("yes", "no")),
+        default]
+    assert got[6].error.startswith("the regex could not be compiled")
+    assert got[7].error.startswith("no choice of the choice list can be written within "
+                                   "max_tokens (2 tokens): the shortest, 'a rather long "
+                                   "answer', needs ")
+    assert preparer.grammars.compile(StructuredOutputs(json=schema_a))  # compiled once, cached
