@@ -369,7 +369,9 @@ def _completion_row(c: Any) -> dict[str, Any]:
 
 
 def _logprob_dicts(entries: list[Any] | None) -> list[dict[str, Any]] | None:
-    return None if entries is None else [e.as_dict() for e in entries]
+    if entries is None:
+        return None
+    return entries.as_dicts() if hasattr(entries, "as_dicts") else [e.as_dict() for e in entries]
 
 
 def error_row(message: str, num_input_tokens: int = 0, sample_index: int = 0) -> dict[str, Any]:

@@ -156,9 +156,6 @@ def test_constrained_and_plain_rows_equal_the_engine_alone(constrained_job, smol
         assert_equals_engine(by_id[row["id"]], want)
 
 
-@pytest.mark.xfail(strict=True, reason="engine: StructuredOutputs serialises a schema with "
-                   "sort_keys=True, so properties are generated in sorted order, not the "
-                   "schema's (OpenAI and vLLM keep the schema's order)")
 def test_a_schema_property_order_is_the_order_generated(smollm2_llm):
     from nanoserve.structured import structured_from_request
 
@@ -168,10 +165,6 @@ def test_a_schema_property_order_is_the_order_generated(smollm2_llm):
     assert list(json.loads(out.text)) == ["name", "age"]
 
 
-@pytest.mark.xfail(strict=True, reason="engine: a choice compiles as re.escape(choice), whose "
-                   "escapes xgrammar does not know ('\\ ' for a space) make it print a "
-                   "warning on stderr for each choice with a space: a job-wide --choice "
-                   "refusal is then more than one line")
 def test_compiling_a_choice_with_spaces_prints_nothing(tiny_llm, capfd):
     from nanoserve.structured import GrammarCache
 
