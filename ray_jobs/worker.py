@@ -44,7 +44,6 @@ from typing import Any
 import pyarrow as pa
 
 from nanoserve.errors import ModelError, NanoserveError
-from nanoserve.generate import blocks_for_batch
 from nanoserve.sampling import SamplingParams
 from ray_jobs.io import RESULT_SCHEMA
 
@@ -220,6 +219,8 @@ class BatchWorker:
                              f"{self.llm.max_context} tokens, which leaves no room to generate", n)
         steps = max(1, min(r.params.max_tokens, self.llm.max_context - n))
         pool = self.llm.pool
+        from nanoserve.generate import blocks_for_batch  # the engine: not on the driver
+
         need = blocks_for_batch([n], steps, pool.block_size)
         if need <= pool.num_blocks:
             return None
