@@ -10,10 +10,16 @@ The branches of `gqa_attention`:
 - paged cache without a mask (decode, T == 1): store, then the batched paged read.
 Every branch takes an optional sliding `window` W (None: none): the query at position p
 sees only the keys at positions p-W+1 .. p (transformers' `sliding_window` semantics).
+
+A padded prefill may arrive packed (`AttentionMetadata.packed_from`: the model ran its
+projections on the real tokens only, one row [1, N]); its q/k/v are put back in their
+rectangle, the branch above runs on it as for an unpacked step, and its output is packed
+again, so packing changes how much work the projections do, not the attention's result.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +44,15 @@ class AttentionMetadata:
     is_prefill: bool = True
     cu_seqlens: torch.Tensor | None = None
     max_seqlen: int = 0
+    # The step's tokens are the real columns of this [B, T] mask (`valid`), packed into one
+    # row [1, N] in row-major order (`as_packed`); None: the step's input has its own shape.
+    packed_from: torch.Tensor | None = None
+
+    def as_packed(self) -> AttentionMetadata:
+        """This padded prefill's metadata for its real tokens packed into one row."""
+        if self.valid is None or not self.is_prefill:
+            raise ValueError("only a padded prefill (with its valid mask) can be packed")
+        return dataclasses.replace(self, packed_from=self.valid)
 
     @classmethod
     def prefill(cls, valid: torch.Tensor | None = None) -> AttentionMetadata:
@@ -111,8 +126,20 @@ def _prefill_packed(q, k, v, meta: AttentionMetadata, window: int | None = None)
     return out
 
 
+def _unpack(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """[1, N, H, D] packed real tokens -> [B, T, H, D] with zeros in the padding."""
+    out = x.new_zeros(*valid.shape, *x.shape[2:])
+    out[valid] = x[0]
+    return out
+
+
 def gqa_attention(q, k, v, layer: int, cache, meta: AttentionMetadata,
                   window: int | None = None) -> torch.Tensor:
+    if meta.packed_from is not None:  # back to the rectangle, attend, pack the output again
+        valid = meta.packed_from
+        out = gqa_attention(_unpack(q, valid), _unpack(k, valid), _unpack(v, valid), layer,
+                            cache, dataclasses.replace(meta, packed_from=None), window)
+        return out[valid][None]
     from nanoserve.cache import BatchedPagedKVCache, DenseKVCache
     from nanoserve.step_cache import StepCache
 

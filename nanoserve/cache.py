@@ -17,6 +17,8 @@ Lessons kept as invariants (see the design notes):
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -76,6 +78,17 @@ class DenseKVCache:
         return self._start
 
 
+def _zeros(size: tuple[int, ...], dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
+    """A zeroed tensor. On the CPU it lies in fresh anonymous memory, which the kernel
+    hands out zeroed page by page on first touch: a CPU pool (1 GiB by default) costs
+    nothing until its blocks are used, where `torch.zeros` would write every byte first."""
+    count = math.prod(size)
+    if torch.device(device).type != "cpu" or count == 0:
+        return torch.zeros(size, dtype=dtype, device=device)
+    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    return torch.frombuffer(mmap.mmap(-1, max(1, nbytes)), dtype=dtype, count=count).view(size)
+
+
 class KVPool:
     """The shared block pool: per-layer K/V tensors and the allocator over their blocks."""
 
@@ -83,8 +96,8 @@ class KVPool:
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
         size = (num_blocks, block_size, shape.num_kv_heads, shape.head_dim)
         # Zeroed, not empty: pad reads of slot 0 must not meet NaN bit patterns.
-        self.k = [torch.zeros(size, dtype=dtype, device=device) for _ in range(shape.num_layers)]
-        self.v = [torch.zeros(size, dtype=dtype, device=device) for _ in range(shape.num_layers)]
+        self.k = [_zeros(size, dtype, device) for _ in range(shape.num_layers)]
+        self.v = [_zeros(size, dtype, device) for _ in range(shape.num_layers)]
         self.shape = shape
         self.block_size = block_size
         self.num_blocks = num_blocks

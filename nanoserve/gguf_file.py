@@ -195,6 +195,29 @@ def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     return config, tensors
 
 
+def prepared_contents(path: str | Path, tokenizer: tuple[str, dict[str, Any]]
+                      ) -> dict[str, bytes]:
+    """The files of a GGUF file's prepared copy (`nanoserve.model_store`), by name: its
+    config dict as `config.json`, the tensors `read_gguf` gives as `model.safetensors`, and
+    `tokenizer` (`Tokenizer.to_prepared()` of the tokenizer built from this file) as
+    `tokenizer.json` and `tokenizer_meta.json`."""
+    import json
+
+    from safetensors.torch import save
+
+    from nanoserve import model_store
+
+    path = Path(path)
+    backend_json, meta = tokenizer
+    return {
+        model_store.CONFIG_FILE: json.dumps(gguf_config_dict(open_gguf(path), path),
+                                            indent=1).encode(),
+        model_store.TENSORS_FILE: save(read_gguf(path)[1]),
+        model_store.TOKENIZER_FILE: backend_json.encode(),
+        model_store.TOKENIZER_META_FILE: json.dumps(meta, indent=1).encode(),
+    }
+
+
 def gguf_tokenizer_metadata(path: str | Path) -> dict[str, Any]:
     """The tokenizer part of a GGUF file's metadata. Keys (None where the file has none):
     model (e.g. 'gpt2' for byte-level BPE), pre (pre-tokenizer name), tokens (list[str]),

@@ -187,6 +187,18 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(config)
 
     def forward(self, input_ids, positions, cache, meta) -> torch.Tensor:
+        if packs_prefill(input_ids, meta):
+            # Projections and MLP on the real tokens only: one row [1, N]; attention puts
+            # q/k/v back in their rectangle (nanoserve/attention.py). Padding comes out zero.
+            valid = meta.valid
+            x = self._forward(input_ids[valid][None], positions[valid][None], cache,
+                              meta.as_packed())
+            out = x.new_zeros(*valid.shape, x.shape[-1])
+            out[valid] = x[0]
+            return out
+        return self._forward(input_ids, positions, cache, meta)
+
+    def _forward(self, input_ids, positions, cache, meta) -> torch.Tensor:
         h = self.embed_tokens(input_ids)  # [B, T, d]: the residual stream
         cos, sin = self.rotary_emb(positions, h.dtype)
         x = self.layers[0].input_layernorm(h)
@@ -195,6 +207,14 @@ class LlamaModel(nn.Module):
             h, x = layer(h, x, cos, sin, cache, meta,
                          self.norm if last else self.layers[i + 1].input_layernorm)
         return x
+
+
+def packs_prefill(input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
+    """Whether a forward runs packed: a padded prefill on the CPU that holds padding. (On a
+    GPU, prefills are packed by the scheduler, or run as the padded rectangle.)"""
+    return (input_ids.device.type == "cpu" and meta.is_prefill and meta.valid is not None
+            and meta.packed_from is None and input_ids.dim() == 2
+            and not bool(meta.valid.all()))
 
 
 class LlamaForCausalLM(nn.Module):

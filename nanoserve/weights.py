@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from safetensors import SafetensorError, safe_open
 
 from nanoserve.config import ModelConfig
 from nanoserve.errors import ModelError
+
+if TYPE_CHECKING:  # torch is imported where tensors are made: a job's driver reads no weights
+    import torch
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -61,6 +64,16 @@ def load_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tens
     """Load a Hugging Face checkpoint folder or a `.gguf` file; see the module invariants."""
     path = Path(path)
     if path.is_file() and path.suffix == ".gguf":
+        from nanoserve.model_store import CONFIG_FILE, PreparedCacheError, prepared_default_model
+
+        # The default model: converted once, then read as safetensors (model_store).
+        prepared = prepared_default_model(path, _prepared_contents)
+        if prepared is not None:
+            try:
+                config = ModelConfig.from_hf_dict(prepared.read_json(CONFIG_FILE))
+                return config, _checked(config, prepared.tensors(), str(path))
+            except PreparedCacheError as e:
+                prepared.discard(e)
         from nanoserve.gguf_file import read_gguf  # the gguf package: imported for GGUF only
 
         config, tensors = read_gguf(path)
@@ -85,6 +98,18 @@ def validate_checkpoint(path: str | Path) -> ModelConfig:
     loads the model."""
     path = Path(path)
     if path.is_file() and path.suffix == ".gguf":
+        from nanoserve.model_store import CONFIG_FILE, PreparedCacheError, prepared_default_model
+
+        # The default model: its GGUF header is parsed once, when its prepared copy is
+        # written (model_store); then its config and tensor shapes are read from that.
+        prepared = prepared_default_model(path, _prepared_contents)
+        if prepared is not None:
+            try:
+                config = ModelConfig.from_hf_dict(prepared.read_json(CONFIG_FILE))
+                _check_shapes(config, prepared.tensor_shapes(), str(path))
+                return config
+            except PreparedCacheError as e:
+                prepared.discard(e)
         from nanoserve.gguf_file import gguf_config_dict, hf_name, open_gguf
 
         reader = open_gguf(path)  # memory-maps: a truncated file fails here
@@ -111,6 +136,14 @@ def validate_checkpoint(path: str | Path) -> ModelConfig:
     source = str(files[0]) if len(files) == 1 else f"{path} ({len(files)} safetensors shards)"
     _check_shapes(config, shapes, source)
     return config
+
+
+def _prepared_contents(path: Path) -> dict[str, bytes]:
+    """The default model's prepared files (`nanoserve.model_store`), from its GGUF file."""
+    from nanoserve.gguf_file import open_gguf, prepared_contents
+    from nanoserve.tokenizer import Tokenizer
+
+    return prepared_contents(path, Tokenizer.from_gguf(path, open_gguf(path)).to_prepared())
 
 
 def _check_shapes(config: ModelConfig, shapes: dict[str, tuple[int, ...]], source: str) -> None:

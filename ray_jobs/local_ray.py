@@ -67,6 +67,7 @@ class RaySession:
 SINGLE_MACHINE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray on 127.0.0.1 only
 TEMP_PREFIX = "ns-ray-"  # short: socket paths stay < 108 chars
 OWNER_FILE = "nanoserve-owner"  # "<pid> <process start time>" of the driver that made the folder
+OMP_WAIT_POLICY_ENV = "OMP_WAIT_POLICY"  # read by OpenMP when a process loads it
 
 
 def start_local_ray(num_cpus: int | None = None, num_gpus: int | None = None) -> str:
@@ -77,9 +78,16 @@ def start_local_ray(num_cpus: int | None = None, num_gpus: int | None = None) ->
     (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, inherited by the processes it starts) keeps it from
     swapping 127.0.0.1 for the machine's network address. So token authentication can be
     off (RAY_AUTH_MODE=disabled unless set), and nothing is written under ~/.ray or /tmp/ray.
-    No dashboard."""
+    No dashboard.
+
+    The workers share this machine's cores with the driver, Ray's own processes and
+    whatever else runs here, so their OpenMP threads sleep between parallel regions instead
+    of spinning (OMP_WAIT_POLICY=PASSIVE unless set, inherited by every process Ray starts):
+    a spinning team stalls whenever one of its threads loses its core, which on a busy
+    2-core machine made a CPU worker's batch several times slower than in a lone process."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault(SINGLE_MACHINE_ENV, "0")
+    os.environ.setdefault(OMP_WAIT_POLICY_ENV, "PASSIVE")
     import ray
     import ray._private.ray_constants as ray_constants
 

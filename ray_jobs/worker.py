@@ -52,7 +52,6 @@ from typing import Any
 import pyarrow as pa
 
 from nanoserve.errors import ModelError, NanoserveError
-from nanoserve.generate import blocks_for_batch
 from nanoserve.sampling import SamplingParams
 from ray_jobs.io import WORKER_RESULT_SCHEMA
 
@@ -241,6 +240,8 @@ class BatchWorker:
                 return error_rows(str(e), n, samples)
         steps = max(1, min(r.params.max_tokens, self.llm.max_context - n))
         pool = self.llm.pool
+        from nanoserve.generate import blocks_for_batch  # the engine: not on the driver
+
         together = samples if self._loop is None else 1
         need = blocks_for_batch([n] * together, steps, pool.block_size)
         if need <= pool.num_blocks:

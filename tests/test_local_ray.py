@@ -50,3 +50,24 @@ def test_owner_line_names_this_process():
     assert int(pid_text) == os.getpid()
     if sys.platform == "linux":  # /proc gives the start time; elsewhere the pid alone
         assert started == open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19]
+
+
+def test_private_ray_workers_sleep_between_parallel_regions(tmp_path):
+    """A task in a private Ray started from an environment without OMP_WAIT_POLICY sees
+    PASSIVE (OpenMP threads that sleep rather than spin: they share the machine's cores with
+    the driver and Ray); a value the user set is kept."""
+    script = (
+        "import os, ray\n"
+        "from ray_jobs.local_ray import start_local_ray, stop_local_ray\n"
+        "d = start_local_ray(num_cpus=1)\n"
+        "f = ray.remote(lambda: os.environ.get('OMP_WAIT_POLICY'))\n"
+        "print('POLICY', ray.get(f.remote()))\n"
+        "stop_local_ray(d)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    for given, expected in ((None, "PASSIVE"), ("ACTIVE", "ACTIVE")):
+        run_env = env if given is None else {**env, "OMP_WAIT_POLICY": given}
+        out = subprocess.run([sys.executable, "-c", script], env=run_env, capture_output=True,
+                             text=True, timeout=300, cwd=tmp_path)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert f"POLICY {expected}" in out.stdout.splitlines(), out.stdout

@@ -1,0 +1,207 @@
+"""The default model's prepared copy (`nanoserve.model_store.prepared_default_model`): its
+loads equal the GGUF file's, and a prepared folder that is stale, corrupt or truncated is not
+used. The real default model throughout; the corruption tests work on a copy of it in a
+private cache folder (`$NANOSERVE_CACHE`), never on the user's cache that other processes read."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from nanoserve import gguf_file, model_store
+from nanoserve.config import ModelConfig
+from nanoserve.model_store import (
+    CONFIG_FILE,
+    MANIFEST_FILE,
+    TENSORS_FILE,
+    TOKENIZER_FILE,
+    default_model_path,
+    prepared_default_model,
+    prepared_dir,
+)
+from nanoserve.tokenizer import Tokenizer
+from nanoserve.weights import _checked, load_checkpoint, validate_checkpoint
+
+TEXTS = [
+    "The capital of France is",
+    "  12 apples and 3.5 pears\n\tcost 1,000 yen",
+    "<|im_start|>user\nHello<|im_end|>\n",
+    "机器学习 est très bien ",
+]
+
+
+def gguf_load(path):
+    """The load without the prepared copy: the GGUF file parsed and dequantized."""
+    config, tensors = gguf_file.read_gguf(path)
+    return config, _checked(config, tensors, str(path))
+
+
+def assert_same_tensors(got, want):
+    assert list(got) == list(want)
+    for name in want:
+        assert got[name].dtype == want[name].dtype, name
+        assert torch.equal(got[name], want[name]), name
+
+
+def assert_same_tokenizer(got: Tokenizer, want: Tokenizer):
+    assert got.backend.to_str() == want.backend.to_str()
+    assert (got.bos_token_id, got.eos_token_ids, got.pad_token_id) == \
+           (want.bos_token_id, want.eos_token_ids, want.pad_token_id)
+    assert got.chat_template == want.chat_template
+    messages = [{"role": "user", "content": "Hi"}]
+    assert got.apply_chat_template(messages) == want.apply_chat_template(messages)
+    for text in TEXTS:
+        assert got.encode(text) == want.encode(text)
+
+
+@pytest.fixture(scope="module")
+def gguf_reference(smollm2_gguf_path):
+    """Config, tensors and tokenizer loaded from the GGUF file itself."""
+    config, tensors = gguf_load(smollm2_gguf_path)
+    return config, tensors, Tokenizer.from_gguf(smollm2_gguf_path)
+
+
+def test_prepared_loads_equal_gguf_loads(smollm2_gguf_path, gguf_reference, monkeypatch):
+    """Config, every tensor (bit for bit, same dtype and order) and the tokenizer: the
+    prepared copy gives what the GGUF file gives, without parsing or dequantizing it."""
+    config, tensors, tokenizer = gguf_reference
+    validate_checkpoint(smollm2_gguf_path)  # writes the prepared copy if it is missing
+    prepared = prepared_default_model(smollm2_gguf_path)
+    assert prepared is not None and prepared.folder == prepared_dir(smollm2_gguf_path)
+
+    def not_read(*args, **kwargs):
+        raise AssertionError("the GGUF file was read although its prepared copy is valid")
+
+    monkeypatch.setattr(gguf_file, "read_gguf", not_read)
+    monkeypatch.setattr(gguf_file, "open_gguf", not_read)
+    got_config, got_tensors = load_checkpoint(smollm2_gguf_path)
+    assert got_config == config
+    assert validate_checkpoint(smollm2_gguf_path) == config
+    assert_same_tensors(got_tensors, tensors)
+    assert_same_tokenizer(Tokenizer.from_path(smollm2_gguf_path), tokenizer)
+
+
+def test_only_the_default_model_is_prepared(tmp_path, smollm2_gguf_path):
+    """Another path to a GGUF file (even a hard link to the same bytes) is loaded from the
+    file and leaves nothing beside it."""
+    other = tmp_path / "other.gguf"
+    try:
+        os.link(smollm2_gguf_path, other)
+    except OSError:
+        shutil.copyfile(smollm2_gguf_path, other)
+    assert prepared_default_model(other) is None
+    validate_checkpoint(other)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other.gguf"]
+
+
+# --- a private copy of the default model: stale and corrupt prepared folders -----------------
+
+
+@pytest.fixture(scope="module")
+def private_cache(tmp_path_factory, smollm2_gguf_path):
+    """$NANOSERVE_CACHE pointed at a fresh folder holding a copy of the default model's
+    GGUF file (same bytes, same modification time), for the tests below."""
+    root = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(model_store.CACHE_ENV, str(root))
+        target = default_model_path()
+        target.parent.mkdir(parents=True)
+        shutil.copy2(smollm2_gguf_path, target)
+        yield target
+
+
+def manifest_of(gguf):
+    return json.loads((prepared_dir(gguf) / MANIFEST_FILE).read_text())
+
+
+def flip_byte(path, offset):
+    """Change one byte in place, keeping the file's size and modification time."""
+    st = path.stat()
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_first_load_writes_the_folder_whole(private_cache, gguf_reference, capsys):
+    config, tensors, _ = gguf_reference
+    assert not prepared_dir(private_cache).exists()
+    assert prepared_default_model(private_cache) is None  # opening alone writes nothing
+    got_config, got_tensors = load_checkpoint(private_cache)
+    assert got_config == config
+    assert_same_tensors(got_tensors, tensors)
+    folder = prepared_dir(private_cache)
+    manifest = manifest_of(private_cache)
+    assert sorted(p.name for p in folder.iterdir()) == sorted([MANIFEST_FILE, *manifest["files"]])
+    assert manifest["source"]["sha256"] == model_store.DEFAULT_MODEL_SHA256
+    # no temporary folder left beside it (the lock file stays)
+    assert sorted(p.name for p in private_cache.parent.iterdir()) == sorted(
+        [private_cache.name, folder.name, folder.name + ".lock"])
+    assert capsys.readouterr().err == ""
+
+
+def test_corrupt_tensor_file_is_not_used(private_cache, gguf_reference, capsys):
+    """One byte of tensor data changed (size and mtime kept): the load notices, says so,
+    loads from the GGUF file (equal to it, so the bad byte was not used) and the folder is
+    written again."""
+    _, tensors, _ = gguf_reference
+    validate_checkpoint(private_cache)  # the folder exists and is valid
+    path = prepared_dir(private_cache) / TENSORS_FILE
+    flip_byte(path, path.stat().st_size // 2)
+    _, got = load_checkpoint(private_cache)
+    assert_same_tensors(got, tensors)
+    assert "not using the prepared model" in capsys.readouterr().err
+    validate_checkpoint(private_cache)  # written again
+    again = prepared_default_model(private_cache)
+    assert_same_tensors(_checked(ModelConfig.from_hf_dict(again.read_json(CONFIG_FILE)),
+                                 again.tensors(), "prepared"), tensors)
+
+
+def test_corrupt_tokenizer_file_is_not_used(private_cache, gguf_reference, capsys):
+    _, _, tokenizer = gguf_reference
+    validate_checkpoint(private_cache)
+    path = prepared_dir(private_cache) / TOKENIZER_FILE
+    text = path.read_text()
+    i = text.index('"vocab"') + 20  # inside the vocabulary, same length
+    flip_byte(path, i)
+    assert_same_tokenizer(Tokenizer.from_path(private_cache), tokenizer)
+    assert "not using the prepared model" in capsys.readouterr().err
+    assert_same_tokenizer(Tokenizer.from_path(private_cache), tokenizer)  # from the rewrite
+
+
+@pytest.mark.parametrize("damage", ["truncated", "gguf-touched", "other-conversion",
+                                    "no-manifest"])
+def test_stale_or_incomplete_folder_is_written_again(private_cache, gguf_reference, damage):
+    """A folder whose tensor file is shorter than recorded, whose GGUF file changed since
+    (its modification time), that another version of the conversion code wrote, or that
+    has no manifest (an interrupted write) is not used: it is written again, and loads
+    equal the GGUF file's."""
+    config, tensors, _ = gguf_reference
+    validate_checkpoint(private_cache)
+    folder = prepared_dir(private_cache)
+    before = manifest_of(private_cache)
+    if damage == "truncated":
+        with open(folder / TENSORS_FILE, "r+b") as f:
+            f.truncate((folder / TENSORS_FILE).stat().st_size - 4096)
+    elif damage == "gguf-touched":
+        st = private_cache.stat()
+        os.utime(private_cache, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    elif damage == "other-conversion":
+        (folder / MANIFEST_FILE).write_text(json.dumps({**before, "conversion": "0" * 64}))
+    else:
+        (folder / MANIFEST_FILE).unlink()
+    assert model_store._open_prepared(private_cache, folder) is None
+    got_config, got = load_checkpoint(private_cache)
+    assert got_config == config
+    assert_same_tensors(got, tensors)
+    after = manifest_of(private_cache)
+    assert after["files"] == before["files"]  # the same contents, written again
+    assert after["source"] == {**model_store._source_stamp(private_cache),
+                               "sha256": model_store.DEFAULT_MODEL_SHA256}
+    assert model_store._open_prepared(private_cache, folder) is not None
