@@ -16,11 +16,21 @@ gives per-prompt medians, the ratio nanoserve / transformers, and whether both p
 same greedy tokens. One untimed warm-up call per side comes first.
 
     python benchmarks/cpu_generate.py --threads 1 --repeats 3
+
+`--batch` runs one batch instead: the 35 prompts of `examples/prompts.jsonl` (chat rows
+rendered with the model's chat template), `--new-tokens` each, as one static batch on both
+sides: nanoserve's `generate_batch` (right-padded rows, each at its own positions, the path a
+CPU worker of the batch job takes) and transformers' `generate` over the left-padded batch
+with its attention mask. Each call is timed whole; tokens/s = rows x new tokens / seconds;
+"same tokens" counts the rows whose tokens agree on both sides.
+
+    python -m benchmarks.cpu_generate --batch --threads 2 --repeats 3
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import pathlib
 
 import torch
@@ -45,12 +55,28 @@ PLAIN_PROMPTS = [
     "In simple terms, the leaves",
 ]
 CHAT_PROMPT = [{"role": "user", "content": "Explain in two sentences why the sky is blue."}]
+EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples" / "prompts.jsonl"
 
 
 def build_prompts(tokenizer) -> list[list[int]]:
     """Four prompts of about 20 to 60 tokens: three plain texts and one chat turn."""
     texts = PLAIN_PROMPTS[:2] + [tokenizer.apply_chat_template(CHAT_PROMPT)] + PLAIN_PROMPTS[2:]
     return [tokenizer.encode(t) for t in texts]
+
+
+def build_batch_prompts(tokenizer, path: pathlib.Path = EXAMPLES) -> list[list[int]]:
+    """The rows of `examples/prompts.jsonl` as token ids, as the batch job prepares them: a
+    `prompt` encoded with the model's BOS rule, `messages` rendered with the chat template
+    (generation prompt added) and encoded without adding special tokens."""
+    out = []
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        if "messages" in row:
+            text = tokenizer.apply_chat_template(row["messages"])
+            out.append(tokenizer.encode(text, add_special_tokens=False))
+        else:
+            out.append(tokenizer.encode(row["prompt"]))
+    return out
 
 
 def load_transformers(path: pathlib.Path):
@@ -69,6 +95,27 @@ def nanoserve_generate(model, prompt: list[int], new_tokens: int) -> list[int]:
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     outs, _ = generate_batch(model, [prompt], [params], eos_token_ids=())
     return outs[0].token_ids
+
+
+def nanoserve_generate_batch(model, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    from nanoserve.generate import generate_batch
+    from nanoserve.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    outs, _ = generate_batch(model, prompts, [params] * len(prompts), eos_token_ids=())
+    return [o.token_ids for o in outs]
+
+
+def transformers_generate_batch(model, prompts: list[list[int]], new_tokens: int,
+                                pad_token_id: int) -> list[list[int]]:
+    """One left-padded batch (transformers' way for decoder-only generation)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_token_id] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=mask, do_sample=False,
+                             max_new_tokens=new_tokens)
+    return out[:, width:].tolist()
 
 
 def transformers_generate(model, prompt: list[int], new_tokens: int) -> list[int]:
@@ -102,6 +149,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=3,
                     help="timed calls per prompt and side (default: 3)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default: 1)")
+    ap.add_argument("--batch", action="store_true",
+                    help="one batch of the 35 prompts of examples/prompts.jsonl")
     args = ap.parse_args(argv)
     if args.new_tokens < 1 or args.repeats < 1:
         ap.error("--new-tokens and --repeats must be >= 1")
@@ -116,6 +165,9 @@ def main(argv=None) -> None:
     secs_hf, hf_model = timed(lambda: load_transformers(path))
     print(f"model: {path.name}; load seconds: nanoserve {secs_ns:.1f}, transformers {secs_hf:.1f}")
     clear_eos(hf_model, tokenizer.eos_token_ids[0])
+    if args.batch:
+        run_batch(args, ns_model, hf_model, tokenizer)
+        return
     prompts = build_prompts(tokenizer)
     n = args.new_tokens
     sides = {
@@ -161,6 +213,42 @@ def main(argv=None) -> None:
     print(f"median of paired ratios (same prompt, same repeat): {paired:.2f}")
     if not stable:
         print("warning: a side's greedy tokens changed between repeats of the same prompt")
+
+
+def run_batch(args, ns_model, hf_model, tokenizer) -> None:
+    """The `--batch` table: both sides on one batch of the example prompts, interleaved."""
+    prompts = build_batch_prompts(tokenizer)
+    n, rows = args.new_tokens, len(prompts)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_ids[0]
+    sides = {
+        "nanoserve": lambda: nanoserve_generate_batch(ns_model, prompts, n),
+        "transformers": lambda: transformers_generate_batch(hf_model, prompts, n, pad),
+    }
+    for run in sides.values():  # warm-up, untimed
+        run()
+    rates: dict[str, list[float]] = {s: [] for s in sides}
+    tokens: dict[str, list[list[int]]] = {}
+    for r in range(args.repeats):
+        order = list(sides) if r % 2 == 0 else list(reversed(sides))
+        for side in order:
+            secs, out = timed(sides[side])
+            if any(len(o) != n for o in out):
+                raise RuntimeError(f"{side} made a row of other than {n} tokens")
+            rates[side].append(rows * n / secs)
+            tokens[side] = out
+        print(f"repeat {r + 1}/{args.repeats}: "
+              + ", ".join(f"{s} {rates[s][-1]:.1f} tok/s" for s in sides), flush=True)
+    a, b = median(rates["nanoserve"]), median(rates["transformers"])
+    same = sum(x == y for x, y in zip(tokens["nanoserve"], tokens["transformers"]))
+    paired = median([x / y for x, y in zip(rates["nanoserve"], rates["transformers"])])
+    print()
+    print(f"one batch of {rows} prompts ({min(map(len, prompts))}-{max(map(len, prompts))} "
+          f"tokens), {n} new tokens each (ignore_eos), greedy, float32, {args.repeats} "
+          f"repeats per side, interleaved; median tokens/s")
+    print(markdown_table(["rows", "nanoserve tok/s", "transformers tok/s", "ratio",
+                          "paired ratio", "same tokens"],
+                         [[rows, f"{a:.1f}", f"{b:.1f}", f"{a / b:.2f}", f"{paired:.2f}",
+                           f"{same}/{rows}"]]))
 
 
 if __name__ == "__main__":

@@ -19,19 +19,39 @@ An untimed job runs first (imports, page cache). Runs alternate between the work
 counts, `--repeats` times each; the table shows every run, then the medians.
 
     python -m benchmarks.startup [--workers 1 2] [--repeats 3] [--mode gpu|cpu]
+
+A third mode, `demo`, times what a first-time user runs, on the CPU, as commands in fresh
+processes, for this source tree and (with `--before DIR`) another checkout of the
+repository side by side (e.g. a `git worktree` of an earlier commit), runs alternating
+between the trees:
+- the demo job: `python -m nanoserve_cli batch examples/prompts.jsonl -o OUT --overwrite
+  --max-tokens 4` on the default model (fetched already): the process's wall time, the
+  job's own phases (its `time:` line) and the time outside them (interpreter start,
+  imports, the report and exit); the two trees' rows are compared token for token;
+- `nanoserve generate`: `python -m nanoserve_cli generate PROMPT --max-tokens 4`'s wall
+  time, and the same steps timed one by one in another process (imports, `LLM()`, encode
+  and generate).
+Each tree's code comes first on PYTHONPATH in its processes. An untimed run of each
+command and tree comes first; the tables show medians over `--repeats` runs and the ratio
+this tree / the other.
+
+    python -m benchmarks.startup --mode demo --before ../wt-before --repeats 3
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import cpu_model_name, git_commit, markdown_table
-from nanoserve.testing import save_tiny_llama
+from benchmarks.common import ROOT, cpu_model_name, git_commit, load_average, markdown_table
 
 
 def write_input(path: Path, rows: int) -> Path:
@@ -77,6 +97,149 @@ def run_once(mode: str, workers: int, input_path: Path, out: Path, model: Path,
             "last_ready": max(ready) - before_workers, "total": total}
 
 
+# --- demo mode: the demo job and `nanoserve generate`, this tree against another --------------
+
+DEMO_PHASES = ("prepare", "Ray", "workers", "first batch", "generate", "shutdown")
+GENERATE_PROMPT = "The capital of France is"
+# `nanoserve generate`'s steps (nanoserve/cli.py), timed one by one in a fresh process.
+GENERATE_STEPS = """
+import json, sys, time
+t0 = time.perf_counter()
+import nanoserve_cli
+from nanoserve.llm import LLM
+from nanoserve.sampling import SamplingParams
+t1 = time.perf_counter()
+llm = LLM("smollm2-135m-instruct", device="cpu")
+t2 = time.perf_counter()
+out = llm.generate([llm.tokenizer.encode(sys.argv[1])], SamplingParams(max_tokens=4))[0]
+print(out.text)
+t3 = time.perf_counter()
+print(json.dumps({"imports": t1 - t0, "load": t2 - t1, "generate": t3 - t2}))
+"""
+
+
+def run_tree(tree: Path, args: list[str]) -> tuple[float, str]:
+    """Run `python ARGS` in `tree` with its code first on the path: (wall seconds, stdout
+    and stderr). A failed command stops the benchmark."""
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, *args], cwd=tree, env=env, capture_output=True,
+                          text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(args)} in {tree} failed ({proc.returncode}):\n"
+                         f"{proc.stderr[-3000:]}")
+    return wall, proc.stdout + proc.stderr
+
+
+def demo_job(tree: Path, out: Path) -> dict:
+    """One demo job in a fresh process: its wall time, the job's phases and rows."""
+    wall, text = run_tree(tree, ["-m", "nanoserve_cli", "batch", "examples/prompts.jsonl",
+                                 "-o", str(out), "--overwrite", "--max-tokens", "4"])
+    times = re.search(r"^time: (.*)$", text, re.M)
+    job = re.search(r"^wall time: ([0-9.]+) s", text, re.M)
+    if times is None or job is None or not re.search(r"^rows: 35 \(0 error rows\)", text, re.M):
+        raise SystemExit(f"unexpected output of the demo job in {tree}:\n{text[-3000:]}")
+    phases = {name: float(v) for name, v in re.findall(r"([A-Za-z ]+?) ([0-9.]+) s(?:,|$)",
+                                                         times.group(1))}
+    phases = {k.strip(): v for k, v in phases.items()}
+    return {"wall": wall, "job": float(job.group(1)), **phases,
+            "outside": wall - float(job.group(1))}
+
+
+def demo_rows(out: Path) -> dict:
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(out, columns=["id", "generated_token_ids"])
+    return dict(zip(table["id"].to_pylist(), table["generated_token_ids"].to_pylist()))
+
+
+def generate_steps(tree: Path) -> dict:
+    wall, text = run_tree(tree, ["-c", GENERATE_STEPS, GENERATE_PROMPT])
+    return {**json.loads(text.strip().splitlines()[-1]), "wall": wall}
+
+
+def generate_command(tree: Path) -> float:
+    return run_tree(tree, ["-m", "nanoserve_cli", "generate", GENERATE_PROMPT,
+                           "--max-tokens", "4"])[0]
+
+
+def demo_main(args: argparse.Namespace) -> None:
+    trees = {"this": ROOT}
+    if args.before is not None:
+        trees = {"before": Path(args.before).resolve(), "this": ROOT}
+    labels = {name: f"{name} ({_commit(tree)})" for name, tree in trees.items()}
+    print(f"demo mode; {cpu_model_name()}, {os.cpu_count()} cores; load average at start "
+          f"{load_average()}; trees: {', '.join(f'{labels[n]} {t}' for n, t in trees.items())}")
+    jobs: dict[str, list[dict]] = {n: [] for n in trees}
+    steps: dict[str, list[dict]] = {n: [] for n in trees}
+    commands: dict[str, list[float]] = {n: [] for n in trees}
+    rows: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="ns-startup-demo-") as tmp:
+        for name, tree in trees.items():  # untimed: page cache, compiled bytecode
+            demo_job(tree, Path(tmp) / f"warm-{name}")
+            generate_command(tree)
+        for r in range(args.repeats):
+            order = list(trees) if r % 2 == 0 else list(reversed(trees))
+            for name in order:
+                out = Path(tmp) / f"out-{name}"
+                jobs[name].append(demo_job(trees[name], out))
+                rows[name] = demo_rows(out)
+                steps[name].append(generate_steps(trees[name]))
+                commands[name].append(generate_command(trees[name]))
+                print(f"repeat {r + 1}/{args.repeats} {name}: demo job "
+                      f"{jobs[name][-1]['wall']:.1f} s, generate {commands[name][-1]:.1f} s",
+                      flush=True)
+    print(f"load average at the end {load_average()}")
+
+    def med(xs: list[dict], key: str) -> float:
+        return statistics.median(x.get(key, 0.0) for x in xs)
+
+    keys = ["wall", "outside", *DEMO_PHASES]
+    headers = ["tree", "command wall", "outside the job", *DEMO_PHASES]
+    table = [[labels[n], *(f"{med(jobs[n], k):.1f}" for k in keys)] for n in trees]
+    if "before" in trees:
+        table.append(["this / before", *(_ratio(med(jobs["this"], k), med(jobs["before"], k))
+                                         for k in keys)])
+    print()
+    print(f"demo job (35 rows, --max-tokens 4, default model, CPU): seconds, median of "
+          f"{args.repeats}")
+    print(markdown_table(headers, table))
+    if "before" in trees:
+        same = sum(rows["this"].get(i) == t for i, t in rows["before"].items())
+        print(f"rows with the same tokens in both trees: {same}/{len(rows['before'])}")
+
+    keys = ["imports", "load", "generate", "wall"]
+    table = [[labels[n], f"{statistics.median(commands[n]):.1f}",
+              *(f"{med(steps[n], k):.1f}" for k in keys)] for n in trees]
+    if "before" in trees:
+        table.append(["this / before",
+                      _ratio(statistics.median(commands["this"]),
+                             statistics.median(commands["before"])),
+                      *(_ratio(med(steps["this"], k), med(steps["before"], k)) for k in keys)])
+    print()
+    print(f"nanoserve generate (one prompt, --max-tokens 4, CPU): seconds, median of "
+          f"{args.repeats}; the command, then its steps timed one by one in another process")
+    print(markdown_table(["tree", "command wall", "imports", "LLM() load", "encode + generate",
+                          "steps' process wall"], table))
+
+
+def _commit(tree: Path) -> str:
+    """The tree's short commit, with '+changes' when it differs from it."""
+    def git(*cmd: str) -> str:
+        return subprocess.run(["git", *cmd], cwd=tree, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    try:
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+        return git("rev-parse", "--short", "HEAD") + ("+changes" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}" if b > 0 else "-"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -84,11 +247,18 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=4)
-    ap.add_argument("--mode", choices=("gpu", "cpu"), default="gpu",
-                    help="gpu: logical GPUs, num_gpus=1 actors; cpu: num_cpus=1 actors")
+    ap.add_argument("--mode", choices=("gpu", "cpu", "demo"), default="gpu",
+                    help="gpu: logical GPUs, num_gpus=1 actors; cpu: num_cpus=1 actors; "
+                         "demo: the demo job and nanoserve generate, as commands")
+    ap.add_argument("--before", default=None, metavar="DIR",
+                    help="demo mode: another checkout to time side by side with this one")
     args = ap.parse_args()
+    if args.mode == "demo":
+        demo_main(args)
+        return
 
     from nanoserve.model_store import DEFAULT_MODEL, resolve_model
+    from nanoserve.testing import save_tiny_llama
 
     with tempfile.TemporaryDirectory(prefix="ns-startup-") as tmp:
         work = Path(tmp)
