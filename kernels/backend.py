@@ -11,6 +11,8 @@ everywhere, for side-by-side checks of the two paths):
   under it, which needs `TRITON_INTERPRET=1` before `kernels` is first imported (importing
   `kernels` sets it when `NANOSERVE_TRITON_INTERPRET=1` is set);
 - anything else: the references.
+`decode_attention` on the CPU (no interpreter, references not forced) runs
+`paged_decode_attention_cpu`, the reference's math arranged for the CPU's GEMMs.
 """
 
 from __future__ import annotations
@@ -27,7 +29,11 @@ from kernels.argmax import argmax_scatter as _argmax_scatter_triton
 from kernels.argmax import argmax_scatter_reference
 from kernels.kv_store import store_kv as _store_kv_triton
 from kernels.kv_store import store_kv_reference
-from kernels.paged_attention import paged_decode_attention, paged_decode_attention_reference
+from kernels.paged_attention import (
+    paged_decode_attention,
+    paged_decode_attention_cpu,
+    paged_decode_attention_reference,
+)
 from kernels.paged_prefill import paged_prefill_attention as _paged_prefill_triton
 from kernels.paged_prefill import paged_prefill_attention_reference
 from kernels.prefill_attention import prefill_attention as _prefill_attention_triton
@@ -49,10 +55,15 @@ def interpreter_requested() -> bool:
     return nanoserve_flag or interpret_requested()
 
 
+def references_forced() -> bool:
+    """`NANOSERVE_KERNELS=reference`: the PyTorch references serve every call."""
+    return os.environ.get("NANOSERVE_KERNELS", "").strip().lower() == "reference"
+
+
 def use_triton(device: torch.device | str) -> bool:
     """Whether the Triton kernels (rather than the references) serve tensors on `device`."""
     device = torch.device(device)
-    if not HAS_TRITON or os.environ.get("NANOSERVE_KERNELS", "").strip().lower() == "reference":
+    if not HAS_TRITON or references_forced():
         return False
     if device.type == "cuda":
         return True
@@ -76,11 +87,15 @@ def decode_attention(
     """Paged decode attention: one query token per row over that row's cached context.
     max_context_len: a host-side bound on context_lens, used by the kernel only to choose
     its split count (None: the block tables' capacity); even_splits: each row's context cut
-    into equal partitions (see `paged_decode_attention`)."""
+    into equal partitions (see `paged_decode_attention`). On the CPU without Triton's
+    interpreter: `paged_decode_attention_cpu` (the reference when references are forced)."""
     if use_triton(q.device):
         return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
                                       max_context_len=max_context_len, window=window,
                                       even_splits=even_splits)
+    if q.device.type == "cpu" and not references_forced():
+        return paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, context_lens,
+                                          scale, window=window)
     return paged_decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, scale,
                                             window=window)
 
@@ -192,5 +207,6 @@ __all__ = [
     "paged_prefill_attention",
     "prefill_attention",
     "store_kv",
+    "references_forced",
     "use_triton",
 ]

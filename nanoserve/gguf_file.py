@@ -198,7 +198,8 @@ def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 def prepared_contents(path: str | Path, tokenizer: tuple[str, dict[str, Any]]
                       ) -> dict[str, bytes]:
     """The files of a GGUF file's prepared copy (`nanoserve.model_store`), by name: its
-    config dict as `config.json`, the tensors `read_gguf` gives as `model.safetensors`, and
+    config dict as `config.json`, the tensors `read_gguf` gives as `model.safetensors`
+    (q/k/v and gate/up fused, `model_store.fuse_for_storage`), and
     `tokenizer` (`Tokenizer.to_prepared()` of the tokenizer built from this file) as
     `tokenizer.json` and `tokenizer_meta.json`."""
     import json
@@ -209,10 +210,11 @@ def prepared_contents(path: str | Path, tokenizer: tuple[str, dict[str, Any]]
 
     path = Path(path)
     backend_json, meta = tokenizer
+    tensors, metadata = model_store.fuse_for_storage(read_gguf(path)[1])
     return {
         model_store.CONFIG_FILE: json.dumps(gguf_config_dict(open_gguf(path), path),
                                             indent=1).encode(),
-        model_store.TENSORS_FILE: save(read_gguf(path)[1]),
+        model_store.TENSORS_FILE: save(tensors, metadata=metadata),
         model_store.TOKENIZER_FILE: backend_json.encode(),
         model_store.TOKENIZER_META_FILE: json.dumps(meta, indent=1).encode(),
     }

@@ -67,14 +67,29 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return out.view(B, T, H, D)
 
 
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """`parts` concatenated by rows: a view when they already lie one after another in one
+    storage (a checkpoint that stores them fused, read back as views), else a copy."""
+    first = parts[0]
+    offset = first.storage_offset()
+    for p in parts:
+        if (not p.is_contiguous() or p.shape[1:] != first.shape[1:] or p.dtype != first.dtype
+                or p.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                or p.storage_offset() != offset):
+            return torch.cat(parts)
+        offset += p.numel()
+    rows = sum(p.shape[0] for p in parts)
+    return first.as_strided((rows, *first.shape[1:]), first.stride())
+
+
 def _fuse_rows(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One weight [sum(out), in] (and bias) for several projections of the same input, so
     one GEMM serves them all. Each module's parameters become views of the fused tensors:
     the state dict keeps its names and no memory is held twice."""
-    weight = torch.cat([m.weight for m in linears])
+    weight = _joined([m.weight.detach() for m in linears])
     bias = None
     if linears[0].bias is not None:
-        bias = torch.cat([m.bias for m in linears])
+        bias = _joined([m.bias.detach() for m in linears])
     start = 0
     for m in linears:
         n = m.weight.shape[0]

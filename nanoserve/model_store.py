@@ -17,7 +17,8 @@ The prepared model (`prepared_default_model`): turning the GGUF file into tensor
 its metadata (seconds: the vocabulary is stored token by token) and dequantizing Q4_1/Q8_0 with
 numpy (seconds more), in every process that loads it. So on its first load the default model is
 written once more, next to its `.gguf`, in the form it is loaded in: `<stem>.prepared/` holds
-`model.safetensors` (the float32 tensors `read_gguf` returns, Hugging Face names), `config.json`
+`model.safetensors` (the float32 tensors `read_gguf` returns, each layer's q/k/v and gate/up
+stored fused as the model multiplies by them, read back as views by Hugging Face name), `config.json`
 (the GGUF metadata as a config dict), `tokenizer.json` and `tokenizer_meta.json` (the tokenizer
 built from the GGUF vocabulary, serialized), and `manifest.json`, written last. Loads from it
 give the same config, the same tokenizer and bit for bit the same tensors as loads from the GGUF.
@@ -25,10 +26,11 @@ give the same config, the same tokenizer and bit for bit the same tensors as loa
   hash of `gguf_file.py` and `tokenizer.py` and the `gguf` and `tokenizers` versions), and the
   `.gguf` file's size and modification time as they were when it was written (its sha256, the
   pinned one, was checked then). Anything else is stale and is written again.
-- Each file's size and sha256 are in the manifest; a file is checked against its sha256 each
-  time it is read (the tensors too: about 0.4 s for 540 MB, then memory-mapped, not copied),
-  and a file that fails the check is not used: the load falls back to the `.gguf` file and
-  the folder is written again.
+- Each file's size and sha256 (and those of its 32 MiB chunks) are in the manifest; a file is
+  checked against them each time it is read (the tensors too, through a memory map, their
+  chunks on parallel threads: about 0.4 s of hashing for 540 MB; then the tensors are
+  memory-mapped, not copied), and a file that fails the check is not used: the load falls
+  back to the `.gguf` file and the folder is written again.
 - It is written into a temporary folder and renamed into place whole, under a lock file, so
   readers see the old folder, no folder, or the new one, never a half-written one; a folder
   that cannot be written (a read-only cache) only means loads go to the `.gguf` file.
@@ -215,6 +217,53 @@ PREPARED_FILES = (CONFIG_FILE, TENSORS_FILE, TOKENIZER_FILE, TOKENIZER_META_FILE
 _CONVERSION_SOURCES = ("gguf_file.py", "tokenizer.py")  # the code that turns a GGUF into these
 
 
+HASH_CHUNK_BYTES = 32 << 20  # the tensors are checked in chunks of this size, in parallel
+# Each layer's projections of one input are stored as one tensor (what the model multiplies
+# by: nanoserve.model fuses them), read back as views of their rows.
+_FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def fuse_for_storage(tensors: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """`tensors` (torch, Hugging Face names) with each layer's q/k/v and gate/up weights (and
+    biases) concatenated by rows into one tensor, and the safetensors metadata that names
+    the parts: (tensors, metadata)."""
+    import torch
+
+    out = dict(tensors)
+    fused: dict[str, list[tuple[str, int]]] = {}
+    layers = sorted({name.split(".")[2] for name in tensors if name.startswith("model.layers.")})
+    for layer in layers:
+        for whole, parts in _FUSED.items():
+            for kind in ("weight", "bias"):
+                names = [f"model.layers.{layer}.{p}.{kind}" for p in parts]
+                if not all(n in out for n in names):
+                    continue
+                fused[f"model.layers.{layer}.{whole}.{kind}"] = [(n, out[n].shape[0])
+                                                                 for n in names]
+                out[f"model.layers.{layer}.{whole}.{kind}"] = torch.cat([out.pop(n)
+                                                                        for n in names])
+    return out, {"fused": json.dumps(fused)}
+
+
+def _fused_parts(header: dict[str, Any]) -> dict[str, list[tuple[str, int]]]:
+    meta = header.get("__metadata__") or {}
+    return {k: [(n, int(r)) for n, r in v] for k, v in json.loads(meta.get("fused", "{}")).items()}
+
+
+def _chunk_sha256(data: Any, chunk: int) -> list[str]:
+    """The sha256 of each `chunk` bytes of `data` (a buffer), hashed on up to 4 threads
+    (hashlib releases the GIL on large buffers)."""
+    view = memoryview(data)
+    pieces = [view[i:i + chunk] for i in range(0, len(view), chunk)] or [view]
+    if len(pieces) == 1:
+        return [hashlib.sha256(pieces[0]).hexdigest()]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(min(4, os.cpu_count() or 1)) as pool:
+        return list(pool.map(lambda b: hashlib.sha256(b).hexdigest(), pieces))
+
+
 class PreparedCacheError(Exception):
     """A prepared file that does not match its manifest (changed, truncated, corrupt)."""
 
@@ -245,9 +294,10 @@ class PreparedModel:
             raise PreparedCacheError(f"{self.folder / name}: {e}") from None
 
     def tensors(self) -> dict[str, Any]:
-        """The float32 tensors by Hugging Face name. The file is checked against its sha256
-        through a memory map, then its tensors are memory-mapped, not copied (the same
-        file: its inode, size and mtime are checked to be those it had when hashed)."""
+        """The float32 tensors by Hugging Face name. The file is checked against its
+        sha256s (its chunks', hashed in parallel) through a memory map, then its tensors are
+        memory-mapped, not copied (the same file: its inode, size and mtime are checked to
+        be those it had when hashed); fused tensors come back as views of their parts."""
         from safetensors import SafetensorError
         from safetensors.torch import load_file
 
@@ -259,29 +309,43 @@ class PreparedModel:
                 if hashed.st_size != entry["size"]:
                     raise PreparedCacheError(f"{path} does not match its size")
                 with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-                    digest = hashlib.sha256(mm).hexdigest()
-            if digest != entry["sha256"]:
+                    digests = _chunk_sha256(mm, entry["chunk_bytes"])
+            if digests != entry["chunk_sha256"]:
                 raise PreparedCacheError(f"{path} does not match its sha256")
             tensors = load_file(path)
+            header = self._header()
             now = path.stat()
-        except (OSError, ValueError, SafetensorError) as e:
+        except (OSError, ValueError, KeyError, SafetensorError) as e:
             raise PreparedCacheError(f"{path}: {e}") from None
         if (now.st_ino, now.st_size, now.st_mtime_ns) != (
                 hashed.st_ino, hashed.st_size, hashed.st_mtime_ns):
             raise PreparedCacheError(f"{path} changed while it was read")
+        for fused, parts in _fused_parts(header).items():
+            whole, start = tensors.pop(fused), 0
+            for name, rows in parts:
+                tensors[name] = whole.narrow(0, start, rows)
+                start += rows
         return tensors
 
     def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Each tensor's shape, from the safetensors header alone (no tensor data read)."""
+        """Each tensor's shape by Hugging Face name, from the safetensors header alone (no
+        tensor data read)."""
+        header = self._header()
+        shapes = {name: tuple(entry["shape"]) for name, entry in header.items()
+                  if name != "__metadata__"}
+        for fused, parts in _fused_parts(header).items():
+            rest = shapes.pop(fused)[1:]
+            shapes.update((name, (rows, *rest)) for name, rows in parts)
+        return shapes
+
+    def _header(self) -> dict[str, Any]:
         path = self.folder / TENSORS_FILE
         try:
             with open(path, "rb") as f:
                 (n,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(n))
+                return json.loads(f.read(n))
         except (OSError, struct.error, ValueError) as e:
             raise PreparedCacheError(f"{path}: {e}") from None
-        return {name: tuple(entry["shape"]) for name, entry in header.items()
-                if name != "__metadata__"}
 
     def discard(self, error: PreparedCacheError) -> None:
         """Say why, and remove the folder (a file failed its check); the caller loads from
@@ -390,7 +454,9 @@ def _write_prepared(gguf: Path, folder: Path, convert: Callable[[Path], dict[str
         "format": PREPARED_FORMAT,
         "conversion": conversion_key(),
         "source": {**stamp, "sha256": DEFAULT_MODEL_SHA256},
-        "files": {name: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        "files": {name: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest(),
+                         "chunk_bytes": HASH_CHUNK_BYTES,
+                         "chunk_sha256": _chunk_sha256(data, HASH_CHUNK_BYTES)}
                   for name, data in contents.items()},
     }
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))

@@ -205,3 +205,32 @@ def test_stale_or_incomplete_folder_is_written_again(private_cache, gguf_referen
     assert after["source"] == {**model_store._source_stamp(private_cache),
                                "sha256": model_store.DEFAULT_MODEL_SHA256}
     assert model_store._open_prepared(private_cache, folder) is not None
+
+
+def test_fused_projections_are_read_as_views_and_multiplied_in_place(smollm2_gguf_path,
+                                                                     gguf_reference):
+    """The prepared copy stores each layer's q/k/v (and gate/up) as one tensor: loaded, the
+    parts are views of it, and the model's fused GEMM weight is that tensor itself (no
+    copy); from separately stored parts (the GGUF load) it is a copy of equal values."""
+    from nanoserve.model import build_model
+
+    config, want, _ = gguf_reference
+    _, got = load_checkpoint(smollm2_gguf_path)
+    for layer in (0, config.num_hidden_layers - 1):
+        p = f"model.layers.{layer}."
+        for parts, whole in ((("q_proj", "k_proj", "v_proj"), "self_attn"),
+                             (("gate_proj", "up_proj"), "mlp")):
+            names = [f"{p}{whole}.{n}.weight" for n in parts]
+            ptrs = [got[n].data_ptr() for n in names]
+            sizes = [got[n].numel() * got[n].element_size() for n in names]
+            assert ptrs[1:] == [a + b for a, b in zip(ptrs, sizes)][:-1]  # back to back
+    model = build_model(config, got)
+    gguf_model = build_model(config, want)
+    for layer in range(config.num_hidden_layers):
+        p = f"model.layers.{layer}."
+        mine, theirs = model.model.layers[layer], gguf_model.model.layers[layer]
+        assert mine.self_attn.qkv[0].data_ptr() == got[p + "self_attn.q_proj.weight"].data_ptr()
+        assert mine.mlp.gate_up[0].data_ptr() == got[p + "mlp.gate_proj.weight"].data_ptr()
+        assert theirs.self_attn.qkv[0].data_ptr() != want[p + "self_attn.q_proj.weight"].data_ptr()
+        assert torch.equal(mine.self_attn.qkv[0], theirs.self_attn.qkv[0])
+        assert torch.equal(mine.mlp.gate_up[0], theirs.mlp.gate_up[0])
