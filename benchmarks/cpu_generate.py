@@ -18,11 +18,13 @@ same greedy tokens. One untimed warm-up call per side comes first.
     python benchmarks/cpu_generate.py --threads 1 --repeats 3
 
 `--batch` runs one batch instead: the 35 prompts of `examples/prompts.jsonl` (chat rows
-rendered with the model's chat template), `--new-tokens` each, as one static batch on both
-sides: nanoserve's `generate_batch` (right-padded rows, each at its own positions, the path a
-CPU worker of the batch job takes) and transformers' `generate` over the left-padded batch
-with its attention mask. Each call is timed whole; tokens/s = rows x new tokens / seconds;
-"same tokens" counts the rows whose tokens agree on both sides.
+rendered with the model's chat template), `--new-tokens` each, as one batch: nanoserve's
+static batch (`generate_batch`: right-padded rows, each at its own positions) and its
+continuous scheduler with every row admitted at once (`generate_continuous`: packed
+prefill; what `LLM` and a CPU worker of the batch job run), against transformers'
+`generate` over the left-padded batch with its attention mask. Each call is timed whole;
+tokens/s = rows x new tokens / seconds; "same tokens" counts the rows whose tokens agree
+with transformers'.
 
     python -m benchmarks.cpu_generate --batch --threads 2 --repeats 3
 """
@@ -97,12 +99,22 @@ def nanoserve_generate(model, prompt: list[int], new_tokens: int) -> list[int]:
     return outs[0].token_ids
 
 
-def nanoserve_generate_batch(model, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    from nanoserve.generate import generate_batch
+def nanoserve_generate_batch(model, prompts: list[list[int]], new_tokens: int,
+                             scheduler: str = "static") -> list[list[int]]:
+    """One batch through the static scheduler (`generate_batch`) or the continuous one
+    (`generate_continuous`, every row admitted at once: what `LLM` runs on the CPU)."""
     from nanoserve.sampling import SamplingParams
 
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    outs, _ = generate_batch(model, prompts, [params] * len(prompts), eos_token_ids=())
+    params = [SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)] * len(prompts)
+    if scheduler == "static":
+        from nanoserve.generate import generate_batch
+
+        outs, _ = generate_batch(model, prompts, params, eos_token_ids=())
+    else:
+        from nanoserve.scheduler import generate_continuous
+
+        outs, _ = generate_continuous(model, prompts, params, eos_token_ids=(),
+                                      max_batch_size=len(prompts))
     return [o.token_ids for o in outs]
 
 
@@ -216,20 +228,23 @@ def main(argv=None) -> None:
 
 
 def run_batch(args, ns_model, hf_model, tokenizer) -> None:
-    """The `--batch` table: both sides on one batch of the example prompts, interleaved."""
+    """The `--batch` table: each side on one batch of the example prompts, interleaved."""
     prompts = build_batch_prompts(tokenizer)
     n, rows = args.new_tokens, len(prompts)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_ids[0]
     sides = {
-        "nanoserve": lambda: nanoserve_generate_batch(ns_model, prompts, n),
+        "nanoserve static": lambda: nanoserve_generate_batch(ns_model, prompts, n),
         "transformers": lambda: transformers_generate_batch(hf_model, prompts, n, pad),
     }
+    if has_continuous():
+        sides["nanoserve continuous"] = lambda: nanoserve_generate_batch(ns_model, prompts, n,
+                                                                         "continuous")
     for run in sides.values():  # warm-up, untimed
         run()
     rates: dict[str, list[float]] = {s: [] for s in sides}
     tokens: dict[str, list[list[int]]] = {}
     for r in range(args.repeats):
-        order = list(sides) if r % 2 == 0 else list(reversed(sides))
+        order = list(sides) if r % 2 == 0 else list(reversed(sides))  # reversed every other
         for side in order:
             secs, out = timed(sides[side])
             if any(len(o) != n for o in out):
@@ -238,17 +253,29 @@ def run_batch(args, ns_model, hf_model, tokenizer) -> None:
             tokens[side] = out
         print(f"repeat {r + 1}/{args.repeats}: "
               + ", ".join(f"{s} {rates[s][-1]:.1f} tok/s" for s in sides), flush=True)
-    a, b = median(rates["nanoserve"]), median(rates["transformers"])
-    same = sum(x == y for x, y in zip(tokens["nanoserve"], tokens["transformers"]))
-    paired = median([x / y for x, y in zip(rates["nanoserve"], rates["transformers"])])
+    hf = median(rates["transformers"])
+    table = [["transformers", f"{hf:.1f}", "1.00", "1.00", "-"]]
+    for side in (s for s in sides if s != "transformers"):
+        a = median(rates[side])
+        same = sum(x == y for x, y in zip(tokens[side], tokens["transformers"]))
+        paired = median([x / y for x, y in zip(rates[side], rates["transformers"])])
+        table.append([side, f"{a:.1f}", f"{a / hf:.2f}", f"{paired:.2f}", f"{same}/{rows}"])
     print()
     print(f"one batch of {rows} prompts ({min(map(len, prompts))}-{max(map(len, prompts))} "
           f"tokens), {n} new tokens each (ignore_eos), greedy, float32, {args.repeats} "
-          f"repeats per side, interleaved; median tokens/s")
-    print(markdown_table(["rows", "nanoserve tok/s", "transformers tok/s", "ratio",
-                          "paired ratio", "same tokens"],
-                         [[rows, f"{a:.1f}", f"{b:.1f}", f"{a / b:.2f}", f"{paired:.2f}",
-                           f"{same}/{rows}"]]))
+          f"repeats per side, interleaved; median tokens/s; ratios to transformers (paired: "
+          f"the median of the ratios within each repeat)")
+    print(markdown_table(["side", "tok/s", "ratio", "paired ratio", "same tokens"], table))
+
+
+def has_continuous() -> bool:
+    """Whether this checkout has the continuous scheduler (a side by side run may time an
+    older one)."""
+    try:
+        import nanoserve.scheduler  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 if __name__ == "__main__":
