@@ -6,10 +6,8 @@ Order of work (every job-level check comes before any model loads on a worker):
 1. scan the input (files, schema, row count) and plan its columns;
 2. resolve the model and load its tokenizer and config on the driver (cheap: no weights);
 3. open the output folder: fresh, or resume an earlier run with equal settings;
-4. start (or join) Ray and one `BatchWorker` actor per GPU (one CPU worker without GPUs):
-   on a fresh run at once, the actors loading the model while step 5 prepares the first
-   rows; on a rerun when the first batch needs a worker (one with nothing left to compute
-   starts none);
+4. start (or join) Ray and one `BatchWorker` actor per GPU (one CPU worker without GPUs),
+   when the first batch needs a worker (a rerun with nothing left to compute starts none);
 5. stream the rows: tokenize a chunk at a time, cut them into batches (`batching`), send
    each batch's token ids to the least-loaded worker (at most `max_in_flight_per_worker`
    batches queued per worker), and write each finished batch as one Parquet part at once;
@@ -48,7 +46,6 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -189,13 +186,7 @@ def run_batch_job(input: str | Path, output_dir: str | Path, **options: Any) -> 
             return JobSummary(str(folder), 0, 0, manifest.rows_done, 0, 0,
                               timeline.marks["prepare"], 0.0, 0.0, 0, timings=timeline.timings())
 
-        starting = None
-        if not manifest.done and not retry:  # a fresh run: workers load while rows are prepared
-            starting = _start_pool_early(opts, timeline, stack)
-
         def start_pool() -> WorkerPool:  # on the first batch that needs a worker
-            if starting is not None:
-                return starting.result()
             timeline.mark("prepare")
             stack.enter_context(RaySession(opts.address))
             timeline.mark("ray")
@@ -220,34 +211,6 @@ def run_batch_job(input: str | Path, output_dir: str | Path, **options: Any) -> 
             f"{first_line(str(e))}")
         return summary
     return dataclasses.replace(summary, report=str(path))
-
-
-def _start_pool_early(opts: JobOptions, timeline: Timeline, stack: ExitStack) -> Future:
-    """Join or start Ray here, then start the workers in a thread while the caller prepares
-    the first rows; the future gives the pool. `stack` shuts it down (after waiting for it),
-    whatever the caller does meanwhile."""
-    timeline.mark("prepare")
-    stack.enter_context(RaySession(opts.address))
-    timeline.mark("ray")
-
-    def start() -> WorkerPool:
-        pool = WorkerPool.start(opts, timeline)
-        timeline.mark("workers")
-        return pool
-
-    executor = ThreadPoolExecutor(1, thread_name_prefix="nanoserve-pool")
-    future = executor.submit(start)
-    executor.shutdown(wait=False)  # the thread ends with its one task
-
-    def stop() -> None:
-        try:
-            pool = future.result()
-        except Exception:  # raised to the caller already, or nothing started
-            return
-        pool.shutdown()
-
-    stack.callback(stop)
-    return future
 
 
 def _job_settings(opts: JobOptions, info: InputInfo, model_path: Path,
