@@ -208,11 +208,15 @@ def test_stale_or_incomplete_folder_is_written_again(private_cache, gguf_referen
 
 
 def test_fused_projections_are_read_as_views_and_multiplied_in_place(smollm2_gguf_path,
-                                                                     gguf_reference):
+                                                                     gguf_reference,
+                                                                     monkeypatch):
     """The prepared copy stores each layer's q/k/v (and gate/up) as one tensor: loaded, the
     parts are views of it, and the model's fused GEMM weight is that tensor itself (no
     copy); from separately stored parts (the GGUF load) it is a copy of equal values."""
     from nanoserve.model import build_model
+
+    # The cache the default model was fetched into (`private_cache` above moves it).
+    monkeypatch.setenv(model_store.CACHE_ENV, str(smollm2_gguf_path.parents[2]))
 
     config, want, _ = gguf_reference
     _, got = load_checkpoint(smollm2_gguf_path)
