@@ -94,6 +94,11 @@ def timed(llm, prompts, params) -> dict:
     phases = llm.runner.phase_times()
     llm.runner.profile = False
     tokens = sum(len(o.token_ids) for o in outs)
+    host = phases.pop("host")
+    steps = max(1, host.pop("steps", 1))
+    if len(prompts) > 256:
+        print(f"#   host ms per decode step ({steps} steps, {s * 1e3 / steps:.2f} ms wall each): "
+              + ", ".join(f"{k} {v * 1e3 / steps:.2f}" for k, v in host.items()), flush=True)
     return {"s": s, "tokens": tokens, "rate": tokens / s, "outs": outs,
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
             "phases": "device prefill {prefill_s:.1f} s + decode {decode_s:.1f} s, host waited "

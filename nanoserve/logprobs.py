@@ -119,8 +119,12 @@ def entries(rows, tokens: list[int], k: int) -> Logprobs:
         kk = (len(r) - 2) // 2
         return r if kk == k else np.concatenate((r[:2 + k], r[2 + kk:2 + kk + k]))
 
-    values = np.stack([own(r) for r in rows]) if len(rows) else \
-        np.zeros((0, 2 + 2 * k), dtype=np.float32)
+    if not len(rows):
+        values = np.zeros((0, 2 + 2 * k), dtype=np.float32)
+    elif all(len(r) == 2 + 2 * k for r in rows):  # every step asked for this row's k
+        values = np.stack(rows).astype(np.float32, copy=False)
+    else:
+        values = np.stack([own(r) for r in rows])
     return Logprobs(tokens[:len(rows)], values, k)
 
 

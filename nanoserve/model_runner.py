@@ -104,6 +104,10 @@ class ContinuousRunner:
         self._out = torch.zeros(RING, B, dtype=torch.long, pin_memory=pin)
         # Logprob rows of an operation's sampled tokens (`nanoserve.logprobs.logprob_rows`).
         self._lp_out = torch.zeros(RING, B, 2 + 2 * MAX_LOGPROBS, pin_memory=pin)
+        # Structured outputs' bitmasks: filled on the host into ring entry k's pinned rows,
+        # copied into one fixed device buffer before the step's sampling (made at first use).
+        self._bm_host: torch.Tensor | None = None  # [RING, B, words] int32
+        self._bm_dev: torch.Tensor | None = None  # [B, words] int32
         self._done = [torch.cuda.Event() if pin else None for _ in range(RING)]
         self._used = [False] * RING
         self._next = 0
@@ -120,6 +124,7 @@ class ContinuousRunner:
         # Phase timing (off unless `profile` is set): device time of each prefill and step
         # from event pairs, and host time spent waiting for results.
         self.profile = False
+        self.host_s: dict[str, float] = {}  # the scheduler's host seconds by phase (profile on)
         self._marks: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
         self.host_wait_s = 0.0
         if mode == "graph":
@@ -254,6 +259,35 @@ class ContinuousRunner:
             self._done[k].record()
         return op
 
+    def _masks(self, k: int, sampling: StepSampling | None) -> None:
+        """Fill the constrained rows' bitmask of `sampling` (when not filled yet) into ring
+        entry k's host rows and put it on the device. Called after the operation's forward
+        is queued: the host fills while the device computes."""
+        if sampling is None or not sampling.masked or sampling.bitmask is not None:
+            return
+        t = time.perf_counter()
+        m, words = len(sampling.masked), sampling.words
+        if self._bm_host is None or self._bm_host.shape[2] != words:
+            pin = self.device.type == "cuda"
+            B = max(self.max_batch_size, m)
+            self._bm_host = torch.empty(RING, B, words, dtype=torch.int32, pin_memory=pin)
+            self._bm_dev = torch.empty(B, words, dtype=torch.int32, device=self.device)
+        if m > self._bm_host.shape[1]:  # a prefill's samplers past max_batch_size: not a step
+            raise ValueError(f"{m} constrained rows in one operation")
+        host = sampling.fill(self._bm_host[k])
+        t = self._host_time("mask_fill", t)
+        if self.device.type == "cuda":
+            dev = self._bm_dev[:m]
+            dev.copy_(host, non_blocking=True)
+            sampling.bitmask = dev
+        self._host_time("mask_copy", t)
+
+    def _host_time(self, key: str, t0: float) -> float:
+        t = time.perf_counter()
+        if self.profile:
+            self.host_s[key] = self.host_s.get(key, 0.0) + t - t0
+        return t
+
     def _to_host(self, t: torch.Tensor | None) -> torch.Tensor | None:
         if t is None or self.device.type != "cuda":
             return t
@@ -284,7 +318,8 @@ class ContinuousRunner:
         for kind, start, end in self._marks:
             out[f"{kind}_s"] += start.elapsed_time(end) / 1000
         out["host_wait_s"] = self.host_wait_s
-        self._marks, self.host_wait_s = [], 0.0
+        out["host"] = dict(self.host_s)
+        self._marks, self.host_wait_s, self.host_s = [], 0.0, {}
         return out
 
     def sync(self) -> None:
@@ -356,7 +391,9 @@ class ContinuousRunner:
             return self._finish(k, self.last_tok, 0, end, prompt=prompt)
         last = torch.tensor([cu[i + 1] - 1 for i in sample_from], dtype=torch.long)
         h = hidden[0].index_select(0, last.to(dev, non_blocking=True))  # [n, d]
-        new, lp = sample_step(self.model.compute_logits(h), sampling)
+        logits = self.model.compute_logits(h)
+        self._masks(k, sampling)
+        new, lp = sample_step(logits, sampling)
         idx = torch.tensor(sample_slots, dtype=torch.long)
         self.last_tok.index_copy_(0, idx.to(dev, non_blocking=True), new)
         return self._finish(k, new, len(sample_from), end, lp, prompt)
@@ -408,6 +445,7 @@ class ContinuousRunner:
         op.pending = None
         lp = None
         if sampling is not None and not sampling.trivial:
+            self._masks(op.ring, sampling)
             tokens, lp = sample_step(logits[:op.n], sampling, tokens[:op.n])
             self.last_tok.index_copy_(0, where, tokens)
         self._finish(op.ring, tokens, op.n, end, lp, op=op)

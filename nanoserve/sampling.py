@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # imported where tensors are made: a job's driver needs SamplingParams only
     import torch
 
-from nanoserve.structured import StructuredOutputs, apply_bitmask
+from nanoserve.structured import StructuredOutputs, apply_bitmask, masked_argmax
 
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes
 MAX_N = 128  # samples per prompt
@@ -165,13 +165,19 @@ def sample_next(logits: torch.Tensor, params: list[SamplingParams], keys: list[i
     number and its own logits only. `logits` itself is never changed."""
     import torch
 
-    tokens = torch.argmax(logits, dim=-1)  # a half-precision row's argmax is its float32's
     masked = masked or []
     sampled = [i for i, p in enumerate(params) if not p.greedy]
+    dev = logits.device
+    if masked and not sampled and len(masked) == len(params):  # every row greedy and steered
+        return masked_argmax(logits, bitmask.to(dev, non_blocking=True))
+    tokens = torch.argmax(logits, dim=-1)  # a half-precision row's argmax is its float32's
     rows = sorted(set(sampled) | set(masked))
     if not rows:
         return tokens
-    dev = logits.device
+    if not sampled:  # greedy rows, some steered: their masked argmax replaces the argmax
+        idx = torch.tensor(masked, dtype=torch.int64).to(dev, non_blocking=True)
+        drawn = masked_argmax(logits.index_select(0, idx), bitmask.to(dev, non_blocking=True))
+        return tokens.index_copy(0, idx, drawn)
     idx = torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True)
     x = logits.index_select(0, idx).float()  # [m, V], a copy
     if masked:

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from time import perf_counter
 
 import torch
 
@@ -165,7 +166,6 @@ class ContinuousScheduler:
         self.prefix_caching = prefix_caching
         self.grammars = grammars
         self.words = grammars.words if grammars is not None else 0
-        self.pin = pool.device.type == "cuda"  # host buffers the device copies from
         self.waiting: deque[_Row] = deque()
         self.running: list[_Row] = []
         self.unread: deque[_Op] = deque()
@@ -227,17 +227,28 @@ class ContinuousScheduler:
             self.waiting.clear()
             self.unread.clear()
 
+    def _tick(self, key: str, t0: float) -> float:
+        """Add the host seconds since t0 to the runner's profile under `key` (profile on)."""
+        t = perf_counter()
+        if self.runner.profile:
+            self.runner.host_s[key] = self.runner.host_s.get(key, 0.0) + t - t0
+        return t
+
     def step(self) -> None:
         steered = False  # a step with a structured output was queued, its older ops read
+        t = perf_counter()
         if len(self.unread) < MAX_UNREAD:
             admitted = self._admit()
             if admitted:
                 self._prefill(admitted)
+            t = self._tick("admit", t)
             rows = [r for r in self.running if r.wants_step()]
             if rows:
                 rows = self._reserve_or_preempt(rows)
+                t = self._tick("reserve", t)
                 if rows:
                     steered = self._decode(rows)
+                    t = perf_counter()
         if self.unread:
             # After a steered step the host leaves it unread: the next step's forward is
             # queued first, and this one is read while that forward runs.
@@ -347,7 +358,7 @@ class ContinuousScheduler:
                                         [r.seq.output_ids[-1] for r in recomputed])
         prompt = [i for i, r in enumerate(rows) if r.seq.wants_prompt_logprobs]
         sampling = (StepSampling.of([r.seq for r in samplers], [0] * len(samplers), self.words,
-                                    self.pin)
+                                    fill=False)
                     if samplers else None)
         op = self.runner.prefill(
             tokens, [s for w in writes for s in w], [r.slot for r in rows], sample_from,
@@ -389,6 +400,7 @@ class ContinuousScheduler:
 
     def _decode(self, rows: list[_Row]) -> bool:
         """Queue one decode step of `rows`; True when a structured output steered it."""
+        t0 = perf_counter()
         if ORDER_LONGEST_FIRST:
             rows = sorted(rows, key=lambda r: -r.table.num_tokens)
         positions = [r.table.num_tokens for r in rows]
@@ -405,14 +417,21 @@ class ContinuousScheduler:
         plain = all(r.seq.params.greedy and r.seq.logprobs is None for r in rows)
         sampling = None
         if not constrained and not plain:
-            sampling = StepSampling.of([r.seq for r in rows], counters, self.words, self.pin)
+            sampling = StepSampling.of([r.seq for r in rows], counters)
+        if self.runner.profile:
+            self.runner.host_s["steps"] = self.runner.host_s.get("steps", 0) + 1
+        t = self._tick("decode_prep", t0)
         op = self.runner.decode([r.slot for r in rows], positions, writes, new_blocks,
                                 sampling, defer=constrained)
+        t = self._tick("decode_launch", t)
         if constrained:  # the masks need every earlier token: read while the forward runs
             while self.unread:
                 self._read(self.unread.popleft())
-            sampling = StepSampling.of([r.seq for r in rows], counters, self.words, self.pin)
+            t = perf_counter()
+            sampling = StepSampling.of([r.seq for r in rows], counters, self.words, fill=False)
+            t = self._tick("sampling_of", t)
             self.runner.finish_decode(op, sampling)
+            self._tick("sample_launch", t)
         for r in rows:
             r.launched += 1
         self.stats.decode_row_steps += len(rows)
@@ -422,7 +441,9 @@ class ContinuousScheduler:
     # --- results -----------------------------------------------------------------------------
 
     def _read(self, op: _Op) -> None:
+        t = perf_counter()
         tokens = self.runner.read(op.launched)
+        t = self._tick("read", t)
         lps = {}
         if op.sampling is not None and op.launched.logprobs is not None:
             values = op.launched.logprobs.numpy().copy()  # the ring's buffer is reused
@@ -433,14 +454,17 @@ class ContinuousScheduler:
         steered = [j for j in live if op.rows[j].seq.constrained]
         accepted = dict(zip(steered, accept_tokens([op.rows[j].seq.matcher for j in steered],
                                                    [tokens[j] for j in steered]))) if steered else {}
+        t = self._tick("accept", t)
         for j in live:
             op.rows[j].seq.append(tokens[j], lps.get(j), accepted.get(j))
+        t = self._tick("append", t)
         finished = [r for r in self.running if r.seq.finished]
         if finished:
             self.running = [r for r in self.running if not r.seq.finished]
             for r in finished:
                 self._release(r)
                 self._finish(r)
+        self._tick("finish", t)
 
     def _set_prompt_logprobs(self, op: _Op) -> None:
         for r, (_, host) in zip(op.prompt, op.launched.prompt):

@@ -2,9 +2,11 @@
 into tokens (and logprobs).
 
 `StepSampling.of(seqs, counters)` is built on the host before the step's sampling is
-queued: each row's params, key and token number, the structured-output bitmask of its
-constrained rows (filled from their matchers now: a constrained row's previous token must
-have been read), and which rows want logprobs. `sample_step(logits, sampling)` then runs on
+queued: each row's params, key and token number, which rows are constrained and which
+want logprobs. The constrained rows' bitmask is filled from their matchers by `fill`
+(a constrained row's previous token must have been read by then): at once by default, or,
+with `fill=False`, later by the runner into its own pinned buffer, after the step's
+forward is queued (so the host fills while the device computes). `sample_step(logits, sampling)` then runs on
 the logits' device: logprobs of the raw logits for the rows that ask, the mask, and the
 draw (`nanoserve.sampling.sample_next`). A step of greedy, unconstrained rows that want no
 logprobs is `trivial`: its argmax is all it needs (the captured step computes it itself).
@@ -27,31 +29,42 @@ class StepSampling:
     params: list[SamplingParams]
     keys: list[int | None]
     counters: list[int]
-    bitmask: torch.Tensor | None = None  # [len(masked), words] int32, host
+    bitmask: torch.Tensor | None = None  # [len(masked), words] int32, once filled
     masked: tuple[int, ...] = ()  # rows whose bitmask row applies
     logprob_rows: tuple[int, ...] = ()  # rows that want logprobs
     k: int = 0  # the most alternatives any of them asks for
+    steered: tuple[Sequence, ...] = ()  # the masked rows' sequences, in `masked` order
+    words: int = 0  # int32 words per bitmask row
 
     @classmethod
     def of(cls, seqs: list[Sequence], counters: list[int], words: int = 0,
-           pin: bool = False) -> StepSampling:
+           pin: bool = False, fill: bool = True) -> StepSampling:
         """Sampling for `seqs` (one per row, in the step's order; a row that finished may
         still be in a step: it takes no mask). counters: tokens each row drew before this
         one. words: int32 words per bitmask row (needed when a row is constrained); pin:
-        the bitmask in pinned memory (for a CUDA device). A row whose grammar allows no
-        token ends here (`Sequence.cannot_continue`) and samples unmasked (dropped)."""
+        the bitmask in pinned memory (for a CUDA device); fill: fill the bitmask now (else
+        the caller calls `fill` before the sampling is queued)."""
         masked = tuple(i for i, s in enumerate(seqs) if s.constrained)
-        bitmask = None
-        if masked:
-            bitmask = allocate_bitmask(len(masked), words, pin)
-            ok = fill_bitmasks([seqs[i].matcher for i in masked], bitmask)
-            for j, i in enumerate(masked):
-                if not ok[j]:
-                    bitmask[j].fill_(-1)
-                    seqs[i].cannot_continue()
         lp = tuple(i for i, s in enumerate(seqs) if s.params.logprobs is not None)
-        return cls([s.params for s in seqs], [s.key for s in seqs], list(counters), bitmask,
-                   masked, lp, max((seqs[i].params.logprobs for i in lp), default=0))
+        out = cls([s.params for s in seqs], [s.key for s in seqs], list(counters), None,
+                  masked, lp, max((seqs[i].params.logprobs for i in lp), default=0),
+                  tuple(seqs[i] for i in masked), words)
+        if masked and fill:
+            out.fill(allocate_bitmask(len(masked), words, pin))
+        return out
+
+    def fill(self, out: torch.Tensor) -> torch.Tensor:
+        """Fill the masked rows' bitmask into out[:len(masked)] (host, int32, [>= m, words])
+        and keep that view as `bitmask`. A row whose grammar allows no token ends here
+        (`Sequence.cannot_continue`) and samples unmasked (its token is dropped)."""
+        bitmask = out[:len(self.masked)]
+        ok = fill_bitmasks([s.matcher for s in self.steered], bitmask)
+        for j, seq in enumerate(self.steered):
+            if not ok[j]:
+                bitmask[j].fill_(-1)
+                seq.cannot_continue()
+        self.bitmask = bitmask
+        return bitmask
 
     @property
     def trivial(self) -> bool:

@@ -26,6 +26,7 @@ empty choice list or a non-string choice.
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 from dataclasses import dataclass
@@ -323,9 +324,13 @@ _batch_filler = None
 
 
 def _filler():
+    """xgrammar's batch filler, on NANOSERVE_GRAMMAR_THREADS threads ("auto": half the
+    machine's hardware threads, xgrammar's default)."""
     global _batch_filler
     if _batch_filler is None:
-        _batch_filler = _xgrammar().BatchGrammarMatcher()
+        threads = os.environ.get("NANOSERVE_GRAMMAR_THREADS", "auto")
+        _batch_filler = _xgrammar().BatchGrammarMatcher(
+            "auto" if threads == "auto" else max(1, int(threads)))
     return _batch_filler
 
 
@@ -350,18 +355,37 @@ def fill_bitmasks(matchers: list[RowMatcher], bitmask: torch.Tensor) -> list[boo
     return bitmask.numpy().any(axis=1).tolist()
 
 
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """Disallowed tokens' logits set to -inf, in place. logits [n, V] (any float dtype);
-    bitmask [n, ceil(V/32)] int32 on the logits' device. Pure torch: runs on any device and
-    inside a CUDA graph."""
+_BIT_INDEX: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def allowed_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The bool mask [n, vocab] of a bitmask [n, ceil(vocab/32)] int32 (bit j of word w:
+    token 32 w + j), on the bitmask's device. Pure torch: any device, and CUDA graphs."""
     import torch
 
-    V = logits.shape[-1]
-    vid = torch.arange(V, device=logits.device)
-    words = bitmask.index_select(1, vid // 32)  # [n, V]
-    allowed = ((words >> (vid % 32).to(torch.int32)) & 1).bool()
-    return logits.masked_fill_(~allowed, float("-inf"))
+    key = (vocab, str(bitmask.device))
+    if key not in _BIT_INDEX:
+        vid = torch.arange(vocab, device=bitmask.device)
+        _BIT_INDEX[key] = (vid // 32, (vid % 32).to(torch.int32))
+    word, shift = _BIT_INDEX[key]
+    return ((bitmask.index_select(1, word) >> shift) & 1).bool()
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Disallowed tokens' logits set to -inf, in place. logits [n, V] (any float dtype);
+    bitmask [n, ceil(V/32)] int32 on the logits' device."""
+    return logits.masked_fill_(~allowed_tokens(bitmask, logits.shape[-1]), float("-inf"))
+
+
+def masked_argmax(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax among its allowed tokens: [n] int64. logits [n, V] stay unchanged
+    (a half-precision row's argmax is its float32's, as the unmasked argmax)."""
+    import torch
+
+    allowed = allowed_tokens(bitmask, logits.shape[-1])
+    return torch.where(allowed, logits, float("-inf")).argmax(dim=-1)
 
 
 __all__ = ["GrammarCache", "RowMatcher", "StructuredOutputs", "allocate_bitmask",
-           "accept_tokens", "apply_bitmask", "fill_bitmasks", "structured_from_request"]
+           "accept_tokens", "allowed_tokens", "apply_bitmask", "fill_bitmasks",
+           "masked_argmax", "structured_from_request"]
