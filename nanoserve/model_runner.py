@@ -259,25 +259,32 @@ class ContinuousRunner:
             self._done[k].record()
         return op
 
-    def _masks(self, k: int, sampling: StepSampling | None) -> None:
-        """Fill the constrained rows' bitmask of `sampling` (when not filled yet) into ring
-        entry k's host rows and put it on the device. Called after the operation's forward
-        is queued: the host fills while the device computes."""
-        if sampling is None or not sampling.masked or sampling.bitmask is not None:
-            return
-        t = time.perf_counter()
-        m, words = len(sampling.masked), sampling.words
+    def mask_rows(self, k: int, m: int, words: int) -> torch.Tensor:
+        """Ring entry k's host bitmask rows [>= m, words] int32 (pinned for a CUDA device):
+        where an operation's masks are filled. Free again once the entry's operation has
+        been read (`_take_ring`)."""
         if self._bm_host is None or self._bm_host.shape[2] != words:
             pin = self.device.type == "cuda"
-            B = max(self.max_batch_size, m)
+            B = self.max_batch_size
             self._bm_host = torch.empty(RING, B, words, dtype=torch.int32, pin_memory=pin)
             self._bm_dev = torch.empty(B, words, dtype=torch.int32, device=self.device)
         if m > self._bm_host.shape[1]:  # a prefill's samplers past max_batch_size: not a step
             raise ValueError(f"{m} constrained rows in one operation")
-        host = sampling.fill(self._bm_host[k])
+        return self._bm_host[k]
+
+    def _masks(self, k: int, sampling: StepSampling | None) -> None:
+        """Fill the constrained rows' bitmask of `sampling` into ring entry k's host rows
+        (unless filled already) and copy it into the fixed device buffer. Called after the operation's forward is queued: the host fills
+        while the device computes."""
+        if sampling is None or not sampling.masked:
+            return
+        t = time.perf_counter()
+        if sampling.bitmask is None:
+            sampling.fill(self.mask_rows(k, len(sampling.masked), sampling.words))
         t = self._host_time("mask_fill", t)
-        if self.device.type == "cuda":
-            dev = self._bm_dev[:m]
+        host = sampling.bitmask
+        if self.device.type == "cuda" and host.device.type == "cpu":
+            dev = self._bm_dev[:host.shape[0]]
             dev.copy_(host, non_blocking=True)
             sampling.bitmask = dev
         self._host_time("mask_copy", t)

@@ -82,7 +82,9 @@ def sample_step(logits: torch.Tensor, sampling: StepSampling,
         tokens = sample_next(logits, sampling.params, sampling.keys, sampling.counters,
                              sampling.bitmask, list(sampling.masked))
     lp = None
-    if sampling.logprob_rows:
+    if len(sampling.logprob_rows) == len(sampling.params):  # every row (in order) asks
+        lp = logprob_rows(logits, tokens, sampling.k)
+    elif sampling.logprob_rows:
         idx = torch.tensor(sampling.logprob_rows, dtype=torch.int64).to(logits.device,
                                                                         non_blocking=True)
         lp = logprob_rows(logits.index_select(0, idx), tokens.index_select(0, idx), sampling.k)

@@ -320,18 +320,18 @@ def allocate_bitmask(rows: int, words: int, pin: bool = False) -> torch.Tensor:
     return torch.full((rows, words), -1, dtype=torch.int32, pin_memory=pin)
 
 
-_batch_filler = None
+_fillers = threading.local()  # xgrammar's batch filler, one per thread that fills
 
 
 def _filler():
-    """xgrammar's batch filler, on NANOSERVE_GRAMMAR_THREADS threads ("auto": half the
-    machine's hardware threads, xgrammar's default)."""
-    global _batch_filler
-    if _batch_filler is None:
+    """This thread's xgrammar batch filler, on NANOSERVE_GRAMMAR_THREADS threads ("auto":
+    half the machine's hardware threads, xgrammar's default)."""
+    filler = getattr(_fillers, "filler", None)
+    if filler is None:
         threads = os.environ.get("NANOSERVE_GRAMMAR_THREADS", "auto")
-        _batch_filler = _xgrammar().BatchGrammarMatcher(
+        filler = _fillers.filler = _xgrammar().BatchGrammarMatcher(
             "auto" if threads == "auto" else max(1, int(threads)))
-    return _batch_filler
+    return filler
 
 
 def accept_tokens(matchers: list[RowMatcher], tokens: list[int]) -> list[bool]:
