@@ -102,13 +102,13 @@ class EmbedPreparer:
         return out
 
     def _ids(self, values: dict[str, Any]) -> tuple[tuple[int, ...], bool]:
-        for column, kind in self.plan.prompt_columns:
-            value = values.get(column)
-            if value is not None:
-                break
-        else:
+        found = next(((c, k) for c, k in self.plan.prompt_columns
+                      if values.get(c) is not None), None)
+        if found is None:
             names = " / ".join(c for c, _ in self.plan.prompt_columns)
             raise ValueError(f"no input: {names} is null")
+        column, kind = found
+        value = values[column]
         if kind == MESSAGES:
             raise ValueError(f"column {column!r} holds chat messages; an embedding job embeds "
                              f"text or token ids")
@@ -283,18 +283,21 @@ def run_embed_job(input: str | Path, output_dir: str | Path, **options: Any) -> 
     from contextlib import ExitStack
 
     from nanoserve.model_store import DEFAULT_MODEL, resolve_model
-    from ray_jobs.driver import _job_settings
-    from ray_jobs.manifest import reopen_batches_with_errors
-    from ray_jobs.pool import first_line, log
-    from ray_jobs.report import report_data, write_report
     from ray_jobs.batching import BatchLimits, make_batches
+    from ray_jobs.driver import _job_settings
     from ray_jobs.io import iter_chunks, scan_input
     from ray_jobs.local_ray import RaySession
-    from ray_jobs.manifest import hold_output_dir, mark_complete, open_output_dir
+    from ray_jobs.manifest import (
+        hold_output_dir,
+        mark_complete,
+        open_output_dir,
+        reopen_batches_with_errors,
+    )
     from ray_jobs.options import JobOptions
     from ray_jobs.placement import check_output_reachable
-    from ray_jobs.pool import WorkerPool
+    from ray_jobs.pool import WorkerPool, first_line, log
     from ray_jobs.prepare import PROMPT_COLUMNS
+    from ray_jobs.report import report_data, write_report
     from ray_jobs.storage import OutputDir, is_uri
     from ray_jobs.timeline import Timeline
 
@@ -501,5 +504,111 @@ def _EmbedJobRun(*args: Any, **kwargs: Any) -> Any:
     return _embed_job_run_class()(*args, **kwargs)
 
 
-__all__ = ["EMBED_OPTIONS", "EmbedJobSummary", "EmbedPreparer", "EmbedRow", "EmbedWorker",
-           "RayEmbedWorker", "embed_result_schema", "run_embed_job"]
+class DatasetEmbedder:
+    """The callable class Ray Data runs in each actor of an embedding processor: an
+    `EmbedWorker` loaded once, then `__call__(batch: pa.Table) -> pa.Table` appends
+    `embedding`, `num_input_tokens` and `error` to the batch's rows (in order; bad rows are
+    error rows, as in the job)."""
+
+    def __init__(self, model: str, settings: dict[str, Any], prompt_column: str | None = None,
+                 dtype: str = "auto", num_threads: int | None = None,
+                 max_batch_tokens: int = EMBED_BATCH_TOKENS) -> None:
+        from nanoserve.embed import PoolingConfig
+        from nanoserve.model_store import resolve_model
+
+        path = resolve_model(model)
+        self.config, self.tokenizer = load_model_meta(path)
+        self.settings = dict(settings)
+        self.pooling = PoolingConfig(**self.settings["pooling"])
+        self.prompt_column = prompt_column
+        self.worker = EmbedWorker(str(path), dtype=dtype, num_threads=num_threads,
+                                  pooling=self.settings["pooling"],
+                                  max_batch_tokens=max_batch_tokens)
+        self._preparers: dict[pa.Schema, EmbedPreparer] = {}
+
+    def _preparer(self, schema: pa.Schema) -> EmbedPreparer:
+        if schema not in self._preparers:
+            from ray_jobs.prepare import PROMPT_COLUMNS
+
+            column = self.prompt_column
+            if column is None and not any(c in schema.names for c in PROMPT_COLUMNS) \
+                    and "text" in schema.names:
+                column = "text"
+            plan = dataclasses.replace(plan_columns(schema, column), id_column=None)
+            self._preparers[schema] = EmbedPreparer(
+                plan, self.tokenizer, self.config.vocab_size, self.pooling.max_input_tokens,
+                self.pooling.instruction, self.settings["truncate"])
+        return self._preparers[schema]
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        batch = batch.combine_chunks()
+        record = pa.RecordBatch.from_arrays(
+            [c.chunk(0) if c.num_chunks else pa.array([], c.type) for c in batch.columns],
+            schema=batch.schema)
+        rows = self._preparer(batch.schema).prepare(InputChunk(record, Path("<dataset>")), 0)
+        results: list[dict[str, Any] | None] = [
+            embed_row(None, 0, r.error) if r.error is not None else None for r in rows]
+        todo = [i for i, r in enumerate(rows) if r.error is None]
+        if todo:
+            answered = self.worker.run_batch([rows[i] for i in todo]).to_pylist()
+            for i, res in zip(todo, answered, strict=True):
+                results[i] = res
+        schema = embed_result_schema(self.worker.embedder.dim, self.settings["embedding_dtype"])
+        table = pa.Table.from_pylist(
+            [{f.name: res[f.name] for f in schema} for res in results], schema=schema)
+        out = batch.drop_columns([c for c in schema.names if c in batch.column_names])
+        for field, column in zip(schema, table.columns):
+            out = out.append_column(field, column)
+        return out
+
+
+def build_embed_processor(model: str, *, concurrency: int = 1, num_gpus: float = 1,
+                          num_cpus: float | None = None, batch_size: int = 256,
+                          prompt_column: str | None = None, dtype: str = "auto",
+                          max_batch_tokens: int = EMBED_BATCH_TOKENS,
+                          **options: Any) -> Any:
+    """`build_processor(model, task="embed", ...)`: a function `Dataset -> Dataset` that
+    appends `embedding`, `num_input_tokens` and `error` to every row. `options`: `pooling`,
+    `normalize`, `dimensions`, `instruction`, `max_input_tokens`, `truncate`,
+    `embedding_dtype` (see `run_batch_job`), checked here against the model's files before
+    any actor starts."""
+    from nanoserve.model_store import resolve_model
+
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    options = dict(options)
+    options.setdefault("task", "embed")
+    unknown = sorted(set(options) - set(EMBED_OPTIONS))
+    if unknown:
+        raise InputError(f"not an embedding option: {', '.join(unknown)}")
+    path = resolve_model(model)
+    config, _ = load_model_meta(path)
+    s = embed_settings(path, config, options)
+    settings = {"pooling": s.pooling.as_dict(), "truncate": s.truncate,
+                "embedding_dtype": s.embedding_dtype}
+    if num_gpus:
+        resources: dict[str, Any] = {"num_gpus": num_gpus, "num_cpus": num_cpus or 0}
+        num_threads = None
+    else:
+        resources = {"num_cpus": num_cpus or 1}
+        num_threads = max(1, int(num_cpus or 1))
+    constructor = {"model": model, "settings": settings, "prompt_column": prompt_column,
+                   "dtype": dtype, "num_threads": num_threads,
+                   "max_batch_tokens": max_batch_tokens}
+
+    def process(ds: Any) -> Any:
+        from ray.data import ActorPoolStrategy
+
+        return ds.map_batches(
+            DatasetEmbedder, fn_constructor_kwargs=constructor, batch_format="pyarrow",
+            batch_size=batch_size, compute=ActorPoolStrategy(size=concurrency),
+            zero_copy_batch=True, **resources)
+
+    return process
+
+
+__all__ = ["EMBED_OPTIONS", "DatasetEmbedder", "EmbedJobSummary", "EmbedPreparer", "EmbedRow",
+           "EmbedWorker", "RayEmbedWorker", "build_embed_processor", "embed_result_schema",
+           "run_embed_job"]
