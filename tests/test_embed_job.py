@@ -128,3 +128,21 @@ def test_data_processor_embeds(ray_session, embed_model, hf_oracle):
     assert len(out) == len(ROWS)
     check_rows([{**r, "embedding": None if r["embedding"] is None else list(r["embedding"])}
                 for r in out], hf_oracle)
+
+
+def test_nanoserve_embed_command(ray_session, embed_model, hf_oracle, tmp_path, capsys):
+    from nanoserve_cli import main
+
+    src = write_rows(tmp_path / "in.jsonl", ROWS)
+    out = tmp_path / "out"
+    base = ["embed", str(src), "-o", str(out), "--model", str(embed_model),
+            "--max-input-tokens", str(LIMIT), "--no-progress"]
+    assert main(base + ["--dimensions", "65"]) == 2
+    assert "hidden size" in capsys.readouterr().err
+    assert main(base + ["--no-truncate"]) == 0
+    printed = capsys.readouterr().out
+    assert "rows: 6 (2 error rows)" in printed and "truncated: 0 row(s)" in printed
+    rows = {r["id"]: r for r in ds.dataset(out).to_table().to_pylist()}
+    assert "above the limit of 16" in rows[2]["error"]
+    torch.testing.assert_close(torch.tensor(rows[0]["embedding"]), hf_oracle(ROWS[0]["text"]),
+                               atol=1e-4, rtol=0)
