@@ -291,11 +291,14 @@ class Embedder:
         if max(lens) > self.config.max_position_embeddings:
             raise InputError(f"an input has {max(lens)} tokens, more than the model's context "
                              f"({self.config.max_position_embeddings})")
-        ids = torch.tensor([t for r in rows for t in r], dtype=torch.long, device=dev)[None]
-        positions = torch.cat([torch.arange(n, device=dev) for n in lens])[None]
+        # built on the host, then moved once: ids, each token's position in its row, offsets
+        n = torch.tensor(lens, dtype=torch.long)
         cu = torch.zeros(len(rows) + 1, dtype=torch.int32)
-        cu[1:] = torch.cumsum(torch.tensor(lens), 0)
-        cu = cu.to(dev)
+        cu[1:] = torch.cumsum(n, 0)
+        positions = torch.arange(int(cu[-1])) - torch.repeat_interleave(cu[:-1].long(), n)
+        ids = torch.tensor([t for r in rows for t in r], dtype=torch.long)
+        ids, positions, cu = (x.to(dev, non_blocking=True) for x in (ids[None], positions[None],
+                                                                      cu))
         meta = AttentionMetadata.packed(cu, max(lens))
         hidden = self.model.hidden_states(ids, positions, None, meta)[0]  # [N, d]
         return finish(pool(hidden, cu, self.pooling.pooling), self.pooling)

@@ -141,3 +141,14 @@ def test_bad_inputs_and_settings(qwen3_llm, st_mean_dir, tmp_path):
 
     with pytest.raises(ModelError, match="Dense"):
         Embedder.load(str(bad), dtype="float32", device="cpu")
+
+
+def test_sentence_transformers_encode_agrees(st_mean_dir):
+    """Where sentence-transformers is installed: its `encode` over the same folder."""
+    st = pytest.importorskip("sentence_transformers")
+    from nanoserve.embed import Embedder
+
+    model = st.SentenceTransformer(str(st_mean_dir), device="cpu")
+    emb = Embedder.load(str(st_mean_dir), dtype="float32", device="cpu")
+    want = torch.as_tensor(model.encode(TEXTS, convert_to_numpy=True))
+    torch.testing.assert_close(emb.embed(TEXTS), want, atol=1e-4, rtol=0)
