@@ -146,6 +146,18 @@ def resolve_pooling(model_path: str | Path, hidden_size: int, max_context: int, 
     return cfg
 
 
+def _dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """As `LLM`'s: 'auto' is bfloat16 on a GPU and float32 on the CPU."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype not in names:
+        raise InputError(f"unknown dtype {dtype!r}; choose auto, {', '.join(names)}")
+    return names[dtype]
+
+
 def with_instruction(text: str, instruction: str | None) -> str:
     """Qwen3-Embedding's query form."""
     return text if not instruction else f"Instruct: {instruction}\nQuery:{text}"
@@ -195,16 +207,16 @@ class Embedder:
     def load(cls, model: str, dtype: str | torch.dtype = "auto", device: str = "auto",
              max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, **pooling: Any) -> Embedder:
         """Load a checkpoint (folder or name) for embedding only: no KV pool."""
-        from nanoserve.llm import resolve_device, resolve_dtype
         from nanoserve.model import build_model
         from nanoserve.model_store import resolve_model
         from nanoserve.tokenizer import Tokenizer
         from nanoserve.weights import load_checkpoint
 
         path = resolve_model(model)
-        dev = resolve_device(device)
+        dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu")
+                           if device == "auto" else device)
         config, state = load_checkpoint(path)
-        built = build_model(config, state, resolve_dtype(dtype, dev), dev)
+        built = build_model(config, state, _dtype(dtype, dev), dev)
         del state
         cfg = resolve_pooling(path, config.hidden_size, config.max_position_embeddings,
                               **pooling)

@@ -157,11 +157,6 @@ def run_batch_job(input: str | Path, output_dir: str | Path, **options: Any) -> 
     """Run the batch job of `nanoserve batch INPUT -o OUTPUT_DIR`; see the module docstring.
     Job-level problems raise `NanoserveError` (InputError, ModelError) before any worker
     starts; row-level problems become `error` rows."""
-    if options.get("task", "generate") != "generate":  # task="embed": ray_jobs/embed_job.py
-        from ray_jobs.embed_job import run_embed_job
-
-        return run_embed_job(input, output_dir, **options)
-    options.pop("task", None)
     timeline = Timeline(time.perf_counter())
     opts = JobOptions(**options)
     info = scan_input(input, opts.chunk_rows, opts.id_column)

@@ -84,10 +84,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 def run_embed_cli(args: argparse.Namespace) -> int:
     """Run the embedding job; print the summary on stdout. NanoserveError propagates (one
     line, exit status 2, from `nanoserve.cli.run_command`)."""
-    from ray_jobs.driver import run_batch_job
+    from ray_jobs.embed_job import run_embed_job
 
-    summary = run_batch_job(
-        args.input, args.output_dir, task="embed", model=args.model, pooling=args.pooling,
+    summary = run_embed_job(
+        args.input, args.output_dir, model=args.model, pooling=args.pooling,
         normalize=args.normalize, dimensions=args.dimensions, instruction=args.instruction,
         max_input_tokens=args.max_input_tokens, truncate=args.truncate,
         embedding_dtype=args.embedding_dtype, prompt_column=args.prompt_column,
