@@ -96,8 +96,9 @@ def sentence_transformers_settings(folder: str | Path) -> dict[str, Any]:
         if kind == _ST_NORMALIZE:
             out["normalize"] = True
         elif kind == _ST_POOLING:
-            out["pooling"] = _pooling_mode(_read_json(folder / m.get("path", "") / "config.json"),
-                                           folder)
+            pooling_cfg = _read_json(folder / m.get("path", "") / "config.json")
+            out["pooling"] = _pooling_mode(pooling_cfg, folder)
+            out["include_prompt"] = bool(pooling_cfg.get("include_prompt", True))
         else:
             raise ModelError(f"{folder / 'modules.json'}: module {kind or m!r} is not supported "
                              f"(nanoserve runs Transformer, Pooling and Normalize)")
@@ -140,6 +141,11 @@ def resolve_pooling(model_path: str | Path, hidden_size: int, max_context: int, 
         dimensions=dimensions, instruction=instruction or None,
         max_input_tokens=min(max_input_tokens or st.get("max_input_tokens") or max_context,
                              max_context))
+    if (cfg.instruction and cfg.pooling == "mean"
+            and not st.get("include_prompt", True)):
+        raise InputError("the model's Pooling config leaves the prompt out of the mean "
+                         "(include_prompt false), which nanoserve does not do: embed "
+                         "without --instruction, or with --pooling last")
     if dimensions is not None and dimensions > hidden_size:
         raise InputError(f"dimensions ({dimensions}) is above the model's hidden size "
                          f"({hidden_size})")

@@ -152,3 +152,23 @@ def test_sentence_transformers_encode_agrees(st_mean_dir):
     emb = Embedder.load(str(st_mean_dir), dtype="float32", device="cpu")
     want = torch.as_tensor(model.encode(TEXTS, convert_to_numpy=True))
     torch.testing.assert_close(emb.embed(TEXTS), want, atol=1e-4, rtol=0)
+
+
+def test_pooling_settings_from_files(tmp_path):
+    """sentence-transformers' newer `pooling_mode` key; include_prompt false with an
+    instruction is refused for mean pooling (nanoserve would average the prompt in)."""
+    from nanoserve.embed import resolve_pooling, sentence_transformers_settings
+
+    (tmp_path / "modules.json").write_text(json.dumps(
+        [{"type": "sentence_transformers.models.Transformer", "path": ""},
+         {"type": "sentence_transformers.models.Pooling", "path": "1_Pooling"}]))
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "1_Pooling" / "config.json").write_text(
+        json.dumps({"pooling_mode": "mean", "include_prompt": False}))
+    assert sentence_transformers_settings(tmp_path) == {
+        "normalize": False, "pooling": "mean", "include_prompt": False}
+    assert resolve_pooling(tmp_path, 64, 512).max_input_tokens == 512
+    with pytest.raises(InputError, match="include_prompt"):
+        resolve_pooling(tmp_path, 64, 512, instruction="Retrieve")
+    assert resolve_pooling(tmp_path, 64, 512, instruction="Retrieve", pooling="last").pooling \
+        == "last"
