@@ -114,7 +114,7 @@ def time_st(folder: Path, texts: list[str], args) -> tuple[float, object]:
     from sentence_transformers import SentenceTransformer
 
     dtype = getattr(torch, args.dtype)
-    st = SentenceTransformer(str(folder), device=args.device, model_kwargs={"dtype": dtype})
+    st = SentenceTransformer(str(folder), device=args.device).to(dtype)
     st.encode(texts[:64], batch_size=args.st_batch_size)
     sync(args.device)
     t0 = time.perf_counter()

@@ -260,13 +260,21 @@ class Embedder:
     def prepare(self, inputs: list[str] | list[list[int]]) -> tuple[list[list[int]], int]:
         """Texts (or token id lists) as token ids within the limit, and how many were cut.
         InputError for an empty input."""
+        texts = [i for i, x in enumerate(inputs) if isinstance(x, str)]
+        for i in texts:
+            if not inputs[i].strip():
+                raise InputError(f"input {i} is empty: a text needs at least one "
+                                 f"non-space character")
+        encoded: dict[int, list[int]] = {}
+        if texts:  # in the tokenizer library's parallel batch encoder where it has one
+            instructed = [with_instruction(inputs[i], self.pooling.instruction) for i in texts]
+            many = getattr(self.tokenizer, "encode_batch", None)
+            ids_list = many(instructed) if many else [self.tokenizer.encode(t)
+                                                      for t in instructed]
+            encoded = dict(zip(texts, ids_list))
         out, cut = [], 0
         for i, x in enumerate(inputs):
-            if isinstance(x, str):
-                if not x.strip():
-                    raise InputError(f"input {i} is empty: a text needs at least one "
-                                     f"non-space character")
-                x = self.encode(x)
+            x = encoded.get(i, x)
             if len(x) == 0:
                 raise InputError(f"input {i} has no tokens")
             ids, was_cut = self.truncate(x)
