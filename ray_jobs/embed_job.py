@@ -166,6 +166,11 @@ class EmbedWorker:
         self.embedder.pooling = PoolingConfig(**(pooling or {}))
         self.embedder.limit = self.embedder.pooling.max_input_tokens or self.embedder.limit
         self.embedder.dim = self.embedder.pooling.dimensions or self.embedder.config.hidden_size
+        # The actor takes two batches at once (max_in_flight_per_worker): their prefills take
+        # turns on the model, while one batch's table is built as the other runs.
+        import threading
+
+        self._lock = threading.Lock()
 
     def info(self) -> dict[str, Any]:
         import os
@@ -190,13 +195,15 @@ class EmbedWorker:
         _fault_kill_on_text(self.embedder.tokenizer, requests)
         ids = [list(r.prompt_token_ids) for r in requests]
         try:
-            vectors: list[Any] = list(self.embedder.embed_ids(ids).numpy())
+            with self._lock:
+                vectors: list[Any] = list(self.embedder.embed_ids(ids).numpy())
             errors: list[str | None] = [None] * len(ids)
         except (NanoserveError, ValueError, RuntimeError):  # each row alone: a bad one fails
             vectors, errors = [], []
             for row in ids:
                 try:
-                    vectors.append(self.embedder.embed_ids([row]).numpy()[0])
+                    with self._lock:
+                        vectors.append(self.embedder.embed_ids([row]).numpy()[0])
                     errors.append(None)
                 except (NanoserveError, ValueError, RuntimeError) as e:
                     vectors.append(None)
