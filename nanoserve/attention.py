@@ -162,6 +162,12 @@ def gqa_attention(q, k, v, layer: int, cache, meta: AttentionMetadata,
                                                    meta.max_seqlen, q.shape[-1] ** -0.5,
                                                    window=window)
         return out[None]  # [1, N, Hq, D]
+    if cache is None and meta.valid is None and meta.cu_seqlens is not None:
+        # a packed prefill that keeps no KV (an embedding's rows): the ragged kernel alone
+        out = kernel_backend.prefill_attention(q[0], k[0], v[0], meta.cu_seqlens,
+                                               meta.max_seqlen, q.shape[-1] ** -0.5,
+                                               window=window)
+        return out[None]  # [1, N, Hq, D]
     if cache is None:
         return dense_attention(q, k, v, _causal_allowed(meta.valid, B, T, 0, q.device, window))
     if isinstance(cache, DenseKVCache):

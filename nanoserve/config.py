@@ -34,6 +34,10 @@ FAMILIES = {
     "Qwen3ForCausalLM": "qwen3",
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
+# The same families without an LM head (embedding checkpoints, e.g. Qwen3-Embedding saved
+# by sentence-transformers): they load for `embed`, not for generation.
+HEADLESS = {"LlamaModel": "llama", "MistralModel": "mistral", "Qwen2Model": "qwen2",
+            "Qwen3Model": "qwen3"}
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,11 @@ class ModelConfig:
         return self.sliding_window
 
     @property
+    def headless(self) -> bool:
+        """A checkpoint without an LM head (`HEADLESS`): it embeds, it does not generate."""
+        return self.architecture in HEADLESS
+
+    @property
     def num_queries_per_kv(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
 
@@ -96,7 +105,7 @@ class ModelConfig:
         default_arch = {t: a for a, t in FAMILIES.items()}.get(model_type, "LlamaForCausalLM")
         archs = d.get("architectures") or [default_arch]
         arch = archs[0]
-        if FAMILIES.get(arch) != model_type:
+        if FAMILIES.get(arch, HEADLESS.get(arch)) != model_type:
             raise ModelError(
                 f"unsupported architecture {arch!r} (model_type {model_type!r}); "
                 f"nanoserve runs {', '.join(f'{a} ({t})' for a, t in FAMILIES.items())}"

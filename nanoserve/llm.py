@@ -192,6 +192,21 @@ class LLM:
         self.last_stats.add(stats)
         return outs
 
+    def embed(self, inputs: list[str] | list[list[int]], *, pooling: str | None = None,
+              normalize: bool | None = None, dimensions: int | None = None,
+              instruction: str | None = None, max_input_tokens: int | None = None,
+              max_batch_tokens: int = 16384) -> torch.Tensor:
+        """One pooled vector per text (or token id list): [len(inputs), dim] float32 on the
+        CPU. Prefill only, rows packed, no KV kept; settings not given come from the model
+        folder's sentence-transformers files, else last-token pooling, normalised
+        (nanoserve/embed.py)."""
+        from nanoserve.embed import Embedder, resolve_pooling
+
+        cfg = resolve_pooling(self.model_path, self.config.hidden_size, self.max_context,
+                              pooling=pooling, normalize=normalize, dimensions=dimensions,
+                              instruction=instruction, max_input_tokens=max_input_tokens)
+        return Embedder(self.model, self.tokenizer, cfg, max_batch_tokens).embed(inputs)
+
 
 def continuous_step_mode(decode_step: str, device: torch.device) -> str:
     """The continuous runner's step mode for LLM's decode_step: "auto" captures graphs

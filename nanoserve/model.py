@@ -224,6 +224,20 @@ class LlamaModel(nn.Module):
         return x
 
 
+class _NoHead(nn.Module):
+    """The LM head of a checkpoint that has none: embedding works, generation says why not."""
+
+    def __init__(self, architecture: str) -> None:
+        super().__init__()
+        self.architecture = architecture
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        from nanoserve.errors import ModelError
+
+        raise ModelError(f"the model ({self.architecture}) has no LM head: it embeds "
+                         f"(nanoserve embed, LLM.embed), it does not generate")
+
+
 def packs_prefill(input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
     """Whether a forward runs packed: a padded prefill on the CPU that holds padding. (On a
     GPU, prefills are packed by the scheduler, or run as the padded rectangle.)"""
@@ -237,10 +251,12 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # a headless checkpoint (config.headless: an embedding model) has no head
+        self.lm_head = (_NoHead(config.architecture) if config.headless
+                        else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
 
     def tie_weights(self) -> None:
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings and not self.config.headless:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def hidden_states(self, input_ids, positions, cache, meta: AttentionMetadata) -> torch.Tensor:
@@ -277,7 +293,7 @@ def build_model(
     tensors = {
         name: t.to(device=device, dtype=dtype)
         for name, t in state_dict.items()
-        if not (config.tie_word_embeddings and name == "lm_head.weight")
+        if not ((config.tie_word_embeddings or config.headless) and name == "lm_head.weight")
     }
     missing, _ = model.load_state_dict(tensors, strict=False, assign=True)
     missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]

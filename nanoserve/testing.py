@@ -80,7 +80,7 @@ def save_tiny_family(folder: str | Path, family: str, tokenizer_source: str | Pa
     return folder
 
 
-__all__ = ["save_tiny_family", "save_tiny_llama"]
+__all__ = ["save_tiny_embedding", "save_tiny_family", "save_tiny_llama"]
 
 
 def assert_rows_match_engine(llm, prompts: list[str], rows: list[dict], max_tokens: int) -> None:
@@ -141,3 +141,58 @@ def _BYTE_ORDER(char: str) -> int:
         return ord(char)
     others = [b for b in range(256) if b not in printable]
     return others[ord(char) - 256]
+
+
+def save_tiny_embedding(folder: str | Path, tokenizer_source: str | Path, *,
+                        family: str = "qwen3", pooling: str | None = None,
+                        normalize: bool = True, max_seq_length: int | None = None) -> Path:
+    """A tiny random headless checkpoint (transformers' `Qwen3Model`, `LlamaModel` or
+    `MistralModel`: no LM head, tensors named without `model.`; hidden 64, 2 layers, GQA 4:2,
+    seed 0, random norm weights) with the tokenizer of `tokenizer_source`. With `pooling`
+    ('lasttoken', 'mean' or 'cls'), sentence-transformers' files too: `modules.json`
+    (Transformer, Pooling, and Normalize when `normalize`), `1_Pooling/config.json` and,
+    with `max_seq_length`, `sentence_bert_config.json`."""
+    import json
+
+    import torch
+    import transformers
+
+    from nanoserve.tokenizer import Tokenizer
+
+    names = {"qwen3": "Qwen3", "llama": "Llama", "mistral": "Mistral"}
+    config_cls = getattr(transformers, f"{names[family]}Config")
+    model_cls = getattr(transformers, f"{names[family]}Model")
+    folder = Path(folder)
+    tok = Tokenizer.from_path(tokenizer_source)
+    torch.manual_seed(0)
+    cfg = config_cls(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128,
+                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=16, max_position_embeddings=512, tie_word_embeddings=False,
+                     bos_token_id=1, eos_token_id=2)
+    model = model_cls(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+    model.save_pretrained(folder)
+    tok.backend.save(str(folder / "tokenizer.json"))
+    if pooling is not None:
+        modules = [{"idx": 0, "name": "0", "path": "",
+                    "type": "sentence_transformers.models.Transformer"},
+                   {"idx": 1, "name": "1", "path": "1_Pooling",
+                    "type": "sentence_transformers.models.Pooling"}]
+        if normalize:
+            modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
+                            "type": "sentence_transformers.models.Normalize"})
+        (folder / "modules.json").write_text(json.dumps(modules))
+        (folder / "1_Pooling").mkdir(exist_ok=True)
+        modes = ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens",
+                 "weightedmean_tokens", "lasttoken")
+        want = {"lasttoken": "lasttoken", "mean": "mean_tokens", "cls": "cls_token"}[pooling]
+        pool_cfg = {"word_embedding_dimension": 64,
+                    **{f"pooling_mode_{m}": m == want for m in modes}, "include_prompt": True}
+        (folder / "1_Pooling" / "config.json").write_text(json.dumps(pool_cfg))
+        if max_seq_length is not None:
+            (folder / "sentence_bert_config.json").write_text(
+                json.dumps({"max_seq_length": max_seq_length, "do_lower_case": False}))
+    return folder

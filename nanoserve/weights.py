@@ -55,7 +55,7 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[p + "mlp.up_proj.weight"] = (i, d)
         shapes[p + "mlp.down_proj.weight"] = (d, i)
     shapes["model.norm.weight"] = (d,)
-    if not config.tie_word_embeddings:
+    if not config.tie_word_embeddings and not config.headless:
         shapes["lm_head.weight"] = (v, d)
     return shapes
 
@@ -146,7 +146,17 @@ def _prepared_contents(path: Path) -> dict[str, bytes]:
     return prepared_contents(path, Tokenizer.from_gguf(path, open_gguf(path)).to_prepared())
 
 
+def _with_model_prefix(tensors: dict) -> dict:
+    """A base model saved alone (transformers' `Qwen3Model`/`LlamaModel`, as embedding
+    checkpoints are) names its tensors without the `model.` prefix: add it."""
+    if "model.embed_tokens.weight" in tensors or "embed_tokens.weight" not in tensors:
+        return tensors
+    return {name if name.startswith("lm_head.") else f"model.{name}": t
+            for name, t in tensors.items()}
+
+
 def _check_shapes(config: ModelConfig, shapes: dict[str, tuple[int, ...]], source: str) -> None:
+    shapes = _with_model_prefix(shapes)
     for name, shape in expected_shapes(config).items():
         if name not in shapes:
             raise ModelError(f"tensor {name!r} is missing from {source}")
@@ -213,6 +223,7 @@ def _checked(
 ) -> dict[str, torch.Tensor]:
     """Keep the expected tensors, in `expected_shapes` order; refuse missing or misshapen ones."""
     shapes = expected_shapes(config)
+    tensors = _with_model_prefix(tensors)
     missing = [name for name in shapes if name not in tensors]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""

@@ -1,5 +1,5 @@
 """The `nanoserve` command: `generate` and `fetch-model` (the engine, `nanoserve.cli`) and
-`batch` (the Ray job, `ray_jobs.cli`).
+`batch` (the Ray job, `ray_jobs.cli`), `embed` (the embedding job, `ray_jobs.embed_cli`).
 
 The command line is the top layer: kernels <- nanoserve (engine) <- ray_jobs (job) <-
 nanoserve_cli. It imports both below it; nothing imports it. `python -m nanoserve_cli ARGS`
@@ -12,8 +12,9 @@ import argparse
 
 from nanoserve.cli import ENGINE_COMMANDS, add_engine_parsers, run_command
 from ray_jobs.cli import add_batch_parser, run_batch_cli
+from ray_jobs.embed_cli import add_embed_parser, run_embed_cli
 
-COMMANDS = {**ENGINE_COMMANDS, "batch": run_batch_cli}
+COMMANDS = {**ENGINE_COMMANDS, "batch": run_batch_cli, "embed": run_embed_cli}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,12 +25,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     add_engine_parsers(sub)
     add_batch_parser(sub)
+    add_embed_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return run_command(COMMANDS[args.command], args, resumable=args.command == "batch")
+    return run_command(COMMANDS[args.command], args, resumable=args.command in ("batch", "embed"))
 
 
 __all__ = ["build_parser", "main"]

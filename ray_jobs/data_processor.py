@@ -146,6 +146,13 @@ def build_processor(model: str = DEFAULT_MODEL, *, concurrency: int = 1,
     from nanoserve.errors import InputError
     from nanoserve.sampling import SamplingParams
 
+    if sampling.get("task", "generate") != "generate":  # task="embed": ray_jobs/embed_job.py
+        from ray_jobs.embed_job import build_embed_processor
+
+        return build_embed_processor(model, concurrency=concurrency, num_gpus=num_gpus,
+                                     num_cpus=num_cpus, batch_size=batch_size,
+                                     prompt_column=prompt_column, dtype=dtype, **sampling)
+    sampling.pop("task", None)
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     if batch_size < 1:

@@ -152,7 +152,10 @@ class WorkerPool:
         return GROW_POLL_S if self.grows or self.pending else None
 
     @classmethod
-    def start(cls, opts: JobOptions, timeline: Timeline) -> WorkerPool:
+    def start(cls, opts: JobOptions, timeline: Timeline, actor: type | None = None,
+              actor_kwargs: dict[str, Any] | None = None) -> WorkerPool:
+        """`actor`: the actor class (default `RayBatchWorker`; an embedding job's
+        `RayEmbedWorker`), built with the job's worker arguments and `actor_kwargs`."""
         import ray
 
         wanted = parse_num_workers(opts.num_workers)
@@ -182,13 +185,14 @@ class WorkerPool:
         # Threaded actor: a worker holds up to max_in_flight_per_worker batches at once, so
         # its engine (continuous scheduler) admits the next batch's rows as the current
         # batch's rows finish. A static engine still runs one batch at a time (a lock).
-        actor_cls = ray.remote(RayBatchWorker).options(
+        actor_cls = ray.remote(actor or RayBatchWorker).options(
             max_restarts=0, max_task_retries=0,
             max_concurrency=max(1, opts.max_in_flight_per_worker), **actor_options)
         kwargs = {"model": opts.model, "dtype": opts.dtype,
                   "kv_cache_fraction": opts.kv_cache_fraction,
                   "kv_cache_bytes": opts.kv_cache_bytes, "num_threads": num_threads,
-                  "scheduler": opts.scheduler, "prefix_caching": opts.prefix_caching}
+                  "scheduler": opts.scheduler, "prefix_caching": opts.prefix_caching,
+                  **(actor_kwargs or {})}
         pool = cls(actor_cls, kwargs, opts.worker_start_timeout_s, timeline,
                    opts.max_deaths_in_a_row)
         if opts.progress:
