@@ -35,6 +35,13 @@ values override the flags below. A row asking for n samples gives n output rows,
 (id, sample_index); 'logprobs' / 'prompt_logprobs' output columns hold
 list<struct<token_id, logprob, rank, top: list<struct<token_id, logprob>>>>.
 
+OpenAI Batch API files: a JSON Lines line {"custom_id", "method": "POST", "url":
+"/v1/chat/completions" or "/v1/completions", "body": {...}} is read as one request (its
+custom_id is the row id; duplicates are refused; a body field nanoserve does not apply is an
+error naming it), and when the job completes OUTPUT_DIR/output.jsonl and errors.jsonl hold
+OpenAI's batch output lines, in input order (--output-format openai writes them for any
+input).
+
 A rerun into the same OUTPUT_DIR resumes where the last run stopped. Each run that computes
 something writes a self-contained HTML report, OUTPUT_DIR/_nanoserve_report.html
 (throughput over time, per-worker progress, batch fill and waste, error rows by cause,
@@ -91,6 +98,16 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the column holding the prompt (text, messages or token ids)")
     c.add_argument("--id-column", default=None, metavar="NAME",
                    help="the column holding row ids (default: 'id' if present, else positions)")
+    o = p.add_argument_group("OpenAI batch files")
+    o.add_argument("--input-format", choices=("auto", "openai", "plain"), default="auto",
+                   help="auto: JSONL lines with custom_id and body are OpenAI batch requests; "
+                        "openai: every line must be one (a line that is not is an error row); "
+                        "plain: no line is (default: auto)")
+    o.add_argument("--output-format", choices=("auto", "parquet", "openai"), default="auto",
+                   help="openai: also OUTPUT_DIR/output.jsonl and errors.jsonl in OpenAI's "
+                        "batch output shape, in input order, once the job completes; parquet: "
+                        "the parts only; auto: openai when the input holds OpenAI batch "
+                        "requests (default: auto)")
     r = p.add_argument_group("execution")
     r.add_argument("--dtype", default="auto",
                    help="auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16, float16")
@@ -164,6 +181,7 @@ def run_batch_cli(args: argparse.Namespace) -> int:
         prompt_logprobs=args.prompt_logprobs, json_schema=json_schema, regex=args.regex,
         choice=tuple(args.choice),
         prompt_column=args.prompt_column, id_column=args.id_column,
+        input_format=args.input_format, output_format=args.output_format,
         progress=args.progress, kv_cache_fraction=args.kv_cache_fraction,
         kv_cache_bytes=None if args.kv_cache_memory is None else int(args.kv_cache_memory * 2**30),
     )

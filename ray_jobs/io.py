@@ -149,6 +149,8 @@ class InputInfo:
     schema: pa.Schema
     num_rows: int
     id_column: str | None = None
+    input_format: str = "auto"  # 'auto', 'openai' (every line an OpenAI batch request), 'plain'
+    openai_rows: int = 0  # lines read as OpenAI batch requests (`ray_jobs.openai_batch`)
 
 
 @dataclass(frozen=True)
@@ -161,6 +163,7 @@ class InputChunk:
     file: InputFile
     row_errors: dict[int, str] = field(default_factory=dict)
     lines: tuple[int, ...] = ()
+    openai_rows: int = 0  # of its rows, those read from OpenAI batch request lines
 
 
 def _file_kind(name: str) -> tuple[str, str | None] | None:
@@ -225,7 +228,7 @@ def list_input_files(path: str | Path) -> list[InputFile]:
 
 
 def scan_input(path: str | Path, chunk_rows: int = DEFAULT_CHUNK_ROWS,
-               id_column: str | None = None) -> InputInfo:
+               id_column: str | None = None, input_format: str = "auto") -> InputInfo:
     """Check every input file, unify their schemas and check the ids.
 
     Types: nulls and ints widen. A JSONL column takes the type most of its values have
@@ -235,7 +238,9 @@ def scan_input(path: str | Path, chunk_rows: int = DEFAULT_CHUNK_ROWS,
     `prepare.plan_columns` follows). JSONL files are parsed once here, streaming; Parquet
     files have their footers and id column read."""
     files = list_input_files(path)
+    check_input_format(input_format, files)
     id_name = id_column or DEFAULT_ID_COLUMN
+    openai_rows = 0
     ids = _IdScan(id_name)
     layouts: list[pa.Schema | list[str]] = []  # per file: its schema, or (JSONL) its columns
     jsonl_types: dict[str, dict[pa.DataType, int]] = {}  # column -> {type: values of it}
@@ -256,7 +261,9 @@ def scan_input(path: str | Path, chunk_rows: int = DEFAULT_CHUNK_ROWS,
             num_rows += n
         else:
             names: dict[str, None] = {}
-            for chunk in _iter_jsonl(f, chunk_rows, schema=None, id_column=id_name):
+            for chunk in _iter_jsonl(f, chunk_rows, schema=None, id_column=id_name,
+                                     input_format=input_format):
+                openai_rows += chunk.openai_rows
                 for fld, col in zip(chunk.batch.schema, chunk.batch.columns):
                     names.setdefault(fld.name)
                     counts = jsonl_types.setdefault(fld.name, {})
@@ -280,7 +287,8 @@ def scan_input(path: str | Path, chunk_rows: int = DEFAULT_CHUNK_ROWS,
     if has_ids:
         ids.check(schema.field(id_name).type)
     return InputInfo(root=str(path), files=tuple(files), schema=schema, num_rows=num_rows,
-                     id_column=id_name if has_ids else None)
+                     id_column=id_name if has_ids else None, input_format=input_format,
+                     openai_rows=openai_rows)
 
 
 def _column_type(name: str, counts: dict[pa.DataType, int], strict: bool) -> pa.DataType:
@@ -319,7 +327,8 @@ def iter_chunks(info: InputInfo, chunk_rows: int = DEFAULT_CHUNK_ROWS) -> Iterat
                     batch = _with_partition_columns(batch, f)
                     yield InputChunk(_conform_or_fail(batch, info.schema, f), f)
         else:
-            yield from _iter_jsonl(f, chunk_rows, schema=info.schema, id_column=info.id_column)
+            yield from _iter_jsonl(f, chunk_rows, schema=info.schema, id_column=info.id_column,
+                                   input_format=info.input_format)
 
 
 def conform(batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:
@@ -458,13 +467,19 @@ def _jsonl_line_of_row(path: InputFile, row: int) -> int:
 
 
 def _iter_jsonl(path: InputFile, chunk_rows: int, schema: pa.Schema | None,
-                id_column: str | None = None) -> Iterator[InputChunk]:
+                id_column: str | None = None, input_format: str = "auto"
+                ) -> Iterator[InputChunk]:
     """Parse a JSONL file line by line into chunks (a compressed one decompressed as a
     stream). Blank lines are skipped; a UTF-8 byte order mark at the start is allowed. With
     `schema` None each chunk's types are inferred (the scan); otherwise rows are built in
     `schema`. `id_column` is read strictly (a value of another type is an InputError, not a
-    row error). The file's partition keys are added to each row that lacks them."""
+    row error). The file's partition keys are added to each row that lacks them. A line
+    that is an OpenAI batch request (or, with `input_format` 'openai', any line) becomes the
+    row `ray_jobs.openai_batch.flatten_request` makes of it."""
+    from ray_jobs.openai_batch import flatten_request, is_request
+
     rows: list[dict] = []
+    openai_rows = 0
     lines: list[int] = []
     row_errors: dict[int, str] = {}
     try:
@@ -501,6 +516,13 @@ def _iter_jsonl(path: InputFile, chunk_rows: int, schema: pa.Schema | None,
                 hint += _json_hint(path)
                 raise InputError(f"{path}:{lineno}: each line must be a JSON object, got "
                                  f"{_JSON_NAMES.get(type(row), type(row).__name__)}{hint}")
+            if input_format == "openai" or (input_format == "auto" and is_request(row)):
+                row, why = flatten_request(row)
+                openai_rows += 1
+                if why is not None:
+                    message = f"{path.name} line {lineno}: {why}"
+                    i = len(rows)
+                    row_errors[i] = f"{row_errors[i]}; {message}" if i in row_errors else message
             for key, value in path.partition:
                 row.setdefault(key, value)
             for key in JSON_TEXT_COLUMNS:
@@ -511,11 +533,25 @@ def _iter_jsonl(path: InputFile, chunk_rows: int, schema: pa.Schema | None,
             lines.append(lineno)
             if len(rows) == chunk_rows:
                 batch = _rows_to_batch(rows, lines, path, schema, id_column, row_errors)
-                yield InputChunk(batch, path, row_errors, tuple(lines))
-                rows, lines, row_errors = [], [], {}
+                yield InputChunk(batch, path, row_errors, tuple(lines), openai_rows)
+                rows, lines, row_errors, openai_rows = [], [], {}, 0
     if rows:
         batch = _rows_to_batch(rows, lines, path, schema, id_column, row_errors)
-        yield InputChunk(batch, path, row_errors, tuple(lines))
+        yield InputChunk(batch, path, row_errors, tuple(lines), openai_rows)
+
+
+INPUT_FORMATS = ("auto", "openai", "plain")
+
+
+def check_input_format(input_format: str, files: list[InputFile]) -> None:
+    """InputError for an unknown input format, or 'openai' over a Parquet file."""
+    if input_format not in INPUT_FORMATS:
+        raise InputError(f"unknown input format {input_format!r}; choose "
+                         f"{', '.join(INPUT_FORMATS)}")
+    parquet = [f for f in files if f.kind == "parquet"]
+    if input_format == "openai" and parquet:
+        raise InputError(f"--input-format openai reads JSON Lines of OpenAI batch requests; "
+                         f"{parquet[0]} is Parquet")
 
 
 def _json_hint(path: InputFile) -> str:
