@@ -26,7 +26,8 @@ OUTPUT_DIR may be local paths or object-store URIs (s3://bucket/prefix/, gs://..
 Each row needs a prompt: a 'prompt' (text), 'messages' (chat, [{role, content}, ...],
 rendered with the model's chat template) or 'prompt_token_ids' column; a row uses the
 first of these that it has. Optional columns: 'id' (else the row's 0-based position);
-per-row 'max_tokens', 'temperature', 'top_p', 'top_k', 'seed', 'n' (samples, 1-128),
+per-row 'max_tokens', 'temperature', 'top_p', 'top_k', 'seed', 'stop' (strings),
+'ignore_eos', 'n' (samples, 1-128),
 'logprobs' and 'prompt_logprobs' (0-20 alternatives); and a structured output:
 'response_format' (OpenAI's {"type": "json_schema", "json_schema": {"name", "schema"}} or
 {"type": "json_object"}), 'guided_json' (a JSON schema, object or JSON text),
@@ -62,7 +63,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    "gs://, ... (credentials from the store's usual environment and config)")
     p.add_argument("-o", "--output", "--output-dir", dest="output_dir", required=True,
                    metavar="OUTPUT_DIR", help="folder or object-store prefix (s3://bucket/out) "
-                   "for the Parquet parts and the manifest")
+                   "for the Parquet parts and the manifest (and output.jsonl / errors.jsonl "
+                   "for OpenAI batch files)")
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="model name, Hugging Face folder, or .gguf file (default: %(default)s)")
     s = p.add_argument_group("sampling (defaults; per-row columns override them)")

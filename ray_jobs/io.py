@@ -19,6 +19,10 @@ values of `response_format` and `guided_json` (JSON documents: a schema, OpenAI'
 response format) are read as their JSON text (a string column), objects and strings alike:
 Arrow would merge objects of different keys into one struct, with nulls for the keys a row
 lacks.
+A JSONL line shaped as an OpenAI Batch API request (`custom_id` and `body`; every line with
+`input_format` 'openai', none with 'plain') is read as the row `ray_jobs.openai_batch.
+flatten_request` makes of it (its custom_id as `id`; a request that cannot run becomes a row
+error naming why).
 `scan_input` checks every file before the job starts (Parquet: the footer and the id column;
 JSONL: one streaming parse pass) and returns the one Arrow schema all rows are read with;
 `iter_chunks` then streams the rows in that schema, a bounded number at a time.
@@ -62,7 +66,6 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pyarrow.types as pat
@@ -281,7 +284,7 @@ def scan_input(path: str | Path, chunk_rows: int = DEFAULT_CHUNK_ROWS,
         raise InputError(f"{path}: the input has no rows (nothing to do)")
     has_ids = id_name in schema.names
     if has_ids:
-        ids.check(schema.field(id_name).type)
+        ids.check(schema.field(id_name).type, custom_ids=openai_rows > 0 and id_name == "id")
     return InputInfo(root=str(path), files=tuple(files), schema=schema, num_rows=num_rows,
                      id_column=id_name if has_ids else None, input_format=input_format,
                      openai_rows=openai_rows)
@@ -443,7 +446,8 @@ class _IdScan:
             self._file = file
         self.hashes.extend(_id_hash(v) for v in values.to_pylist())
 
-    def check(self, typ: pa.DataType) -> None:
+    def check(self, typ: pa.DataType, custom_ids: bool = False) -> None:
+        """`custom_ids`: the ids are OpenAI batch requests' custom_ids (named so)."""
         import numpy as np
 
         name = self.name
@@ -480,6 +484,9 @@ class _IdScan:
         others = len(repeated) - len(groups) + len(dups) - 1
         where = " and ".join(self._where(i) for i in at[:2])
         more = f" ({others} other ids repeat too)" if others > 0 else ""
+        if custom_ids:
+            raise InputError(f"custom_id {value!r} appears {len(at)} times, at {where}{more}; "
+                             f"each request needs its own custom_id")
         raise InputError(
             f"column {name!r} (the row ids) holds duplicates: {value!r} appears "
             f"{len(at)} times, at {where}{more}; ids must be unique (output rows are matched "

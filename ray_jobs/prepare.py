@@ -21,7 +21,8 @@ its bytes are not UTF-8, its messages are malformed or the template fails on the
 unsafe operation included: a template problem touches only the chat rows, plain prompts
 still run), its token ids are out of range, its prompt leaves no room in the model's
 context (prompt tokens + 1 > max_position_embeddings), its per-row sampling values are
-invalid (`n` outside 1-128, `logprobs` / `prompt_logprobs` outside 0-20, ...), or its
+invalid (`n` outside 1-128, `logprobs` / `prompt_logprobs` outside 0-20, an empty stop
+string, ...), or its
 structured output cannot be used: a malformed `response_format`, a schema that is not JSON
 or not a schema, a JSON-schema feature the grammar engine does not enforce, a regex or
 grammar that does not compile, an empty choice list, or a choice list whose every choice

@@ -135,7 +135,7 @@ def test_a_request_that_cannot_run_names_why(line, fragment):
 def test_duplicate_custom_ids_are_refused_before_any_work(tmp_path, capsys, no_ray):
     rows = [req(f"r{i}", COMP, {"prompt": f"p{i}"}) for i in range(4)]
     path = write_jsonl(tmp_path / "requests.jsonl", rows + [req("r2", COMP, {"prompt": "again"})])
-    with pytest.raises(InputError, match=r"'r2' appears 2 times, at requests.jsonl line 3 and "
+    with pytest.raises(InputError, match=r"custom_id 'r2' appears 2 times, at requests.jsonl line 3 and "
                                          r"requests.jsonl line 5"):
         scan_input(path)
     rc = nanoserve_main(["batch", str(path), "-o", str(tmp_path / "out")])
