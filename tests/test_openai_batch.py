@@ -460,3 +460,18 @@ def test_s3_request_file_in_and_openai_files_out(s3, ray_session, chat_model, tm
     assert remote.read_bytes(ERRORS_NAME) == b""
     parts = [n for n in remote.names() if n.startswith("part-")]
     assert sum(remote.parquet_num_rows(n) for n in parts) == 5
+
+
+def test_per_row_stop_and_ignore_eos_columns_are_typed():
+    from ray_jobs.prepare import plan_columns
+
+    plan = plan_columns(pa.schema([("prompt", pa.string()), ("stop", pa.list_(pa.string())),
+                                   ("ignore_eos", pa.bool_())]))
+    assert {"stop", "ignore_eos"} <= set(plan.override_columns)
+    assert "stop" in plan_columns(pa.schema([("prompt", pa.string()),
+                                             ("stop", pa.string())])).override_columns
+    with pytest.raises(InputError, match=r"column 'stop' \(a per-row sampling value\) must hold "
+                                         r"a list of strings \(or one string\), not int64"):
+        plan_columns(pa.schema([("prompt", pa.string()), ("stop", pa.int64())]))
+    with pytest.raises(InputError, match="column 'ignore_eos' .* must hold true/false"):
+        plan_columns(pa.schema([("prompt", pa.string()), ("ignore_eos", pa.string())]))
