@@ -48,7 +48,6 @@ import os
 import re
 import time
 from collections import deque
-from collections.abc import Iterator
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -397,7 +396,10 @@ class _PartReader:
 
 class _Writer:
     """One JSON Lines file of the output, written whole: a local temporary file renamed
-    into place, or one upload to an object store (visible once complete)."""
+    into place, or one upload to an object store (visible once complete: a driver killed
+    mid-upload leaves the earlier object or none). An error raised while writing to an
+    object store closes the stream, which may leave a partial object; the job is then not
+    complete (no `_SUCCESS`) and its rerun writes the file again."""
 
     def __init__(self, folder: OutputDir, name: str) -> None:
         self.folder = folder
@@ -443,9 +445,3 @@ class _Writer:
             if self.tmp is not None:
                 self.tmp.unlink(missing_ok=True)
 
-
-def iter_lines(folder: OutputDir, name: str) -> Iterator[dict[str, Any]]:
-    """The JSON objects of an output file, one a line (for tests and tools)."""
-    data = folder.read_bytes(name) or b""
-    for line in data.splitlines():
-        yield json.loads(line)
