@@ -475,3 +475,34 @@ def test_per_row_stop_and_ignore_eos_columns_are_typed():
         plan_columns(pa.schema([("prompt", pa.string()), ("stop", pa.int64())]))
     with pytest.raises(InputError, match="column 'ignore_eos' .* must hold true/false"):
         plan_columns(pa.schema([("prompt", pa.string()), ("ignore_eos", pa.string())]))
+
+
+def test_default_model_json_schema_request_parses_and_equals_the_engine(
+        tmp_path, ray_session, smollm2_gguf_path, smollm2_llm):
+    """A chat request with OpenAI's json_schema response_format on the default model: the
+    content is JSON valid under the schema, and equals the engine's own answer."""
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16}},
+              "required": ["city"], "additionalProperties": False}
+    response_format = {"type": "json_schema",
+                       "json_schema": {"name": "place", "schema": schema, "strict": True}}
+    messages = [{"role": "user", "content": "Where is the Eiffel Tower? Answer as JSON."}]
+    path = write_jsonl(tmp_path / "requests.jsonl", [req("eiffel", CHAT, {
+        "model": "gpt-4o", "messages": messages, "max_tokens": 24,
+        "response_format": response_format})])
+    run_batch_job(path, tmp_path / "out", model=str(smollm2_gguf_path), kv_cache_bytes=KV_BYTES,
+                  progress=False)
+    (line,) = read_jsonl(tmp_path / "out" / OUTPUT_NAME)
+    parsed = ChatCompletion.model_validate(line["response"]["body"])
+    assert parsed.model == smollm2_gguf_path.name
+    choice = parsed.choices[0]
+    assert choice.finish_reason == "stop"
+    jsonschema.validate(json.loads(choice.message.content), schema)
+    tok = smollm2_llm.tokenizer
+    (want,) = smollm2_llm.generate([chat_prompt(tok, messages)], [SamplingParams(
+        max_tokens=24, structured_outputs=structured_from_request(
+            {"response_format": json.dumps(response_format)}))])
+    assert choice.message.content == want.text
+    assert parsed.usage.completion_tokens == len(want.token_ids)
+    assert parsed.usage.prompt_tokens == len(chat_prompt(tok, messages))
