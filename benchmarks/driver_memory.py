@@ -22,6 +22,12 @@ compressed as a whole file: the job must stream it, never decompress it all in m
     python -m benchmarks.driver_memory              # 20k, 100k, 200k rows, .jsonl
     python -m benchmarks.driver_memory --rows 5000  # a quick check
     python -m benchmarks.driver_memory --formats jsonl jsonl.gz
+    python -m benchmarks.driver_memory --openai --rows 10000 1000000
+
+`--openai` writes each row as an OpenAI Batch API request line (`{"custom_id", "method",
+"url": "/v1/completions", "body": {"model", "prompt", "max_tokens": 1}}`, the same prompts):
+the job then also assembles `output.jsonl` / `errors.jsonl` in input order at its end,
+inside the measured driver process.
 """
 
 from __future__ import annotations
@@ -54,16 +60,20 @@ WORDS = ("apple", "river", "stone", "cloud", "lantern", "violin", "harbor", "mea
 FORMATS = ("jsonl", "jsonl.gz", "jsonl.zst")
 
 
-def write_input(path: Path, rows: int) -> None:
-    """`rows` prompts of 5 to 40 words, one JSON object a line; compressed as a stream when
-    `path` ends in .gz or .zst."""
+def write_input(path: Path, rows: int, openai: bool = False) -> None:
+    """`rows` prompts of 5 to 40 words, one JSON object a line (an OpenAI batch request
+    line with `openai`); compressed as a stream when `path` ends in .gz or .zst."""
     import pyarrow as pa
 
     codec = {".gz": "gzip", ".zst": "zstd"}.get(path.suffix)
     with (pa.CompressedOutputStream(str(path), codec) if codec else open(path, "wb")) as f:
         for i in range(rows):
             words = " ".join(WORDS[(i * 7 + k) % len(WORDS)] for k in range(5 + i % 36))
-            f.write((json.dumps({"id": i, "prompt": f"Row {i}: {words}"}) + "\n").encode())
+            row = {"id": i, "prompt": f"Row {i}: {words}"}
+            if openai:
+                row = {"custom_id": f"request-{i}", "method": "POST", "url": "/v1/completions",
+                       "body": {"model": "tiny", "prompt": row["prompt"], "max_tokens": 1}}
+            f.write((json.dumps(row) + "\n").encode())
 
 
 def status_kib(pid: int) -> dict[str, int]:
@@ -139,6 +149,8 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--formats", nargs="+", choices=FORMATS, default=["jsonl"],
                    help="input file formats, each run at every size (default: jsonl)")
+    p.add_argument("--openai", action="store_true",
+                   help="OpenAI Batch API request lines (output.jsonl assembled at the end)")
     args = p.parse_args()
 
     from nanoserve.model_store import DEFAULT_MODEL, resolve_model
@@ -153,10 +165,12 @@ def main() -> None:
         for fmt in args.formats:
             for n in sorted(set(args.rows)):
                 path = work / f"in.{fmt}"
-                write_input(path, n)
+                write_input(path, n, args.openai)
                 r = results[fmt, n] = run_driver(path, work / f"out-{n}", model, args.batch_size,
                                                  marks if n == largest else [])
                 r["input_mib"] = path.stat().st_size / 2**20
+                if args.openai:
+                    r["output_mib"] = (work / f"out-{n}" / "output.jsonl").stat().st_size / 2**20
                 path.unlink()
                 shutil.rmtree(work / f"out-{n}")
                 print(f"{fmt} {n} rows: peak {r['peak_kib'] / 1024:.1f} MiB, "
@@ -174,6 +188,10 @@ def main() -> None:
           f"{mem_gib():.0f} GiB; python {platform.python_version()}, ray {ray.__version__}, "
           f"pyarrow {pyarrow.__version__}")
     print(f"load average at the end (1/5/15 min): {load_average()}")
+    if args.openai:
+        print("input: OpenAI batch request lines (/v1/completions); output.jsonl assembled "
+              "by the driver; output.jsonl sizes (MiB): "
+              + ", ".join(f"{n:,} rows {r['output_mib']:.1f}" for (_, n), r in results.items()))
     print(f"model: {args.model or 'tiny random Llama (hidden 64, 2 layers, default tokenizer)'}, "
           f"--max-tokens 1, --batch-size {args.batch_size}, one CPU worker, private local Ray")
     print()

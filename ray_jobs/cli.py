@@ -26,7 +26,8 @@ OUTPUT_DIR may be local paths or object-store URIs (s3://bucket/prefix/, gs://..
 Each row needs a prompt: a 'prompt' (text), 'messages' (chat, [{role, content}, ...],
 rendered with the model's chat template) or 'prompt_token_ids' column; a row uses the
 first of these that it has. Optional columns: 'id' (else the row's 0-based position);
-per-row 'max_tokens', 'temperature', 'top_p', 'top_k', 'seed', 'n' (samples, 1-128),
+per-row 'max_tokens', 'temperature', 'top_p', 'top_k', 'seed', 'stop' (strings),
+'ignore_eos', 'n' (samples, 1-128),
 'logprobs' and 'prompt_logprobs' (0-20 alternatives); and a structured output:
 'response_format' (OpenAI's {"type": "json_schema", "json_schema": {"name", "schema"}} or
 {"type": "json_object"}), 'guided_json' (a JSON schema, object or JSON text),
@@ -34,6 +35,13 @@ per-row 'max_tokens', 'temperature', 'top_p', 'top_k', 'seed', 'n' (samples, 1-1
 values override the flags below. A row asking for n samples gives n output rows, keyed on
 (id, sample_index); 'logprobs' / 'prompt_logprobs' output columns hold
 list<struct<token_id, logprob, rank, top: list<struct<token_id, logprob>>>>.
+
+OpenAI Batch API files: a JSON Lines line {"custom_id", "method": "POST", "url":
+"/v1/chat/completions" or "/v1/completions", "body": {...}} is read as one request (its
+custom_id is the row id; duplicates are refused; a body field nanoserve does not apply is an
+error naming it), and when the job completes OUTPUT_DIR/output.jsonl and errors.jsonl hold
+OpenAI's batch output lines, in input order (--output-format openai writes them for any
+input).
 
 A rerun into the same OUTPUT_DIR resumes where the last run stopped. Each run that computes
 something writes a self-contained HTML report, OUTPUT_DIR/_nanoserve_report.html
@@ -55,7 +63,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    "gs://, ... (credentials from the store's usual environment and config)")
     p.add_argument("-o", "--output", "--output-dir", dest="output_dir", required=True,
                    metavar="OUTPUT_DIR", help="folder or object-store prefix (s3://bucket/out) "
-                   "for the Parquet parts and the manifest")
+                   "for the Parquet parts and the manifest (and output.jsonl / errors.jsonl "
+                   "for OpenAI batch files)")
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="model name, Hugging Face folder, or .gguf file (default: %(default)s)")
     s = p.add_argument_group("sampling (defaults; per-row columns override them)")
@@ -91,6 +100,16 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the column holding the prompt (text, messages or token ids)")
     c.add_argument("--id-column", default=None, metavar="NAME",
                    help="the column holding row ids (default: 'id' if present, else positions)")
+    o = p.add_argument_group("OpenAI batch files")
+    o.add_argument("--input-format", choices=("auto", "openai", "plain"), default="auto",
+                   help="auto: JSONL lines with custom_id and body are OpenAI batch requests; "
+                        "openai: every line must be one (a line that is not is an error row); "
+                        "plain: no line is (default: auto)")
+    o.add_argument("--output-format", choices=("auto", "parquet", "openai"), default="auto",
+                   help="openai: also OUTPUT_DIR/output.jsonl and errors.jsonl in OpenAI's "
+                        "batch output shape, in input order, once the job completes; parquet: "
+                        "the parts only; auto: openai when the input holds OpenAI batch "
+                        "requests (default: auto)")
     r = p.add_argument_group("execution")
     r.add_argument("--dtype", default="auto",
                    help="auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16, float16")
@@ -164,6 +183,7 @@ def run_batch_cli(args: argparse.Namespace) -> int:
         prompt_logprobs=args.prompt_logprobs, json_schema=json_schema, regex=args.regex,
         choice=tuple(args.choice),
         prompt_column=args.prompt_column, id_column=args.id_column,
+        input_format=args.input_format, output_format=args.output_format,
         progress=args.progress, kv_cache_fraction=args.kv_cache_fraction,
         kv_cache_bytes=None if args.kv_cache_memory is None else int(args.kv_cache_memory * 2**30),
     )

@@ -55,6 +55,7 @@ import pyarrow as pa
 
 from nanoserve.errors import NanoserveError
 from nanoserve.model_store import resolve_model
+from ray_jobs import openai_batch
 from ray_jobs.batching import Batch, BatchLimits, make_batches
 from ray_jobs.io import InputInfo, iter_chunks, scan_input
 from ray_jobs.local_ray import RaySession
@@ -159,7 +160,8 @@ def run_batch_job(input: str | Path, output_dir: str | Path, **options: Any) -> 
     starts; row-level problems become `error` rows."""
     timeline = Timeline(time.perf_counter())
     opts = JobOptions(**options)
-    info = scan_input(input, opts.chunk_rows, opts.id_column)
+    info = scan_input(input, opts.chunk_rows, opts.id_column, opts.input_format)
+    openai_out = openai_batch.wants_openai_output(opts.output_format, info.openai_rows)
     plan = plan_columns(info.schema, opts.prompt_column, opts.id_column)
     limits = BatchLimits(opts.batch_size, opts.max_batch_tokens,
                          opts.window_batches * opts.batch_size)
@@ -182,6 +184,9 @@ def run_batch_job(input: str | Path, output_dir: str | Path, **options: Any) -> 
             log(f"nanoserve: --retry-errors: computing again {len(retry)} batch(es) of an "
                 f"earlier run that hold error rows")
         if manifest.complete:
+            if openai_out and not folder.exists(openai_batch.OUTPUT_NAME):
+                openai_batch.write_outputs(folder, info, plan, tokenizer, opts.model, settings,
+                                           opts.chunk_rows)
             timeline.mark("prepare")
             return JobSummary(str(folder), 0, 0, manifest.rows_done, 0, 0,
                               timeline.marks["prepare"], 0.0, 0.0, 0, timings=timeline.timings())
@@ -198,6 +203,9 @@ def run_batch_job(input: str | Path, output_dir: str | Path, **options: Any) -> 
         run = _JobRun(opts, plan, folder, manifest, start_pool, info.num_rows, timeline, retry,
                       controls)
         run.execute(make_batches(_prepared_rows(info, preparer, opts.chunk_rows), limits))
+        if openai_out:  # output.jsonl / errors.jsonl from the parts, before _SUCCESS
+            openai_batch.write_outputs(folder, info, plan, tokenizer, opts.model, settings,
+                                       opts.chunk_rows)
         mark_complete(folder, manifest)
     timeline.mark("shutdown")
     summary = run.summary(timeline.marks["shutdown"])
@@ -235,7 +243,9 @@ def _job_settings(opts: JobOptions, info: InputInfo, model_path: Path,
         "sampling": sampling,
         "batching": {"batch_size": limits.batch_size, "max_batch_tokens": limits.max_batch_tokens,
                      "window_rows": limits.window_rows},
-        "columns": {"prompt_column": opts.prompt_column, "id_column": opts.id_column},
+        "columns": {"prompt_column": opts.prompt_column, "id_column": opts.id_column,
+                    **({"input_format": opts.input_format}
+                       if opts.input_format != "auto" else {})},
     }
 
 

@@ -19,6 +19,10 @@ values of `response_format` and `guided_json` (JSON documents: a schema, OpenAI'
 response format) are read as their JSON text (a string column), objects and strings alike:
 Arrow would merge objects of different keys into one struct, with nulls for the keys a row
 lacks.
+A JSONL line shaped as an OpenAI Batch API request (`custom_id` and `body`; every line with
+`input_format` 'openai', none with 'plain') is read as the row `ray_jobs.openai_batch.
+flatten_request` makes of it (its custom_id as `id`; a request that cannot run becomes a row
+error naming why).
 `scan_input` checks every file before the job starts (Parquet: the footer and the id column;
 JSONL: one streaming parse pass) and returns the one Arrow schema all rows are read with;
 `iter_chunks` then streams the rows in that schema, a bounded number at a time.
@@ -43,7 +47,7 @@ row and the job goes on):
 
 Invariants:
 - nothing here holds more than one chunk (`chunk_rows` rows) of one file in memory, except
-  that `scan_input` holds the id column (one value per row) to check that ids are unique;
+  that `scan_input` holds a 64-bit hash of each row's id to check that ids are unique;
 - rows come out in file order (sorted names), then row order within a file; a row's
   position in that stream is its default id;
 - an output part is visible under its final name only once completely written.
@@ -51,16 +55,17 @@ Invariants:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
+from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pyarrow.types as pat
@@ -149,6 +154,8 @@ class InputInfo:
     schema: pa.Schema
     num_rows: int
     id_column: str | None = None
+    input_format: str = "auto"  # 'auto', 'openai' (every line an OpenAI batch request), 'plain'
+    openai_rows: int = 0  # lines read as OpenAI batch requests (`ray_jobs.openai_batch`)
 
 
 @dataclass(frozen=True)
@@ -161,6 +168,7 @@ class InputChunk:
     file: InputFile
     row_errors: dict[int, str] = field(default_factory=dict)
     lines: tuple[int, ...] = ()
+    openai_rows: int = 0  # of its rows, those read from OpenAI batch request lines
 
 
 def _file_kind(name: str) -> tuple[str, str | None] | None:
@@ -225,7 +233,7 @@ def list_input_files(path: str | Path) -> list[InputFile]:
 
 
 def scan_input(path: str | Path, chunk_rows: int = DEFAULT_CHUNK_ROWS,
-               id_column: str | None = None) -> InputInfo:
+               id_column: str | None = None, input_format: str = "auto") -> InputInfo:
     """Check every input file, unify their schemas and check the ids.
 
     Types: nulls and ints widen. A JSONL column takes the type most of its values have
@@ -235,8 +243,10 @@ def scan_input(path: str | Path, chunk_rows: int = DEFAULT_CHUNK_ROWS,
     `prepare.plan_columns` follows). JSONL files are parsed once here, streaming; Parquet
     files have their footers and id column read."""
     files = list_input_files(path)
+    check_input_format(input_format, files)
     id_name = id_column or DEFAULT_ID_COLUMN
-    ids = _IdScan(id_name)
+    openai_rows = 0
+    ids = _IdScan(id_name, lambda f: _file_ids(f, id_name, chunk_rows, input_format))
     layouts: list[pa.Schema | list[str]] = []  # per file: its schema, or (JSONL) its columns
     jsonl_types: dict[str, dict[pa.DataType, int]] = {}  # column -> {type: values of it}
     num_rows = 0
@@ -246,23 +256,19 @@ def scan_input(path: str | Path, chunk_rows: int = DEFAULT_CHUNK_ROWS,
             schema = _with_partition_fields(pfile.schema_arrow.remove_metadata(), f)
             layouts.append(schema)
             n = pfile.metadata.num_rows
-            if id_name in pfile.schema_arrow.names and n:
-                for batch in _parquet_batches(pfile, f, chunk_rows, columns=[id_name]):
-                    ids.add(f, batch.column(0))
-            elif id_name in schema.names and n:  # a partition key named like the id column
-                ids.add(f, pa.array([dict(f.partition)[id_name]] * n))
-            elif n:
-                ids.add(f, pa.nulls(n))
+            for values in _parquet_ids(pfile, f, id_name, chunk_rows):
+                ids.add(f, values)
             num_rows += n
         else:
             names: dict[str, None] = {}
-            for chunk in _iter_jsonl(f, chunk_rows, schema=None, id_column=id_name):
+            for chunk in _iter_jsonl(f, chunk_rows, schema=None, id_column=id_name,
+                                     input_format=input_format):
+                openai_rows += chunk.openai_rows
                 for fld, col in zip(chunk.batch.schema, chunk.batch.columns):
                     names.setdefault(fld.name)
                     counts = jsonl_types.setdefault(fld.name, {})
                     counts[fld.type] = counts.get(fld.type, 0) + len(col) - col.null_count
-                i = chunk.batch.schema.get_field_index(id_name)
-                ids.add(f, chunk.batch.column(i) if i >= 0 else pa.nulls(chunk.batch.num_rows))
+                ids.add(f, _chunk_ids(chunk, id_name))
                 num_rows += chunk.batch.num_rows
             layouts.append(list(names))
     try:
@@ -278,9 +284,40 @@ def scan_input(path: str | Path, chunk_rows: int = DEFAULT_CHUNK_ROWS,
         raise InputError(f"{path}: the input has no rows (nothing to do)")
     has_ids = id_name in schema.names
     if has_ids:
-        ids.check(schema.field(id_name).type)
+        ids.check(schema.field(id_name).type, custom_ids=openai_rows > 0 and id_name == "id")
     return InputInfo(root=str(path), files=tuple(files), schema=schema, num_rows=num_rows,
-                     id_column=id_name if has_ids else None)
+                     id_column=id_name if has_ids else None, input_format=input_format,
+                     openai_rows=openai_rows)
+
+
+def _parquet_ids(pfile: pq.ParquetFile, f: InputFile, id_name: str, chunk_rows: int
+                 ) -> Iterator[pa.Array]:
+    """A Parquet file's ids, a chunk at a time: its id column, the partition key of that
+    name, or nulls."""
+    n = pfile.metadata.num_rows
+    if id_name in pfile.schema_arrow.names and n:
+        for batch in _parquet_batches(pfile, f, chunk_rows, columns=[id_name]):
+            yield batch.column(0)
+    elif id_name in dict(f.partition) and n:  # a partition key named like the id column
+        yield pa.array([dict(f.partition)[id_name]] * n)
+    elif n:
+        yield pa.nulls(n)
+
+
+def _chunk_ids(chunk: InputChunk, id_name: str) -> pa.Array:
+    i = chunk.batch.schema.get_field_index(id_name)
+    return chunk.batch.column(i) if i >= 0 else pa.nulls(chunk.batch.num_rows)
+
+
+def _file_ids(f: InputFile, id_name: str, chunk_rows: int, input_format: str
+              ) -> Iterator[pa.Array]:
+    """A file's ids again, as `scan_input` read them (to name a repeated one)."""
+    if f.kind == "parquet":
+        yield from _parquet_ids(_parquet_file(f), f, id_name, chunk_rows)
+    else:
+        for chunk in _iter_jsonl(f, chunk_rows, schema=None, id_column=id_name,
+                                 input_format=input_format):
+            yield _chunk_ids(chunk, id_name)
 
 
 def _column_type(name: str, counts: dict[pa.DataType, int], strict: bool) -> pa.DataType:
@@ -319,7 +356,8 @@ def iter_chunks(info: InputInfo, chunk_rows: int = DEFAULT_CHUNK_ROWS) -> Iterat
                     batch = _with_partition_columns(batch, f)
                     yield InputChunk(_conform_or_fail(batch, info.schema, f), f)
         else:
-            yield from _iter_jsonl(f, chunk_rows, schema=info.schema, id_column=info.id_column)
+            yield from _iter_jsonl(f, chunk_rows, schema=info.schema, id_column=info.id_column,
+                                   input_format=info.input_format)
 
 
 def conform(batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:
@@ -388,19 +426,30 @@ def _parquet_batches(pfile: pq.ParquetFile, path: InputFile, chunk_rows: int,
 class _IdScan:
     """The id column's values over the whole input, checked once the input's schema is
     known: strings or integers, not null in every row, unique. (A row whose id alone is null
-    is a row-level problem, left to `prepare`.)"""
+    is a row-level problem, left to `prepare`.)
 
-    def __init__(self, name: str) -> None:
+    Memory: 8 bytes a row (a 64-bit hash of each id), not the ids: a million string ids
+    held as Arrow arrays, one per chunk, cost about 100 MiB of the driver's memory. A
+    repeated hash is confirmed, and named, by reading the ids at its rows again
+    (`reread(file)` yields a file's id arrays as `add` was given them)."""
+
+    def __init__(self, name: str, reread: Any = None) -> None:
         self.name = name
-        self.parts: list[tuple[InputFile, int, pa.Array]] = []  # (file, first row, values)
-        self._rows_in_file: dict[str, int] = {}
+        self.reread = reread
+        self.files: list[tuple[InputFile, int]] = []  # (file, position of its first row)
+        self.hashes = array("Q")  # per row; 0: null
+        self._file: InputFile | None = None
 
     def add(self, file: InputFile, values: pa.Array) -> None:
-        start = self._rows_in_file.get(file.rel, 0)
-        self.parts.append((file, start, values))
-        self._rows_in_file[file.rel] = start + len(values)
+        if file is not self._file:
+            self.files.append((file, len(self.hashes)))
+            self._file = file
+        self.hashes.extend(_id_hash(v) for v in values.to_pylist())
 
-    def check(self, typ: pa.DataType) -> None:
+    def check(self, typ: pa.DataType, custom_ids: bool = False) -> None:
+        """`custom_ids`: the ids are OpenAI batch requests' custom_ids (named so)."""
+        import numpy as np
+
         name = self.name
         if pat.is_null(typ):
             raise InputError(f"column {name!r} (the row ids) is null in every row: fill it in, "
@@ -408,39 +457,76 @@ class _IdScan:
         if not (pat.is_integer(typ) or pat.is_string(typ) or pat.is_large_string(typ)):
             raise InputError(f"column {name!r} (the row ids) must hold strings or integers, "
                              f"not {typ}")
-        col = pa.chunked_array([_cast(values, typ) for _, _, values in self.parts], type=typ)
-        counts = pc.value_counts(col.drop_null())
-        repeated = pc.filter(counts, pc.greater(counts.field("counts"), 1))
-        if len(repeated):
-            value = repeated.field("values")[0].as_py()
-            at = pc.indices_nonzero(pc.equal(col, pa.scalar(value, typ)))
-            where = " and ".join(self._where(i.as_py()) for i in at[:2])
-            more = f" ({len(repeated) - 1} other ids repeat too)" if len(repeated) > 1 else ""
-            raise InputError(
-                f"column {name!r} (the row ids) holds duplicates: {value!r} appears "
-                f"{repeated.field('counts')[0].as_py()} times, at {where}{more}; ids must be "
-                f"unique (output rows are matched to input rows by id)"
-            )
+        h = np.frombuffer(self.hashes, dtype=np.uint64) if len(self.hashes) else np.zeros(0, np.uint64)
+        order = np.argsort(h, kind="stable")
+        ordered = h[order]
+        same = (ordered[1:] == ordered[:-1]) & (ordered[1:] != 0)
+        if not same.any():
+            return
+        repeated = np.unique(ordered[1:][same])
+        groups = {}  # hash -> its positions, ascending
+        for value in repeated[:64].tolist():  # more would only be counted
+            key = np.uint64(value)
+            lo = int(np.searchsorted(ordered, key, "left"))
+            hi = int(np.searchsorted(ordered, key, "right"))
+            groups[value] = sorted(order[lo:hi].tolist())
+        values = self._values_at({p for ps in groups.values() for p in ps})
+        dups = []  # (first position, value, positions) of ids that truly repeat
+        for ps in groups.values():
+            by_value: dict[Any, list[int]] = {}
+            for p in ps:
+                by_value.setdefault(values[p], []).append(p)
+            dups += [(at[0], v, at) for v, at in by_value.items() if len(at) > 1]
+        if not dups:
+            return  # 64-bit hashes that collide: the ids differ
+        dups.sort(key=lambda d: d[0])
+        _, value, at = dups[0]
+        others = len(repeated) - len(groups) + len(dups) - 1
+        where = " and ".join(self._where(i) for i in at[:2])
+        more = f" ({others} other ids repeat too)" if others > 0 else ""
+        if custom_ids:
+            raise InputError(f"custom_id {value!r} appears {len(at)} times, at {where}{more}; "
+                             f"each request needs its own custom_id")
+        raise InputError(
+            f"column {name!r} (the row ids) holds duplicates: {value!r} appears "
+            f"{len(at)} times, at {where}{more}; ids must be unique (output rows are matched "
+            f"to input rows by id)"
+        )
+
+    def _values_at(self, positions: set[int]) -> dict[int, Any]:
+        out = {}
+        for k, (file, start) in enumerate(self.files):
+            end = self.files[k + 1][1] if k + 1 < len(self.files) else len(self.hashes)
+            if not any(start <= p < end for p in positions):
+                continue
+            at = start
+            for values in self.reread(file):
+                n = len(values)
+                for p in positions:
+                    if at <= p < at + n:
+                        out[p] = values[p - at].as_py()
+                at += n
+        return out
 
     def _where(self, position: int) -> str:
         """Where the input's row `position` (0-based over all files) is, in words."""
-        for file, start, values in self.parts:
-            if position < len(values):
-                row = start + position
+        for file, start in reversed(self.files):
+            if position >= start:
+                row = position - start
                 if file.kind == "jsonl":
                     return f"{file.name} line {_jsonl_line_of_row(file, row)}"
                 return f"{file.name} row {row} (counting from 0)"
-            position -= len(values)
         return f"row {position}"
 
 
-def _cast(values: pa.Array, typ: pa.DataType) -> pa.Array:
-    if values.type == typ:
-        return values
-    try:
-        return values.cast(typ)
-    except _ARROW_ERRORS as e:
-        raise InputError(f"the id column's values do not agree in type ({e})") from None
+def _id_hash(value: Any) -> int:
+    """A 64-bit hash of an id (never 0, which stands for null); an integer and the string of
+    its digits differ, an int32 and an int64 of one value do not."""
+    if value is None:
+        return 0
+    data = (b"i" + str(value).encode()) if isinstance(value, int) else b"s" + str(value).encode(
+        "utf-8", "surrogatepass")
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") or 1
 
 
 def _jsonl_line_of_row(path: InputFile, row: int) -> int:
@@ -458,13 +544,19 @@ def _jsonl_line_of_row(path: InputFile, row: int) -> int:
 
 
 def _iter_jsonl(path: InputFile, chunk_rows: int, schema: pa.Schema | None,
-                id_column: str | None = None) -> Iterator[InputChunk]:
+                id_column: str | None = None, input_format: str = "auto"
+                ) -> Iterator[InputChunk]:
     """Parse a JSONL file line by line into chunks (a compressed one decompressed as a
     stream). Blank lines are skipped; a UTF-8 byte order mark at the start is allowed. With
     `schema` None each chunk's types are inferred (the scan); otherwise rows are built in
     `schema`. `id_column` is read strictly (a value of another type is an InputError, not a
-    row error). The file's partition keys are added to each row that lacks them."""
+    row error). The file's partition keys are added to each row that lacks them. A line
+    that is an OpenAI batch request (or, with `input_format` 'openai', any line) becomes the
+    row `ray_jobs.openai_batch.flatten_request` makes of it."""
+    from ray_jobs.openai_batch import flatten_request, is_request
+
     rows: list[dict] = []
+    openai_rows = 0
     lines: list[int] = []
     row_errors: dict[int, str] = {}
     try:
@@ -501,6 +593,13 @@ def _iter_jsonl(path: InputFile, chunk_rows: int, schema: pa.Schema | None,
                 hint += _json_hint(path)
                 raise InputError(f"{path}:{lineno}: each line must be a JSON object, got "
                                  f"{_JSON_NAMES.get(type(row), type(row).__name__)}{hint}")
+            if input_format == "openai" or (input_format == "auto" and is_request(row)):
+                row, why = flatten_request(row)
+                openai_rows += 1
+                if why is not None:
+                    message = f"{path.name} line {lineno}: {why}"
+                    i = len(rows)
+                    row_errors[i] = f"{row_errors[i]}; {message}" if i in row_errors else message
             for key, value in path.partition:
                 row.setdefault(key, value)
             for key in JSON_TEXT_COLUMNS:
@@ -511,11 +610,25 @@ def _iter_jsonl(path: InputFile, chunk_rows: int, schema: pa.Schema | None,
             lines.append(lineno)
             if len(rows) == chunk_rows:
                 batch = _rows_to_batch(rows, lines, path, schema, id_column, row_errors)
-                yield InputChunk(batch, path, row_errors, tuple(lines))
-                rows, lines, row_errors = [], [], {}
+                yield InputChunk(batch, path, row_errors, tuple(lines), openai_rows)
+                rows, lines, row_errors, openai_rows = [], [], {}, 0
     if rows:
         batch = _rows_to_batch(rows, lines, path, schema, id_column, row_errors)
-        yield InputChunk(batch, path, row_errors, tuple(lines))
+        yield InputChunk(batch, path, row_errors, tuple(lines), openai_rows)
+
+
+INPUT_FORMATS = ("auto", "openai", "plain")
+
+
+def check_input_format(input_format: str, files: list[InputFile]) -> None:
+    """InputError for an unknown input format, or 'openai' over a Parquet file."""
+    if input_format not in INPUT_FORMATS:
+        raise InputError(f"unknown input format {input_format!r}; choose "
+                         f"{', '.join(INPUT_FORMATS)}")
+    parquet = [f for f in files if f.kind == "parquet"]
+    if input_format == "openai" and parquet:
+        raise InputError(f"--input-format openai reads JSON Lines of OpenAI batch requests; "
+                         f"{parquet[0]} is Parquet")
 
 
 def _json_hint(path: InputFile) -> str:

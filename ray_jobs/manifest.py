@@ -62,7 +62,8 @@ _OURS_RE = re.compile(r"(part-\d+\.parquet|\.part-\d+\.parquet\.tmp-\d+|"
                       rf"{re.escape(MANIFEST_NAME)}|\.{re.escape(MANIFEST_NAME)}\.tmp-\d+|"
                       rf"\.{re.escape(SUCCESS_NAME)}\.tmp-\d+|"
                       rf"{re.escape(SUCCESS_NAME)}|{re.escape(LOCK_NAME)}|"
-                      rf"{re.escape(REPORT_NAME)}|\.{re.escape(REPORT_NAME)}\.tmp-\d+)")
+                      rf"{re.escape(REPORT_NAME)}|\.{re.escape(REPORT_NAME)}\.tmp-\d+|"
+                      r"(output|errors)\.jsonl|\.(output|errors)\.jsonl\.tmp-\d+)")
 
 
 def part_name(batch_id: int) -> str:

@@ -10,7 +10,8 @@ from typing import Any
 from nanoserve.errors import InputError, NanoserveError
 from nanoserve.model_store import DEFAULT_MODEL
 from ray_jobs.autoscale import parse_num_workers
-from ray_jobs.io import DEFAULT_CHUNK_ROWS
+from ray_jobs.io import DEFAULT_CHUNK_ROWS, INPUT_FORMATS
+from ray_jobs.openai_batch import OUTPUT_FORMATS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULERS = ("auto", "static", "continuous")  # as nanoserve.llm.SCHEDULERS (no torch here)
@@ -45,6 +46,12 @@ class JobOptions:
     window_batches: int = 8  # batches' worth of rows sorted by length together
     prompt_column: str | None = None
     id_column: str | None = None
+    # 'auto': JSONL lines shaped as OpenAI batch requests are read as such; 'openai': every
+    # line must be one; 'plain': none is (ray_jobs.openai_batch)
+    input_format: str = "auto"
+    # 'auto': output.jsonl / errors.jsonl too when the input holds OpenAI batch requests;
+    # 'openai': always; 'parquet': the parts only
+    output_format: str = "auto"
     address: str | None = None  # Ray address; None: RAY_ADDRESS, a running cluster, or local
     overwrite: bool = False
     retry_errors: bool = False  # compute again the written batches that hold error rows
@@ -83,6 +90,10 @@ class JobOptions:
         if self.scheduler not in SCHEDULERS:
             raise NanoserveError(f"unknown scheduler {self.scheduler!r}; choose "
                                  f"{', '.join(SCHEDULERS)}")
+        for name, value, choices in (("input format", self.input_format, INPUT_FORMATS),
+                                     ("output format", self.output_format, OUTPUT_FORMATS)):
+            if value not in choices:
+                raise NanoserveError(f"unknown {name} {value!r}; choose {', '.join(choices)}")
         if self.dtype not in DTYPES:
             raise NanoserveError(f"unknown dtype {self.dtype!r}; choose {', '.join(DTYPES)}")
         parse_num_workers(self.num_workers)  # raises NanoserveError if invalid

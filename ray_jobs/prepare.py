@@ -21,7 +21,8 @@ its bytes are not UTF-8, its messages are malformed or the template fails on the
 unsafe operation included: a template problem touches only the chat rows, plain prompts
 still run), its token ids are out of range, its prompt leaves no room in the model's
 context (prompt tokens + 1 > max_position_embeddings), its per-row sampling values are
-invalid (`n` outside 1-128, `logprobs` / `prompt_logprobs` outside 0-20, ...), or its
+invalid (`n` outside 1-128, `logprobs` / `prompt_logprobs` outside 0-20, an empty stop
+string, ...), or its
 structured output cannot be used: a malformed `response_format`, a schema that is not JSON
 or not a schema, a JSON-schema feature the grammar engine does not enforce, a regex or
 grammar that does not compile, an empty choice list, or a choice list whose every choice
@@ -74,6 +75,9 @@ INT_OVERRIDES = ("max_tokens", "top_k", "seed", "n", "logprobs", "prompt_logprob
 FLOAT_OVERRIDES = ("temperature", "top_p")
 OVERRIDE_COLUMNS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "n", "logprobs",
                     "prompt_logprobs")
+# Per-row values that are not numbers: stop strings (a list of strings, or one string) and
+# ignore_eos (true/false).
+OTHER_OVERRIDES = ("stop", "ignore_eos")
 # Per-row structured outputs (OpenAI's and vLLM's request fields).
 CONSTRAINT_COLUMNS = ("response_format", "guided_json", "guided_regex", "guided_choice",
                       "guided_grammar")
@@ -208,6 +212,16 @@ def plan_columns(schema: pa.Schema, prompt_column: str | None = None,
         t = schema.field(n).type
         if not (pat.is_null(t) or pat.is_integer(t) or pat.is_floating(t)):
             raise InputError(f"column {n!r} (a per-row sampling value) must be numeric, not {t}")
+    for n in (n for n in OTHER_OVERRIDES if n in names):
+        t = schema.field(n).type
+        fits = pat.is_null(t) or (pat.is_boolean(t) if n == "ignore_eos" else _is_text(t) or (
+            (pat.is_list(t) or pat.is_large_list(t))
+            and (pat.is_null(t.value_type) or _is_text(t.value_type))))
+        if not fits:
+            want = "true/false" if n == "ignore_eos" else "a list of strings (or one string)"
+            raise InputError(f"column {n!r} (a per-row sampling value) must hold {want}, "
+                             f"not {t}")
+        overrides += (n,)
     constraints = tuple(n for n in CONSTRAINT_COLUMNS if n in names)
     for n in constraints:
         t = schema.field(n).type
@@ -417,6 +431,8 @@ class RowPreparer:
             value = values.get(name)
             if value is None or (isinstance(value, float) and math.isnan(value)):
                 continue
+            if name == "stop":
+                value = (value,) if isinstance(value, str) else tuple(value)
             if name in INT_OVERRIDES and isinstance(value, float):
                 if not value.is_integer():
                     raise ValueError(f"{name} must be an integer, got {value!r}")

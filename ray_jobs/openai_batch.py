@@ -1,0 +1,447 @@
+"""OpenAI Batch API files in and out: request lines read as input rows, and the job's parts
+assembled into `output.jsonl` / `errors.jsonl` in OpenAI's batch output shape.
+
+Input. A JSON Lines line `{"custom_id", "method": "POST", "url", "body"}` (recognised by
+its `custom_id` and `body` keys; with `--input-format openai` every line is read as one)
+becomes an ordinary input row (`flatten_request`): `id` is the custom_id, `url` is kept, and
+the body's fields become the job's per-row columns:
+
+- `/v1/chat/completions`: `messages` (content as a string or a list of text parts);
+  `logprobs` (true) with `top_logprobs` K become the row's `logprobs` K;
+- `/v1/completions`: `prompt` (a string, a list of one string, or a list of token ids);
+  `logprobs` K;
+- both: `max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `n`, `stop`,
+  `seed`, `response_format`, and vLLM's extras `top_k`, `ignore_eos`, `guided_json`,
+  `guided_regex`, `guided_choice`, `guided_grammar`;
+- accepted and not used: `model` (the response names the job's model), `user`,
+  `metadata`, `store`, and `stream` false, `echo` false, `presence_penalty` /
+  `frequency_penalty` 0, `logit_bias` empty; a field whose value is null is absent.
+
+Anything else (a body field we do not apply, another method or url, a body that is not an
+object) makes the row an error row whose message names it. Duplicate custom_ids are the
+input's duplicate ids: refused before any work (`ray_jobs.io.scan_input`).
+
+Output. `write_outputs`, when the job's parts are all written: the input is read again in
+order (only to learn each row's id and endpoint) and the parts in batch-id order; since a
+batch holds rows of one window of consecutive input rows and batch ids grow window by
+window, a row's result is found after reading at most about one window ahead, so memory
+holds about one window of results whatever the input's size. Each answered request is one
+line of `output.jsonl`:
+
+    {"id": "batch_req_...", "custom_id": ..., "response": {"status_code": 200,
+     "request_id": "req_...", "body": <chat.completion or text_completion>}, "error": null}
+
+with one choice per sample, `usage` from the engine's token counts (completion tokens summed
+over the samples); a failed request is a line of `errors.jsonl` with status code 400 (its
+input) or 500 (the engine or its worker failed) and the body `{"error": {"message", "type",
+"param", "code"}}`. Both files are written whole (a local temporary file renamed, or one
+upload to an object store), and rewritten by every run that completes the job, so a killed
+driver rerun gives them again. The ids are hashes of the job's settings, the row's position
+and custom_id (the same for the same job); `created` is the time the files were written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import time
+from collections import deque
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+
+from nanoserve.errors import NanoserveError
+from ray_jobs.storage import OutputDir, storage_error
+
+CHAT_URL = "/v1/chat/completions"
+COMPLETIONS_URL = "/v1/completions"
+OUTPUT_NAME = "output.jsonl"
+ERRORS_NAME = "errors.jsonl"
+OUTPUT_FORMATS = ("auto", "parquet", "openai")
+_REQUEST_KEYS = ("custom_id", "method", "url", "body")
+_BOTH = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop", "seed",
+         "response_format", "top_k", "ignore_eos", "guided_json", "guided_regex",
+         "guided_choice", "guided_grammar", "model", "user", "metadata", "store", "stream",
+         "presence_penalty", "frequency_penalty", "logit_bias"}
+_FIELDS = {CHAT_URL: _BOTH | {"messages", "logprobs", "top_logprobs"},
+           COMPLETIONS_URL: _BOTH | {"prompt", "logprobs", "echo"}}
+_COPIED = ("temperature", "top_p", "n", "seed", "response_format", "top_k", "ignore_eos",
+           "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+_NEUTRAL = {"stream": (False,), "echo": (False,), "presence_penalty": (0,),
+            "frequency_penalty": (0,), "logit_bias": ({},)}
+_IGNORED = ("model", "user", "metadata", "store")
+
+
+def is_request(row: Any) -> bool:
+    """Whether a JSON Lines object has the shape of an OpenAI batch request line."""
+    return isinstance(row, dict) and "custom_id" in row and "body" in row
+
+
+def flatten_request(row: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+    """The input row of one request line, and why it cannot run (None when it can). A
+    request that cannot run keeps only its `id` and `url`."""
+    custom_id = row.get("custom_id")
+    url = row.get("url")
+    head = {"id": custom_id if isinstance(custom_id, str) else None,
+            "url": url if isinstance(url, str) else None}
+    try:
+        return {**head, **_body_fields(row)}, None
+    except ValueError as e:
+        return head, str(e)
+
+
+def _body_fields(row: dict[str, Any]) -> dict[str, Any]:
+    missing = [k for k in _REQUEST_KEYS if k not in row]
+    if missing:
+        raise ValueError(f"not an OpenAI batch request line: it lacks {_names(missing)} "
+                         f"(a line is {{custom_id, method, url, body}})")
+    extra = [k for k in row if k not in _REQUEST_KEYS]
+    if extra:
+        raise ValueError(f"unknown request field(s) {_names(extra)}")
+    if not isinstance(row["custom_id"], str) or not row["custom_id"]:
+        raise ValueError(f"custom_id must be a non-empty string, got {json.dumps(row['custom_id'])}")
+    if row["method"] != "POST":
+        raise ValueError(f"method {json.dumps(row['method'])} is not supported: use \"POST\"")
+    url = row["url"]
+    if url not in _FIELDS:
+        raise ValueError(f"url {json.dumps(url)} is not supported: nanoserve answers "
+                         f"{CHAT_URL} and {COMPLETIONS_URL}")
+    body = row["body"]
+    if not isinstance(body, dict):
+        raise ValueError("body must be a JSON object")
+    body = {k: v for k, v in body.items() if v is not None}
+    unsupported = [k for k in body if k not in _FIELDS[url]
+                   or (k in _NEUTRAL and not _neutral(k, body[k]))]
+    if unsupported:
+        raise ValueError(f"unsupported body field(s) {_names(unsupported)} for {url} "
+                         f"(nanoserve does not apply them; remove them to run the request)")
+    out: dict[str, Any] = {k: body[k] for k in _COPIED if k in body}
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    if limit is not None:
+        out["max_tokens"] = limit
+    if "stop" in body:
+        stop = body["stop"]
+        stop = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise ValueError("body.stop must be a string or a list of strings")
+        out["stop"] = stop
+    if url == CHAT_URL:
+        out["messages"] = _messages(body.get("messages"))
+        asked = body.get("logprobs", False)
+        if not isinstance(asked, bool):
+            raise ValueError("body.logprobs must be true or false for chat completions")
+        if "top_logprobs" in body and not asked:
+            raise ValueError("body.top_logprobs needs body.logprobs true")
+        if asked:
+            out["logprobs"] = body.get("top_logprobs", 0)
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            out["prompt"] = prompt
+        elif (isinstance(prompt, list) and prompt
+              and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
+            out["prompt_token_ids"] = prompt
+        elif prompt is None:
+            raise ValueError("body.prompt is missing")
+        else:
+            raise ValueError("body.prompt must be a string or a list of token ids (one prompt "
+                             "per request line)")
+        if "logprobs" in body:
+            out["logprobs"] = body["logprobs"]
+    return out
+
+
+def _neutral(key: str, value: Any) -> bool:
+    return any(value == v and type(value) is not bool or value is v for v in _NEUTRAL[key])
+
+
+def _messages(messages: Any) -> list[dict[str, Any]]:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("body.messages must be a non-empty list of messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ValueError(f"body.messages[{i}] must be an object with a role")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: text only
+            texts = []
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text" or not isinstance(part.get("text"), str):
+                    raise ValueError(f"body.messages[{i}].content: a part of type "
+                                     f"{json.dumps(kind)} is not supported (text parts only)")
+                texts.append(part["text"])
+            content = "".join(texts)
+        if not isinstance(content, str):
+            raise ValueError(f"body.messages[{i}].content must be a string or a list of "
+                             f"text parts")
+        extra = [k for k in m if k not in ("role", "content", "name")]
+        if extra:
+            raise ValueError(f"body.messages[{i}] has unsupported field(s) {_names(extra)}")
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+def _names(keys: list[str]) -> str:
+    return ", ".join(repr(k) for k in keys)
+
+
+# --- output ------------------------------------------------------------------------------------
+
+_PART_RE = re.compile(r"part-(\d+)\.parquet")
+_PART_COLUMNS = ("id", "generated_text", "num_input_tokens", "num_generated_tokens",
+                 "finish_reason", "error", "sample_index", "logprobs")
+_SERVER_ERRORS = ("generation failed", "the worker died")
+
+
+def wants_openai_output(output_format: str, openai_rows: int) -> bool:
+    """Whether the job writes output.jsonl / errors.jsonl: 'openai', or 'auto' for an input
+    of OpenAI batch request lines."""
+    if output_format not in OUTPUT_FORMATS:
+        raise NanoserveError(f"unknown output format {output_format!r}; choose "
+                             f"{', '.join(OUTPUT_FORMATS)}")
+    return output_format == "openai" or (output_format == "auto" and openai_rows > 0)
+
+
+def write_outputs(folder: OutputDir, info: Any, plan: Any, tokenizer: Any, model_name: str,
+                  settings: dict[str, Any], chunk_rows: int) -> tuple[int, int]:
+    """Write `output.jsonl` and `errors.jsonl` from the job's parts, in input order (see the
+    module docstring); returns (answered requests, failed requests)."""
+    from ray_jobs.io import iter_chunks
+
+    if "/" in model_name or model_name.endswith(".gguf"):  # a path: its name
+        model_name = Path(model_name).name
+    job_key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    created = int(time.time())
+    token = _TokenText(tokenizer)
+    results = _PartReader(folder)
+    counts = [0, 0]
+    with _Writer(folder, OUTPUT_NAME) as out, _Writer(folder, ERRORS_NAME) as errors:
+        position = 0
+        for chunk in iter_chunks(info, chunk_rows):
+            for values in chunk.batch.to_pylist():
+                row_id = position if plan.id_column is None else values[plan.id_column]
+                samples = results.take(row_id)
+                chat = _is_chat(values, plan)
+                digest = hashlib.sha256(f"{job_key}:{position}:{row_id}".encode()).hexdigest()
+                custom_id = None if row_id is None else str(row_id)
+                failed = next((s for s in samples if s["finish_reason"] == "error"), None)
+                if failed is not None:
+                    line = _error_line(digest, custom_id, failed["error"] or "failed")
+                    errors.write(line)
+                    counts[1] += 1
+                else:
+                    body = _completion(digest, chat, samples, created, model_name, token)
+                    out.write({"id": f"batch_req_{digest[:24]}", "custom_id": custom_id,
+                               "response": {"status_code": 200,
+                                            "request_id": f"req_{digest[24:48]}",
+                                            "body": body},
+                               "error": None})
+                    counts[0] += 1
+                position += 1
+        results.check_drained()
+    return counts[0], counts[1]
+
+
+def _is_chat(values: dict[str, Any], plan: Any) -> bool:
+    """A row's endpoint: its request's url, else its prompt column (the first not null):
+    chat for messages, completions for text or token ids."""
+    url = values.get("url")
+    if isinstance(url, str) and url in _FIELDS:
+        return url == CHAT_URL
+    for column, kind in plan.prompt_columns:
+        if values.get(column) is not None:
+            return kind == "messages"
+    return False
+
+
+def _error_line(digest: str, custom_id: str | None, message: str) -> dict[str, Any]:
+    server = message.startswith(_SERVER_ERRORS)
+    return {"id": f"batch_req_{digest[:24]}", "custom_id": custom_id,
+            "response": {"status_code": 500 if server else 400,
+                         "request_id": f"req_{digest[24:48]}",
+                         "body": {"error": {"message": message,
+                                            "type": "server_error" if server
+                                            else "invalid_request_error",
+                                            "param": None, "code": None}}},
+            "error": None}
+
+
+def _completion(digest: str, chat: bool, samples: list[dict[str, Any]], created: int,
+                model: str, token: _TokenText) -> dict[str, Any]:
+    choices = []
+    for i, s in enumerate(samples):
+        entries = s.get("logprobs")
+        if chat:
+            logprobs = None if entries is None else {
+                "content": [token.chat_entry(e) for e in entries], "refusal": None}
+            choices.append({"index": i, "message": {"role": "assistant",
+                                                    "content": s["generated_text"],
+                                                    "refusal": None},
+                            "logprobs": logprobs, "finish_reason": s["finish_reason"]})
+        else:
+            choices.append({"index": i, "text": s["generated_text"],
+                            "logprobs": None if entries is None else token.completion(entries),
+                            "finish_reason": s["finish_reason"]})
+    prompt = samples[0]["num_input_tokens"] or 0
+    completion = sum(s["num_generated_tokens"] or 0 for s in samples)
+    return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{digest[:32]}",
+            "object": "chat.completion" if chat else "text_completion",
+            "created": created, "model": model, "choices": choices,
+            "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
+                      "total_tokens": prompt + completion}}
+
+
+class _TokenText:
+    """A token id's text and bytes, as OpenAI's logprobs give them."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.text = lru_cache(maxsize=1 << 16)(self._text)
+
+    def _text(self, token_id: int) -> tuple[str, list[int]]:
+        text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        raw = _byte_level_bytes(self.tokenizer.id_to_token(token_id))
+        return text, list(raw if raw is not None else text.encode("utf-8"))
+
+    def chat_entry(self, e: dict[str, Any]) -> dict[str, Any]:
+        text, raw = self.text(e["token_id"])
+        top = []
+        for t in e["top"] or ():
+            t_text, t_raw = self.text(t["token_id"])
+            top.append({"token": t_text, "logprob": t["logprob"], "bytes": t_raw})
+        return {"token": text, "logprob": e["logprob"], "bytes": raw, "top_logprobs": top}
+
+    def completion(self, entries: list[dict[str, Any]]) -> dict[str, Any]:
+        tokens, offsets, at = [], [], 0
+        for e in entries:
+            text = self.text(e["token_id"])[0]
+            tokens.append(text)
+            offsets.append(at)
+            at += len(text)
+        return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
+                "top_logprobs": [{self.text(t["token_id"])[0]: t["logprob"]
+                                  for t in e["top"] or ()} for e in entries],
+                "text_offset": offsets}
+
+
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    from nanoserve.tokenizer import _bytes_to_unicode
+
+    return {c: b for b, c in _bytes_to_unicode().items()}
+
+
+def _byte_level_bytes(piece: str | None) -> bytes | None:
+    """The bytes of a byte-level BPE token's string, or None when it is not one."""
+    if piece is None:
+        return None
+    decoder = _byte_decoder()
+    if not all(c in decoder for c in piece):
+        return None
+    return bytes(decoder[c] for c in piece)
+
+
+class _PartReader:
+    """The job's result rows, part by part in batch-id order, handed out by id: a row's
+    samples (consecutive in its part) as one list. Reads ahead only until the asked id
+    turns up."""
+
+    def __init__(self, folder: OutputDir) -> None:
+        self.folder = folder
+        names = [n for n in folder.names() if _PART_RE.fullmatch(n)]
+        self.parts = deque(sorted(names, key=lambda n: int(_PART_RE.fullmatch(n).group(1))))
+        self.ready: dict[Any, deque[list[dict[str, Any]]]] = {}
+
+    def take(self, row_id: Any) -> list[dict[str, Any]]:
+        while not self.ready.get(row_id):
+            if not self.parts:
+                raise NanoserveError(f"the output parts hold no result for id {row_id!r}; "
+                                     f"rerun with --overwrite")
+            self._read(self.parts.popleft())
+        queue = self.ready[row_id]
+        samples = queue.popleft()
+        if not queue:
+            del self.ready[row_id]
+        return samples
+
+    def _read(self, name: str) -> None:
+        loc = self.folder / name
+        try:
+            schema = pq.read_schema(loc.path, filesystem=loc.fs)
+            columns = [c for c in _PART_COLUMNS if c in schema.names]
+            rows = pq.read_table(loc.path, columns=columns, filesystem=loc.fs).to_pylist()
+        except OSError as e:
+            raise storage_error(loc.uri, e) from None
+        group: list[dict[str, Any]] = []
+        for r in rows:  # a row's samples: consecutive, sample_index 0, 1, ...
+            if group and (r["id"] != group[0]["id"] or not r.get("sample_index")):
+                self.ready.setdefault(group[0]["id"], deque()).append(group)
+                group = []
+            group.append(r)
+        if group:
+            self.ready.setdefault(group[0]["id"], deque()).append(group)
+
+    def check_drained(self) -> None:
+        if self.ready or self.parts:
+            raise NanoserveError("the output parts hold results for rows the input no longer "
+                                 "has; rerun with --overwrite")
+
+
+class _Writer:
+    """One JSON Lines file of the output, written whole: a local temporary file renamed
+    into place, or one upload to an object store (visible once complete: a driver killed
+    mid-upload leaves the earlier object or none). An error raised while writing to an
+    object store closes the stream, which may leave a partial object; the job is then not
+    complete (no `_SUCCESS`) and its rerun writes the file again."""
+
+    def __init__(self, folder: OutputDir, name: str) -> None:
+        self.folder = folder
+        self.name = name
+        self.loc = folder / name
+        self.tmp: Path | None = None
+
+    def __enter__(self) -> _Writer:
+        self.folder.check_lease()
+        try:
+            if self.folder.local:
+                self.tmp = self.folder.path / f".{self.name}.tmp-{os.getpid()}"
+                self.f = open(self.tmp, "wb")
+            else:
+                self.f = self.loc.fs.open_output_stream(self.loc.path)
+        except OSError as e:
+            raise storage_error(self.loc.uri, e) from None
+        self.buffer: list[bytes] = []
+        return self
+
+    def write(self, line: dict[str, Any]) -> None:
+        self.buffer.append(json.dumps(line, ensure_ascii=False).encode() + b"\n")
+        if len(self.buffer) >= 1024:
+            self._flush()
+
+    def _flush(self) -> None:
+        self.f.write(b"".join(self.buffer))
+        self.buffer = []
+
+    def __exit__(self, kind: Any, *rest: Any) -> None:
+        try:
+            if kind is None:
+                self._flush()
+                if self.tmp is not None:
+                    self.f.flush()
+                    os.fsync(self.f.fileno())
+            self.f.close()
+            if kind is None:
+                self.folder.check_lease()
+                if self.tmp is not None:
+                    os.replace(self.tmp, self.loc.path)
+        finally:
+            if self.tmp is not None:
+                self.tmp.unlink(missing_ok=True)
+

@@ -1,0 +1,508 @@
+"""OpenAI Batch API files through the batch job: request lines in, `output.jsonl` /
+`errors.jsonl` out.
+
+Oracles: the `openai` package's own response types (`ChatCompletion.model_validate`,
+`Completion.model_validate`) parse every output line; every custom_id is answered exactly
+once, in input order; usage equals the engine's token counts and the text equals
+`LLM.generate` on the same prompt with the same values (sample i of n: the request alone
+with seed + i); bad lines and unsupported body fields are error lines naming the problem;
+duplicate custom_ids are refused before Ray; a driver killed mid-job and run again gives
+the same files as an uninterrupted run. Model: the tiny random Llama with the default
+model's tokenizer and chat template.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from openai.types import Completion
+from openai.types.chat import ChatCompletion
+
+from nanoserve.errors import InputError
+from nanoserve.sampling import SamplingParams
+from nanoserve.structured import structured_from_request
+from nanoserve_cli import main as nanoserve_main
+from ray_jobs import run_batch_job
+from ray_jobs.io import scan_input
+from ray_jobs.manifest import SUCCESS_NAME
+from ray_jobs.openai_batch import ERRORS_NAME, OUTPUT_NAME, flatten_request, is_request
+from ray_jobs.storage import OutputDir
+
+REPO = Path(__file__).resolve().parents[1]
+KV_BYTES = 32 << 20
+CHAT, COMP = "/v1/chat/completions", "/v1/completions"
+LIMIT_S = 300
+
+
+def req(custom_id, url, body):
+    return {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
+
+
+def write_jsonl(path: Path, rows) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory, tiny_job_model, smollm2_gguf_path):
+    """The tiny random Llama with the default model's chat template."""
+    from nanoserve.tokenizer import Tokenizer
+
+    folder = tmp_path_factory.mktemp("models") / "tiny-chat"
+    shutil.copytree(tiny_job_model, folder)
+    template = Tokenizer.from_path(smollm2_gguf_path).chat_template
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": template, "bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def chat_llm(chat_model):
+    from nanoserve.llm import LLM
+
+    return LLM(model=str(chat_model), device="cpu", kv_cache_bytes=KV_BYTES)
+
+
+def chat_prompt(tok, messages):
+    return tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True),
+                      add_special_tokens=False)
+
+
+# --- reading request lines (no Ray) ------------------------------------------------------------
+
+
+def test_request_lines_are_recognised_and_mapped():
+    assert is_request(req("a", CHAT, {})) and not is_request({"prompt": "x", "id": 1})
+    row, why = flatten_request(req("a", CHAT, {
+        "model": "gpt-4o-mini", "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}],
+        "max_completion_tokens": 7, "temperature": 0.5, "top_p": 0.9, "n": 2, "seed": 1,
+        "stop": "\n", "logprobs": True, "top_logprobs": 3, "user": "u1", "stream": False,
+        "response_format": {"type": "json_object"}, "ignore_eos": True, "top_k": 5,
+        "presence_penalty": 0, "tools": None}))
+    assert why is None
+    assert row == {"id": "a", "url": CHAT, "temperature": 0.5, "top_p": 0.9, "n": 2, "seed": 1,
+                   "response_format": {"type": "json_object"}, "top_k": 5, "ignore_eos": True,
+                   "max_tokens": 7, "stop": ["\n"], "logprobs": 3,
+                   "messages": [{"role": "user", "content": "Hi there"}]}
+    row, why = flatten_request(req("b", COMP, {"prompt": [1, 2, 3], "logprobs": 2,
+                                               "echo": False, "max_tokens": 4}))
+    assert why is None and row == {"id": "b", "url": COMP, "prompt_token_ids": [1, 2, 3],
+                                   "logprobs": 2, "max_tokens": 4}
+
+
+@pytest.mark.parametrize("line, fragment", [
+    (req("a", CHAT, {"messages": [{"role": "user", "content": "x"}], "tools": [],
+                     "frequency_penalty": 0.3}),
+     "unsupported body field(s) 'tools', 'frequency_penalty' for /v1/chat/completions"),
+    (req("a", COMP, {"prompt": "x", "echo": True}), "unsupported body field(s) 'echo'"),
+    (req("a", COMP, {"prompt": "x", "stream": True}), "unsupported body field(s) 'stream'"),
+    (req("a", "/v1/embeddings", {"input": "x"}), 'url "/v1/embeddings" is not supported'),
+    ({**req("a", CHAT, {}), "method": "GET"}, 'method "GET" is not supported'),
+    ({"custom_id": "a", "url": CHAT, "body": {}}, "lacks 'method'"),
+    ({**req("a", CHAT, {}), "extra": 1}, "unknown request field(s) 'extra'"),
+    (req("a", CHAT, []), "body must be a JSON object"),
+    (req("a", CHAT, {"messages": []}), "body.messages must be a non-empty list"),
+    (req("a", CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
+     'a part of type "image_url" is not supported'),
+    (req("a", COMP, {"prompt": ["one", "two"]}), "one prompt per request line"),
+    (req("a", CHAT, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}),
+     "top_logprobs needs body.logprobs true"),
+    (req(7, CHAT, {}), "custom_id must be a non-empty string"),
+])
+def test_a_request_that_cannot_run_names_why(line, fragment):
+    row, why = flatten_request(line)
+    assert why is not None and fragment in why, why
+    assert set(row) == {"id", "url"}
+
+
+def test_duplicate_custom_ids_are_refused_before_any_work(tmp_path, capsys, no_ray):
+    rows = [req(f"r{i}", COMP, {"prompt": f"p{i}"}) for i in range(4)]
+    path = write_jsonl(tmp_path / "requests.jsonl", rows + [req("r2", COMP, {"prompt": "again"})])
+    with pytest.raises(InputError, match=r"custom_id 'r2' appears 2 times, at requests.jsonl line 3 and "
+                                         r"requests.jsonl line 5"):
+        scan_input(path)
+    rc = nanoserve_main(["batch", str(path), "-o", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error: ") and "'r2' appears 2 times" in err
+    assert len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_input_format_openai_makes_other_lines_error_rows_and_refuses_parquet(tmp_path, no_ray):
+    path = write_jsonl(tmp_path / "in.jsonl", [req("a", COMP, {"prompt": "x"}),
+                                               {"custom_id": "b", "prompt": "y"}])
+    info = scan_input(path, input_format="openai")
+    assert info.openai_rows == 2
+    pq.write_table(pa.table({"prompt": ["x"]}), tmp_path / "in.parquet")
+    with pytest.raises(InputError, match="--input-format openai reads JSON Lines"):
+        scan_input(tmp_path / "in.parquet", input_format="openai")
+    plain = scan_input(write_jsonl(tmp_path / "plain.jsonl", [{"prompt": "x"}]))
+    assert plain.openai_rows == 0
+
+
+# --- a job over a request file (tiny model, local Ray) -------------------------------------
+
+
+def job_requests(chat_llm):
+    """The request file; its stop string is a word the completion writes without it."""
+    tok = chat_llm.tokenizer
+    (free,) = chat_llm.generate([tok.encode("Once upon a time")],
+                                [SamplingParams(max_tokens=8)])
+    words = free.text.split()
+    stop = words[2] if len(words) > 2 else words[-1]
+    return [
+        req("chat-n", CHAT, {"model": "gpt-4o-mini", "messages": [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "Name a colour."}], "max_tokens": 5, "n": 2,
+            "temperature": 0.8, "seed": 11, "logprobs": True, "top_logprobs": 2}),
+        req("comp-stop", COMP, {"model": "gpt-3.5-turbo-instruct", "prompt": "Once upon a time",
+                                "max_tokens": 8, "stop": [stop], "logprobs": 1}),
+        req("bad-url", "/v1/embeddings", {"model": "x", "input": "hi"}),
+        req("chat-json", CHAT, {"messages": [{"role": "user", "content": [
+            {"type": "text", "text": "Give a JSON object."}]}], "max_completion_tokens": 6,
+            "response_format": {"type": "json_object"}}),
+        req("unsupported", CHAT, {"messages": [{"role": "user", "content": "x"}],
+                                  "tools": [{"type": "function", "function": {"name": "f"}}]}),
+        req("comp-ids", COMP, {"prompt": [504, 2988, 314], "max_tokens": 3}),
+        {"custom_id": "no-method", "url": CHAT, "body": {"messages": [
+            {"role": "user", "content": "x"}]}},
+        req("empty", COMP, {"prompt": "", "max_tokens": 3}),
+    ]
+
+
+def expected(chat_llm, request):
+    """(prompt ids, [SamplingParams per sample], chat?) of a request the job answers."""
+    body = request["body"]
+    tok = chat_llm.tokenizer
+    values = {"max_tokens": body.get("max_completion_tokens", body.get("max_tokens", 16))}
+    for k in ("temperature", "seed"):
+        if k in body:
+            values[k] = body[k]
+    if "stop" in body:
+        values["stop"] = tuple(body["stop"])
+    if "response_format" in body:
+        values["structured_outputs"] = structured_from_request(
+            {"response_format": json.dumps(body["response_format"])})
+    chat = request["url"] == CHAT
+    if chat:
+        messages = [{"role": m["role"], "content": m["content"] if isinstance(m["content"], str)
+                     else "".join(p["text"] for p in m["content"])} for m in body["messages"]]
+        ids = chat_prompt(tok, messages)
+        if body.get("logprobs"):
+            values["logprobs"] = body.get("top_logprobs", 0)
+    else:
+        prompt = body["prompt"]
+        ids = list(prompt) if isinstance(prompt, list) else tok.encode(prompt)
+        if "logprobs" in body:
+            values["logprobs"] = body["logprobs"]
+    n = body.get("n", 1)
+    params = [SamplingParams(**{**values, **({"seed": values["seed"] + i} if "seed" in values
+                                               else {})}) for i in range(n)]
+    return ids, params, chat
+
+
+@pytest.fixture(scope="module")
+def openai_job(tmp_path_factory, ray_session, chat_model, chat_llm):
+    folder = tmp_path_factory.mktemp("openai-job")
+    requests = job_requests(chat_llm)
+    path = write_jsonl(folder / "requests.jsonl", requests)
+    summary = run_batch_job(path, folder / "out", model=str(chat_model), max_tokens=16,
+                            batch_size=4, kv_cache_bytes=KV_BYTES, progress=False)
+    return requests, summary, folder / "out"
+
+
+def test_every_custom_id_once_in_input_order(openai_job):
+    requests, summary, out = openai_job
+    answered = [line["custom_id"] for line in read_jsonl(out / OUTPUT_NAME)]
+    failed = [line["custom_id"] for line in read_jsonl(out / ERRORS_NAME)]
+    order = [r["custom_id"] for r in requests]
+    assert sorted(answered + failed) == sorted(order)
+    assert answered == [c for c in order if c in answered]
+    assert failed == [c for c in order if c in failed]
+    assert set(failed) == {"bad-url", "unsupported", "no-method", "empty"}
+    assert (out / SUCCESS_NAME).exists() and list(out.glob("part-*.parquet"))
+    assert summary.input_rows == len(requests)
+
+
+def test_output_lines_parse_as_openai_types_and_equal_the_engine(openai_job, chat_llm,
+                                                                  chat_model):
+    requests, _, out = openai_job
+    by_id = {r["custom_id"]: r for r in requests}
+    for line in read_jsonl(out / OUTPUT_NAME):
+        assert set(line) == {"id", "custom_id", "response", "error"} and line["error"] is None
+        assert line["id"].startswith("batch_req_")
+        response = line["response"]
+        assert response["status_code"] == 200 and response["request_id"].startswith("req_")
+        request = by_id[line["custom_id"]]
+        ids, params, chat = expected(chat_llm, request)
+        parsed = (ChatCompletion if chat else Completion).model_validate(response["body"])
+        assert parsed.object == ("chat.completion" if chat else "text_completion")
+        assert parsed.model == chat_model.name  # the job's model, whatever the body named
+        assert len(parsed.choices) == len(params)
+        completion_tokens = 0
+        for i, (choice, p) in enumerate(zip(parsed.choices, params, strict=True)):
+            (want,) = chat_llm.generate([ids], [p])
+            assert choice.index == i
+            assert (choice.message.content if chat else choice.text) == want.text
+            assert choice.finish_reason == want.finish_reason
+            completion_tokens += len(want.token_ids)
+            if p.logprobs is None:
+                assert choice.logprobs is None
+            elif chat:
+                content = choice.logprobs.content
+                assert [e.logprob for e in content] == pytest.approx(
+                    [e.logprob for e in want.logprobs], abs=1e-5)
+                assert all(len(e.top_logprobs) == p.logprobs for e in content)
+                assert [bytes(e.bytes).decode("utf-8", "replace") for e in content] == [
+                    chat_llm.tokenizer.decode([t], skip_special_tokens=False)
+                    for t in want.token_ids]
+            else:
+                lp = choice.logprobs
+                assert lp.token_logprobs == pytest.approx([e.logprob for e in want.logprobs],
+                                                          abs=1e-5)
+                assert all(len(t) <= p.logprobs for t in lp.top_logprobs)
+                assert len(lp.tokens) == len(lp.text_offset) == len(want.token_ids)
+        assert parsed.usage.prompt_tokens == len(ids)
+        assert parsed.usage.completion_tokens == completion_tokens
+        assert parsed.usage.total_tokens == len(ids) + completion_tokens
+    stopped = next(line for line in read_jsonl(out / OUTPUT_NAME)
+                   if line["custom_id"] == "comp-stop")
+    assert stopped["response"]["body"]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_failed_requests_are_error_lines_naming_the_problem(openai_job):
+    _, _, out = openai_job
+    lines = {line["custom_id"]: line for line in read_jsonl(out / ERRORS_NAME)}
+    for custom_id, fragment in {"bad-url": 'url "/v1/embeddings" is not supported',
+                                "unsupported": "unsupported body field(s) 'tools'",
+                                "no-method": "lacks 'method'",
+                                "empty": "empty prompt"}.items():
+        line = lines[custom_id]
+        assert line["error"] is None and line["id"].startswith("batch_req_")
+        assert line["response"]["status_code"] == 400
+        error = line["response"]["body"]["error"]
+        assert fragment in error["message"], error
+        assert error["type"] == "invalid_request_error"
+        assert set(error) == {"message", "type", "param", "code"}
+
+
+def test_plain_parquet_input_with_output_format_openai(tmp_path, ray_session, chat_model,
+                                                       chat_llm, capsys):
+    """The same JSONL from a Parquet file of prompt and messages rows (CLI flag), and from
+    the Python API."""
+    table = pa.table({"prompt": ["The sea is", None],
+                      "messages": [None, [{"role": "user", "content": "Hello"}]]})
+    pq.write_table(table, tmp_path / "in.parquet")
+    rc = nanoserve_main(["batch", str(tmp_path / "in.parquet"), "-o", str(tmp_path / "out"),
+                         "--model", str(chat_model), "--max-tokens", "3", "--no-progress",
+                         "--kv-cache-memory", "0.03125", "--output-format", "openai"])
+    assert rc == 0, capsys.readouterr().err
+    lines = read_jsonl(tmp_path / "out" / OUTPUT_NAME)
+    assert [line["custom_id"] for line in lines] == ["0", "1"]
+    first = Completion.model_validate(lines[0]["response"]["body"])
+    second = ChatCompletion.model_validate(lines[1]["response"]["body"])
+    tok = chat_llm.tokenizer
+    (want,) = chat_llm.generate([tok.encode("The sea is")], [SamplingParams(max_tokens=3)])
+    assert first.choices[0].text == want.text
+    (want,) = chat_llm.generate([chat_prompt(tok, [{"role": "user", "content": "Hello"}])],
+                                [SamplingParams(max_tokens=3)])
+    assert second.choices[0].message.content == want.text
+    assert (tmp_path / "out" / ERRORS_NAME).read_text() == ""
+
+    summary = run_batch_job(tmp_path / "in.parquet", tmp_path / "api", model=str(chat_model),
+                            max_tokens=3, kv_cache_bytes=KV_BYTES, progress=False,
+                            output_format="openai")
+    assert summary.rows == 2
+    assert [line["custom_id"] for line in read_jsonl(tmp_path / "api" / OUTPUT_NAME)] == ["0", "1"]
+    plain = run_batch_job(tmp_path / "in.parquet", tmp_path / "parts", model=str(chat_model),
+                          max_tokens=3, kv_cache_bytes=KV_BYTES, progress=False)
+    assert plain.rows == 2 and not (tmp_path / "parts" / OUTPUT_NAME).exists()
+
+
+# --- a killed driver resumed gives the same files -----------------------------------------
+
+
+def without_created(lines):
+    for line in lines:
+        body = line["response"]["body"]
+        if "created" in body:
+            body["created"] = 0
+    return lines
+
+
+def kill_group(pgid):
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def test_driver_killed_mid_job_resumes_to_the_same_files(tmp_path, ray_session, chat_model,
+                                                         request):
+    requests = [req(f"q{i}", COMP if i % 3 else CHAT,
+                    {"prompt": f"Request {i} says {'ab' * (i % 5)}", "max_tokens": 2}
+                    if i % 3 else {"messages": [{"role": "user", "content": f"Hi {i}"}],
+                                   "max_tokens": 2, "n": 2, "temperature": 0.7, "seed": i})
+                for i in range(60)]
+    requests[7]["body"]["logit_bias"] = {"1": 5}  # an unsupported field: an error line
+    path = write_jsonl(tmp_path / "requests.jsonl", requests)
+    out = tmp_path / "out"
+    ray_tmp = tempfile.mkdtemp(prefix="ns-t-")
+    request.addfinalizer(lambda: shutil.rmtree(ray_tmp, ignore_errors=True))
+    env = {**os.environ, "TMPDIR": ray_tmp, "PYTHONPATH": str(REPO),
+           "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("RAY_ADDRESS", None)
+    command = [sys.executable, "-m", "nanoserve_cli", "batch", str(path), "-o", str(out),
+               "--model", str(chat_model), "--batch-size", "2", "--max-tokens", "2",
+               "--kv-cache-memory", "0.03125", "--address", "local", "--no-progress"]
+    with open(tmp_path / "first.log", "w") as log:
+        first = subprocess.Popen(command, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+        try:
+            deadline = time.monotonic() + LIMIT_S
+            while len(list(out.glob("part-*.parquet"))) < 2:
+                assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+                assert time.monotonic() < deadline, "no part written in time"
+                time.sleep(0.02)
+        finally:
+            kill_group(first.pid)
+            first.wait()
+    assert not (out / SUCCESS_NAME).exists() and not (out / OUTPUT_NAME).exists()
+    again = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True,
+                           timeout=LIMIT_S)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "done by an earlier run" in again.stdout
+
+    clean = run_batch_job(path, tmp_path / "clean", model=str(chat_model), batch_size=2,
+                          max_tokens=2, kv_cache_bytes=KV_BYTES, progress=False)
+    assert clean.input_rows == 60
+    for name in (OUTPUT_NAME, ERRORS_NAME):
+        assert without_created(read_jsonl(out / name)) == without_created(
+            read_jsonl(tmp_path / "clean" / name))
+    assert [line["custom_id"] for line in read_jsonl(out / ERRORS_NAME)] == ["q7"]
+    assert len(read_jsonl(out / OUTPUT_NAME)) == 59
+
+    # A rerun of the completed job writes the files again if they went missing.
+    (out / OUTPUT_NAME).unlink()
+    rerun = run_batch_job(path, out, model=str(chat_model), batch_size=2, max_tokens=2,
+                          kv_cache_bytes=KV_BYTES, progress=False)
+    assert rerun.rows == 0
+    assert without_created(read_jsonl(out / OUTPUT_NAME)) == without_created(
+        read_jsonl(tmp_path / "clean" / OUTPUT_NAME))
+
+
+# --- object storage ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """moto's S3 server on 127.0.0.1, and the AWS environment pointing at it."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {"AWS_ACCESS_KEY_ID": "nanoserve-test-key", "AWS_SECRET_ACCESS_KEY": "test-secret",
+           "AWS_DEFAULT_REGION": "us-east-1", "AWS_REGION": "us-east-1",
+           "AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_EC2_METADATA_DISABLED": "true"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    import boto3
+
+    client = boto3.client("s3")
+    try:
+        yield client
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        server.stop()
+
+
+def test_s3_request_file_in_and_openai_files_out(s3, ray_session, chat_model, tmp_path):
+    s3.create_bucket(Bucket="nanoserve-openai")
+    requests = [req(f"s{i}", COMP, {"prompt": f"Object {i} is", "max_tokens": 2})
+                for i in range(5)]
+    body = "".join(json.dumps(r) + "\n" for r in requests).encode()
+    s3.put_object(Bucket="nanoserve-openai", Key="in/requests.jsonl", Body=body)
+    local = write_jsonl(tmp_path / "requests.jsonl", requests)
+    options = {"model": str(chat_model), "max_tokens": 2, "batch_size": 2,
+               "kv_cache_bytes": KV_BYTES, "progress": False}
+    run_batch_job("s3://nanoserve-openai/in/requests.jsonl", "s3://nanoserve-openai/out",
+                  **options)
+    run_batch_job(local, tmp_path / "out", **options)
+    remote = OutputDir.open("s3://nanoserve-openai/out")
+    lines = [json.loads(x) for x in remote.read_bytes(OUTPUT_NAME).splitlines()]
+    assert [line["custom_id"] for line in lines] == [f"s{i}" for i in range(5)]
+    for line in lines:
+        Completion.model_validate(line["response"]["body"])
+    assert [line["response"]["body"]["choices"] for line in lines] == [
+        line["response"]["body"]["choices"] for line in read_jsonl(tmp_path / "out" / OUTPUT_NAME)]
+    assert remote.read_bytes(ERRORS_NAME) == b""
+    parts = [n for n in remote.names() if n.startswith("part-")]
+    assert sum(remote.parquet_num_rows(n) for n in parts) == 5
+
+
+def test_per_row_stop_and_ignore_eos_columns_are_typed():
+    from ray_jobs.prepare import plan_columns
+
+    plan = plan_columns(pa.schema([("prompt", pa.string()), ("stop", pa.list_(pa.string())),
+                                   ("ignore_eos", pa.bool_())]))
+    assert {"stop", "ignore_eos"} <= set(plan.override_columns)
+    assert "stop" in plan_columns(pa.schema([("prompt", pa.string()),
+                                             ("stop", pa.string())])).override_columns
+    with pytest.raises(InputError, match=r"column 'stop' \(a per-row sampling value\) must hold "
+                                         r"a list of strings \(or one string\), not int64"):
+        plan_columns(pa.schema([("prompt", pa.string()), ("stop", pa.int64())]))
+    with pytest.raises(InputError, match="column 'ignore_eos' .* must hold true/false"):
+        plan_columns(pa.schema([("prompt", pa.string()), ("ignore_eos", pa.string())]))
+
+
+def test_default_model_json_schema_request_parses_and_equals_the_engine(
+        tmp_path, ray_session, smollm2_gguf_path, smollm2_llm):
+    """A chat request with OpenAI's json_schema response_format on the default model: the
+    content is JSON valid under the schema, and equals the engine's own answer."""
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16}},
+              "required": ["city"], "additionalProperties": False}
+    response_format = {"type": "json_schema",
+                       "json_schema": {"name": "place", "schema": schema, "strict": True}}
+    messages = [{"role": "user", "content": "Where is the Eiffel Tower? Answer as JSON."}]
+    path = write_jsonl(tmp_path / "requests.jsonl", [req("eiffel", CHAT, {
+        "model": "gpt-4o", "messages": messages, "max_tokens": 24,
+        "response_format": response_format})])
+    run_batch_job(path, tmp_path / "out", model=str(smollm2_gguf_path), kv_cache_bytes=KV_BYTES,
+                  progress=False)
+    (line,) = read_jsonl(tmp_path / "out" / OUTPUT_NAME)
+    parsed = ChatCompletion.model_validate(line["response"]["body"])
+    assert parsed.model == smollm2_gguf_path.name
+    choice = parsed.choices[0]
+    assert choice.finish_reason == "stop"
+    jsonschema.validate(json.loads(choice.message.content), schema)
+    tok = smollm2_llm.tokenizer
+    (want,) = smollm2_llm.generate([chat_prompt(tok, messages)], [SamplingParams(
+        max_tokens=24, structured_outputs=structured_from_request(
+            {"response_format": json.dumps(response_format)}))])
+    assert choice.message.content == want.text
+    assert parsed.usage.completion_tokens == len(want.token_ids)
+    assert parsed.usage.prompt_tokens == len(chat_prompt(tok, messages))
