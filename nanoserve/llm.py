@@ -1,5 +1,6 @@
 """`LLM`: the engine as one object. Loads a model and its tokenizer, owns one KV block
-pool, and generates for lists of prompts in static batches that fit that pool.
+pool, and generates for lists of prompts: with the continuous scheduler by default (on a
+GPU and on the CPU), or in static batches that fit that pool.
 
     llm = LLM()                                   # the default model, CPU or GPU
     outs = llm.generate([llm.tokenizer.encode("Hello")], [SamplingParams(max_tokens=8)])
