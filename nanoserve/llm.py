@@ -1,5 +1,6 @@
 """`LLM`: the engine as one object. Loads a model and its tokenizer, owns one KV block
-pool, and generates for lists of prompts in static batches that fit that pool.
+pool, and generates for lists of prompts: with the continuous scheduler by default (on a
+GPU and on the CPU), or in static batches that fit that pool.
 
     llm = LLM()                                   # the default model, CPU or GPU
     outs = llm.generate([llm.tokenizer.encode("Hello")], [SamplingParams(max_tokens=8)])
@@ -62,8 +63,9 @@ class LLM:
         here, at load (nanoserve/model_runner.py).
         scheduler: "static" (the prompts cut into static batches, each run to its longest
         row), "continuous" (rows join as others finish: nanoserve/scheduler.py) or "auto"
-        (continuous on a GPU, static on the CPU). Each row gets the tokens it gets alone
-        either way (held to that by the tests).
+        (continuous, on the CPU too: a static batch computes every row until its longest
+        is done). Each row gets the tokens it gets alone either way (held to that by the
+        tests).
         enable_prefix_caching: with the continuous scheduler, a prompt's leading full blocks
         that the pool already holds (an earlier row's same prefix) are reused, not
         prefilled again (nanoserve/prefix_cache.py), with either scheduler (a static batch
@@ -105,7 +107,7 @@ class LLM:
                                       self.dtype, self.device)
         self.last_stats = BatchStats()
         if scheduler == "auto":
-            self.scheduler = "continuous" if self.device.type == "cuda" else "static"
+            self.scheduler = "continuous"  # on the CPU too: rows leave as they finish
         self.runner: ContinuousRunner | None = None
         if self.scheduler == "continuous":
             self.runner = ContinuousRunner(self.model, self.pool, max_batch_size,

@@ -133,8 +133,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the engine's batching in each worker: continuous (rows join as others "
                         "finish, and the next batch's rows as this batch's finish; decode steps "
                         "replayed as CUDA graphs on a GPU), static (each batch runs to its "
-                        "longest row), or auto: continuous on a GPU, static on the CPU "
-                        "(default: auto)")
+                        "longest row), or auto: continuous (default: auto)")
     r.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="prefill every row's whole prompt, even a prefix that an earlier row's "
                         "KV blocks already hold (default: shared prefixes are computed and "

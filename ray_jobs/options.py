@@ -57,7 +57,7 @@ class JobOptions:
     retry_errors: bool = False  # compute again the written batches that hold error rows
     kv_cache_fraction: float = 0.5  # of a GPU's free memory, for the KV pool
     kv_cache_bytes: int | None = None  # the KV pool's exact size per worker (else the above)
-    scheduler: str = "auto"  # each worker's engine: continuous on a GPU, static on the CPU
+    scheduler: str = "auto"  # each worker's engine: continuous (nanoserve.llm.LLM)
     prefix_caching: bool = True  # engines reuse the KV blocks of shared prompt prefixes
     chunk_rows: int = DEFAULT_CHUNK_ROWS  # rows read and tokenized at a time
     max_in_flight_per_worker: int = 2

@@ -349,7 +349,7 @@ def test_rerun_with_nothing_left_has_only_a_prepare_phase(jsonl_job):
 
 
 def test_ready_line_says_batching_steps_and_pool(smollm2_llm):
-    """The progress line once workers load: from a real worker's `info()` (CPU: static
+    """The progress line once workers load: from a real worker's `info()` (CPU: continuous
     batching, no graphs), and for continuous workers whose graphs were captured on one and
     did not fit on the other."""
     from ray_jobs.pool import ready_line
@@ -357,7 +357,7 @@ def test_ready_line_says_batching_steps_and_pool(smollm2_llm):
 
     info = BatchWorker.from_llm(smollm2_llm).info()
     tokens = smollm2_llm.pool.num_blocks * smollm2_llm.pool.block_size
-    assert ready_line([info]) == (f"nanoserve: 1 worker(s) ready: static batching; "
+    assert ready_line([info]) == (f"nanoserve: 1 worker(s) ready: continuous batching; "
                                   f"KV pool {tokens:,} tokens a worker")
     steps = {"step_mode": "graph", "graphs": 20, "graph_mib": 1206.4, "capture_s": 3.94,
              "capture_error": None}

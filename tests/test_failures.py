@@ -371,12 +371,13 @@ def test_retry_errors_computes_again_only_the_batches_with_error_rows(
 
 def test_device_out_of_memory_is_retried_smaller_and_reported(
         ray_session, tiny_job_model, tiny_llm, tmp_path, monkeypatch, capsys):
-    """The model's forward raises torch.OutOfMemoryError on more than one row: the engine
-    halves each batch of 4 until rows run alone; no row fails, and the count is reported."""
+    """The model's forward raises torch.OutOfMemoryError on more than one row: the static
+    engine halves each batch of 4 until rows run alone; no row fails, and the count is
+    reported."""
     monkeypatch.setenv("NANOSERVE_FAULT_OOM_ABOVE_ROWS", "1")
     prompts = PROMPTS[:8]
     path = write_prompts(tmp_path / "in.jsonl", prompts)
-    summary = run_job(tiny_job_model, path, tmp_path / "out", batch_size=4)
+    summary = run_job(tiny_job_model, path, tmp_path / "out", batch_size=4, scheduler="static")
     assert summary.error_rows == 0
     assert summary.device_oom_errors == 2 * (1 + 2)  # per batch: 4 rows, then 2 and 2
     assert "6 device out-of-memory error(s)" in summary.format()

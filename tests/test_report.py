@@ -49,7 +49,7 @@ def job(tmp_path_factory, ray_session, tiny_job_model):
     path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
     out = folder / "out"
     summary = run_batch_job(path, out, model=str(tiny_job_model), max_tokens=4, batch_size=4,
-                            kv_cache_bytes=4 << 20, progress=False)
+                            kv_cache_bytes=4 << 20, progress=False, scheduler="static")
     return summary, out
 
 
