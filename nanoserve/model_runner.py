@@ -124,7 +124,8 @@ class ContinuousRunner:
         # Phase timing (off unless `profile` is set): device time of each prefill and step
         # from event pairs, and host time spent waiting for results.
         self.profile = False
-        self.host_s: dict[str, float] = {}  # the scheduler's host seconds by phase (profile on)
+        # The scheduler's host seconds by phase, and "steps" (decode steps), while profile is on.
+        self.host_s: dict[str, float] = {}
         self._marks: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
         self.host_wait_s = 0.0
         if mode == "graph":
