@@ -185,8 +185,8 @@ def run_batch_job(input: str | Path, output_dir: str | Path, **options: Any) -> 
                 f"earlier run that hold error rows")
         if manifest.complete:
             if openai_out and not folder.exists(openai_batch.OUTPUT_NAME):
-                openai_batch.write_outputs(folder, info, plan, tokenizer, opts.model, settings,
-                                           opts.chunk_rows)
+                openai_batch.write_outputs(folder, iter_chunks(info, opts.chunk_rows), plan,
+                                           tokenizer, opts.model, settings)
             timeline.mark("prepare")
             return JobSummary(str(folder), 0, 0, manifest.rows_done, 0, 0,
                               timeline.marks["prepare"], 0.0, 0.0, 0, timings=timeline.timings())
@@ -204,8 +204,8 @@ def run_batch_job(input: str | Path, output_dir: str | Path, **options: Any) -> 
                       controls)
         run.execute(make_batches(_prepared_rows(info, preparer, opts.chunk_rows), limits))
         if openai_out:  # output.jsonl / errors.jsonl from the parts, before _SUCCESS
-            openai_batch.write_outputs(folder, info, plan, tokenizer, opts.model, settings,
-                                       opts.chunk_rows)
+            openai_batch.write_outputs(folder, iter_chunks(info, opts.chunk_rows), plan,
+                                       tokenizer, opts.model, settings)
         mark_complete(folder, manifest)
     timeline.mark("shutdown")
     summary = run.summary(timeline.marks["shutdown"])

@@ -48,6 +48,7 @@ import os
 import re
 import time
 from collections import deque
+from collections.abc import Iterable
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -209,12 +210,11 @@ def wants_openai_output(output_format: str, openai_rows: int) -> bool:
     return output_format == "openai" or (output_format == "auto" and openai_rows > 0)
 
 
-def write_outputs(folder: OutputDir, info: Any, plan: Any, tokenizer: Any, model_name: str,
-                  settings: dict[str, Any], chunk_rows: int) -> tuple[int, int]:
+def write_outputs(folder: OutputDir, chunks: Iterable[Any], plan: Any, tokenizer: Any,
+                  model_name: str, settings: dict[str, Any]) -> tuple[int, int]:
     """Write `output.jsonl` and `errors.jsonl` from the job's parts, in input order (see the
-    module docstring); returns (answered requests, failed requests)."""
-    from ray_jobs.io import iter_chunks
-
+    module docstring); chunks: the input read again from its start (`ray_jobs.io.
+    iter_chunks`). Returns (answered requests, failed requests)."""
     if "/" in model_name or model_name.endswith(".gguf"):  # a path: its name
         model_name = Path(model_name).name
     job_key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
@@ -224,7 +224,7 @@ def write_outputs(folder: OutputDir, info: Any, plan: Any, tokenizer: Any, model
     counts = [0, 0]
     with _Writer(folder, OUTPUT_NAME) as out, _Writer(folder, ERRORS_NAME) as errors:
         position = 0
-        for chunk in iter_chunks(info, chunk_rows):
+        for chunk in chunks:
             for values in chunk.batch.to_pylist():
                 row_id = position if plan.id_column is None else values[plan.id_column]
                 samples = results.take(row_id)
