@@ -38,19 +38,19 @@ class StepSampling:
 
     @classmethod
     def of(cls, seqs: list[Sequence], counters: list[int], words: int = 0,
-           pin: bool = False, fill: bool = True) -> StepSampling:
+           fill: bool = True) -> StepSampling:
         """Sampling for `seqs` (one per row, in the step's order; a row that finished may
         still be in a step: it takes no mask). counters: tokens each row drew before this
-        one. words: int32 words per bitmask row (needed when a row is constrained); pin:
-        the bitmask in pinned memory (for a CUDA device); fill: fill the bitmask now (else
-        the caller calls `fill` before the sampling is queued)."""
+        one. words: int32 words per bitmask row (needed when a row is constrained); fill: fill
+        the bitmask now, in host memory (else the caller, the runner, calls `fill` with its
+        pinned buffer before the sampling is queued)."""
         masked = tuple(i for i, s in enumerate(seqs) if s.constrained)
         lp = tuple(i for i, s in enumerate(seqs) if s.params.logprobs is not None)
         out = cls([s.params for s in seqs], [s.key for s in seqs], list(counters), None,
                   masked, lp, max((seqs[i].params.logprobs for i in lp), default=0),
                   tuple(seqs[i] for i in masked), words)
         if masked and fill:
-            out.fill(allocate_bitmask(len(masked), words, pin))
+            out.fill(allocate_bitmask(len(masked), words))
         return out
 
     def fill(self, out: torch.Tensor) -> torch.Tensor:
