@@ -117,14 +117,19 @@ class LLM:
     def max_context(self) -> int:
         return self.config.max_position_embeddings
 
-    def generate(self, prompt_token_ids: list[list[int]],
+    def generate(self, prompt_token_ids: list[list[int]] | list[str],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[Completion]:
-        """One completion per sample, in prompt order: a prompt whose params ask for n
+        """One completion per sample, in prompt order (a prompt is a list of token ids, or a
+        text encoded with the tokenizer's BOS rule): a prompt whose params ask for n
         samples gives n consecutive completions (`sample_index` 0..n-1). Static scheduler: prompts are cut into
         static batches that fit the pool at their peak; a batch the device cannot hold is
         halved and retried. Continuous scheduler: one continuous batch over all prompts
         (capped at max_batch_size running rows); if the device runs out of memory there, the
         call is run again the static way."""
+        if isinstance(prompt_token_ids, str):
+            raise TypeError("generate takes a list of prompts: wrap a single text in a list")
+        prompt_token_ids = [self.tokenizer.encode(p) if isinstance(p, str) else p
+                            for p in prompt_token_ids]
         if params is None:
             params = SamplingParams()
         if isinstance(params, SamplingParams):

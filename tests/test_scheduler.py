@@ -276,6 +276,20 @@ def test_llm_continuous_equals_llm_static(tiny_job_model):
     assert static.last_stats.finished_row_steps > stopped
 
 
+def test_llm_takes_text_prompts_as_their_encoded_ids(tiny_job_model):
+    """A text prompt is the tokenizer's encoding of it (BOS rule included); a bare string in
+    place of the list is refused with a message, not split into characters."""
+    from nanoserve.llm import LLM
+
+    llm = LLM(model=str(tiny_job_model), device="cpu", kv_cache_bytes=8 << 20)
+    params = SamplingParams(max_tokens=5)
+    by_text = llm.generate(TEXTS[:3], params)
+    by_ids = llm.generate([llm.tokenizer.encode(t) for t in TEXTS[:3]], params)
+    assert [c.token_ids for c in by_text] == [c.token_ids for c in by_ids]
+    with pytest.raises(TypeError, match="list of prompts"):
+        llm.generate(TEXTS[0], params)
+
+
 def test_batch_job_with_the_continuous_scheduler(ray_session, tiny_job_model, tiny_llm,
                                                  tmp_path):
     import json
