@@ -11,8 +11,8 @@ everywhere, for side-by-side checks of the two paths):
   under it, which needs `TRITON_INTERPRET=1` before `kernels` is first imported (importing
   `kernels` sets it when `NANOSERVE_TRITON_INTERPRET=1` is set);
 - anything else: the references.
-`decode_attention` on the CPU (no interpreter, references not forced) runs
-`paged_decode_attention_cpu`, the reference's math arranged for the CPU's GEMMs.
+The attention dispatchers on the CPU (no interpreter, references not forced) run
+`kernels.cpu_attention`: the references' results in one fused attention call per layer.
 """
 
 from __future__ import annotations
@@ -27,11 +27,15 @@ from kernels.activation import silu_and_mul as _silu_and_mul_triton
 from kernels.activation import silu_and_mul_reference
 from kernels.argmax import argmax_scatter as _argmax_scatter_triton
 from kernels.argmax import argmax_scatter_reference
+from kernels.cpu_attention import (
+    decode_attention_cpu,
+    paged_prefill_attention_cpu,
+    prefill_attention_cpu,
+)
 from kernels.kv_store import store_kv as _store_kv_triton
 from kernels.kv_store import store_kv_reference
 from kernels.paged_attention import (
     paged_decode_attention,
-    paged_decode_attention_cpu,
     paged_decode_attention_reference,
 )
 from kernels.paged_prefill import paged_prefill_attention as _paged_prefill_triton
@@ -88,14 +92,14 @@ def decode_attention(
     max_context_len: a host-side bound on context_lens, used by the kernel only to choose
     its split count (None: the block tables' capacity); even_splits: each row's context cut
     into equal partitions (see `paged_decode_attention`). On the CPU without Triton's
-    interpreter: `paged_decode_attention_cpu` (the reference when references are forced)."""
+    interpreter: `decode_attention_cpu` (the reference when references are forced)."""
     if use_triton(q.device):
         return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
                                       max_context_len=max_context_len, window=window,
                                       even_splits=even_splits)
     if q.device.type == "cpu" and not references_forced():
-        return paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, context_lens,
-                                          scale, window=window)
+        return decode_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, scale,
+                                    window=window)
     return paged_decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, scale,
                                             window=window)
 
@@ -113,6 +117,8 @@ def prefill_attention(
     """Causal attention within each packed prompt."""
     if use_triton(q.device):
         return _prefill_attention_triton(q, k, v, cu_seqlens, max_seqlen, scale, window=window)
+    if q.device.type == "cpu" and not references_forced():
+        return prefill_attention_cpu(q, k, v, cu_seqlens, max_seqlen, scale, window=window)
     return prefill_attention_reference(q, k, v, cu_seqlens, max_seqlen, scale, window=window)
 
 
@@ -130,6 +136,8 @@ def paged_prefill_attention(
     args = (q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, scale)
     if use_triton(q.device):
         return _paged_prefill_triton(*args)
+    if q.device.type == "cpu" and not references_forced():
+        return paged_prefill_attention_cpu(*args)
     return paged_prefill_attention_reference(*args)
 
 

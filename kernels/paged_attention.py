@@ -9,15 +9,11 @@ With a sliding `window` W (optional, default none) row i's query, at position
 `context_lens[i] - 1`, sees only its last W tokens: positions `context_lens[i] - W ..
 context_lens[i] - 1` (transformers' `sliding_window` semantics); W >= the context is no window.
 
-Three implementations with one signature:
+Two implementations with one signature (the CPU engine runs
+`kernels.cpu_attention.decode_attention_cpu`, equal to the reference up to rounding):
 - `paged_decode_attention_reference`: PyTorch, the oracle. It gathers every row over a
   `[B, max_ctx]` rectangle (so padding slots are real, in-range reads) and masks positions
   `>= context_lens[i]` to -inf before a float32 softmax.
-- `paged_decode_attention_cpu`: PyTorch, what the engine runs on the CPU: the reference's
-  math and rectangle, with the keys and values gathered head by head in one `index_select`
-  each, so both products are batched GEMMs over `[Hkv * B]` without a relayout copy (the
-  reference's gathers and einsums spent about two thirds of a 35-row decode step's
-  attention copying). Equal to the reference up to float rounding.
 - `paged_decode_attention`: Triton. One program per (row, KV head, context split) serves the
   whole group of query heads sharing that KV head, walks only its row's own tokens block by
   block through the block table, and keeps an online softmax in float32. The programs of one
@@ -155,56 +151,6 @@ def paged_decode_attention_reference(
     scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)  # [B, Hkv, G, T]
     out = torch.einsum("bkgt,btkd->bkgd", probs, v)  # [B, Hkv, G, D]
-    return out.reshape(batch, num_q_heads, head_dim).to(q.dtype)
-
-
-def paged_decode_attention_cpu(
-    q: torch.Tensor,  # [B, Hq, D]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], contiguous
-    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], contiguous
-    block_tables: torch.Tensor,  # [B, max_blocks] int32
-    context_lens: torch.Tensor,  # [B] int32, each >= 1
-    scale: float,
-    *,
-    window: int | None = None,  # sliding window: the last `window` tokens only
-) -> torch.Tensor:  # [B, Hq, D], dtype of q
-    """`paged_decode_attention_reference`'s result, computed head-major (see the module
-    docstring); same checks, same float32 softmax over the same masked rectangle."""
-    check_decode_args(q, k_cache, v_cache, block_tables, context_lens)
-    window = check_window(window)
-    batch, num_q_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    if batch == 0:
-        return torch.empty_like(q)
-    lens = context_lens.long()
-    if bool((lens <= 0).any()):
-        raise ValueError(f"every row needs context_lens >= 1, got {lens.tolist()}")
-    max_ctx = int(lens.max())
-    if max_ctx > block_tables.shape[1] * block_size:
-        raise ValueError(
-            f"a context of {max_ctx} tokens needs more than the {block_tables.shape[1]} blocks "
-            f"of {block_size} tokens that block_tables holds per row"
-        )
-    device = q.device
-    pos = torch.arange(max_ctx, device=device)  # [T]
-    slots = block_tables.long()[:, pos // block_size] * block_size + pos % block_size  # [B, T]
-    heads = torch.arange(num_kv_heads, device=device)
-    rows = (slots.reshape(1, -1) * num_kv_heads + heads[:, None]).reshape(-1)  # [Hkv*B*T]
-    math_dtype = torch.promote_types(q.dtype, torch.float32)
-    n = num_kv_heads * batch
-    k = k_cache.reshape(-1, head_dim).index_select(0, rows).view(n, max_ctx, head_dim)
-    v = v_cache.reshape(-1, head_dim).index_select(0, rows).view(n, max_ctx, head_dim)
-    group = num_q_heads // num_kv_heads
-    # query head h = kv_head * group + j: [B, Hkv, G, D] -> [Hkv * B, G, D], head-major
-    qh = q.reshape(batch, num_kv_heads, group, head_dim).transpose(0, 1)
-    qh = qh.reshape(n, group, head_dim).to(math_dtype)
-    scores = torch.bmm(qh, k.to(math_dtype).transpose(1, 2)) * scale  # [Hkv * B, G, T]
-    pad = pos[None, :] >= lens[:, None]  # [B, T]
-    pad = pad | (pos[None, :] < lens[:, None] - window)  # outside the sliding window
-    scores = scores.masked_fill(pad.repeat(num_kv_heads, 1)[:, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.bmm(probs, v.to(math_dtype))  # [Hkv * B, G, D]
-    out = out.view(num_kv_heads, batch, group, head_dim).transpose(0, 1)
     return out.reshape(batch, num_q_heads, head_dim).to(q.dtype)
 
 
