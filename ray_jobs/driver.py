@@ -473,8 +473,8 @@ class _JobRun:
         worker.rows += len(piece.rows)
         worker.last_result_s = self.timeline.now()
         worker.result_s.append(worker.last_result_s)
-        self.report.pieces.append(piece_record(piece.pending.batch.batch_id, sent.worker,
-                                               worker.last_result_s, value))
+        self.report.add(piece_record(piece.pending.batch.batch_id, sent.worker,
+                                     worker.last_result_s, value))
         self.deaths_in_a_row = 0
         self._answer(piece, answered)
 

@@ -1,21 +1,31 @@
 """The job report: one self-contained HTML file per run, `OUTPUT_DIR/_nanoserve_report.html`.
 
-The driver keeps a small record per answered piece of a batch (`PieceRecord`: when it came
-back, from which worker, its rows, output tokens and the engine's counts from the table's
-schema metadata), the rows written per batch, and error rows by cause; `write_report`
-renders them with the job's settings, phases and summary. What it shows:
-- output tokens/s over time (binned by when results came back) and the cumulative tokens;
-- rows finished per worker over time;
-- batch fill: each piece's rows against the job's batch size;
-- waste per piece: padding (share of the padded prefill rectangle that is padding) and
-  early finish (share of decode row-steps spent on rows that had already finished);
-- prefix-cache hit rate (prompt tokens served from the cache / prompt tokens), only when
-  the worker's tables carry the optional metadata key `nanoserve.prompt_tokens_cached`;
+Each answered piece of a batch is read into a `PieceRecord` (when it came back, from which
+worker, its rows, output tokens and the engine's counts from the table's schema metadata)
+and folded at once into the driver's `ReportLog`: exact running totals plus sums over at
+most `MAX_TIME_BINS` time bins and `SHARE_BINS` share bins, never a list of the pieces, so
+the log, the embedded data and the page keep one size whatever the number of batches (a
+1,000,000-row job of 7,813 batches gets the same report size as one of 79). Rows written
+and error rows by cause are counted as batches are written. `write_report` renders them
+with the job's settings, phases and summary. What it shows:
+- output tokens/s over time (binned by when results came back) and the cumulative tokens
+  at the end of each bin;
+- rows finished per worker over time (cumulative, at the end of each bin);
+- batch fill: batches by their rows / the job's batch size (a histogram; the mean in the
+  legend);
+- waste: batches by padding share (of the padded prefill rectangle) and by early-finish
+  share (of the decode row-steps, spent on rows that had already finished), with the job's
+  exact totals in the legend;
+- prefix-cache hit rate per time bin (prompt tokens served from the cache / prompt tokens),
+  only when the worker's tables carry the optional metadata key
+  `nanoserve.prompt_tokens_cached`;
 - error rows by cause (`error_cause`: the message up to its details);
 - the settings, the phases (`JobSummary.timings`) and the summary.
 
 Plots are drawn by matplotlib (Agg, no pyplot state) as inline SVG: no script, no file or
-network fetch. The report's numbers are also embedded as JSON in
+network fetch; each figure is cleared once drawn, and matplotlib is imported only when a
+report is rendered. The report's numbers (`report_data`: totals and bins, not per-batch
+records) are also embedded as JSON in
 `<script type="application/json" id="nanoserve-report-data">` (`REPORT_DATA_ID`).
 """
 
@@ -27,7 +37,6 @@ import io
 import json
 import re
 from collections import Counter
-from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
@@ -43,10 +52,14 @@ from ray_jobs.worker import (
 )
 
 REPORT_DATA_ID = "nanoserve-report-data"
-MAX_TIME_BINS = 40
+MAX_TIME_BINS = 40  # time bins of the report's plots over time (and of its data)
+FIRST_BIN_WIDTH_S = 1 / 64  # the time bins' width until the run outlasts MAX_TIME_BINS of them
+SHARE_BINS = 20  # bins of batch fill and of waste shares (0-5%, 5-10%, ... 95-100%)
+MAX_ERROR_CAUSES = 100  # distinct error causes kept; further ones count as OTHER_CAUSES
+OTHER_CAUSES = "(other causes)"
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class PieceRecord:
     """One answered piece of a batch (a whole batch unless it was split after worker
     deaths). Times are seconds from the job's start."""
@@ -98,50 +111,168 @@ def error_cause(message: str) -> str:
     return re.sub(r"\d+", "N", head)
 
 
-@dataclass
-class ReportLog:
-    """What the driver gathers during a run for the report."""
+class _TimeBins:
+    """Sums over time bins of equal width that cover [0, the latest time added): at most
+    `MAX_TIME_BINS` of them. The width starts at `FIRST_BIN_WIDTH_S` and doubles (adjacent
+    bins merged in pairs) whenever a time falls past the last bin, so a run of any length
+    ends with between MAX_TIME_BINS / 2 and MAX_TIME_BINS bins (fewer for a run shorter than
+    MAX_TIME_BINS / 2 first widths)."""
 
-    pieces: list[PieceRecord] = dataclasses.field(default_factory=list)
-    batch_rows: dict[int, int] = dataclasses.field(default_factory=dict)  # written this run
-    error_causes: Counter = dataclasses.field(default_factory=Counter)
+    def __init__(self, fields: tuple[str, ...]) -> None:
+        self.width_s = FIRST_BIN_WIDTH_S
+        self.series: dict[Any, list[int]] = {f: [] for f in fields}
+        self.length = 0
+
+    def add(self, t: float, values: dict[Any, int]) -> None:
+        t = max(t, 0.0)
+        while t >= MAX_TIME_BINS * self.width_s:
+            self.width_s *= 2
+            for series in self.series.values():
+                series[:] = [sum(series[i:i + 2]) for i in range(0, len(series), 2)]
+            self.length = (self.length + 1) // 2
+        i = int(t / self.width_s)
+        if i >= self.length:
+            self.length = i + 1
+        for key, value in values.items():
+            series = self.series.setdefault(key, [])
+            series.extend([0] * (self.length - len(series)))
+            series[i] += value
+
+    def as_dict(self) -> dict[Any, list[int]]:
+        return {k: v + [0] * (self.length - len(v)) for k, v in self.series.items()}
+
+
+_PIECE_SUMS = ("rows", "error_rows", "prompt_tokens", "output_tokens", "prefill_slots",
+               "prefill_real_tokens", "decode_row_steps", "finished_row_steps")
+
+
+def _share_bin(part: int, whole: int) -> int:
+    return min(int(part / whole * SHARE_BINS), SHARE_BINS - 1)
+
+
+class ReportLog:
+    """What the driver gathers during a run for the report: running totals and binned
+    counts, never one record per batch, so its size does not grow with the number of
+    batches (it grows only with the number of workers and of distinct error causes, both
+    capped or small).
+    - `add(piece)` (a `PieceRecord`): exact sums over the pieces (`pieces`: rows, tokens,
+      prefill and decode counts, prefix-cache counts of the pieces that carry them; the
+      first and last result times), the same sums over time bins by when results came back
+      (`_TimeBins`, at most `MAX_TIME_BINS`; rows also per worker), the number of pieces by
+      rows (at most one entry per piece size: the batch size bounds it) and by padding and
+      early-finish share (`SHARE_BINS` each);
+    - `written(batch_id, results)`: batches and rows written this run, error rows by cause
+      (`error_cause`; past `MAX_ERROR_CAUSES` distinct causes, further ones count as
+      `OTHER_CAUSES`)."""
+
+    def __init__(self) -> None:
+        self.pieces: dict[str, Any] = {"count": 0, **{k: 0 for k in _PIECE_SUMS},
+                                       "cached_pieces": 0, "cached_prompt_tokens": 0,
+                                       "prompt_tokens_cached": 0,
+                                       "first_s": None, "last_s": None}
+        self.time_bins = _TimeBins(("pieces", *_PIECE_SUMS, "cached_prompt_tokens",
+                                    "prompt_tokens_cached"))
+        self.worker_bins = _TimeBins(())  # rows finished, keyed by worker
+        self.piece_rows: Counter = Counter()  # rows per piece -> pieces
+        self.padding_bins = [0] * SHARE_BINS  # pieces by padding share of their prefill
+        self.early_finish_bins = [0] * SHARE_BINS  # pieces by early-finish share of decode
+        self.batches_written = 0
+        self.rows_written = 0
+        self.error_causes: Counter = Counter()
+
+    def add(self, p: PieceRecord) -> None:
+        tot = self.pieces
+        tot["count"] += 1
+        values = {"pieces": 1, **{k: getattr(p, k) for k in _PIECE_SUMS}}
+        if p.prompt_tokens_cached is not None:
+            tot["cached_pieces"] += 1
+            values["cached_prompt_tokens"] = p.prompt_tokens
+            values["prompt_tokens_cached"] = p.prompt_tokens_cached
+        for k, v in values.items():
+            if k != "pieces":
+                tot[k] += v
+        tot["first_s"] = p.finished_s if tot["first_s"] is None else min(tot["first_s"],
+                                                                          p.finished_s)
+        tot["last_s"] = p.finished_s if tot["last_s"] is None else max(tot["last_s"],
+                                                                        p.finished_s)
+        self.time_bins.add(p.finished_s, values)
+        self.worker_bins.add(p.finished_s, {p.worker: p.rows})
+        self.piece_rows[p.rows] += 1
+        if p.prefill_slots:
+            self.padding_bins[_share_bin(p.prefill_slots - p.prefill_real_tokens,
+                                         p.prefill_slots)] += 1
+        if p.decode_row_steps:
+            self.early_finish_bins[_share_bin(p.finished_row_steps, p.decode_row_steps)] += 1
 
     def written(self, batch_id: int, results: list[dict[str, Any]]) -> None:
-        self.batch_rows[batch_id] = len(results)
+        self.batches_written += 1
+        self.rows_written += len(results)
         for res in results:
             if res["finish_reason"] == "error":
-                self.error_causes[error_cause(res["error"] or "")] += 1
+                cause = error_cause(res["error"] or "")
+                if cause not in self.error_causes and len(self.error_causes) >= MAX_ERROR_CAUSES:
+                    cause = OTHER_CAUSES
+                self.error_causes[cause] += 1
 
 
 def report_data(log: ReportLog, summary: Any, settings: dict[str, Any],
                 batch_size: int) -> dict[str, Any]:
-    """The report's numbers, JSON-ready (what the page shows and embeds)."""
-    pieces = [dataclasses.asdict(p) for p in sorted(log.pieces, key=lambda p: p.finished_s)]
-    slots = sum(p.prefill_slots for p in log.pieces)
-    steps = sum(p.decode_row_steps for p in log.pieces)
-    cached = [p for p in log.pieces if p.prompt_tokens_cached is not None]
-    cached_prompt = sum(p.prompt_tokens for p in cached)
+    """The report's numbers, JSON-ready (what the page shows and embeds). Bounded whatever
+    the number of batches: totals, and bins, not per-batch records.
+    - `summary` (the `JobSummary` without its workers), `workers` (their `WorkerReport`s
+      without `result_s`, the time of each result; `results` is its length), `settings`,
+      `batch_size`, `phases` (seconds per phase);
+    - `pieces`: exact sums over the answered pieces (`count`, `rows`, `error_rows`,
+      `prompt_tokens`, `output_tokens`, `prefill_slots`, `prefill_real_tokens`,
+      `decode_row_steps`, `finished_row_steps`; `cached_pieces`, `cached_prompt_tokens` and
+      `prompt_tokens_cached` over the pieces whose tables carry the prefix-cache count),
+      `first_s` and `last_s` (first and last result, seconds from the job's start);
+    - `time_bins`: `width_s`, then per field a list with one sum per bin (bin i covers
+      [i * width_s, (i + 1) * width_s), by when results came back; at most MAX_TIME_BINS),
+      `rows_by_worker` {worker: list};
+    - `batch_fill`: `bins` (SHARE_BINS), `pieces` (pieces per bin of rows / batch_size;
+      bin i covers [i / bins, (i + 1) / bins), the last one from (bins - 1) / bins up,
+      full batches included); `waste`: `padding` and `early_finish`, pieces per bin of
+      their share wasted, the same bins;
+    - `error_causes` (error rows by cause, most first), `totals` (rows, error_rows,
+      batches written this run, output tokens, padding and early-finish waste, prefix-cache
+      hit rate: exact)."""
+    p = dict(log.pieces)
     summary_d = dataclasses.asdict(summary)
     workers = summary_d.pop("workers")
+    for w in workers:
+        w["results"] = len(w.pop("result_s", ()) or ())
+    fill = [0] * SHARE_BINS
+    for rows, n in log.piece_rows.items():
+        fill[_share_bin(min(rows, batch_size), batch_size) if batch_size else 0] += n
+    bins = log.time_bins.as_dict()
+    by_worker = log.worker_bins.as_dict()
+    length = len(bins["pieces"])
     return {
         "summary": summary_d,
         "workers": workers,
         "settings": settings,
         "batch_size": batch_size,
         "phases": dict(summary.timings),
-        "batches": {str(k): v for k, v in sorted(log.batch_rows.items())},
-        "pieces": pieces,
+        "pieces": p,
+        "time_bins": {"width_s": log.time_bins.width_s, **bins,
+                      "rows_by_worker": {str(w): v + [0] * (length - len(v))
+                                         for w, v in sorted(by_worker.items())}},
+        "batch_fill": {"bins": SHARE_BINS, "pieces": fill},
+        "waste": {"bins": SHARE_BINS, "padding": list(log.padding_bins),
+                  "early_finish": list(log.early_finish_bins)},
         "error_causes": dict(log.error_causes.most_common()),
         "totals": {
-            "rows": sum(log.batch_rows.values()),
+            "rows": log.rows_written,
             "error_rows": sum(log.error_causes.values()),
-            "output_tokens": sum(p.output_tokens for p in log.pieces),
-            "padding_waste": 1 - sum(p.prefill_real_tokens for p in log.pieces) / slots
-            if slots else 0.0,
-            "early_finish_waste": sum(p.finished_row_steps for p in log.pieces) / steps
-            if steps else 0.0,
-            "prefix_cache_hit_rate": sum(p.prompt_tokens_cached for p in cached) / cached_prompt
-            if cached_prompt else None,
+            "batches": log.batches_written,
+            "output_tokens": p["output_tokens"],
+            "padding_waste": 1 - p["prefill_real_tokens"] / p["prefill_slots"]
+            if p["prefill_slots"] else 0.0,
+            "early_finish_waste": p["finished_row_steps"] / p["decode_row_steps"]
+            if p["decode_row_steps"] else 0.0,
+            "prefix_cache_hit_rate": p["prompt_tokens_cached"] / p["cached_prompt_tokens"]
+            if p["cached_prompt_tokens"] else None,
         },
     }
 
@@ -233,7 +364,7 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def _figure(height: float = 2.6):
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # imported on the first report: the driver's own
 
     fig = Figure(figsize=(8, height), layout="constrained")
     return fig, fig.add_subplot()
@@ -245,6 +376,7 @@ def _svg(fig) -> str:
     buf = io.StringIO()
     with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": "nanoserve"}):
         fig.savefig(buf, format="svg", metadata={"Date": None})
+    fig.clear()  # drop the artists now (a Figure outside pyplot holds reference cycles)
     text = buf.getvalue()
     return text[text.index("<svg"):]  # drop the XML prolog and doctype
 
@@ -253,100 +385,118 @@ def _empty(message: str) -> str:
     return f"<p>{html.escape(message)}</p>"
 
 
+def _no_pieces(data: dict[str, Any]) -> bool:
+    return not data["pieces"]["count"]
+
+
+def _edges(data: dict[str, Any]) -> list[float]:
+    """The times where the time bins end (the last one at the last result)."""
+    bins = data["time_bins"]
+    n = len(bins["pieces"])
+    return [min((i + 1) * bins["width_s"], data["pieces"]["last_s"]) for i in range(n)]
+
+
+def _ratio(part: list[int], whole: list[int]) -> list[float | None]:
+    return [a / b if b else None for a, b in zip(part, whole)]
+
+
 def _plot_throughput(data: dict[str, Any]) -> str:
-    pieces = data["pieces"]
-    if not pieces:
+    if _no_pieces(data):
         return _empty("no batch was computed in this run")
-    end = max(data["summary"]["wall_time_s"], max(p["finished_s"] for p in pieces), 1e-3)
-    width = end / MAX_TIME_BINS
-    bins = [0.0] * MAX_TIME_BINS
-    for p in pieces:
-        bins[min(int(p["finished_s"] / width), MAX_TIME_BINS - 1)] += p["output_tokens"]
+    bins = data["time_bins"]
+    width = bins["width_s"]
+    tokens = bins["output_tokens"]
     fig, ax = _figure()
-    ax.bar([i * width for i in range(MAX_TIME_BINS)], [b / width for b in bins], width=width,
+    ax.bar([i * width for i in range(len(tokens))], [b / width for b in tokens], width=width,
            align="edge", color="#4c72b0", label="output tokens/s (by when results came back)")
+    ax.set_xlim(0, max(data["summary"]["wall_time_s"], len(tokens) * width))
     ax.set_xlabel("seconds since the job started")
     ax.set_ylabel("output tokens/s")
     total = ax.twinx()
-    times, cumulative = [0.0], [0]
-    for p in pieces:
-        times.append(p["finished_s"])
-        cumulative.append(cumulative[-1] + p["output_tokens"])
-    total.step(times, cumulative, where="post", color="#dd8452", label="output tokens so far")
+    cumulative = [0]
+    for b in tokens:
+        cumulative.append(cumulative[-1] + b)
+    total.plot([0.0, *_edges(data)], cumulative, color="#dd8452", marker=".",
+               label="output tokens so far (at the end of each bin)")
     total.set_ylabel("output tokens so far")
     fig.legend(loc="outside upper center", ncols=2, frameon=False)
     return _svg(fig)
 
 
 def _plot_worker_rows(data: dict[str, Any]) -> str:
-    pieces = data["pieces"]
-    if not pieces:
+    if _no_pieces(data):
         return _empty("no batch was computed in this run")
     fig, ax = _figure()
-    for w in sorted({p["worker"] for p in pieces}):
-        times, rows = [0.0], [0]
-        for p in pieces:
-            if p["worker"] == w:
-                times.append(p["finished_s"])
-                rows.append(rows[-1] + p["rows"])
-        ax.step(times, rows, where="post", label=f"worker {w}")
-    ax.set_xlabel("seconds since the job started")
+    edges = [0.0, *_edges(data)]
+    for w, rows in data["time_bins"]["rows_by_worker"].items():
+        cumulative = [0]
+        for r in rows:
+            cumulative.append(cumulative[-1] + r)
+        ax.plot(edges, cumulative, marker=".", label=f"worker {w}")
+    ax.set_xlabel("seconds since the job started (a point at the end of each bin)")
     ax.set_ylabel("rows finished")
     ax.legend(frameon=False)
     return _svg(fig)
 
 
+def _share_axis(ax, bins: int) -> list[float]:
+    ax.set_xlim(0, 1)
+    ax.xaxis.set_major_formatter(lambda x, _: f"{x:.0%}")
+    return [i / bins for i in range(bins)]
+
+
 def _plot_fill(data: dict[str, Any]) -> str:
-    pieces = data["pieces"]
-    if not pieces:
+    if _no_pieces(data):
         return _empty("no batch was computed in this run")
-    size = data["batch_size"]
+    size, fill = data["batch_size"], data["batch_fill"]
     from matplotlib.ticker import MaxNLocator
 
     fig, ax = _figure()
-    ax.bar(range(len(pieces)), [p["rows"] / size for p in pieces], color="#55a868")
-    ax.axhline(1.0, color="#888", linewidth=0.8)
-    ax.set_ylim(0, 1.05)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel("batch (in the order results came back)")
-    ax.set_ylabel(f"rows / batch size ({size})")
+    x = _share_axis(ax, fill["bins"])
+    mean = data["pieces"]["rows"] / data["pieces"]["count"] / size if size else 0.0
+    ax.bar(x, fill["pieces"], width=1 / fill["bins"], align="edge", color="#55a868",
+           edgecolor="white", label=f"mean {mean:.1%} of the batch size")
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel(f"rows / batch size ({size}); the last bin holds the full batches")
+    ax.set_ylabel("batches")
+    ax.legend(frameon=False)
     return _svg(fig)
 
 
 def _plot_waste(data: dict[str, Any]) -> str:
-    pieces = data["pieces"]
-    if not pieces:
-        return _empty("no batch was computed in this run")
+    waste = data["waste"]
+    if not sum(waste["padding"]) and not sum(waste["early_finish"]):
+        return _empty("no prefill or decode counts in this run's results")
     t = data["totals"]
-    x = list(range(len(pieces)))
-    pad = [1 - p["prefill_real_tokens"] / p["prefill_slots"] if p["prefill_slots"] else 0.0
-           for p in pieces]
-    early = [p["finished_row_steps"] / p["decode_row_steps"] if p["decode_row_steps"] else 0.0
-             for p in pieces]
     from matplotlib.ticker import MaxNLocator
 
     fig, ax = _figure()
-    ax.bar([i - 0.2 for i in x], pad, width=0.4, color="#c44e52",
+    x = _share_axis(ax, waste["bins"])
+    half = 0.5 / waste["bins"]
+    ax.bar(x, waste["padding"], width=half, align="edge", color="#c44e52",
            label=f"padding (of the prefill rectangle; job {t['padding_waste']:.1%})")
-    ax.bar([i + 0.2 for i in x], early, width=0.4, color="#8172b3",
+    ax.bar([i + half for i in x], waste["early_finish"], width=half, align="edge",
+           color="#8172b3",
            label=f"early finish (of decode row-steps; job {t['early_finish_waste']:.1%})")
-    ax.set_ylim(0, 1)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel("batch (in the order results came back)")
-    ax.set_ylabel("share wasted")
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("share wasted in a batch")
+    ax.set_ylabel("batches")
     fig.legend(loc="outside upper center", ncols=2, frameon=False)
     return _svg(fig)
 
 
 def _plot_cache(data: dict[str, Any]) -> str:
-    pieces = [p for p in data["pieces"] if p["prompt_tokens_cached"] is not None]
+    bins = data["time_bins"]
+    edges = _edges(data)
+    starts = [i * bins["width_s"] for i in range(len(edges))]
+    points = [((a + b) / 2, r) for a, b, r in
+              zip(starts, edges, _ratio(bins["prompt_tokens_cached"],
+                                        bins["cached_prompt_tokens"])) if r is not None]
     fig, ax = _figure()
-    ax.plot([p["finished_s"] for p in pieces],
-            [p["prompt_tokens_cached"] / p["prompt_tokens"] if p["prompt_tokens"] else 0.0
-             for p in pieces], marker="o", color="#937860",
+    ax.plot([t for t, _ in points], [r for _, r in points], marker="o", color="#937860",
             label=f"job: {data['totals']['prefix_cache_hit_rate']:.1%}")
     ax.set_ylim(0, 1)
-    ax.set_xlabel("seconds since the job started")
+    ax.set_xlabel("seconds since the job started (middle of each bin)")
     ax.set_ylabel("prompt tokens from the cache")
     ax.legend(frameon=False)
     return _svg(fig)

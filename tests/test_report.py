@@ -20,6 +20,8 @@ import pytest
 from ray_jobs import run_batch_job
 from ray_jobs.manifest import REPORT_NAME, Manifest
 from ray_jobs.report import (
+    MAX_ERROR_CAUSES,
+    MAX_TIME_BINS,
     REPORT_DATA_ID,
     PieceRecord,
     ReportLog,
@@ -65,16 +67,22 @@ def test_report_data_match_the_manifest_and_the_parts(job):
     data = embedded_data((out / REPORT_NAME).read_text())
     manifest = Manifest.load(out)
     table = ds.dataset(out).to_table().to_pylist()
-    assert {int(k) for k in data["batches"]} == manifest.done
-    assert sum(data["batches"].values()) == manifest.rows_done == len(ROWS)
+    assert data["totals"]["batches"] == len(manifest.done)
+    assert data["totals"]["rows"] == manifest.rows_done == len(ROWS)
     assert data["summary"]["rows"] == len(table)
     errors = [r for r in table if r["finish_reason"] == "error"]
     assert data["totals"]["error_rows"] == data["summary"]["error_rows"] == len(errors)
     assert data["error_causes"] == CAUSES
     assert data["totals"]["output_tokens"] == sum(r["num_generated_tokens"] for r in table)
     # Pieces came from workers: every row that reached one, each in one piece.
-    assert sum(p["rows"] for p in data["pieces"]) == len(ROWS) - sum(CAUSES.values())
-    assert all(0 <= p["finished_s"] <= summary.wall_time_s for p in data["pieces"])
+    pieces, bins = data["pieces"], data["time_bins"]
+    assert pieces["rows"] == len(ROWS) - sum(CAUSES.values())
+    assert 0 <= pieces["first_s"] <= pieces["last_s"] <= summary.wall_time_s
+    assert sum(bins["rows"]) == pieces["rows"] and sum(bins["pieces"]) == pieces["count"]
+    assert sum(bins["output_tokens"]) == data["totals"]["output_tokens"]
+    assert sum(map(sum, bins["rows_by_worker"].values())) == pieces["rows"]
+    assert len(bins["rows"]) * bins["width_s"] > pieces["last_s"]
+    assert sum(data["batch_fill"]["pieces"]) == pieces["count"]
     # Rows of one batch asked for 1..4 tokens: the static batch ran to its longest row.
     assert data["totals"]["early_finish_waste"] > 0
     assert data["totals"]["padding_waste"] == pytest.approx(summary.padding_waste)
@@ -135,7 +143,7 @@ def test_the_report_renders_in_headless_chromium(job, tmp_path):
     errors = sum(r["finish_reason"] == "error" for r in ds.dataset(out).to_table().to_pylist())
     assert int(cells["error_rows"]) == errors
     data = embedded_data(dom)
-    assert {int(k) for k in data["batches"]} == manifest.done
+    assert data["totals"]["batches"] == len(manifest.done)
     assert dom.count("<svg") >= 5  # throughput, workers, fill, waste, errors, phases
 
 
@@ -145,12 +153,19 @@ def _record(batch_id, worker, t, cached):
                        decode_row_steps=16, finished_row_steps=4, prompt_tokens_cached=cached)
 
 
+def _log(*pieces):
+    log = ReportLog()
+    for p in pieces:
+        log.add(p)
+    return log
+
+
 def test_prefix_cache_hit_rate_only_when_the_tables_carry_it(job):
     summary, _ = job
-    log = ReportLog(pieces=[_record(0, 0, 1.0, None), _record(1, 1, 2.0, None)])
+    log = _log(_record(0, 0, 1.0, None), _record(1, 1, 2.0, None))
     page = render_html(report_data(log, summary, {}, 4))
     assert "Prefix-cache hit rate" not in page
-    log = ReportLog(pieces=[_record(0, 0, 1.0, 10), _record(1, 1, 2.0, 30)])
+    log = _log(_record(0, 0, 1.0, 10), _record(1, 1, 2.0, 30))
     page = render_html(report_data(log, summary, {}, 4))
     assert "Prefix-cache hit rate" in page
     assert embedded_data(page)["totals"]["prefix_cache_hit_rate"] == pytest.approx(40 / 80)
@@ -166,3 +181,65 @@ def test_prefix_cache_hit_rate_only_when_the_tables_carry_it(job):
 ])
 def test_error_causes_drop_the_rows_details(message, cause):
     assert error_cause(message) == cause
+
+
+def test_the_report_stays_the_same_size_whatever_the_number_of_batches(job):
+    """A ReportLog fed 100,000 pieces (a 12.8M-row job's batches) keeps bins, not records:
+    its data and page are no bigger than for 100 pieces, and its totals are the exact sums."""
+    summary, _ = job
+    rng = np.random.default_rng(0)
+
+    def fed(n):
+        log, sums = ReportLog(), dict.fromkeys(("rows", "output_tokens", "slots", "real",
+                                                "steps", "finished", "prompt", "cached"), 0)
+        for b in range(n):
+            rows = int(rng.integers(1, 129))
+            real = int(rng.integers(1, 1000)) * rows
+            slots = real + int(rng.integers(0, 100)) * rows
+            steps = rows * int(rng.integers(1, 64))
+            finished = int(rng.integers(0, steps))
+            cached = int(rng.integers(0, real + 1))
+            p = PieceRecord(b, b % 8, b * 0.037, rows=rows, error_rows=0, prompt_tokens=real,
+                            output_tokens=steps // 2, prefill_slots=slots,
+                            prefill_real_tokens=real, decode_row_steps=steps,
+                            finished_row_steps=finished, prompt_tokens_cached=cached)
+            log.add(p)
+            log.written(b, [{"finish_reason": "length", "error": None}] * rows
+                        + [{"finish_reason": "error", "error": f"cause {b % 300}: row {b}"}])
+            for k, v in (("rows", rows), ("output_tokens", steps // 2), ("slots", slots),
+                         ("real", real), ("steps", steps), ("finished", finished),
+                         ("prompt", real), ("cached", cached)):
+                sums[k] += v
+        return log, sums
+
+    small, _ = fed(100)
+    big, sums = fed(100_000)
+    data = report_data(big, summary, {}, 128)
+    small_data = report_data(small, summary, {}, 128)
+    size, small_size = len(json.dumps(data)), len(json.dumps(small_data))
+    assert size < 2 * small_size and size < 30_000
+    bins = data["time_bins"]
+    assert MAX_TIME_BINS // 2 <= len(bins["rows"]) <= MAX_TIME_BINS
+    assert all(len(v) == len(bins["rows"]) for v in bins["rows_by_worker"].values())
+    assert len(bins["rows_by_worker"]) == 8
+    assert len(data["error_causes"]) <= MAX_ERROR_CAUSES + 1
+    page = render_html(data)
+    assert len(page) < 2 * len(render_html(small_data))
+    assert embedded_data(page) == json.loads(json.dumps(data))
+    # Exact totals.
+    t, p = data["totals"], data["pieces"]
+    assert (t["rows"], t["error_rows"], t["batches"]) == (sums["rows"] + 100_000, 100_000,
+                                                           100_000)
+    assert sum(data["error_causes"].values()) == 100_000
+    assert (p["count"], p["rows"], t["output_tokens"]) == (100_000, sums["rows"],
+                                                           sums["output_tokens"])
+    assert p["last_s"] == pytest.approx(99_999 * 0.037)
+    assert t["padding_waste"] == 1 - sums["real"] / sums["slots"]
+    assert t["early_finish_waste"] == sums["finished"] / sums["steps"]
+    assert t["prefix_cache_hit_rate"] == sums["cached"] / sums["prompt"]
+    # The bins add up to the totals.
+    assert sum(bins["rows"]) == sum(map(sum, bins["rows_by_worker"].values())) == sums["rows"]
+    assert sum(bins["output_tokens"]) == sums["output_tokens"]
+    assert sum(bins["prompt_tokens_cached"]) == sums["cached"]
+    assert (sum(data["batch_fill"]["pieces"]) == sum(data["waste"]["padding"])
+            == sum(data["waste"]["early_finish"]) == 100_000)
