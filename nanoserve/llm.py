@@ -13,8 +13,8 @@ import torch
 from nanoserve.cache import CacheShape, KVPool
 from nanoserve.cuda_graph import MIN_DECODE_STEPS, graphs_wanted
 from nanoserve.errors import CacheFullError, NanoserveError
+from nanoserve.fp8 import build_with_fp8, check_quantization
 from nanoserve.generate import DECODE_STEP_MODES, BatchStats, blocks_for_batch, generate_batch
-from nanoserve.model import build_model
 from nanoserve.model_runner import ContinuousRunner
 from nanoserve.model_store import DEFAULT_MODEL, resolve_model
 from nanoserve.sampling import SamplingParams
@@ -54,7 +54,8 @@ class LLM:
                  device: str = "auto", kv_cache_fraction: float = 0.8,
                  kv_cache_bytes: int | None = None, block_size: int = 16,
                  max_batch_size: int = 256, decode_step: str = "auto",
-                 scheduler: str = "auto", enable_prefix_caching: bool = True) -> None:
+                 scheduler: str = "auto", enable_prefix_caching: bool = True,
+                 quantization: str | None = None) -> None:
         """kv_cache_fraction: share of the GPU's free memory (after the weights) given to
         the KV pool. kv_cache_bytes: an exact pool size instead (the CPU default is 1 GiB).
         decode_step: "auto" (a CUDA graph per batch on a GPU, see nanoserve/cuda_graph.py),
@@ -70,7 +71,10 @@ class LLM:
         that the pool already holds (an earlier row's same prefix) are reused, not
         prefilled again (nanoserve/prefix_cache.py), with either scheduler (a static batch
         finds the blocks earlier batches on the pool named); not for a model with a sliding
-        window."""
+        window.
+        quantization: "fp8" quantizes a checkpoint's projections to FP8 e4m3 at load (a GPU
+        of compute capability 8.9+ only; refused elsewhere). FP8 checkpoints need no flag:
+        FP8 GEMMs on such a GPU, dequantized weights elsewhere (nanoserve/fp8.py)."""
         self.enable_prefix_caching = enable_prefix_caching
         if scheduler not in SCHEDULERS:
             raise NanoserveError(f"scheduler must be one of {', '.join(SCHEDULERS)}, "
@@ -83,9 +87,10 @@ class LLM:
         self.model_path = resolve_model(model)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        check_quantization(quantization, self.device)  # before reading any weights
         config, state_dict = load_checkpoint(self.model_path)
         self.tokenizer = Tokenizer.from_path(self.model_path)
-        self.model = build_model(config, state_dict, self.dtype, self.device)
+        self.model = build_with_fp8(config, state_dict, self.dtype, self.device, quantization)
         del state_dict
         self.config = config
         if any(config.attention_window(i) is not None for i in range(config.num_hidden_layers)):
