@@ -152,11 +152,13 @@ class Fp8Linear(nn.Module):
         else:
             x_scale = self.input_scale.expand(x2.shape[0], 1).contiguous()
             xq = _cast(x2.float() / self.input_scale)
+        # CUDA's row-wise kernel writes bf16 only
+        out_dtype = torch.bfloat16 if x.is_cuda else x.dtype
         y = torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale,
-                             out_dtype=x.dtype)  # [M, N]
+                             out_dtype=out_dtype)  # [M, N]
         if self.bias is not None:
             y = y + self.bias
-        return y.view(*lead, y.shape[-1])
+        return y.to(x.dtype).view(*lead, y.shape[-1])
 
     def dequantized(self) -> torch.Tensor:
         """The weight this linear stands for: [N, K] float32."""
