@@ -2,7 +2,8 @@
 with `Fp8Linear` (`torch._scaled_mm`), held to its dequantized bf16 twin (logits within 12%
 of the largest logit, greedy tokens agreeing on at least 85% of positions and wherever the
 twin's top-2 margin exceeds twice the logit error), through the engine's `LLM.generate`
-(captured continuous step equal to the eager one), and online quantization of a bf16
+(captured continuous step equal to the eager one), the dequantized path of GPUs without FP8
+(forced: equal to the twin), and online quantization of a bf16
 checkpoint layer by layer (peak memory far below bf16 + FP8 copies). Skipped elsewhere."""
 
 from __future__ import annotations
@@ -106,6 +107,22 @@ def test_fp8_gemm_model_close_to_its_bf16_twin(fp8_dirs):
     reference = build_model(tconfig, tsd, torch.bfloat16, "cuda")
     ids = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(1)).cuda()
     assert_close_to_twin(_logits(model, ids), _logits(reference, ids))
+
+
+def test_without_fp8_compute_the_gpu_runs_the_dequantized_twin(fp8_dirs, monkeypatch):
+    """The path of GPUs before sm_89 (forced here): weights dequantized at load, bf16 logits
+    equal to the twin's exactly."""
+    from nanoserve import fp8 as fp8_module
+
+    monkeypatch.setattr(fp8_module, "fp8_supported", lambda device: False)
+    fp8, twin = fp8_dirs
+    config, sd = load_checkpoint(fp8)
+    model = build_with_fp8(config, sd, torch.bfloat16, "cuda")
+    assert not isinstance(model.model.layers[1].self_attn.qkv, Fp8Linear)
+    tconfig, tsd = load_checkpoint(twin)
+    reference = build_model(tconfig, tsd, torch.bfloat16, "cuda")
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(2)).cuda()
+    assert torch.equal(_logits(model, ids), _logits(reference, ids))
 
 
 def _prompts(n=24):
