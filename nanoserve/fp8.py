@@ -26,6 +26,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels import backend as kernel_backend
+from kernels.fp8_quant import quantize_rows as quantize_rows_triton
+from kernels.fp8_quant import quantize_rows_reference
 from nanoserve.config import ModelConfig
 from nanoserve.errors import ModelError
 from nanoserve.model import LlamaForCausalLM, build_model
@@ -90,14 +93,11 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | No
 def quantize_rows(x: torch.Tensor, ub: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic per-token activation quantization: x [M, K] -> (e4m3 [M, K], float32
     scale [M, 1]); a row's amax is capped at `ub` (fbgemm's activation_scale_ub), values
-    beyond it saturate."""
-    # few passes over x: the max-norm is |x|'s row max in one reduction; x / scale promotes
-    # to float32 in the division itself
-    amax = torch.linalg.vector_norm(x, ord=float("inf"), dim=-1, keepdim=True).float()
-    if ub is not None:
-        amax = amax.clamp(max=ub)
-    scale = amax.clamp(min=MIN_AMAX) / FP8_MAX
-    return _cast(x / scale), scale
+    beyond it saturate. One Triton launch on a GPU (kernels/fp8_quant.py), else its
+    PyTorch reference."""
+    if kernel_backend.use_triton(x.device):
+        return quantize_rows_triton(x, ub)
+    return quantize_rows_reference(x, ub)
 
 
 def _cast(x: torch.Tensor) -> torch.Tensor:

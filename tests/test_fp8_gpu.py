@@ -95,6 +95,21 @@ def test_fp8_linear_on_the_gpu_equals_its_reference_math():
         torch.testing.assert_close(y.float(), ref, rtol=1e-2, atol=1e-2)  # bf16 output
 
 
+@pytest.mark.parametrize("ub", [None, 0.5])
+def test_quantize_rows_kernel_equals_its_reference_bit_for_bit(ub):
+    from kernels.fp8_quant import quantize_rows as kernel
+    from kernels.fp8_quant import quantize_rows_reference
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for m, k in ((1, 64), (7, 4096), (256, 14336), (3, 28672)):
+        x = torch.randn(m, k, device="cuda", generator=g, dtype=torch.bfloat16)
+        x = x * torch.logspace(-3, 2, m, device="cuda", dtype=torch.bfloat16)[:, None]
+        q, s = kernel(x, ub)
+        rq, rs = quantize_rows_reference(x, ub)
+        assert torch.equal(s, rs)
+        assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+
+
 def test_fp8_gemm_model_close_to_its_bf16_twin(fp8_dirs):
     fp8, twin = fp8_dirs
     config, sd = load_checkpoint(fp8)
