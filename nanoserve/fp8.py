@@ -18,7 +18,9 @@ part's own scale (no second rounding, as requantizing to the largest scale would
 Block-wise checkpoints are requantized per row at load (one more rounding: at most 1/16 of
 a weight's magnitude, like any e4m3 rounding). Per-token activation scales keep a row's
 result independent of the rows that share its batch. A checkpoint's static `input_scale`
-is honoured (the largest of a fused group's parts: never overflows).
+is honoured (the largest of a fused group's parts: never overflows); checkpoints that ask
+for weight-only FP8 (no `input_activations`) or per-group activations still get per-token
+activations here, the one activation scheme of this path.
 """
 
 from __future__ import annotations
