@@ -177,8 +177,8 @@ class Fp8Linear(nn.Module):
 
 
 def build_with_fp8(config: ModelConfig, state_dict: dict[str, torch.Tensor],
-          dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-          quantization: str | None = None) -> LlamaForCausalLM:
+                   dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                   quantization: str | None = None) -> LlamaForCausalLM:
     """The model for a checkpoint's state dict (`weights.load_checkpoint`), FP8 where the
     checkpoint (`config.quantization`) or the caller (`quantization="fp8"`: quantized here,
     per row, one matrix at a time) asks and the device computes it; see the module
