@@ -20,6 +20,7 @@ decode batch, and the device's prefill and decode seconds.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import tempfile
 import time
@@ -100,7 +101,9 @@ def run_one(folder: Path, weights: str, prompts, max_tokens, device: str,
               "prefill_s": phases.get("prefill_s"), "decode_s": phases.get("decode_s"),
               "peak_gib": torch.cuda.max_memory_allocated() / GIB if device == "cuda" else None}
     print(json.dumps(result), flush=True)
+    del llm.runner.decode  # the counting wrapper (it holds the runner: a cycle)
     del llm, outs
+    gc.collect()  # the next run's KV pool is sized from the memory this one frees
     if device == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
