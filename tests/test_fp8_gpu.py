@@ -200,3 +200,15 @@ def test_online_fp8_quantizes_layer_by_layer(tmp_path):
     assert all(isinstance(layer.mlp.gate_up, Fp8Linear) for layer in model.model.layers)
     assert model.lm_head.weight.dtype == model.model.embed_tokens.weight.dtype == torch.bfloat16
     assert_close_to_twin(_logits(model, ids), ref)
+
+
+def test_dummy_fp8_engine_generates(float_dir):
+    """`LLM(load_format="dummy", quantization="fp8")`, the benchmark's engine: random FP8
+    projections drawn on the GPU, every row to its max_tokens through captured steps."""
+    from nanoserve.llm import LLM
+    from nanoserve.sampling import SamplingParams
+
+    llm = LLM(str(float_dir), load_format="dummy", quantization="fp8", kv_cache_bytes=64 << 20)
+    assert isinstance(llm.model.model.layers[1].mlp.gate_up, Fp8Linear)
+    outs = llm.generate(_prompts(8), SamplingParams(max_tokens=12, ignore_eos=True))
+    assert [len(o.token_ids) for o in outs] == [12] * 8
