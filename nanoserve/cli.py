@@ -46,6 +46,9 @@ def _add_generate_parser(sub) -> None:
     s.add_argument("--choice", action="append", default=[], metavar="TEXT",
                    help="the text is one of these (repeat the flag for each choice)")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    p.add_argument("--quantization", choices=("fp8",), default=None,
+                   help="fp8: quantize the model's projections to FP8 at load (a GPU of "
+                        "compute capability 8.9+; FP8 checkpoints need no flag)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
 
 
@@ -68,7 +71,7 @@ def _run_generate(args) -> int:
                                 logprobs=args.logprobs, structured_outputs=structured)
     except ValueError as e:
         raise NanoserveError(str(e)) from None
-    llm = LLM(args.model, dtype=args.dtype, device=args.device)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, quantization=args.quantization)
     if structured is not None:
         try:
             llm.grammars.check(structured)

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from nanoserve.errors import ModelError
+from nanoserve.quantization import Fp8Scheme, read_scheme
 
 # architecture (config.json's `architectures[0]`) -> its `model_type`
 FAMILIES = {
@@ -71,6 +72,7 @@ class ModelConfig:
     qk_norm: bool = False  # RMSNorm of each q and k head before rotary (Qwen3)
     sliding_window: int | None = None  # tokens a query sees, itself included; None: all
     sliding_window_layers: tuple[int, ...] | None = None  # layers with the window; None: all
+    quantization: Fp8Scheme | None = None  # an FP8 checkpoint's format (nanoserve/quantization.py)
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads != 0:
@@ -157,6 +159,7 @@ class ModelConfig:
             qk_norm=model_type == "qwen3",
             sliding_window=window,
             sliding_window_layers=window_layers,
+            quantization=read_scheme(d.get("quantization_config")),
         )
 
     @classmethod

@@ -11,10 +11,12 @@ from __future__ import annotations
 import torch
 
 from nanoserve.cache import CacheShape, KVPool
+from nanoserve.config import ModelConfig
 from nanoserve.cuda_graph import MIN_DECODE_STEPS, graphs_wanted
+from nanoserve.dummy_weights import random_model
 from nanoserve.errors import CacheFullError, NanoserveError
+from nanoserve.fp8 import build_with_fp8, check_quantization
 from nanoserve.generate import DECODE_STEP_MODES, BatchStats, blocks_for_batch, generate_batch
-from nanoserve.model import build_model
 from nanoserve.model_runner import ContinuousRunner
 from nanoserve.model_store import DEFAULT_MODEL, resolve_model
 from nanoserve.sampling import SamplingParams
@@ -54,7 +56,8 @@ class LLM:
                  device: str = "auto", kv_cache_fraction: float = 0.8,
                  kv_cache_bytes: int | None = None, block_size: int = 16,
                  max_batch_size: int = 256, decode_step: str = "auto",
-                 scheduler: str = "auto", enable_prefix_caching: bool = True) -> None:
+                 scheduler: str = "auto", enable_prefix_caching: bool = True,
+                 quantization: str | None = None, load_format: str = "auto") -> None:
         """kv_cache_fraction: share of the GPU's free memory (after the weights) given to
         the KV pool. kv_cache_bytes: an exact pool size instead (the CPU default is 1 GiB).
         decode_step: "auto" (a CUDA graph per batch on a GPU, see nanoserve/cuda_graph.py),
@@ -70,7 +73,13 @@ class LLM:
         that the pool already holds (an earlier row's same prefix) are reused, not
         prefilled again (nanoserve/prefix_cache.py), with either scheduler (a static batch
         finds the blocks earlier batches on the pool named); not for a model with a sliding
-        window."""
+        window.
+        quantization: "fp8" quantizes a checkpoint's projections to FP8 e4m3 at load (a GPU
+        of compute capability 8.9+ only; refused elsewhere). FP8 checkpoints need no flag:
+        FP8 GEMMs on such a GPU, dequantized weights elsewhere (nanoserve/fp8.py).
+        load_format: "auto" reads the checkpoint; "dummy" reads only its config.json and
+        tokenizer and draws random weights on the device (nanoserve/dummy_weights.py: for
+        benchmarks of shapes whose checkpoint does not fit the disk)."""
         self.enable_prefix_caching = enable_prefix_caching
         if scheduler not in SCHEDULERS:
             raise NanoserveError(f"scheduler must be one of {', '.join(SCHEDULERS)}, "
@@ -83,10 +92,18 @@ class LLM:
         self.model_path = resolve_model(model)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        config, state_dict = load_checkpoint(self.model_path)
+        check_quantization(quantization, self.device)  # before reading any weights
+        if load_format == "dummy":
+            config = ModelConfig.from_json_file(self.model_path / "config.json")
+            self.model = random_model(config, self.dtype, self.device, quantization)
+        elif load_format == "auto":
+            config, state_dict = load_checkpoint(self.model_path)
+            self.model = build_with_fp8(config, state_dict, self.dtype, self.device,
+                                        quantization)
+            del state_dict
+        else:
+            raise NanoserveError(f"load_format must be auto or dummy, got {load_format!r}")
         self.tokenizer = Tokenizer.from_path(self.model_path)
-        self.model = build_model(config, state_dict, self.dtype, self.device)
-        del state_dict
         self.config = config
         if any(config.attention_window(i) is not None for i in range(config.num_hidden_layers)):
             # The paged prefill after a cache hit has no sliding window: such a model

@@ -100,6 +100,17 @@ def _fuse_rows(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
     return weight, bias
 
 
+def _project(x: torch.Tensor, fused: tuple[torch.Tensor, torch.Tensor | None] | nn.Module
+             ) -> torch.Tensor:
+    """A fused projection: (weight, bias) from `_fuse_rows`, or a module standing for it
+    (an FP8 GEMM, nanoserve/fp8.py)."""
+    return F.linear(x, *fused) if isinstance(fused, tuple) else fused(x)
+
+
+# the fused projections and the checkpoint linears each one joins
+FUSED_PARTS = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -130,7 +141,7 @@ class LlamaAttention(nn.Module):
         Hq, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv is None:
             self.fuse()
-        qkv = F.linear(x, *self.qkv).view(B, T, Hq + 2 * Hkv, D)
+        qkv = _project(x, self.qkv).view(B, T, Hq + 2 * Hkv, D)
         if self.q_norm is None and not meta.is_prefill and hasattr(cache, "rotary_store"):
             # a continuous decode step: rotary and the K/V store in one kernel, then the
             # paged read (what gqa_attention does, with the store already done)
@@ -165,7 +176,7 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
             self.fuse()
-        gate_up = F.linear(x, *self.gate_up)  # [..., 2 * inner] = [gate | up]
+        gate_up = _project(x, self.gate_up)  # [..., 2 * inner] = [gate | up]
         return self.down_proj(kernel_backend.silu_and_mul(gate_up))
 
 
@@ -285,26 +296,41 @@ def build_model(
     state_dict: dict[str, torch.Tensor],
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    projections: dict[str, nn.Module] | None = None,
 ) -> LlamaForCausalLM:
     """Build on the meta device, then assign the checkpoint's tensors (no init work,
-    no copy beyond the dtype/device cast). The caller has checked names and shapes."""
+    no copy beyond the dtype/device cast). The caller has checked names and shapes.
+    `projections`: modules, built on `device`, that stand for a layer's projections
+    (`model.layers.{i}.self_attn.qkv` / `.o_proj`, `model.layers.{i}.mlp.gate_up` /
+    `.down_proj`: FP8 GEMMs, nanoserve/fp8.py); the linears they replace have no tensors
+    in `state_dict`."""
+    projections = projections or {}
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
+    for name, module in projections.items():
+        parent_name, attr = name.rsplit(".", 1)
+        parent = model.get_submodule(parent_name)
+        setattr(parent, attr, module)
+        for part in FUSED_PARTS.get(attr, ()):
+            setattr(parent, part, None)
     tensors = {
         name: t.to(device=device, dtype=dtype)
         for name, t in state_dict.items()
         if not ((config.tie_word_embeddings or config.headless) and name == "lm_head.weight")
     }
     missing, _ = model.load_state_dict(tensors, strict=False, assign=True)
-    missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]
+    missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")
+               and not any(m.startswith(p + ".") for p in projections)]
     if missing:
         from nanoserve.errors import ModelError
 
         raise ModelError(f"checkpoint is missing tensors: {', '.join(missing[:5])}")
     model.tie_weights()
     for layer in model.model.layers:
-        layer.self_attn.fuse()
-        layer.mlp.fuse()
+        if layer.self_attn.qkv is None:
+            layer.self_attn.fuse()
+        if layer.mlp.gate_up is None:
+            layer.mlp.fuse()
     # Non-persistent buffers are still on meta: rebuild them on the target device.
     model.model.rotary_emb = RotaryEmbedding(config).to(device)
     return model.train(False).requires_grad_(False)

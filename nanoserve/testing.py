@@ -80,7 +80,7 @@ def save_tiny_family(folder: str | Path, family: str, tokenizer_source: str | Pa
     return folder
 
 
-__all__ = ["save_tiny_embedding", "save_tiny_family", "save_tiny_llama"]
+__all__ = ["save_fp8_checkpoint", "save_tiny_embedding", "save_tiny_family", "save_tiny_llama"]
 
 
 def assert_rows_match_engine(llm, prompts: list[str], rows: list[dict], max_tokens: int) -> None:
@@ -196,3 +196,134 @@ def save_tiny_embedding(folder: str | Path, tokenizer_source: str | Path, *,
             (folder / "sentence_bert_config.json").write_text(
                 json.dumps({"max_seq_length": max_seq_length, "do_lower_case": False}))
     return folder
+
+
+# --- FP8 checkpoints (nanoserve/quantization.py lists the formats) ----------------------------
+
+FP8_FORMATS = ("ct-tensor-static", "ct-tensor-scalar", "ct-channel-dynamic", "ct-block",
+               "fbgemm", "fp8-block", "fp8-block-small", "fp8-tensor-static")
+_FP8_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def save_fp8_checkpoint(src: str | Path, dst: str | Path, fmt: str, twin: str | Path, *,
+                        ignore: tuple[str, ...] = ("lm_head",)) -> Path:
+    """The float checkpoint folder `src` (one model.safetensors) written to `dst` as an FP8
+    checkpoint of format `fmt` (one of FP8_FORMATS), with the tensor names, dtypes, shapes
+    and config keys of that format, and to `twin` as its dequantized float32 twin (a plain
+    checkpoint whose every tensor equals what the FP8 one stands for). The decoder linears
+    are quantized, except the modules named in `ignore` (stored bf16, as the other tensors
+    are); `lm_head` is never quantized. Tokenizer files are copied to both. Returns `dst`."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src, dst, twin = Path(src), Path(dst), Path(twin)
+    qc, strategy, scale_name, block, static = _fp8_format(fmt, list(ignore))
+    tensors = load_file(src / "model.safetensors")
+    out: dict[str, torch.Tensor] = {}
+    deq: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        module = name.rsplit(".", 1)[0]
+        if (name.endswith(".weight") and module.split(".", 3)[-1] in _FP8_LINEARS
+                and module not in ignore):
+            q, scale = _ref_quantize(t.float(), strategy, block)
+            out[name], out[f"{module}.{scale_name}"] = q, scale
+            deq[name] = _ref_dequantize(q, scale, strategy, block)
+            if static:  # a calibrated activation scale (any positive value is valid)
+                out[f"{module}.input_scale"] = torch.tensor(
+                    [0.02 + 0.001 * len(out)], dtype=torch.float32).reshape(
+                    () if fmt == "fp8-tensor-static" else (1,))
+        else:
+            out[name] = t.to(torch.bfloat16)
+            deq[name] = out[name].float()
+    for folder, content, quantization in ((dst, out, qc), (twin, deq, None)):
+        folder.mkdir(parents=True, exist_ok=True)
+        config = json.loads((src / "config.json").read_text())
+        config.pop("quantization_config", None)
+        if quantization is not None:
+            config["quantization_config"] = quantization
+        (folder / "config.json").write_text(json.dumps(config, indent=1))
+        save_file({k: v.contiguous() for k, v in content.items()},
+                  str(folder / "model.safetensors"), metadata={"format": "pt"})
+        for extra in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+            if (src / extra).is_file():
+                shutil.copy(src / extra, folder / extra)
+    return dst
+
+
+def _fp8_format(fmt: str, ignore: list[str]) -> tuple[dict, str, str, tuple[int, int] | None, bool]:
+    """(quantization_config, weight strategy, scale tensor name, block, static input scale)."""
+    def ct_args(strategy, block=None, dynamic=True):
+        return {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": dynamic,
+                "strategy": strategy, "group_size": None, "block_structure": block,
+                "actorder": None, "observer": None if dynamic else "minmax",
+                "observer_kwargs": {}}
+
+    def ct(strategy, activations, block=None):
+        return {"quant_method": "compressed-tensors", "format": "float-quantized",
+                "quantization_status": "compressed", "global_compression_ratio": None,
+                "kv_cache_scheme": None, "ignore": ignore,
+                "config_groups": {"group_0": {"targets": ["Linear"], "output_activations": None,
+                                              "weights": ct_args(strategy, block, False),
+                                              "input_activations": activations}}}
+
+    if fmt in ("ct-tensor-static", "ct-tensor-scalar"):
+        static = fmt == "ct-tensor-static"
+        acts = ct_args("tensor", dynamic=False) if static else ct_args("token")
+        return ct("tensor", acts), "tensor" if static else "scalar", "weight_scale", None, static
+    if fmt == "ct-channel-dynamic":
+        return ct("channel", ct_args("token")), "channel-bf16", "weight_scale", None, False
+    if fmt == "ct-block":
+        acts = {**ct_args("group"), "group_size": 128}
+        return ct("block", acts, [128, 128]), "block", "weight_scale", (128, 128), False
+    if fmt == "fbgemm":
+        qc = {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0,
+              "modules_to_not_convert": ignore}
+        return qc, "channel", "weight_scale", None, False
+    if fmt in ("fp8-block", "fp8-block-small"):
+        block = (128, 128) if fmt == "fp8-block" else (32, 64)
+        qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+              "weight_block_size": list(block), "modules_to_not_convert": ignore}
+        return qc, "block", "weight_scale_inv", block, False
+    if fmt == "fp8-tensor-static":
+        qc = {"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": ignore}
+        return qc, "scalar", "weight_scale", None, True
+    raise ValueError(f"unknown FP8 test format {fmt!r}; choose {', '.join(FP8_FORMATS)}")
+
+
+def _ref_quantize(w, strategy: str, block):
+    """w [N, K] float32 -> (e4m3 weight, its scale as the format stores it)."""
+    import torch
+
+    fp8_max = 448.0
+    n, k = w.shape
+    if strategy in ("tensor", "scalar"):
+        scale = w.abs().max() / fp8_max
+        stored = scale.reshape(1) if strategy == "tensor" else scale.reshape(())
+    elif strategy.startswith("channel"):
+        scale = w.abs().amax(dim=1, keepdim=True) / fp8_max  # [N, 1]
+        stored = scale.to(torch.bfloat16) if strategy == "channel-bf16" else scale
+        scale = stored.float()  # quantize with the scale the file holds
+    else:
+        bo, bi = block
+        stored = torch.empty(-(-n // bo), -(-k // bi))
+        for r in range(stored.shape[0]):
+            for c in range(stored.shape[1]):
+                stored[r, c] = w[r * bo:(r + 1) * bo, c * bi:(c + 1) * bi].abs().max() / fp8_max
+        scale = torch.kron(stored, torch.ones(bo, bi))[:n, :k]
+    return (w / scale).clamp(-fp8_max, fp8_max).to(torch.float8_e4m3fn), stored
+
+
+def _ref_dequantize(q, stored, strategy: str, block):
+    """What an FP8 weight stands for, in float32: each element times its block's scale."""
+    import torch
+
+    n, k = q.shape
+    if block is not None:
+        scale = torch.kron(stored.float(), torch.ones(*block))[:n, :k]
+    else:
+        scale = stored.float().reshape(-1, 1) if strategy.startswith("channel") else stored.float()
+    return q.float() * scale

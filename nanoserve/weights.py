@@ -5,6 +5,9 @@ Invariants of what `load_checkpoint` returns:
 - the state dict holds exactly the names of `expected_shapes(config)`, each with that shape
   (extra tensors in the file, e.g. rotary `inv_freq` or a tied `lm_head.weight`, are dropped);
 - tensors keep their stored dtype (bf16 stays bf16); GGUF quantized tensors become float32;
+- an FP8 checkpoint (`config.quantization`, nanoserve/quantization.py) adds, beside each
+  stored FP8 weight, its scale tensors under their stored names (`...weight_scale` or
+  `...weight_scale_inv`, and `...input_scale`): nanoserve/fp8.py turns them into a model;
 - weights are read only through safetensors or GGUF, never with `torch.load` / pickle.
 Every problem with the files is a `ModelError` naming the file and, where there is one, the
 tensor.
@@ -20,6 +23,7 @@ from safetensors import SafetensorError, safe_open
 
 from nanoserve.config import ModelConfig
 from nanoserve.errors import ModelError
+from nanoserve.quantization import scale_names
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: a job's driver reads no weights
     import torch
@@ -177,9 +181,6 @@ def _read_config(folder: Path) -> ModelConfig:
         raise ModelError(f"{config_path} is not valid JSON: {e}") from None
     if not isinstance(d, dict):
         raise ModelError(f"{config_path} does not hold a JSON object")
-    if d.get("quantization_config"):
-        method = d["quantization_config"].get("quant_method", "?")
-        raise ModelError(f"{config_path}: quantized checkpoints ({method}) are not supported")
     return ModelConfig.from_hf_dict(d)
 
 
@@ -239,4 +240,7 @@ def _checked(
         if not t.is_floating_point():
             raise ModelError(f"tensor {name!r} in {source} has dtype {t.dtype}, not floating point")
         out[name] = t
+    if config.quantization is not None:  # an FP8 linear's scales ride beside its weight
+        out.update({n: tensors[n] for n in scale_names(config.quantization, shapes)
+                    if n in tensors})
     return out

@@ -113,6 +113,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     r = p.add_argument_group("execution")
     r.add_argument("--dtype", default="auto",
                    help="auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16, float16")
+    r.add_argument("--quantization", choices=("fp8",), default=None,
+                   help="fp8: each worker quantizes the model's projections to FP8 at load "
+                        "(GPUs of compute capability 8.9+; FP8 checkpoints need no flag)")
     r.add_argument("--num-workers", default=None, metavar="N|MIN-MAX|auto",
                    help="workers: N (capped to the cluster's GPUs, else CPUs); MIN-MAX or auto "
                         "(= 1-): GPU workers, starting with the GPUs present (waiting up to "
@@ -174,6 +177,7 @@ def run_batch_cli(args: argparse.Namespace) -> int:
         args.input, args.output_dir, model=args.model, max_tokens=args.max_tokens,
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
         stop=tuple(args.stop), ignore_eos=args.ignore_eos, dtype=args.dtype,
+        quantization=args.quantization,
         num_workers=args.num_workers, worker_start_timeout_s=args.worker_start_timeout,
         batch_size=args.batch_size,
         max_batch_tokens=args.max_batch_tokens, address=args.address,

@@ -238,7 +238,8 @@ def _job_settings(opts: JobOptions, info: InputInfo, model_path: Path,
                                           for k in ("json", "regex", "choice")
                                           if (v := getattr(so, k)) is not None}
     return {
-        "model": {"files": model_identity(model_path), "dtype": opts.dtype},
+        "model": {"files": model_identity(model_path), "dtype": opts.dtype,
+                  **({"quantization": opts.quantization} if opts.quantization else {})},
         "input": {"files": input_identity(info.root, info.files), "num_rows": info.num_rows},
         "sampling": sampling,
         "batching": {"batch_size": limits.batch_size, "max_batch_tokens": limits.max_batch_tokens,

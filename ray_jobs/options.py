@@ -9,6 +9,7 @@ from typing import Any
 
 from nanoserve.errors import InputError, NanoserveError
 from nanoserve.model_store import DEFAULT_MODEL
+from nanoserve.quantization import check_online
 from ray_jobs.autoscale import parse_num_workers
 from ray_jobs.io import DEFAULT_CHUNK_ROWS, INPUT_FORMATS
 from ray_jobs.openai_batch import OUTPUT_FORMATS
@@ -38,6 +39,7 @@ class JobOptions:
     regex: str | None = None  # the whole text matches it
     choice: tuple[str, ...] = ()  # the text is one of these
     dtype: str = "auto"  # bfloat16 on GPU, float32 on CPU
+    quantization: str | None = None  # "fp8": projections quantized at load (GPU workers)
     # None: one per GPU of the cluster, 1 without GPUs; or "MIN-MAX" / "auto": GPU workers
     # that grow as GPUs join (see ray_jobs.autoscale)
     num_workers: int | str | None = None
@@ -96,6 +98,7 @@ class JobOptions:
                 raise NanoserveError(f"unknown {name} {value!r}; choose {', '.join(choices)}")
         if self.dtype not in DTYPES:
             raise NanoserveError(f"unknown dtype {self.dtype!r}; choose {', '.join(DTYPES)}")
+        check_online(self.quantization)
         parse_num_workers(self.num_workers)  # raises NanoserveError if invalid
         if not 0 < self.kv_cache_fraction <= 1:
             raise NanoserveError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")

@@ -168,6 +168,9 @@ class WorkerPool:
             count = min(num_gpus, wanted.high or num_gpus)
         else:
             count = wanted.low if wanted is not None else max(1, num_gpus)
+        if getattr(opts, "quantization", None) and not num_gpus:
+            raise ModelError(f"quantization={opts.quantization!r} needs FP8 compute: GPUs of "
+                             f"compute capability 8.9 or newer, and the cluster has none")
         slots, unit = (num_gpus, "GPU") if num_gpus else (num_cpus, "CPU")
         if 1 <= slots < count:
             log(f"nanoserve: {count} workers asked for, but the cluster has {slots} {unit}(s) "
@@ -192,6 +195,7 @@ class WorkerPool:
                   "kv_cache_fraction": opts.kv_cache_fraction,
                   "kv_cache_bytes": opts.kv_cache_bytes, "num_threads": num_threads,
                   "scheduler": opts.scheduler, "prefix_caching": opts.prefix_caching,
+                  **({"quantization": opts.quantization} if opts.quantization else {}),
                   **(actor_kwargs or {})}
         pool = cls(actor_cls, kwargs, opts.worker_start_timeout_s, timeline,
                    opts.max_deaths_in_a_row)

@@ -96,12 +96,12 @@ class BatchWorker:
     def __init__(self, model: str, dtype: str = "auto", kv_cache_fraction: float = 0.5,
                  device: str | None = None, num_threads: int | None = None,
                  kv_cache_bytes: int | None = None, scheduler: str = "auto",
-                 prefix_caching: bool = True) -> None:
+                 prefix_caching: bool = True, quantization: str | None = None) -> None:
         """Load the model once. `device` None picks one (see the module docstring);
         `num_threads` caps torch's CPU threads (at most the machine's cores);
         `kv_cache_bytes` sizes the KV pool exactly (else `kv_cache_fraction` of a GPU's free
         memory, or the engine's CPU default); `scheduler`: the engine's batching, "static"
-        or "continuous" (see `nanoserve.llm.LLM`)."""
+        or "continuous" (see `nanoserve.llm.LLM`); `quantization`: "fp8" or None (see there)."""
         _fault_hold_load_while_file()
         import torch
 
@@ -112,7 +112,8 @@ class BatchWorker:
             torch.set_num_threads(max(1, min(num_threads, os.cpu_count() or 1)))
         llm = LLM(model=model, dtype=dtype, device=device or pick_device(),
                   kv_cache_fraction=kv_cache_fraction, kv_cache_bytes=kv_cache_bytes,
-                  scheduler=scheduler, enable_prefix_caching=prefix_caching)
+                  scheduler=scheduler, enable_prefix_caching=prefix_caching,
+                  quantization=quantization)
         self._attach(llm)
 
     @classmethod
