@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import torch
 
+from kernels.kv_quant import is_fp8
 from nanoserve.cache import CacheShape, KVPool
 from nanoserve.cuda_graph import MIN_DECODE_STEPS, graphs_wanted
 from nanoserve.errors import CacheFullError, NanoserveError
 from nanoserve.generate import DECODE_STEP_MODES, BatchStats, blocks_for_batch, generate_batch
+from nanoserve.kv_cache_dtype import read_kv_scales, resolve_kv_cache_dtype
 from nanoserve.model import build_model
 from nanoserve.model_runner import ContinuousRunner
 from nanoserve.model_store import DEFAULT_MODEL, resolve_model
@@ -54,7 +56,8 @@ class LLM:
                  device: str = "auto", kv_cache_fraction: float = 0.8,
                  kv_cache_bytes: int | None = None, block_size: int = 16,
                  max_batch_size: int = 256, decode_step: str = "auto",
-                 scheduler: str = "auto", enable_prefix_caching: bool = True) -> None:
+                 scheduler: str = "auto", enable_prefix_caching: bool = True,
+                 kv_cache_dtype: str = "auto") -> None:
         """kv_cache_fraction: share of the GPU's free memory (after the weights) given to
         the KV pool. kv_cache_bytes: an exact pool size instead (the CPU default is 1 GiB).
         decode_step: "auto" (a CUDA graph per batch on a GPU, see nanoserve/cuda_graph.py),
@@ -70,7 +73,10 @@ class LLM:
         that the pool already holds (an earlier row's same prefix) are reused, not
         prefilled again (nanoserve/prefix_cache.py), with either scheduler (a static batch
         finds the blocks earlier batches on the pool named); not for a model with a sliding
-        window."""
+        window.
+        kv_cache_dtype: "auto" (the model's dtype) or "fp8" (float8 e4m3 with per-layer scales
+        from the checkpoint, else 1.0: twice the tokens in the same memory; a GPU of compute
+        capability 8.9 or newer only; see nanoserve/kv_cache_dtype.py)."""
         self.enable_prefix_caching = enable_prefix_caching
         if scheduler not in SCHEDULERS:
             raise NanoserveError(f"scheduler must be one of {', '.join(SCHEDULERS)}, "
@@ -83,6 +89,7 @@ class LLM:
         self.model_path = resolve_model(model)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype, self.device)
         config, state_dict = load_checkpoint(self.model_path)
         self.tokenizer = Tokenizer.from_path(self.model_path)
         self.model = build_model(config, state_dict, self.dtype, self.device)
@@ -103,8 +110,11 @@ class LLM:
                 kv_cache_bytes = int(free * kv_cache_fraction)
             else:
                 kv_cache_bytes = CPU_KV_CACHE_BYTES
+        scales = (None, None)
+        if is_fp8(self.kv_cache_dtype):  # the checkpoint's scales, else 1.0
+            scales = read_kv_scales(self.model_path, config.num_hidden_layers)[:2]
         self.pool = KVPool.for_memory(CacheShape.of(config), kv_cache_bytes, block_size,
-                                      self.dtype, self.device)
+                                      self.kv_cache_dtype, self.device, *scales)
         self.last_stats = BatchStats()
         if scheduler == "auto":
             self.scheduler = "continuous"  # on the CPU too: rows leave as they finish
