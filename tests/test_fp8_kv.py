@@ -330,3 +330,41 @@ def attentive_model(tiny_model_dir):
         if name.endswith(("q_proj.weight", "k_proj.weight")):
             sd[name] = sd[name] * 3
     return build_model(config, sd)
+
+
+def test_flags_and_job_options_carry_the_kv_cache_dtype(tmp_path):
+    from nanoserve_cli import build_parser
+    from ray_jobs.options import JobOptions
+
+    parser = build_parser()
+    args = parser.parse_args(["generate", "hi", "--kv-cache-dtype", "fp8"])
+    assert args.kv_cache_dtype == "fp8"
+    args = parser.parse_args(["batch", "in.jsonl", "-o", str(tmp_path), "--kv-cache-dtype", "fp8"])
+    assert args.kv_cache_dtype == "fp8"
+    assert parser.parse_args(["batch", "in.jsonl", "-o", str(tmp_path)]).kv_cache_dtype == "auto"
+    assert JobOptions(kv_cache_dtype="fp8").kv_cache_dtype == "fp8"
+    with pytest.raises(NanoserveError, match="kv_cache_dtype"):
+        JobOptions(kv_cache_dtype="int8")
+
+
+def test_a_checkpoint_with_kv_scales_still_loads(tiny_model_dir, tmp_path):
+    """The scale tensors are not model weights: the checkpoint loads as without them."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from nanoserve.weights import load_checkpoint
+
+    folder = tmp_path / "with-scales"
+    shutil.copytree(tiny_model_dir, folder)
+    (file,) = folder.glob("*.safetensors")
+    sd = load_file(str(file))
+    sd["model.layers.0.self_attn.k_scale"] = torch.tensor(0.5)
+    sd["model.layers.1.self_attn.v_scale"] = torch.tensor(2.0)
+    save_file(sd, str(file), metadata={"format": "pt"})
+    _, got = load_checkpoint(folder)
+    _, want = load_checkpoint(tiny_model_dir)
+    assert got.keys() == want.keys()
+    from nanoserve.kv_cache_dtype import read_kv_scales
+
+    assert read_kv_scales(folder, 2) == ([0.5, 1.0], [1.0, 2.0], 2)
