@@ -24,6 +24,8 @@ code the GPU runs and matches torch's conversion bit for bit.
 
 from __future__ import annotations
 
+import struct
+
 import torch
 
 from kernels._triton import tl, triton
@@ -37,8 +39,9 @@ def is_fp8(dtype: torch.dtype) -> bool:
 
 
 def inverse_scale(scale: float) -> float:
-    """1 / scale, rounded to float32 (what a Triton float argument holds)."""
-    return float(torch.tensor(1.0 / scale, dtype=torch.float32))
+    """1 / scale, rounded to float32 (what a Triton float argument holds); no torch call, as
+    every store launch asks for it."""
+    return struct.unpack("f", struct.pack("f", 1.0 / scale))[0]
 
 
 def check_kv_scales(cache_dtype: torch.dtype, k_scale: float, v_scale: float) -> None:
