@@ -19,7 +19,9 @@ stored as they are, larger ones clamped), as vLLM does without them:
 - `k_proj.output_scale`, `v_proj.output_scale` (older compressed-tensors, AMD Quark);
 - `kv_scale` (deprecated: one scale for both).
 A scale per KV head (`[num_kv_heads]`) is reduced to its largest value, which keeps every
-head within range. Layers without a scale of their own take 1.0.
+head within range. Layers without a scale of their own take 1.0. Without scales, a model
+whose keys or values exceed 448 in magnitude (some checkpoints with large k biases) has
+them clamped: such a model needs a checkpoint calibrated with scales.
 """
 
 from __future__ import annotations
