@@ -13,7 +13,9 @@ Skipped cleanly without Triton, without CUDA, or below sm_89. Tolerances:
   least 60% of positions (a row that diverges once continues from other tokens, and this
   random model's top logits are close together: the float32 analogue on the CPU measured
   logits within 3.4% (max) and 0.5% (mean) of the spread, every teacher-forced argmax
-  equal, and 82% of free-running tokens equal).
+  equal, and 82% of free-running tokens equal);
+- the engine over an FP8 pool in float32, Triton kernels against the references forced
+  (`NANOSERVE_KERNELS=reference`): the same greedy tokens on every row.
 """
 
 from __future__ import annotations
@@ -259,3 +261,25 @@ def test_engine_fp8_generates_like_the_bfloat16_cache_with_prefix_hits(model_dir
     assert stats.cached_tokens > 0
     same = sum(a == b for r, f in zip(ref, fp8) for a, b in zip(r.token_ids, f.token_ids))
     assert same >= 0.6 * sum(len(r.token_ids) for r in ref)
+
+
+def test_engine_fp8_kernels_equal_the_references_in_float32(monkeypatch, model_dir):
+    """float32 model over an FP8 pool: greedy tokens through the Triton kernels (captured
+    continuous steps, fused rotary-store, paged prefill after prefix hits) equal the same
+    engine with the PyTorch references forced (`NANOSERVE_KERNELS=reference`) on every
+    row: both read the same e4m3 bytes, and in float32 they differ only in rounding order."""
+    from nanoserve.sampling import SamplingParams
+
+    prompts = prompts_with_shared_prefix(3)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    runs = []
+    for forced in (False, True):
+        with monkeypatch.context() as m:
+            if forced:
+                m.setenv("NANOSERVE_KERNELS", "reference")
+            llm = make_llm(model_dir, "fp8", dtype="float32",
+                           decode_step="eager" if forced else "auto")
+            llm.generate(prompts[:2], params)
+            runs.append([o.token_ids for o in llm.generate(prompts, params)])
+            assert llm.last_stats.cached_tokens > 0
+    assert runs[0] == runs[1]
