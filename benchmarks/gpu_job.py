@@ -11,6 +11,12 @@ plus, when the default model is in the cache, the batch job over examples/prompt
 
 The engine runs twice, side by side: decode steps launched kernel by kernel ("eager") and
 replayed as a CUDA graph ("graph"; "static" with --smoke on the CPU).
+
+The bfloat16 KV cache against the FP8 one, in one call (each engine run once per cache
+dtype), e.g. on issue 24's long-output workload on the Llama-3.1-8B shape:
+
+    python -m benchmarks.gpu_job --skip-job --shape 8b --rows 1024 --prompt-len 50 200 \
+        --output-len 1000 2000 --engine-runs continuous:graph --kv-cache-dtype auto fp8
 """
 
 from __future__ import annotations
@@ -35,6 +41,15 @@ LLAMA_1B = {
     "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
 }
+
+
+LLAMA_8B = {  # Llama-3.1-8B's shape
+    **LLAMA_1B, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    "tie_word_embeddings": False,
+    "rope_scaling": {**LLAMA_1B["rope_scaling"], "factor": 8.0},
+}
+SHAPES = {"1b": LLAMA_1B, "8b": LLAMA_8B}
 
 
 def make_random_model(folder: Path, device: str, config: dict = LLAMA_1B) -> Path:
@@ -63,10 +78,13 @@ def make_random_model(folder: Path, device: str, config: dict = LLAMA_1B) -> Pat
 
 
 def make_workload(path: Path, rows: int, vocab: int, seed: int = 0,
-                  lo: int = 100, hi: int = 1024) -> tuple[list, list]:
+                  lo: int = 100, hi: int = 1024,
+                  out_lo: int | None = None, out_hi: int | None = None) -> tuple[list, list]:
+    """Prompt lengths uniform in [lo, hi], output lengths in [out_lo, out_hi] (default the
+    prompts' range)."""
     rng = random.Random(seed)
     prompts = [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(rows)]
-    max_tokens = [rng.randint(lo, hi) for _ in range(rows)]
+    max_tokens = [rng.randint(out_lo or lo, out_hi or hi) for _ in range(rows)]
     pq.write_table(pa.table({"id": list(range(rows)), "prompt_token_ids": prompts,
                              "max_tokens": max_tokens}), path)
     return prompts, max_tokens
@@ -74,7 +92,7 @@ def make_workload(path: Path, rows: int, vocab: int, seed: int = 0,
 
 def bench_engine(model_dir: Path, prompts, max_tokens, device: str = "cuda",
                  decode_step: str = "auto", scheduler: str = "static",
-                 warmup: tuple[list, list] | None = None) -> dict:
+                 warmup: tuple[list, list] | None = None, kv_cache_dtype: str = "auto") -> dict:
     """warmup: (prompts, max_tokens) run once, untimed, first: the same lengths as the
     workload but other tokens, so every kernel variant is compiled and no prompt block is
     in the prefix cache when the timed run starts."""
@@ -82,7 +100,8 @@ def bench_engine(model_dir: Path, prompts, max_tokens, device: str = "cuda",
     from nanoserve.sampling import SamplingParams
 
     t = time.perf_counter()
-    llm = LLM(str(model_dir), device=device, decode_step=decode_step, scheduler=scheduler)
+    llm = LLM(str(model_dir), device=device, decode_step=decode_step, scheduler=scheduler,
+              kv_cache_dtype=kv_cache_dtype)
     load_s = time.perf_counter() - t
     params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens]
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -99,7 +118,7 @@ def bench_engine(model_dir: Path, prompts, max_tokens, device: str = "cuda",
     phases = llm.runner.phase_times() if llm.runner is not None else {}
     if phases:
         busy = phases["prefill_s"] + phases["decode_s"]
-        print(f"{scheduler}:{decode_step}: wall {wall:.2f} s; device prefill "
+        print(f"{scheduler}:{decode_step} ({kv_cache_dtype} KV, {llm.pool.num_tokens} tokens): wall {wall:.2f} s; device prefill "
               f"{phases['prefill_s']:.2f} s, decode {phases['decode_s']:.2f} s, idle "
               f"{wall - busy:.2f} s; host waiting for the device {phases['host_wait_s']:.2f} s; "
               f"load {load_s:.1f} s (graphs {llm.runner.capture_s:.1f} s, "
@@ -108,10 +127,12 @@ def bench_engine(model_dir: Path, prompts, max_tokens, device: str = "cuda",
     assert [len(o.token_ids) for o in outs] == max_tokens
     stats = llm.last_stats
     dtype = str(llm.dtype).removeprefix("torch.")
+    kv = str(llm.pool.k[0].dtype).removeprefix("torch.")
+    shape = f"{llm.config.num_hidden_layers} x {llm.config.hidden_size} Llama shape"
     del llm
     torch.cuda.empty_cache()
-    how = f"{scheduler} scheduler, decode_step={decode_step}"
-    return {"what": f"engine LLM.generate, Llama-1B shape, random ({dtype}), {how}",
+    how = f"{scheduler} scheduler, decode_step={decode_step}, {kv} KV cache"
+    return {"what": f"engine LLM.generate, {shape}, random ({dtype}), {how}",
             "rows": len(prompts), "token_ids": [o.token_ids for o in outs],
             "output_tokens": n_out, "wall_s": wall, "tok_s": n_out / wall,
             "padding_waste": stats.padding_waste, "early_finish_waste": stats.early_finish_waste}
@@ -146,20 +167,30 @@ def main() -> None:
                          "longest possible row) "
                          "(default: static:graph continuous:graph; on the CPU the same "
                          "with the uncaptured 'static' step)")
+    ap.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=["auto", "fp8"],
+                    help="each engine run once per KV cache dtype, side by side (e.g. auto fp8)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="1b",
+                    help="the random model's shape: Llama-3.2-1B (default) or Llama-3.1-8B")
+    ap.add_argument("--prompt-len", nargs=2, type=int, default=[100, 1024], metavar=("LO", "HI"))
+    ap.add_argument("--output-len", nargs=2, type=int, default=None, metavar=("LO", "HI"),
+                    help="output lengths (default: the prompt lengths' range)")
     ap.add_argument("--out", type=Path, default=None, help="write results JSON here")
     ap.add_argument("--smoke", action="store_true",
                     help="a 2-layer model, 4 short rows, on the CPU: checks the script runs")
     args = ap.parse_args()
-    device, config, lo, hi = "cuda", LLAMA_1B, 100, 1024
+    device, config, (lo, hi) = "cuda", SHAPES[args.shape], args.prompt_len
+    out_lo, out_hi = args.output_len or (lo, hi)
     if args.smoke:
         device, config, lo, hi = "cpu", {**LLAMA_1B, "num_hidden_layers": 2}, 4, 12
+        out_lo, out_hi = lo, hi
         args.rows = 4
     elif not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU (or --smoke)")
     work = Path(tempfile.mkdtemp(prefix="nanoserve-bench-"))
-    model_dir = make_random_model(work / "llama-1b-random", device, config)
+    model_dir = make_random_model(work / f"llama-{args.shape}-random", device, config)
     prompts, max_tokens = make_workload(work / "workload.parquet", args.rows,
-                                        config["vocab_size"], lo=lo, hi=hi)
+                                        config["vocab_size"], lo=lo, hi=hi, out_lo=out_lo,
+                                        out_hi=out_hi)
     # Side by side (default: each kernel launched from Python, then the CUDA-graph step).
     # Same lengths as the workload (same draws of the lengths), other token ids.
     warm_prompts = [[(t + 1) % config["vocab_size"] for t in p] for p in prompts]
@@ -175,11 +206,12 @@ def main() -> None:
         # fixed-splits: the decode read's partitions sized for the longest possible row
         continuous_scheduler.ORDER_LONGEST_FIRST = "given-order" not in variant
         step_cache.EVEN_SPLITS = "fixed-splits" not in variant
-        results.append(bench_engine(model_dir, prompts, max_tokens, device,
-                                    decode_step or "auto", scheduler,
-                                    (warm_prompts, max_tokens)))
-        if variant:
-            results[-1]["what"] += f", {variant}"
+        for kv_cache_dtype in args.kv_cache_dtype:
+            results.append(bench_engine(model_dir, prompts, max_tokens, device,
+                                        decode_step or "auto", scheduler,
+                                        (warm_prompts, max_tokens), kv_cache_dtype))
+            if variant:
+                results[-1]["what"] += f", {variant}"
     continuous_scheduler.ORDER_LONGEST_FIRST = True
     step_cache.EVEN_SPLITS = True
     first = results[0]["token_ids"]
@@ -191,7 +223,8 @@ def main() -> None:
         r.pop("token_ids")
     if not args.skip_job:
         results.append(bench_job(work / "workload.parquet", work / "out-1b", str(model_dir),
-                                 "batch job, 1 actor, Llama-1B shape, random", ignore_eos=True,
+                                 f"batch job, 1 actor, Llama-{args.shape} shape, random",
+                                 ignore_eos=True,
                                  batch_size=256, num_workers=1))
         from nanoserve.model_store import default_model_path
 

@@ -16,6 +16,9 @@ The target (>= 70% of copy bandwidth at batch >= 8 and context >= 1024) is judge
 16-call graph figure.
 
 Then: prefill kernel time against its reference, and the KV store kernel.
+`--fp8-kv` runs only the decode kernel over a bfloat16 cache against the same cache in FP8
+(e4m3, scales 0.5 / 2.0; `kernels/kv_quant.py`): time, bandwidth on the bytes each reads,
+and the speedup (about a minute).
 `--sweep` adds a tuning sweep of the decode kernel (program order, tile size, warps, stages,
 splits) and the host cost of one call;
 `default_tiling` and `choose_num_splits` in `kernels/paged_attention.py` encode its findings.
@@ -224,6 +227,42 @@ def decode_row(batch: int, ctx: int, copy_bw: float) -> dict:
         flush=True,
     )
     return row
+
+
+def run_decode_fp8(copy_bw: float) -> None:
+    """The decode kernel (one CUDA-graph replay per call) over a bfloat16 cache and over its
+    FP8 copy; bytes counted as in `decode_bytes`, K and V at one byte an element for FP8."""
+    print("\n| batch | context | bf16 us | bf16 % copy | fp8 us | fp8 % copy | speedup | "
+          "max abs err fp8 vs its reference |")
+    print("|---|---|---|---|---|---|---|---|")
+    for batch in (8, 64, 256):
+        for ctx in (1024, 8192):
+            print(fp8_decode_row(batch, ctx, copy_bw), flush=True)
+            torch.cuda.empty_cache()
+
+
+def fp8_decode_row(batch: int, ctx: int, copy_bw: float) -> str:
+    from kernels.kv_quant import quantize_reference
+    from kernels.paged_attention import paged_decode_attention, paged_decode_attention_reference
+
+    q, k_cache, v_cache, tables, lens = decode_case(batch, ctx)
+    k8, v8 = quantize_reference(k_cache, 0.5), quantize_reference(v_cache, 2.0)
+    scales = {"k_scale": 0.5, "v_scale": 2.0}
+
+    def bf16():
+        return paged_decode_attention(q, k_cache, v_cache, tables, lens, SCALE)
+
+    def fp8():
+        return paged_decode_attention(q, k8, v8, tables, lens, SCALE, **scales)
+
+    bf16_us, fp8_us = 1e3 * bench_ms(graphed(bf16)), 1e3 * bench_ms(graphed(fp8))
+    want = paged_decode_attention_reference(q, k8, v8, tables, lens, SCALE, **scales)
+    err = float((fp8().float() - want.float()).abs().max())
+    bf16_bytes = decode_bytes(batch, ctx)
+    fp8_bytes = bf16_bytes - batch * ctx * HKV * HEAD_DIM * 2  # K and V: 1 byte, not 2
+    return (f"| {batch} | {ctx} | {bf16_us:.1f} | {bf16_bytes / (bf16_us * 1e-6) / copy_bw:.0%} "
+            f"| {fp8_us:.1f} | {fp8_bytes / (fp8_us * 1e-6) / copy_bw:.0%} | "
+            f"{bf16_us / fp8_us:.2f}x | {err:.2e} |")
 
 
 def verdicts(decode: list[dict]) -> list[str]:
@@ -448,6 +487,8 @@ def markdown(copy_bw: float, decode: list[dict], prefill: list[dict], store: dic
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also run a decode tuning sweep")
+    parser.add_argument("--fp8-kv", action="store_true",
+                        help="only the decode kernel over an FP8 cache against bfloat16")
     parser.add_argument("--sweep-shapes", default=None, metavar="BxCTX,...",
                         help="sweep only these shapes, e.g. 8x1024,64x1024 (default: six shapes)")
     args = parser.parse_args()
@@ -472,6 +513,9 @@ def main() -> int:
     )
     copy_bw = copy_bandwidth()
     print(f"copy bandwidth: {copy_bw / 1e12:.2f} TB/s (read + write)", flush=True)
+    if args.fp8_kv:
+        run_decode_fp8(copy_bw)
+        return 0
     decode = run_decode(copy_bw)
     prefill = run_prefill()
     store = run_store(copy_bw)

@@ -13,6 +13,10 @@ everywhere, for side-by-side checks of the two paths):
 - anything else: the references.
 The attention dispatchers on the CPU (no interpreter, references not forced) run
 `kernels.cpu_attention`: the references' results in one fused attention call per layer.
+
+Every function that reads or writes the paged pool takes the layer's `k_scale` and
+`v_scale` (keyword, default 1.0): an FP8 pool (float8 e4m3) stores x / scale and is read as
+entry * scale, in the kernels and in the references alike (`kernels.kv_quant`).
 """
 
 from __future__ import annotations
@@ -87,21 +91,24 @@ def decode_attention(
     *,
     window: int | None = None,  # sliding window: the last `window` tokens; None: all
     even_splits: bool = False,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [B, Hq, D]
     """Paged decode attention: one query token per row over that row's cached context.
     max_context_len: a host-side bound on context_lens, used by the kernel only to choose
     its split count (None: the block tables' capacity); even_splits: each row's context cut
     into equal partitions (see `paged_decode_attention`). On the CPU without Triton's
     interpreter: `decode_attention_cpu` (the reference when references are forced)."""
+    scales = {"k_scale": k_scale, "v_scale": v_scale}
     if use_triton(q.device):
         return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
                                       max_context_len=max_context_len, window=window,
-                                      even_splits=even_splits)
+                                      even_splits=even_splits, **scales)
     if q.device.type == "cpu" and not references_forced():
         return decode_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, scale,
-                                    window=window)
+                                    window=window, **scales)
     return paged_decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, scale,
-                                            window=window)
+                                            window=window, **scales)
 
 
 def prefill_attention(
@@ -131,14 +138,17 @@ def paged_prefill_attention(
     context_lens: torch.Tensor,  # [B] int32: cached + new tokens
     max_seqlen_q: int,
     scale: float,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [N, Hq, D]
     """Causal attention of each row's new tokens over its whole paged context."""
     args = (q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, scale)
     if use_triton(q.device):
-        return _paged_prefill_triton(*args)
+        return _paged_prefill_triton(*args, k_scale=k_scale, v_scale=v_scale)
     if q.device.type == "cpu" and not references_forced():
-        return paged_prefill_attention_cpu(*args)
-    return paged_prefill_attention_reference(*args)
+        return paged_prefill_attention_cpu(*args, k_scale=k_scale, v_scale=v_scale)
+    return paged_prefill_attention_reference(*args, k_scale=k_scale, v_scale=v_scale)
 
 
 def store_kv(
@@ -147,12 +157,15 @@ def store_kv(
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], written in place
     v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], written in place
     slot_mapping: torch.Tensor,  # [N] int64; < 0 skips the token
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Write each token's keys/values into its cache slot."""
+    """Write each token's keys/values into its cache slot (quantized, to an FP8 cache)."""
     if use_triton(k.device):
-        _store_kv_triton(k, v, k_cache, v_cache, slot_mapping)
+        _store_kv_triton(k, v, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
     else:
-        store_kv_reference(k, v, k_cache, v_cache, slot_mapping)
+        store_kv_reference(k, v, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -179,13 +192,14 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 def rotary_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                 num_q_heads: int) -> torch.Tensor:
+                 num_q_heads: int, *, k_scale: float = 1.0,
+                 v_scale: float = 1.0) -> torch.Tensor:
     """qkv [N, Hq + 2 Hkv, D]: rotary on q and k, k and v stored at `slot_mapping` (< 0:
     not stored); returns q rotated [N, Hq, D]."""
     args = (qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads)
     if use_triton(qkv.device):
-        return _rotary_store_triton(*args)
-    return rotary_store_reference(*args)
+        return _rotary_store_triton(*args, k_scale=k_scale, v_scale=v_scale)
+    return rotary_store_reference(*args, k_scale=k_scale, v_scale=v_scale)
 
 
 def argmax_scatter(logits: torch.Tensor, slots: torch.Tensor,

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.kv_quant import is_fp8
 from kernels.paged_attention import check_decode_args, check_window
 from kernels.paged_prefill import check_paged_prefill_args
 from kernels.prefill_attention import check_prefill_args
@@ -78,10 +79,15 @@ def _context_slots(block_tables: torch.Tensor, block_size: int, width: int) -> t
     return block_tables.long()[:, pos // block_size] * block_size + pos % block_size
 
 
-def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """cache [num_blocks, block_size, Hkv, D], slots [B, T] -> [B, T, Hkv, D]."""
+def _gather(cache: torch.Tensor, slots: torch.Tensor, scale: float,
+            dtype: torch.dtype) -> torch.Tensor:
+    """cache [num_blocks, block_size, Hkv, D], slots [B, T] -> [B, T, Hkv, D] in `dtype`
+    (an FP8 pool's entries times its scale, as the references read them)."""
     flat = cache.reshape(-1, *cache.shape[2:])
-    return flat.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[2:])
+    out = flat.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[2:])
+    if is_fp8(cache.dtype):
+        return out.to(dtype) * scale
+    return out
 
 
 def decode_attention_cpu(
@@ -93,9 +99,11 @@ def decode_attention_cpu(
     scale: float,
     *,
     window: int | None = None,  # sliding window: the last `window` tokens only
+    k_scale: float = 1.0,  # an FP8 pool's per-layer scales (kernels.kv_quant)
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [B, Hq, D], dtype of q
     """`paged_decode_attention_reference`'s result through one fused attention call."""
-    check_decode_args(q, k_cache, v_cache, block_tables, context_lens)
+    check_decode_args(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
     window = check_window(window)
     if q.shape[0] == 0:
         return torch.empty_like(q)
@@ -112,8 +120,9 @@ def decode_attention_cpu(
     slots = _context_slots(block_tables, block_size, max_ctx)  # [B, T]
     pos = torch.arange(max_ctx, device=q.device)
     allowed = (pos[None, :] < lens[:, None]) & (pos[None, :] >= lens[:, None] - window)
-    out = _sdpa(q[:, None], _gather(k_cache, slots), _gather(v_cache, slots),
-                allowed[:, None, :], scale)  # [B, 1, Hq, D]
+    out = _sdpa(q[:, None], _gather(k_cache, slots, k_scale, q.dtype),
+                _gather(v_cache, slots, v_scale, q.dtype), allowed[:, None, :],
+                scale)  # [B, 1, Hq, D]
     return out[:, 0]
 
 
@@ -164,10 +173,13 @@ def paged_prefill_attention_cpu(
     context_lens: torch.Tensor,  # [B] int32: cached + new tokens
     max_seqlen_q: int,
     scale: float,
+    k_scale: float = 1.0,  # an FP8 pool's per-layer scales (kernels.kv_quant)
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [N, Hq, D]
     """`paged_prefill_attention_reference`'s result: new token i of a row with n new tokens
     and a context of c sees context positions 0 .. c - n + i."""
-    check_paged_prefill_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens)
+    check_paged_prefill_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
+                             k_scale, v_scale)
     lengths = _lengths(cu_seqlens_q, q.shape[0], "cu_seqlens_q", max_seqlen_q)
     block_size = k_cache.shape[1]
     ctx = context_lens.tolist()
@@ -189,7 +201,7 @@ def paged_prefill_attention_cpu(
                 s = slice(start, start + n)
                 out[s] = paged_prefill_attention_cpu(
                     q[s], k_cache, v_cache, block_tables[i:i + 1], cu_seqlens_q.new_tensor([0, n]),
-                    context_lens[i:i + 1], n, scale)
+                    context_lens[i:i + 1], n, scale, k_scale, v_scale)
             start += n
         return out
     row, pos = _packed_index(lengths, q.device)
@@ -199,6 +211,7 @@ def paged_prefill_attention_cpu(
     qi = torch.arange(width, device=q.device)[None, :, None]
     kj = torch.arange(ctx_width, device=q.device)[None, None, :]
     allowed = (kj <= c - n + torch.minimum(qi, n - 1)) | (kj == 0)  # padding queries: row's keys
-    out = _sdpa(_padded(q, row, pos, len(lengths), width), _gather(k_cache, slots),
-                _gather(v_cache, slots), allowed, scale)
+    out = _sdpa(_padded(q, row, pos, len(lengths), width),
+                _gather(k_cache, slots, k_scale, q.dtype),
+                _gather(v_cache, slots, v_scale, q.dtype), allowed, scale)
     return out[row, pos]

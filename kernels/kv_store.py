@@ -3,7 +3,9 @@
 Token n's key/value head rows `k[n], v[n] [Hkv, D]` go to slot `slot_mapping[n]` of the
 layer's pool `k_cache, v_cache [num_blocks, block_size, Hkv, D]`, i.e. block
 `slot // block_size`, offset `slot % block_size`. A negative slot means "do not store"
-(padding tokens). Values are cast to the cache's dtype. Both functions work in place.
+(padding tokens). Values are cast to the cache's dtype; an FP8 cache (float8 e4m3) stores
+them quantized by the layer's `k_scale` / `v_scale` (`kernels.kv_quant`: x / scale, clamped
+to +-448, rounded to nearest-even). Both functions work in place.
 
 - `store_kv_reference`: PyTorch `index_copy_` into the flat `[num_slots, Hkv, D]` view.
 - `store_kv`: Triton, one program per token copying its `[Hkv, D]` tile.
@@ -14,6 +16,13 @@ from __future__ import annotations
 import torch
 
 from kernels._triton import HAS_TRITON, next_power_of_2, tl, triton
+from kernels.kv_quant import (
+    check_kv_scales,
+    inverse_scale,
+    is_fp8,
+    quantize_e4m3,
+    quantize_reference,
+)
 
 
 def check_store_args(
@@ -22,6 +31,8 @@ def check_store_args(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Shape, dtype and device checks shared by the kernel and the reference (no device sync)."""
     if k.dim() != 3 or v.shape != k.shape:
@@ -42,6 +53,9 @@ def check_store_args(
             f"slot_mapping must be int64 of shape [N={k.shape[0]}], got {slot_mapping.dtype} "
             f"of shape {tuple(slot_mapping.shape)}"
         )
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"k_cache and v_cache differ in dtype: {k_cache.dtype}, {v_cache.dtype}")
+    check_kv_scales(k_cache.dtype, k_scale, v_scale)
     devices = {t.device for t in (k, v, k_cache, v_cache, slot_mapping)}
     if len(devices) != 1:
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
@@ -53,21 +67,28 @@ def store_kv_reference(
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], written in place
     v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], written in place
     slot_mapping: torch.Tensor,  # [N] int64; < 0 skips the token
+    *,
+    k_scale: float = 1.0,  # FP8 caches only: stored = e4m3(k / k_scale)
+    v_scale: float = 1.0,
 ) -> None:
     """PyTorch oracle for `store_kv`; also checks that every slot is inside the pool."""
-    check_store_args(k, v, k_cache, v_cache, slot_mapping)
+    check_store_args(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     num_slots = num_blocks * block_size
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     if slots.numel() and int(slots.max()) >= num_slots:
         raise ValueError(f"slot {int(slots.max())} is outside the pool of {num_slots} slots")
-    for src, cache in ((k, k_cache), (v, v_cache)):
+    for src, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
         try:
             flat = cache.view(num_slots, num_kv_heads, head_dim)
         except RuntimeError as exc:
             raise ValueError("the cache must be viewable as [num_slots, Hkv, D]") from exc
-        flat.index_copy_(0, slots, src[keep].to(cache.dtype))
+        if is_fp8(cache.dtype):  # index_copy_ has no float8 kernel on the CPU: copy the bytes
+            flat.view(torch.uint8).index_copy_(0, slots, quantize_reference(src[keep], scale)
+                                               .view(torch.uint8))
+        else:
+            flat.index_copy_(0, slots, src[keep].to(cache.dtype))
 
 
 @triton.jit
@@ -91,11 +112,14 @@ def _store_kv_kernel(
     stride_vco,
     stride_vch,
     stride_vcd,
+    k_inv_scale,  # 1 / k_scale (FP8 caches)
+    v_inv_scale,  # 1 / v_scale
     PAGE: tl.constexpr,  # block_size of the cache
     NUM_HEADS: tl.constexpr,
     H_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
+    FP8: tl.constexpr,  # the cache is float8 e4m3: quantize on the way in
 ):
     n = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + n)
@@ -108,6 +132,9 @@ def _store_kv_kernel(
     mask = (h < NUM_HEADS)[:, None] & (d < HEAD_DIM)[None, :]
     k = tl.load(k_ptr + n * stride_kn + h[:, None] * stride_kh + d[None, :] * stride_kd, mask=mask)
     v = tl.load(v_ptr + n * stride_vn + h[:, None] * stride_vh + d[None, :] * stride_vd, mask=mask)
+    if FP8:
+        k = quantize_e4m3(k.to(tl.float32), k_inv_scale)
+        v = quantize_e4m3(v.to(tl.float32), v_inv_scale)
     kc = k_cache_ptr + block * stride_kcb + offset * stride_kco
     vc = v_cache_ptr + block * stride_vcb + offset * stride_vco
     tl.store(
@@ -128,12 +155,15 @@ def store_kv(
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], written in place
     v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], written in place
     slot_mapping: torch.Tensor,  # [N] int64; < 0 skips the token
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Triton KV store; same contract as `store_kv_reference`, but slots are not range-checked
     on the device (no synchronization)."""
     if not HAS_TRITON:
         raise RuntimeError("store_kv needs Triton; use the reference instead")
-    check_store_args(k, v, k_cache, v_cache, slot_mapping)
+    check_store_args(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
@@ -149,11 +179,14 @@ def store_kv(
         *v.stride(),
         *k_cache.stride(),
         *v_cache.stride(),
+        inverse_scale(k_scale),
+        inverse_scale(v_scale),
         PAGE=k_cache.shape[1],
         NUM_HEADS=num_kv_heads,
         H_PAD=h_pad,
         HEAD_DIM=head_dim,
         D_PAD=d_pad,
+        FP8=is_fp8(k_cache.dtype),
         num_warps=4 if h_pad * d_pad >= 1024 else 1,
     )
 

@@ -8,6 +8,8 @@ Query head h reads KV head `h // (Hq // Hkv)` (grouped-query attention, GQA).
 With a sliding `window` W (optional, default none) row i's query, at position
 `context_lens[i] - 1`, sees only its last W tokens: positions `context_lens[i] - W ..
 context_lens[i] - 1` (transformers' `sliding_window` semantics); W >= the context is no window.
+The cache holds q's dtype, or float8 e4m3 (an FP8 KV cache, `kernels.kv_quant`) read as
+`float32(entry) * k_scale` (keys) and `* v_scale` (values).
 
 Two implementations with one signature (the CPU engine runs
 `kernels.cpu_attention.decode_attention_cpu`, equal to the reference up to rounding):
@@ -21,6 +23,10 @@ Two implementations with one signature (the CPU engine runs
   neighbouring bytes of each `[block_size, Hkv, D]` cache block. With more than one
   split (flash-decoding) each program covers one partition of the context and writes a
   partial output with its log-sum-exp; a second kernel combines the partitions.
+  From an FP8 cache it loads one byte per element and casts it to q's dtype in registers
+  (exact: every e4m3 value is a float16/bfloat16 value); the scales' multiplies are folded
+  into the softmax scale (K) and the output's normalisation (V), since
+  softmax(q·(s k)ᵀ c) = softmax(q·kᵀ (s c)) and Σ p (s v) = s Σ p v.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import functools
 import torch
 
 from kernels._triton import HAS_TRITON, interpret_requested, next_power_of_2, tl, triton
+from kernels.kv_quant import check_kv_scales, dequantize_reference, is_fp8
 from kernels.online_softmax import online_softmax_step
 
 # Decided when this module is imported, like Triton's own choice in `@triton.jit` below.
@@ -56,6 +63,8 @@ def check_decode_args(
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Shape, dtype and device checks shared by the kernel and the reference (no device sync)."""
     if q.dim() != 3:
@@ -77,11 +86,13 @@ def check_decode_args(
         raise ValueError(
             f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
         )
-    if q.dtype not in _FLOAT_DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+    cache_dtype = k_cache.dtype if is_fp8(k_cache.dtype) else q.dtype
+    if q.dtype not in _FLOAT_DTYPES or k_cache.dtype != cache_dtype or v_cache.dtype != cache_dtype:
         raise ValueError(
-            f"q, k_cache and v_cache must share one of {_FLOAT_DTYPES}, got "
-            f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
+            f"q, k_cache and v_cache must share one of {_FLOAT_DTYPES} (or both caches be "
+            f"float8_e4m3fn), got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
         )
+    check_kv_scales(k_cache.dtype, k_scale, v_scale)
     if block_tables.dim() != 2 or block_tables.shape[0] != batch:
         raise ValueError(
             f"block_tables must be [batch={batch}, max_blocks], got shape {tuple(block_tables.shape)}"
@@ -118,9 +129,11 @@ def paged_decode_attention_reference(
     scale: float,
     *,
     window: int | None = None,  # sliding window: the last `window` tokens only
+    k_scale: float = 1.0,  # FP8 caches: a key is float32(entry) * k_scale
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [B, Hq, D], dtype of q
     """PyTorch oracle for `paged_decode_attention` (float32 math, reads the whole rectangle)."""
-    check_decode_args(q, k_cache, v_cache, block_tables, context_lens)
+    check_decode_args(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
     window = check_window(window)
     batch, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -139,8 +152,8 @@ def paged_decode_attention_reference(
     blocks = block_tables.long()[:, pos // block_size]  # [B, T]; padding entries are block 0
     offsets = (pos % block_size).expand(batch, max_ctx)  # [B, T]
     math_dtype = torch.promote_types(q.dtype, torch.float32)  # float32 (float64 stays)
-    k = k_cache[blocks, offsets].to(math_dtype)  # [B, T, Hkv, D]
-    v = v_cache[blocks, offsets].to(math_dtype)  # [B, T, Hkv, D]
+    k = dequantize_reference(k_cache[blocks, offsets], k_scale, math_dtype)  # [B, T, Hkv, D]
+    v = dequantize_reference(v_cache[blocks, offsets], v_scale, math_dtype)  # [B, T, Hkv, D]
     group = num_q_heads // num_kv_heads
     # GQA: query head h = kv_head * group + j uses KV head h // group = kv_head; viewing the
     # queries as [B, Hkv, group, D] equals repeating each KV head `group` times.
@@ -176,7 +189,8 @@ def _paged_decode_kernel(
     context_lens_ptr,  # [B]
     out_ptr,  # [B, Hq, D] (one split) or partial outputs [B, Hq, S, D] float32
     lse_ptr,  # [B, Hq, S] float32 log2-sum-exp of each partition (unused with one split)
-    qk_scale,  # softmax scale * log2(e)
+    qk_scale,  # softmax scale * log2(e) (* k_scale: FP8 caches)
+    v_scale,  # FP8 caches: the values' scale, applied to the output; else 1.0
     window,  # sliding window (NO_WINDOW: none); splits cover positions from max(0, len - window)
     partition_size,  # tokens per split, a multiple of BLOCK_N (EVEN_SPLITS: the least)
     num_splits,  # the last split also takes any tokens beyond num_splits * partition_size
@@ -209,6 +223,7 @@ def _paged_decode_kernel(
     DOT_FP32: tl.constexpr,  # compute dots in float32 (fp32 inputs, CPU interpreter)
     HEADS_FASTEST: tl.constexpr,  # grid (Hkv, B, S) instead of (B, Hkv, S)
     EVEN_SPLITS: tl.constexpr,  # each row's own span cut into num_splits equal partitions
+    KV_FP8: tl.constexpr,  # the cache is float8 e4m3
 ):
     if HEADS_FASTEST:  # the KV heads of one row run side by side and read adjacent bytes
         kv_head = tl.program_id(0)
@@ -251,11 +266,14 @@ def _paged_decode_kernel(
         v_ptrs = v_head + block[:, None] * stride_vb + offset[:, None] * stride_vo
         k = tl.load(k_ptrs + d[None, :] * stride_kd, mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
         v = tl.load(v_ptrs + d[None, :] * stride_vd, mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
+        if KV_FP8:  # exact casts; the scales are in qk_scale and v_scale
+            k = k.to(q_ptr.dtype.element_ty)
+            v = v.to(q_ptr.dtype.element_ty)
         m_i, l_i, acc = online_softmax_step(q, k, v, t_mask[None, :], qk_scale, m_i, l_i, acc,
                                             DOT_FP32)
 
     has_tokens = l_i > 0.0  # False only for an empty partition (or a row of length 0)
-    out = acc / tl.where(has_tokens, l_i, 1.0)[:, None]
+    out = acc / tl.where(has_tokens, l_i, 1.0)[:, None] * v_scale
     out_mask = g_mask[:, None] & d_mask[None, :]
     out_ptrs = out_ptr + row64 * stride_ob + heads[:, None] * stride_oh + d[None, :] * stride_od
     if SPLIT:
@@ -372,6 +390,8 @@ def paged_decode_attention(
     num_stages: int | None = None,
     heads_fastest: bool | None = None,
     even_splits: bool = False,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [B, Hq, D], dtype of q
     """Triton paged decode attention; same contract as `paged_decode_attention_reference`.
 
@@ -397,7 +417,7 @@ def paged_decode_attention(
     """
     if not HAS_TRITON:
         raise RuntimeError("paged_decode_attention needs Triton; use the reference instead")
-    check_decode_args(q, k_cache, v_cache, block_tables, context_lens)
+    check_decode_args(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
     window = check_window(window)
     if q.dtype not in _KERNEL_DTYPES:
         raise ValueError(f"the kernel takes {_KERNEL_DTYPES}, got {q.dtype}")
@@ -453,7 +473,8 @@ def paged_decode_attention(
         context_lens,
         target,
         lse,
-        float(scale) * _LOG2E,
+        float(scale) * _LOG2E * float(k_scale),
+        float(v_scale),
         window,
         partition,
         num_splits,
@@ -473,6 +494,7 @@ def paged_decode_attention(
         DOT_FP32=dot_fp32,
         HEADS_FASTEST=bool(heads_fastest),
         EVEN_SPLITS=bool(even_splits),
+        KV_FP8=is_fp8(k_cache.dtype),
         **launch,
     )
     if num_splits > 1:

@@ -7,7 +7,9 @@ in the layer's pool `k_cache, v_cache [num_blocks, block_size, Hkv, D]`: token t
 `block_tables[b, t // block_size]` at offset `t % block_size`. The caller has already stored
 the new tokens' keys and values there (`kernels.kv_store`). With `cached = context_lens[b] -
 q_len`, new token j sits at absolute position `cached + j` and attends to context tokens
-`0 .. cached + j` (causal). Query head h reads KV head `h // (Hq // Hkv)` (GQA).
+`0 .. cached + j` (causal). Query head h reads KV head `h // (Hq // Hkv)` (GQA). The cache
+holds q's dtype, or float8 e4m3 read as `float32(entry) * k_scale` / `* v_scale` (an FP8 KV
+cache, `kernels.kv_quant`; the kernel folds the scales as `kernels.paged_attention` does).
 
     row b's context:  [ cached tokens (shared blocks) | new tokens 0 .. q_len-1 ]
     new token j sees: [ 0 ...................................... cached + j ]
@@ -29,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from kernels._triton import HAS_TRITON, interpret_requested, next_power_of_2, tl, triton
+from kernels.kv_quant import check_kv_scales, dequantize_reference, is_fp8
 from kernels.online_softmax import online_softmax_step
 
 # Decided when this module is imported, like Triton's own choice in `@triton.jit` below.
@@ -47,6 +50,8 @@ def check_paged_prefill_args(
     block_tables: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
     context_lens: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Shape, dtype and device checks shared by the kernel and the reference (no device sync)."""
     if q.dim() != 3:
@@ -64,11 +69,13 @@ def check_paged_prefill_args(
         raise ValueError(
             f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
         )
-    if q.dtype not in _FLOAT_DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+    cache_dtype = k_cache.dtype if is_fp8(k_cache.dtype) else q.dtype
+    if q.dtype not in _FLOAT_DTYPES or k_cache.dtype != cache_dtype or v_cache.dtype != cache_dtype:
         raise ValueError(
-            f"q, k_cache and v_cache must share one of {_FLOAT_DTYPES}, got "
-            f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
+            f"q, k_cache and v_cache must share one of {_FLOAT_DTYPES} (or both caches be "
+            f"float8_e4m3fn), got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
         )
+    check_kv_scales(k_cache.dtype, k_scale, v_scale)
     if cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape[0] < 1 or cu_seqlens_q.dtype != torch.int32:
         raise ValueError(
             f"cu_seqlens_q must be a 1-D int32 tensor [B + 1], got {cu_seqlens_q.dtype} "
@@ -100,9 +107,13 @@ def paged_prefill_attention_reference(
     context_lens: torch.Tensor,  # [B] int32: cached + new tokens of each row
     max_seqlen_q: int,  # >= every q_len
     scale: float,
+    *,
+    k_scale: float = 1.0,  # FP8 caches: a key is float32(entry) * k_scale
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [N, Hq, D], dtype of q
     """PyTorch oracle for `paged_prefill_attention`; also checks the lengths' values."""
-    check_paged_prefill_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens)
+    check_paged_prefill_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
+                             k_scale, v_scale)
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     bounds = cu_seqlens_q.tolist()
     q_lens = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
@@ -129,8 +140,8 @@ def paged_prefill_attention_reference(
             continue
         pos = torch.arange(ctx, device=q.device)  # [T] context positions
         blocks = block_tables[row].long()[pos // block_size]  # [T]
-        k = k_cache[blocks, pos % block_size].to(math_dtype)  # [T, Hkv, D]
-        v = v_cache[blocks, pos % block_size].to(math_dtype)  # [T, Hkv, D]
+        k = dequantize_reference(k_cache[blocks, pos % block_size], k_scale, math_dtype)
+        v = dequantize_reference(v_cache[blocks, pos % block_size], v_scale, math_dtype)  # [T, Hkv, D]
         qg = q[start:end].to(math_dtype).reshape(n, num_kv_heads, group, head_dim)  # [n,Hkv,G,D]
         scores = torch.einsum("nkgd,tkd->kgnt", qg, k) * scale  # [Hkv, G, n, T]
         query_pos = (ctx - n) + torch.arange(n, device=q.device)  # [n] absolute positions
@@ -150,7 +161,8 @@ def _paged_prefill_kernel(
     cu_seqlens_q_ptr,  # [B + 1] int32
     context_lens_ptr,  # [B]
     out_ptr,  # [N, Hq, D]
-    qk_scale,  # softmax scale * log2(e)
+    qk_scale,  # softmax scale * log2(e) (* k_scale: FP8 caches)
+    v_scale,  # FP8 caches: the values' scale, applied to the output; else 1.0
     stride_qn,
     stride_qh,
     stride_qd,
@@ -175,6 +187,7 @@ def _paged_prefill_kernel(
     BLOCK_M: tl.constexpr,  # new tokens per program; the tile has BLOCK_M * GROUP_PAD rows
     BLOCK_N: tl.constexpr,  # context tokens per loop step
     DOT_FP32: tl.constexpr,  # compute dots in float32 (fp32 inputs, CPU interpreter)
+    KV_FP8: tl.constexpr,  # the cache is float8 e4m3
 ):
     m_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -218,10 +231,13 @@ def _paged_prefill_kernel(
         v_ptrs = v_head + block[:, None] * stride_vb + offset[:, None] * stride_vo
         k = tl.load(k_ptrs + d[None, :] * stride_kd, mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
         v = tl.load(v_ptrs + d[None, :] * stride_vd, mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
+        if KV_FP8:  # exact casts; the scales are in qk_scale and v_scale
+            k = k.to(q_ptr.dtype.element_ty)
+            v = v.to(q_ptr.dtype.element_ty)
         visible = (t[None, :] <= query_pos[:, None]) & t_mask[None, :]  # [ROWS, BLOCK_N]
         m_i, l_i, acc = online_softmax_step(q, k, v, visible, qk_scale, m_i, l_i, acc, DOT_FP32)
 
-    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # every query sees context token 0
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None] * v_scale  # every query sees token 0
     o_off = q_rows[:, None] * stride_on + heads[:, None] * stride_oh + d[None, :] * stride_od
     tl.store(
         out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=r_mask[:, None] & d_mask[None, :]
@@ -248,6 +264,8 @@ def paged_prefill_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [N, Hq, D], dtype of q
     """Triton paged prefill attention; same contract as `paged_prefill_attention_reference`.
 
@@ -259,7 +277,8 @@ def paged_prefill_attention(
     """
     if not HAS_TRITON:
         raise RuntimeError("paged_prefill_attention needs Triton; use the reference instead")
-    check_paged_prefill_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens)
+    check_paged_prefill_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
+                             k_scale, v_scale)
     if q.dtype not in _KERNEL_DTYPES:
         raise ValueError(f"the kernel takes {_KERNEL_DTYPES}, got {q.dtype}")
     num_tokens, num_q_heads, head_dim = q.shape
@@ -285,7 +304,8 @@ def paged_prefill_attention(
         cu_seqlens_q,
         context_lens,
         out,
-        float(scale) * _LOG2E,
+        float(scale) * _LOG2E * float(k_scale),
+        float(v_scale),
         *q.stride(),
         *k_cache.stride(),
         *v_cache.stride(),
@@ -299,6 +319,7 @@ def paged_prefill_attention(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         DOT_FP32=INTERPRETED or q.dtype == torch.float32,
+        KV_FP8=is_fp8(k_cache.dtype),
         **launch,
     )
     return out

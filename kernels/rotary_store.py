@@ -6,7 +6,8 @@ Input: qkv [N, Hq + 2 Hkv, D], the fused q/k/v projection of N tokens (heads q |
 head dimension contiguous, any token and head strides); cos/sin [N, D]; slot_mapping [N]
 int64 (a slot < 0 stores nothing: the padding rows of a bucketed step); the layer's caches
 [num_blocks, block_size, Hkv, D]. Output: q [N, Hq, D] rotated, contiguous. In place:
-rotated k and plain v at each token's slot, cast to the cache's dtype.
+rotated k and plain v at each token's slot, cast to the cache's dtype (an FP8 cache:
+quantized by k_scale / v_scale after rounding to q's dtype, as `kernels.kv_store` does).
 
 - `rotary_store_reference`: `rotary_reference` on q and k, then `store_kv_reference`.
 - `rotary_store`: Triton, one program per token over all its heads. Each output is
@@ -20,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from kernels._triton import HAS_TRITON, next_power_of_2, tl, triton
+from kernels.kv_quant import inverse_scale, is_fp8, quantize_e4m3
 from kernels.kv_store import check_store_args, store_kv_reference
 from kernels.rotary import check_rotary_args, rotary_reference
 
@@ -38,10 +40,12 @@ def _split(qkv: torch.Tensor, num_q_heads: int) -> tuple[torch.Tensor, ...]:
 
 def rotary_store_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                            k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           slot_mapping: torch.Tensor, num_q_heads: int) -> torch.Tensor:
+                           slot_mapping: torch.Tensor, num_q_heads: int, *,
+                           k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     q, k, v = _split(qkv, num_q_heads)
-    check_store_args(k, v, k_cache, v_cache, slot_mapping)
-    store_kv_reference(rotary_reference(k, cos, sin), v, k_cache, v_cache, slot_mapping)
+    check_store_args(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    store_kv_reference(rotary_reference(k, cos, sin), v, k_cache, v_cache, slot_mapping,
+                       k_scale=k_scale, v_scale=v_scale)
     return rotary_reference(q, cos, sin).contiguous()
 
 
@@ -62,8 +66,10 @@ def _rotate(row_ptr, heads, stride_h, c1, c2, s1, s2, NUM: tl.constexpr,
 def _rotary_store_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, q_out_ptr, k_cache_ptr,
                          v_cache_ptr, stride_n, stride_h, stride_cn, stride_sn,
                          stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
+                         k_inv_scale, v_inv_scale,
                          HQ: tl.constexpr, HKV: tl.constexpr, HQ_PAD: tl.constexpr,
-                         HKV_PAD: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr):
+                         HKV_PAD: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr,
+                         FP8: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, HALF)
     # cos/sin repeat their first half ([f | f] frequencies), as the model builds them
@@ -91,23 +97,28 @@ def _rotary_store_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, q_out_ptr, k_cache
         kc = k_cache_ptr + block * stride_kb + offset * stride_ko + hk[:, None] * stride_kh
         # rounded to q's dtype first (rotary's output), then to the cache's, as the two
         # unfused kernels do
-        tl.store(kc + d[None, :], k_lo.to(ty).to(k_cache_ptr.dtype.element_ty), mask=k_mask)
-        tl.store(kc + HALF + d[None, :], k_hi.to(ty).to(k_cache_ptr.dtype.element_ty),
-                 mask=k_mask)
+        k_lo, k_hi = k_lo.to(ty), k_hi.to(ty)
         dd = tl.arange(0, 2 * HALF)
         v = tl.load(row + (HQ + HKV + hk[:, None]) * stride_h + dd[None, :], mask=k_mask)
+        if FP8:
+            k_lo = quantize_e4m3(k_lo.to(tl.float32), k_inv_scale)
+            k_hi = quantize_e4m3(k_hi.to(tl.float32), k_inv_scale)
+            v = quantize_e4m3(v.to(tl.float32), v_inv_scale)
+        tl.store(kc + d[None, :], k_lo.to(k_cache_ptr.dtype.element_ty), mask=k_mask)
+        tl.store(kc + HALF + d[None, :], k_hi.to(k_cache_ptr.dtype.element_ty), mask=k_mask)
         vc = v_cache_ptr + block * stride_vb + offset * stride_vo + hk[:, None] * stride_vh
         tl.store(vc + dd[None, :], v.to(v_cache_ptr.dtype.element_ty), mask=k_mask)
 
 
 def rotary_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                 num_q_heads: int) -> torch.Tensor:
+                 num_q_heads: int, *, k_scale: float = 1.0,
+                 v_scale: float = 1.0) -> torch.Tensor:
     """Triton form of `rotary_store_reference`; slots are not range-checked on the device."""
     if not HAS_TRITON:
         raise RuntimeError("rotary_store needs Triton; use the reference instead")
     q, k, v = _split(qkv, num_q_heads)
-    check_store_args(k, v, k_cache, v_cache, slot_mapping)
+    check_store_args(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     check_rotary_args(qkv, cos, sin)
     N, H, D = qkv.shape
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
@@ -119,8 +130,10 @@ def rotary_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             qkv, cos, sin, slot_mapping, out, k_cache, v_cache, qkv.stride(0),
             qkv.stride(1), cos.stride(0), sin.stride(0), k_cache.stride(0),
             k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-            v_cache.stride(2), HQ=num_q_heads, HKV=hkv, HQ_PAD=next_power_of_2(num_q_heads),
-            HKV_PAD=next_power_of_2(hkv), HALF=D // 2, PAGE=k_cache.shape[1])
+            v_cache.stride(2), inverse_scale(k_scale), inverse_scale(v_scale), HQ=num_q_heads,
+            HKV=hkv, HQ_PAD=next_power_of_2(num_q_heads),
+            HKV_PAD=next_power_of_2(hkv), HALF=D // 2, PAGE=k_cache.shape[1],
+            FP8=is_fp8(k_cache.dtype))
     return out
 
 

@@ -10,6 +10,9 @@ The branches of `gqa_attention`:
 - paged cache without a mask (decode, T == 1): store, then the batched paged read.
 Every branch takes an optional sliding `window` W (None: none): the query at position p
 sees only the keys at positions p-W+1 .. p (transformers' `sliding_window` semantics).
+With an FP8 pool, a prefill's own tokens attend to each other as computed (the
+quantized copies in the pool serve the later reads: decode steps, and the paged prefill
+after a prefix-cache hit), as vLLM's FP8 KV cache does.
 
 A padded prefill may arrive packed (`AttentionMetadata.packed_from`: the model ran its
 projections on the real tokens only, one row [1, N]); its q/k/v are put back in their
@@ -156,7 +159,8 @@ def gqa_attention(q, k, v, layer: int, cache, meta: AttentionMetadata,
                                  "runs without prefix caching")
             out = kernel_backend.paged_prefill_attention(
                 q[0], cache.pool.k[layer], cache.pool.v[layer], cache.block_tables,
-                meta.cu_seqlens, cache.context_lens, meta.max_seqlen, q.shape[-1] ** -0.5)
+                meta.cu_seqlens, cache.context_lens, meta.max_seqlen, q.shape[-1] ** -0.5,
+                **cache.pool.scales(layer))
         else:
             out = kernel_backend.prefill_attention(q[0], k[0], v[0], meta.cu_seqlens,
                                                    meta.max_seqlen, q.shape[-1] ** -0.5,

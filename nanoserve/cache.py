@@ -3,6 +3,10 @@ pool and one block table per sequence.
 
 Pool layout, per layer: `k[layer], v[layer]: [num_blocks, block_size, Hkv, D]`; the
 flat view `[num_slots, Hkv, D]` is indexed by slot = block * block_size + offset.
+The pool's dtype is the model's, or float8 e4m3 (an FP8 KV cache: one byte per element, so
+twice the tokens of a bfloat16 pool in the same memory), stored as x / scale with one K
+scale and one V scale per layer (`KVPool.k_scales`, `v_scales`; `kernels.kv_quant`). Every
+store and read of the pool passes its layer's scales (`KVPool.scales(layer)`).
 
 Lessons kept as invariants (see the design notes):
 1. The attention mask is a prefill-time object. A masked write stores only the real
@@ -24,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import backend as kernel_backend
+from kernels.kv_quant import check_kv_scales, is_fp8
 from nanoserve.block_manager import (
     BlockAllocator,
     BlockTable,
@@ -90,10 +95,17 @@ def _zeros(size: tuple[int, ...], dtype: torch.dtype, device: str | torch.device
 
 
 class KVPool:
-    """The shared block pool: per-layer K/V tensors and the allocator over their blocks."""
+    """The shared block pool: per-layer K/V tensors and the allocator over their blocks.
+
+    k_scales, v_scales: one float per layer, for an FP8 pool (default all 1.0); any other
+    dtype takes none."""
 
     def __init__(self, shape: CacheShape, num_blocks: int, block_size: int = 16,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 k_scales: list[float] | None = None,
+                 v_scales: list[float] | None = None) -> None:
+        self.k_scales = _layer_scales(k_scales, shape.num_layers, dtype)
+        self.v_scales = _layer_scales(v_scales, shape.num_layers, dtype)
         size = (num_blocks, block_size, shape.num_kv_heads, shape.head_dim)
         # Zeroed, not empty: pad reads of slot 0 must not meet NaN bit patterns.
         self.k = [_zeros(size, dtype, device) for _ in range(shape.num_layers)]
@@ -107,9 +119,21 @@ class KVPool:
 
     @classmethod
     def for_memory(cls, shape: CacheShape, num_bytes: int, block_size: int = 16,
-                   dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> KVPool:
+                   dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                   k_scales: list[float] | None = None,
+                   v_scales: list[float] | None = None) -> KVPool:
         per_block = shape.bytes_per_token(dtype) * block_size
-        return cls(shape, max(1, num_bytes // per_block), block_size, dtype, device)
+        return cls(shape, max(1, num_bytes // per_block), block_size, dtype, device,
+                   k_scales, v_scales)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the pool holds, all blocks full."""
+        return self.num_blocks * self.block_size
+
+    def scales(self, layer: int) -> dict[str, float]:
+        """`k_scale` and `v_scale` of one layer, as the kernels' keyword arguments."""
+        return {"k_scale": self.k_scales[layer], "v_scale": self.v_scales[layer]}
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks' K/V, every layer: (source, destination) pairs (a forked
@@ -119,6 +143,8 @@ class KVPool:
         src = torch.tensor([a for a, _ in pairs], dtype=torch.int64).to(self.device, non_blocking=True)
         dst = torch.tensor([b for _, b in pairs], dtype=torch.int64).to(self.device, non_blocking=True)
         for pool in (*self.k, *self.v):
+            if is_fp8(pool.dtype):  # index_copy_ has no float8 kernel: copy the bytes
+                pool = pool.view(torch.uint8)
             pool.index_copy_(0, dst, pool.index_select(0, src))
 
     def flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,6 +152,17 @@ class KVPool:
         s = self.shape
         return (self.k[layer].view(-1, s.num_kv_heads, s.head_dim),
                 self.v[layer].view(-1, s.num_kv_heads, s.head_dim))
+
+
+def _layer_scales(scales: list[float] | None, num_layers: int, dtype: torch.dtype) -> list[float]:
+    if scales is None:
+        return [1.0] * num_layers
+    scales = [float(s) for s in scales]
+    if len(scales) != num_layers:
+        raise ValueError(f"{len(scales)} KV scales for {num_layers} layers")
+    for s in scales:
+        check_kv_scales(dtype, s, 1.0)
+    return scales
 
 
 class BatchedPagedKVCache:
@@ -195,7 +232,7 @@ class BatchedPagedKVCache:
         else:
             k, v = k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:])
         k_pool, v_pool = self.pool.k[layer], self.pool.v[layer]
-        kernel_backend.store_kv(k, v, k_pool, v_pool, self._write_slots)
+        kernel_backend.store_kv(k, v, k_pool, v_pool, self._write_slots, **self.pool.scales(layer))
 
     def _begin_step(self, valid: torch.Tensor | None, B: int, T: int, device) -> None:
         if valid is not None:
@@ -261,7 +298,7 @@ class BatchedPagedKVCache:
         scale = q.shape[-1] ** -0.5
         return kernel_backend.decode_attention(
             q, self.pool.k[layer], self.pool.v[layer], self._block_tables, self._context_lens, scale,
-            window=window,
+            window=window, **self.pool.scales(layer),
         )
 
     def free_row(self, i: int) -> None:

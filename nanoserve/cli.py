@@ -50,6 +50,9 @@ def _add_generate_parser(sub) -> None:
                    help="fp8: quantize the model's projections to FP8 at load (a GPU of "
                         "compute capability 8.9+; FP8 checkpoints need no flag)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3"),
+                   help="auto (the model's dtype) or fp8: float8 e4m3 keys and values, twice "
+                        "the tokens per byte (a GPU of compute capability 8.9+)")
 
 
 def _run_generate(args) -> int:
@@ -71,7 +74,8 @@ def _run_generate(args) -> int:
                                 logprobs=args.logprobs, structured_outputs=structured)
     except ValueError as e:
         raise NanoserveError(str(e)) from None
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, quantization=args.quantization)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
+              kv_cache_dtype=args.kv_cache_dtype)
     if structured is not None:
         try:
             llm.grammars.check(structured)

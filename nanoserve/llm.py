@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.kv_quant import is_fp8
 from nanoserve.cache import CacheShape, KVPool
 from nanoserve.config import ModelConfig
 from nanoserve.cuda_graph import MIN_DECODE_STEPS, graphs_wanted
@@ -17,6 +18,7 @@ from nanoserve.dummy_weights import random_model
 from nanoserve.errors import CacheFullError, NanoserveError
 from nanoserve.fp8 import build_with_fp8, check_quantization
 from nanoserve.generate import DECODE_STEP_MODES, BatchStats, blocks_for_batch, generate_batch
+from nanoserve.kv_cache_dtype import read_kv_scales, resolve_kv_cache_dtype
 from nanoserve.model_runner import ContinuousRunner
 from nanoserve.model_store import DEFAULT_MODEL, resolve_model
 from nanoserve.sampling import SamplingParams
@@ -57,7 +59,8 @@ class LLM:
                  kv_cache_bytes: int | None = None, block_size: int = 16,
                  max_batch_size: int = 256, decode_step: str = "auto",
                  scheduler: str = "auto", enable_prefix_caching: bool = True,
-                 quantization: str | None = None, load_format: str = "auto") -> None:
+                 quantization: str | None = None, load_format: str = "auto",
+                 kv_cache_dtype: str = "auto") -> None:
         """kv_cache_fraction: share of the GPU's free memory (after the weights) given to
         the KV pool. kv_cache_bytes: an exact pool size instead (the CPU default is 1 GiB).
         decode_step: "auto" (a CUDA graph per batch on a GPU, see nanoserve/cuda_graph.py),
@@ -79,7 +82,10 @@ class LLM:
         FP8 GEMMs on such a GPU, dequantized weights elsewhere (nanoserve/fp8.py).
         load_format: "auto" reads the checkpoint; "dummy" reads only its config.json and
         tokenizer and draws random weights on the device (nanoserve/dummy_weights.py: for
-        benchmarks of shapes whose checkpoint does not fit the disk)."""
+        benchmarks of shapes whose checkpoint does not fit the disk).
+        kv_cache_dtype: "auto" (the model's dtype) or "fp8" (float8 e4m3 with per-layer scales
+        from the checkpoint, else 1.0: twice the tokens in the same memory; a GPU of compute
+        capability 8.9 or newer only; see nanoserve/kv_cache_dtype.py)."""
         self.enable_prefix_caching = enable_prefix_caching
         if scheduler not in SCHEDULERS:
             raise NanoserveError(f"scheduler must be one of {', '.join(SCHEDULERS)}, "
@@ -93,6 +99,7 @@ class LLM:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         check_quantization(quantization, self.device)  # before reading any weights
+        self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype, self.device)
         if load_format == "dummy":
             config = ModelConfig.from_json_file(self.model_path / "config.json")
             self.model = random_model(config, self.dtype, self.device, quantization)
@@ -120,8 +127,11 @@ class LLM:
                 kv_cache_bytes = int(free * kv_cache_fraction)
             else:
                 kv_cache_bytes = CPU_KV_CACHE_BYTES
+        scales = (None, None)
+        if is_fp8(self.kv_cache_dtype):  # the checkpoint's scales, else 1.0
+            scales = read_kv_scales(self.model_path, config.num_hidden_layers)[:2]
         self.pool = KVPool.for_memory(CacheShape.of(config), kv_cache_bytes, block_size,
-                                      self.dtype, self.device)
+                                      self.kv_cache_dtype, self.device, *scales)
         self.last_stats = BatchStats()
         if scheduler == "auto":
             self.scheduler = "continuous"  # on the CPU too: rows leave as they finish

@@ -49,7 +49,8 @@ class StepCache:
             raise ValueError("a step cache takes packed or decode steps, not a masked rectangle")
         B, T = k.shape[:2]
         k, v = k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:])
-        kernel_backend.store_kv(k, v, self.pool.k[layer], self.pool.v[layer], self.slot_mapping)
+        kernel_backend.store_kv(k, v, self.pool.k[layer], self.pool.v[layer], self.slot_mapping,
+                                **self.pool.scales(layer))
 
     def rotary_store(self, layer: int, qkv: torch.Tensor, cos: torch.Tensor,
                      sin: torch.Tensor, num_q_heads: int) -> torch.Tensor:
@@ -58,7 +59,8 @@ class StepCache:
         B, T, H, D = qkv.shape
         q = kernel_backend.rotary_store(
             qkv.reshape(B * T, H, D), cos.reshape(B * T, D), sin.reshape(B * T, D),
-            self.pool.k[layer], self.pool.v[layer], self.slot_mapping, num_q_heads)
+            self.pool.k[layer], self.pool.v[layer], self.slot_mapping, num_q_heads,
+            **self.pool.scales(layer))
         return q.view(B, T, num_q_heads, D)
 
     def paged_attention(self, layer: int, q: torch.Tensor, mask: torch.Tensor | None = None, *,
@@ -69,4 +71,4 @@ class StepCache:
         return kernel_backend.decode_attention(
             q, self.pool.k[layer], self.pool.v[layer], self.block_tables, self.context_lens,
             q.shape[-1] ** -0.5, max_context_len=self.max_context_len, window=window,
-            even_splits=EVEN_SPLITS)
+            even_splits=EVEN_SPLITS, **self.pool.scales(layer))

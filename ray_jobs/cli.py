@@ -132,6 +132,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
                    help="exact KV pool size per worker in GiB, instead of the fraction "
                         "(default on the CPU: 1)")
+    r.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3"), default="auto",
+                   help="auto (the model's dtype) or fp8: keys and values stored as float8 e4m3 "
+                        "with per-layer scales, twice the tokens per byte; GPUs of compute "
+                        "capability 8.9 or newer (default: auto)")
     r.add_argument("--scheduler", choices=("auto", "static", "continuous"), default="auto",
                    help="the engine's batching in each worker: continuous (rows join as others "
                         "finish, and the next batch's rows as this batch's finish; decode steps "
@@ -188,6 +192,7 @@ def run_batch_cli(args: argparse.Namespace) -> int:
         prompt_column=args.prompt_column, id_column=args.id_column,
         input_format=args.input_format, output_format=args.output_format,
         progress=args.progress, kv_cache_fraction=args.kv_cache_fraction,
+        kv_cache_dtype=args.kv_cache_dtype,
         kv_cache_bytes=None if args.kv_cache_memory is None else int(args.kv_cache_memory * 2**30),
     )
     print(summary.format())

@@ -225,7 +225,8 @@ def _job_settings(opts: JobOptions, info: InputInfo, model_path: Path,
                   limits: BatchLimits) -> dict[str, Any]:
     """What the manifest compares on resume: everything that changes the output rows. The
     output controls appear only when set (`n` above 1, logprobs asked, a job-wide structured
-    output), so the output of a job from before them still resumes."""
+    output), and so does an FP8 KV cache, so the output of a job from before them still
+    resumes."""
     sampling = opts.sampling_defaults()
     sampling["stop"] = list(sampling["stop"])
     for key in ("n", "logprobs", "prompt_logprobs", "structured_outputs"):
@@ -239,7 +240,9 @@ def _job_settings(opts: JobOptions, info: InputInfo, model_path: Path,
                                           if (v := getattr(so, k)) is not None}
     return {
         "model": {"files": model_identity(model_path), "dtype": opts.dtype,
-                  **({"quantization": opts.quantization} if opts.quantization else {})},
+                  **({"quantization": opts.quantization} if opts.quantization else {}),
+                  **({"kv_cache_dtype": opts.kv_cache_dtype}
+                     if opts.kv_cache_dtype != "auto" else {})},
         "input": {"files": input_identity(info.root, info.files), "num_rows": info.num_rows},
         "sampling": sampling,
         "batching": {"batch_size": limits.batch_size, "max_batch_tokens": limits.max_batch_tokens,

@@ -16,6 +16,7 @@ from ray_jobs.openai_batch import OUTPUT_FORMATS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULERS = ("auto", "static", "continuous")  # as nanoserve.llm.SCHEDULERS (no torch here)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # as nanoserve.kv_cache_dtype's
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ class JobOptions:
     retry_errors: bool = False  # compute again the written batches that hold error rows
     kv_cache_fraction: float = 0.5  # of a GPU's free memory, for the KV pool
     kv_cache_bytes: int | None = None  # the KV pool's exact size per worker (else the above)
+    kv_cache_dtype: str = "auto"  # the model's dtype, or "fp8" (e4m3, sm_89+ GPUs)
     scheduler: str = "auto"  # each worker's engine: continuous (nanoserve.llm.LLM)
     prefix_caching: bool = True  # engines reuse the KV blocks of shared prompt prefixes
     chunk_rows: int = DEFAULT_CHUNK_ROWS  # rows read and tokenized at a time
@@ -102,6 +104,9 @@ class JobOptions:
         parse_num_workers(self.num_workers)  # raises NanoserveError if invalid
         if not 0 < self.kv_cache_fraction <= 1:
             raise NanoserveError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise NanoserveError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; choose "
+                                 f"{', '.join(KV_CACHE_DTYPES)}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise NanoserveError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
         if self.worker_start_timeout_s <= 0:
@@ -126,4 +131,4 @@ class JobOptions:
                 "structured_outputs": self.structured_outputs()}
 
 
-__all__ = ["DTYPES", "SCHEDULERS", "JobOptions"]
+__all__ = ["DTYPES", "KV_CACHE_DTYPES", "SCHEDULERS", "JobOptions"]

@@ -194,6 +194,7 @@ class WorkerPool:
         kwargs = {"model": opts.model, "dtype": opts.dtype,
                   "kv_cache_fraction": opts.kv_cache_fraction,
                   "kv_cache_bytes": opts.kv_cache_bytes, "num_threads": num_threads,
+                  "kv_cache_dtype": opts.kv_cache_dtype,
                   "scheduler": opts.scheduler, "prefix_caching": opts.prefix_caching,
                   **({"quantization": opts.quantization} if opts.quantization else {}),
                   **(actor_kwargs or {})}

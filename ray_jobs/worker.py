@@ -96,7 +96,8 @@ class BatchWorker:
     def __init__(self, model: str, dtype: str = "auto", kv_cache_fraction: float = 0.5,
                  device: str | None = None, num_threads: int | None = None,
                  kv_cache_bytes: int | None = None, scheduler: str = "auto",
-                 prefix_caching: bool = True, quantization: str | None = None) -> None:
+                 prefix_caching: bool = True, quantization: str | None = None,
+                 kv_cache_dtype: str = "auto") -> None:
         """Load the model once. `device` None picks one (see the module docstring);
         `num_threads` caps torch's CPU threads (at most the machine's cores);
         `kv_cache_bytes` sizes the KV pool exactly (else `kv_cache_fraction` of a GPU's free
@@ -113,7 +114,7 @@ class BatchWorker:
         llm = LLM(model=model, dtype=dtype, device=device or pick_device(),
                   kv_cache_fraction=kv_cache_fraction, kv_cache_bytes=kv_cache_bytes,
                   scheduler=scheduler, enable_prefix_caching=prefix_caching,
-                  quantization=quantization)
+                  quantization=quantization, kv_cache_dtype=kv_cache_dtype)
         self._attach(llm)
 
     @classmethod

@@ -958,3 +958,160 @@ def test_interp_argmax_scatter_matches_reference(interp):
         xh = x.to(dtype)
         assert torch.equal(argmax_scatter(xh, slots, last),
                            argmax_scatter_reference(xh, slots, want_last))
+
+
+# --- FP8 KV cache: float8 e4m3 pools with per-layer scales (kernels/kv_quant.py) ---------------
+# The interpreter loads float8 exactly, but its own float32 -> float8 cast rounds wrongly; the
+# kernels round to the e4m3 grid themselves before casting (see kernels/kv_quant.py), so the
+# stores below are held to torch's conversion bit for bit. Attention over an FP8 pool is held
+# to the reference over the same pool within the float tolerances above: the kernels' casts
+# from e4m3 are exact and folding the scales into the softmax scale and the output only
+# reorders float32 roundings.
+
+FP8_SCALES = [(1.0, 1.0), (0.37, 2.5)]  # (k_scale, v_scale): unit, and neither a power of two
+
+
+def _fp8_pool(cache: torch.Tensor, scale: float) -> torch.Tensor:
+    """A float cache quantized into an FP8 one (values up to 6x past 448 * scale: clamped)."""
+    from kernels.kv_quant import quantize_reference
+
+    return quantize_reference(cache * 150.0 * scale, scale)
+
+
+def _assert_close_fp8(actual, expected, dtype, v_cache: torch.Tensor, v_scale: float) -> None:
+    """The float tolerances, the absolute one scaled by the largest value read (outputs are
+    averages of values up to 448 * v_scale: float32's rounding of such sums is absolute)."""
+    atol, rtol = TOLERANCE[dtype]
+    biggest = float(v_cache.float().abs().max()) * v_scale
+    torch.testing.assert_close(actual.float(), expected.float(), atol=atol * biggest, rtol=rtol)
+
+
+def _fp8_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values (+0 and -0 alike: the kernels' rounding gives +0 where torch keeps -0)."""
+    return a.dtype == b.dtype == torch.float8_e4m3fn and torch.equal(a.float(), b.float())
+
+
+def test_interp_fp8_store_rounds_every_code_and_tie_as_torch(interp):
+    """The store kernel's quantization against torch's float32 -> e4m3 conversion on every
+    finite code, every halfway point between neighbours (ties to even), values past 448
+    (clamped), subnormals and random values."""
+    kv = interp["kv_store"]
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    codes = codes[~codes.isnan()].sort().values  # 254 finite values, -448 .. 448
+    ties = (codes[1:] + codes[:-1]) / 2
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([codes, ties, torch.randn(1000, generator=g) * 50,
+                   torch.randn(500, generator=g) * 1e-2, torch.tensor([1e4, -1e4, 1e-30])])
+    x = torch.cat([x, torch.zeros(2048 - x.numel())]).view(32, 1, 64)  # [N, Hkv, D]
+    slots = torch.arange(32, dtype=torch.int64)
+    for scale in (1.0, 0.37, 4.0):
+        caches = [torch.zeros((2, 16, 1, 64), dtype=torch.float8_e4m3fn) for _ in range(2)]
+        expected = [c.clone() for c in caches]
+        store_kv_reference(x, x, *expected, slots, k_scale=scale, v_scale=scale)
+        kv.store_kv(x, x, *caches, slots, k_scale=scale, v_scale=scale)
+        assert _fp8_equal(caches[0], expected[0]) and _fp8_equal(caches[1], expected[1])
+
+
+@pytest.mark.parametrize("k_scale,v_scale", FP8_SCALES)
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.float16])
+def test_interp_fp8_store_kv_kernel_matches_reference(interp, src_dtype, k_scale, v_scale):
+    kv = interp["kv_store"]
+    gen = torch.Generator().manual_seed(7)
+    num_tokens, num_blocks, block_size, hkv, d = 20, 4, 8, 2, 64
+    k = (torch.randn((num_tokens, hkv, d), generator=gen) * 200).to(src_dtype)  # some clamp
+    v = (torch.randn((num_tokens, hkv, d), generator=gen) * 0.01).to(src_dtype)  # subnormals
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[5] = -1
+    shape = (num_blocks, block_size, hkv, d)
+    caches = [torch.zeros(shape, dtype=torch.float8_e4m3fn) for _ in range(2)]
+    expected = [c.clone() for c in caches]
+    scales = {"k_scale": k_scale, "v_scale": v_scale}
+    store_kv_reference(k, v, *expected, slots, **scales)
+    kv.store_kv(k, v, *caches, slots, **scales)
+    assert _fp8_equal(caches[0], expected[0]) and _fp8_equal(caches[1], expected[1])
+
+
+def test_interp_fp8_rotary_store_matches_reference(interp):
+    from kernels.rotary_store import rotary_store, rotary_store_reference
+
+    g = torch.Generator().manual_seed(5)
+    qkv, cos, sin, kc, vc, slots = _rotary_store_case(g)
+    qkv = qkv * 30
+    kc, vc = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
+    kc2, vc2 = kc.clone(), vc.clone()
+    scales = {"k_scale": 0.37, "v_scale": 2.5}
+    want = rotary_store_reference(qkv, cos, sin, kc, vc, slots, 4, **scales)
+    got = rotary_store(qkv, cos, sin, kc2, vc2, slots, 4, **scales)
+    assert_close(got, want, torch.float32)
+    assert _fp8_equal(kc2, kc) and _fp8_equal(vc2, vc)
+    assert kc.float().abs().max() > 0  # something was stored
+
+
+@pytest.mark.parametrize("k_scale,v_scale", FP8_SCALES)
+@pytest.mark.parametrize("group,head_dim,block_size,dtype", [
+    (1, 64, 16, torch.float32), (4, 128, 32, torch.float16), (3, 64, 16, torch.float16),
+])  # fmt: skip
+def test_interp_fp8_decode_kernel_matches_reference(
+    interp, group, head_dim, block_size, dtype, k_scale, v_scale
+):
+    paged = interp["paged_attention"]
+    (q, k_cache, v_cache, tables, lens), used = make_decode_case(
+        seed=group + head_dim, context_lens=[1, block_size, 3 * block_size - 5], num_kv_heads=2,
+        group=group, head_dim=head_dim, block_size=block_size, dtype=torch.float32,
+    )  # fmt: skip
+    q = (q / 40).to(dtype)  # scores of a few units over keys up to 448 * k_scale
+    k8, v8 = _fp8_pool(k_cache, k_scale), _fp8_pool(v_cache, v_scale)
+    scale, scales = 1.0 / math.sqrt(head_dim), {"k_scale": k_scale, "v_scale": v_scale}
+    expected = paged_decode_attention_reference(q, k8, v8, tables, lens, scale, **scales)
+    for splits in (None, 3):  # one program per (row, KV head), and the split-K path
+        out = paged.paged_decode_attention(q, k8, v8, tables, lens, scale, num_splits=splits,
+                                           **scales)
+        assert out.dtype == dtype
+        _assert_close_fp8(out, expected, dtype, v8, v_scale)
+    # padding, spare blocks and partly filled blocks' tails are never read
+    k_bad, v_bad = (poison_unused(c.float(), used, 448.0).to(c.dtype) for c in (k8, v8))
+    dirty = paged.paged_decode_attention(q, k_bad, v_bad, tables, lens, scale, **scales)
+    clean = paged.paged_decode_attention(q, k8, v8, tables, lens, scale, **scales)
+    torch.testing.assert_close(dirty, clean, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("k_scale,v_scale", FP8_SCALES)
+@pytest.mark.parametrize("group,head_dim,block_size,dtype", [
+    (1, 64, 16, torch.float32), (4, 64, 32, torch.float16),
+])  # fmt: skip
+def test_interp_fp8_paged_prefill_kernel_matches_reference(
+    interp, group, head_dim, block_size, dtype, k_scale, v_scale
+):
+    paged_prefill = interp["paged_prefill"]
+    cached, new = [0, block_size, 5], [20, 9, 1]
+    (q, k_cache, v_cache, tables, cu, lens), _, used = make_paged_prefill_case(
+        seed=group * 10 + block_size, cached_lens=cached, new_lens=new, num_kv_heads=2,
+        group=group, head_dim=head_dim, block_size=block_size, dtype=torch.float32,
+    )  # fmt: skip
+    q = (q / 40).to(dtype)
+    k8, v8 = _fp8_pool(k_cache, k_scale), _fp8_pool(v_cache, v_scale)
+    scales = {"k_scale": k_scale, "v_scale": v_scale}
+    args = (q, k8, v8, tables, cu, lens, max(new), 1.0 / math.sqrt(head_dim))
+    expected = paged_prefill_attention_reference(*args, **scales)
+    out = paged_prefill.paged_prefill_attention(*args, block_m=16, block_n=16, **scales)
+    assert out.dtype == dtype
+    _assert_close_fp8(out, expected, dtype, v8, v_scale)
+    k_bad, v_bad = (poison_unused(c.float(), used, 448.0).to(c.dtype) for c in (k8, v8))
+    dirty = paged_prefill.paged_prefill_attention(q, k_bad, v_bad, *args[3:], block_m=16,
+                                                  block_n=16, **scales)
+    torch.testing.assert_close(dirty, out, atol=0, rtol=0)
+
+
+def test_interp_fp8_backend_dispatches_the_kernels(interp):
+    import kernels.backend as backend
+
+    (q, k_cache, v_cache, tables, lens), _ = make_decode_case(
+        seed=9, context_lens=[7, 30], num_kv_heads=2, group=2, head_dim=64, block_size=16,
+        dtype=torch.float32,
+    )  # fmt: skip
+    k8, v8 = _fp8_pool(k_cache, 0.5), _fp8_pool(v_cache, 2.0)
+    scales = {"k_scale": 0.5, "v_scale": 2.0}
+    out = backend.decode_attention(q / 40, k8, v8, tables, lens, 0.125, **scales)
+    want = paged_decode_attention_reference(q / 40, k8, v8, tables, lens, 0.125, **scales)
+    assert backend.use_triton("cpu")
+    _assert_close_fp8(out, want, torch.float32, v8, 2.0)

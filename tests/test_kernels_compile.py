@@ -21,7 +21,7 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
 POINTER = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32",
-           torch.int32: "*i32", torch.int64: "*i64"}
+           torch.int32: "*i32", torch.int64: "*i64", torch.float8_e4m3fn: "*fp8e4nv"}
 
 
 def _launches(monkeypatch, calls) -> list[tuple[JITFunction, tuple, dict]]:
@@ -116,6 +116,45 @@ def test_every_kernel_compiles_for_hopper(monkeypatch, dtype):
             "_paged_prefill_kernel", "_store_kv_kernel", "_rms_norm_kernel",
             "_add_rms_norm_kernel", "_rotary_kernel", "_rotary_store_kernel",
             "_silu_and_mul_kernel", "_chunk_max_kernel", "_pick_kernel"} <= names, names
+    monkeypatch.undo()
+    for fn, args, kwargs in launches:
+        _compile(fn, args, kwargs)
+
+
+def _fp8_wrapper_calls(dtype: torch.dtype):
+    """The kernels that read or write an FP8 (e4m3) KV pool, with scales."""
+    from kernels.kv_store import store_kv
+    from kernels.paged_attention import paged_decode_attention
+    from kernels.paged_prefill import paged_prefill_attention
+    from kernels.rotary_store import rotary_store
+
+    g = torch.Generator().manual_seed(0)
+    hq, hkv, d, block, num_blocks = 8, 2, 64, 16, 12
+    kc, vc = (torch.randn(num_blocks, block, hkv, d, generator=g).to(torch.float8_e4m3fn)
+              for _ in range(2))
+    tables = torch.arange(1, 1 + 3 * 4, dtype=torch.int32).view(3, 4)
+    lens = torch.tensor([5, 40, 64], dtype=torch.int32)
+    q = torch.randn(3, hq, d, generator=g).to(dtype)
+    cu = torch.tensor([0, 5, 12, 30], dtype=torch.int32)
+    qkv = torch.randn(30, hq + 2 * hkv, d, generator=g).to(dtype)
+    cos, sin = torch.randn(30, d).to(dtype), torch.randn(30, d).to(dtype)
+    slots = torch.arange(30, dtype=torch.int64)
+    s = {"k_scale": 0.5, "v_scale": 2.0}
+    return [
+        lambda: paged_decode_attention(q, kc, vc, tables, lens, 0.125, num_splits=1, **s),
+        lambda: paged_decode_attention(q, kc, vc, tables, lens, 0.125, num_splits=3,
+                                       block_n=16, **s),
+        lambda: paged_prefill_attention(qkv[:, :hq], kc, vc, tables, cu, lens, 18, 0.125, **s),
+        lambda: store_kv(qkv[:, hq:hq + hkv], qkv[:, hq + hkv:], kc, vc, slots, **s),
+        lambda: rotary_store(qkv, cos, sin, kc, vc, slots, hq, **s),
+    ]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fp8_kv_kernels_compile_for_hopper(monkeypatch, dtype):
+    launches = _launches(monkeypatch, _fp8_wrapper_calls(dtype))
+    assert {"_paged_decode_kernel", "_combine_splits_kernel", "_paged_prefill_kernel",
+            "_store_kv_kernel", "_rotary_store_kernel"} <= {fn.__name__ for fn, _, _ in launches}
     monkeypatch.undo()
     for fn, args, kwargs in launches:
         _compile(fn, args, kwargs)
