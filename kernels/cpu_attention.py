@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels.kv_quant import is_fp8
-from kernels.paged_attention import check_decode_args, check_window
-from kernels.paged_prefill import check_paged_prefill_args
+from kernels.paged_attention import check_context_lens, check_decode_args, check_window
+from kernels.paged_prefill import check_paged_prefill_args, check_row_lengths
 from kernels.prefill_attention import check_prefill_args
 
 MAX_PADDING = 4  # padded (query, key) pairs per real pair above which rows run one by one
@@ -46,11 +46,12 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tens
     return out.transpose(1, 2)
 
 
-def _lengths(cu_seqlens: torch.Tensor, n: int, name: str, max_len: int) -> list[int]:
+def _lengths(cu_seqlens: torch.Tensor, n: int, max_len: int) -> list[int]:
+    """Each packed prompt's length, checked as `prefill_attention_reference` checks them."""
     bounds = cu_seqlens.tolist()
     lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
     if bounds[0] != 0 or bounds[-1] != n or any(x < 0 for x in lengths):
-        raise ValueError(f"{name} must rise from 0 to N={n} without decreasing, got {bounds}")
+        raise ValueError(f"cu_seqlens must rise from 0 to N={n} without decreasing, got {bounds}")
     if lengths and max(lengths) > max_len:
         raise ValueError(f"max_seqlen={max_len} is below the longest prompt ({max(lengths)})")
     return lengths
@@ -107,16 +108,8 @@ def decode_attention_cpu(
     window = check_window(window)
     if q.shape[0] == 0:
         return torch.empty_like(q)
-    lens = context_lens.long()
-    if bool((lens <= 0).any()):
-        raise ValueError(f"every row needs context_lens >= 1, got {lens.tolist()}")
     block_size = k_cache.shape[1]
-    max_ctx = int(lens.max())
-    if max_ctx > block_tables.shape[1] * block_size:
-        raise ValueError(
-            f"a context of {max_ctx} tokens needs more than the {block_tables.shape[1]} blocks "
-            f"of {block_size} tokens that block_tables holds per row"
-        )
+    lens, max_ctx = check_context_lens(context_lens, block_tables, block_size)
     slots = _context_slots(block_tables, block_size, max_ctx)  # [B, T]
     pos = torch.arange(max_ctx, device=q.device)
     allowed = (pos[None, :] < lens[:, None]) & (pos[None, :] >= lens[:, None] - window)
@@ -140,7 +133,7 @@ def prefill_attention_cpu(
     call per prompt when padding would dominate."""
     check_prefill_args(q, k, v, cu_seqlens)
     window = check_window(window)
-    lengths = _lengths(cu_seqlens, q.shape[0], "cu_seqlens", max_seqlen)
+    lengths = _lengths(cu_seqlens, q.shape[0], max_seqlen)
     if not any(lengths):
         return torch.empty_like(q)
     width = max(lengths)
@@ -180,16 +173,9 @@ def paged_prefill_attention_cpu(
     and a context of c sees context positions 0 .. c - n + i."""
     check_paged_prefill_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
                              k_scale, v_scale)
-    lengths = _lengths(cu_seqlens_q, q.shape[0], "cu_seqlens_q", max_seqlen_q)
     block_size = k_cache.shape[1]
-    ctx = context_lens.tolist()
-    capacity = block_tables.shape[1] * block_size
-    for n, c in zip(lengths, ctx):
-        if c < n or c > capacity:
-            raise ValueError(
-                f"context_lens must hold a row's new tokens and fit its {block_tables.shape[1]} "
-                f"blocks of {block_size}: got {c} for {n} new tokens"
-            )
+    lengths, ctx = check_row_lengths(q.shape[0], block_tables, block_size, cu_seqlens_q,
+                                     context_lens, max_seqlen_q)
     if not any(lengths):
         return torch.empty_like(q)
     width, ctx_width = max(lengths), max(ctx)

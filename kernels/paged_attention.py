@@ -120,6 +120,22 @@ def check_window(window: int | None) -> int:
     return min(window, NO_WINDOW)
 
 
+def check_context_lens(context_lens: torch.Tensor, block_tables: torch.Tensor,
+                       block_size: int) -> tuple[torch.Tensor, int]:
+    """(context_lens as int64, the longest context) of a non-empty batch: every row >= 1
+    token, none past its block table's capacity (ValueError otherwise)."""
+    lens = context_lens.long()
+    if bool((lens <= 0).any()):
+        raise ValueError(f"every row needs context_lens >= 1, got {lens.tolist()}")
+    max_ctx = int(lens.max())
+    if max_ctx > block_tables.shape[1] * block_size:
+        raise ValueError(
+            f"a context of {max_ctx} tokens needs more than the {block_tables.shape[1]} blocks "
+            f"of {block_size} tokens that block_tables holds per row"
+        )
+    return lens, max_ctx
+
+
 def paged_decode_attention_reference(
     q: torch.Tensor,  # [B, Hq, D]
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
@@ -139,15 +155,7 @@ def paged_decode_attention_reference(
     _, block_size, num_kv_heads, _ = k_cache.shape
     if batch == 0:
         return torch.empty_like(q)
-    lens = context_lens.long()
-    if bool((lens <= 0).any()):
-        raise ValueError(f"every row needs context_lens >= 1, got {lens.tolist()}")
-    max_ctx = int(lens.max())
-    if max_ctx > block_tables.shape[1] * block_size:
-        raise ValueError(
-            f"a context of {max_ctx} tokens needs more than the {block_tables.shape[1]} blocks "
-            f"of {block_size} tokens that block_tables holds per row"
-        )
+    lens, max_ctx = check_context_lens(context_lens, block_tables, block_size)
     pos = torch.arange(max_ctx, device=q.device)  # [T]
     blocks = block_tables.long()[:, pos // block_size]  # [B, T]; padding entries are block 0
     offsets = (pos % block_size).expand(batch, max_ctx)  # [B, T]

@@ -98,6 +98,29 @@ def check_paged_prefill_args(
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
 
 
+def check_row_lengths(n: int, block_tables: torch.Tensor, block_size: int,
+                      cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
+                      max_seqlen_q: int) -> tuple[list[int], list[int]]:
+    """(new tokens, context tokens) of each row, checked: cu_seqlens_q rises from 0 to n,
+    no row longer than max_seqlen_q, each context holds its new tokens and fits its blocks
+    (ValueError otherwise)."""
+    bounds = cu_seqlens_q.tolist()
+    q_lens = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    if bounds[0] != 0 or bounds[-1] != n or any(x < 0 for x in q_lens):
+        raise ValueError(f"cu_seqlens_q must rise from 0 to N={n} without decreasing, got {bounds}")
+    if q_lens and max(q_lens) > max_seqlen_q:
+        raise ValueError(f"max_seqlen_q={max_seqlen_q} is below the longest row ({max(q_lens)})")
+    ctx_lens = context_lens.tolist()
+    capacity = block_tables.shape[1] * block_size
+    for q_len, ctx in zip(q_lens, ctx_lens):
+        if ctx < q_len or ctx > capacity:
+            raise ValueError(
+                f"context_lens must hold a row's new tokens and fit its {block_tables.shape[1]} "
+                f"blocks of {block_size}: got {ctx} for {q_len} new tokens"
+            )
+    return q_lens, ctx_lens
+
+
 def paged_prefill_attention_reference(
     q: torch.Tensor,  # [N, Hq, D] the new tokens of every row, packed
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
@@ -116,21 +139,8 @@ def paged_prefill_attention_reference(
                              k_scale, v_scale)
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     bounds = cu_seqlens_q.tolist()
-    q_lens = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
-    if bounds[0] != 0 or bounds[-1] != q.shape[0] or any(n < 0 for n in q_lens):
-        raise ValueError(
-            f"cu_seqlens_q must rise from 0 to N={q.shape[0]} without decreasing, got {bounds}"
-        )
-    if q_lens and max(q_lens) > max_seqlen_q:
-        raise ValueError(f"max_seqlen_q={max_seqlen_q} is below the longest row ({max(q_lens)})")
-    ctx_lens = context_lens.tolist()
-    capacity = block_tables.shape[1] * block_size
-    for n, ctx in zip(q_lens, ctx_lens):
-        if ctx < n or ctx > capacity:
-            raise ValueError(
-                f"context_lens must hold a row's new tokens and fit its {block_tables.shape[1]} "
-                f"blocks of {block_size}: got {ctx} for {n} new tokens"
-            )
+    q_lens, ctx_lens = check_row_lengths(q.shape[0], block_tables, block_size, cu_seqlens_q,
+                                         context_lens, max_seqlen_q)
     group = q.shape[1] // num_kv_heads
     math_dtype = torch.promote_types(q.dtype, torch.float32)  # float32 (float64 stays)
     out = torch.empty_like(q)
