@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from kernels.kv_quant import is_fp8
 from kernels.paged_attention import check_context_lens, check_decode_args, check_window
 from kernels.paged_prefill import check_paged_prefill_args, check_row_lengths
-from kernels.prefill_attention import check_prefill_args
+from kernels.prefill_attention import check_prefill_args, check_prompt_lengths
 
 MAX_PADDING = 4  # padded (query, key) pairs per real pair above which rows run one by one
 
@@ -44,17 +44,6 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tens
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=allowed[:, None],
         scale=scale, enable_gqa=q.shape[2] != k.shape[2])  # [B, Hq, Lq, D]
     return out.transpose(1, 2)
-
-
-def _lengths(cu_seqlens: torch.Tensor, n: int, max_len: int) -> list[int]:
-    """Each packed prompt's length, checked as `prefill_attention_reference` checks them."""
-    bounds = cu_seqlens.tolist()
-    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
-    if bounds[0] != 0 or bounds[-1] != n or any(x < 0 for x in lengths):
-        raise ValueError(f"cu_seqlens must rise from 0 to N={n} without decreasing, got {bounds}")
-    if lengths and max(lengths) > max_len:
-        raise ValueError(f"max_seqlen={max_len} is below the longest prompt ({max(lengths)})")
-    return lengths
 
 
 def _packed_index(lengths: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,7 +122,7 @@ def prefill_attention_cpu(
     call per prompt when padding would dominate."""
     check_prefill_args(q, k, v, cu_seqlens)
     window = check_window(window)
-    lengths = _lengths(cu_seqlens, q.shape[0], max_seqlen)
+    lengths = check_prompt_lengths(cu_seqlens, q.shape[0], max_seqlen)
     if not any(lengths):
         return torch.empty_like(q)
     width = max(lengths)

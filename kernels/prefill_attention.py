@@ -59,6 +59,18 @@ def check_prefill_args(
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
 
 
+def check_prompt_lengths(cu_seqlens: torch.Tensor, n: int, max_seqlen: int) -> list[int]:
+    """Each packed prompt's length, checked: cu_seqlens rises from 0 to n, none longer than
+    max_seqlen (ValueError otherwise)."""
+    bounds = cu_seqlens.tolist()
+    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    if bounds[0] != 0 or bounds[-1] != n or any(x < 0 for x in lengths):
+        raise ValueError(f"cu_seqlens must rise from 0 to N={n} without decreasing, got {bounds}")
+    if lengths and max(lengths) > max_seqlen:
+        raise ValueError(f"max_seqlen={max_seqlen} is below the longest prompt ({max(lengths)})")
+    return lengths
+
+
 def prefill_attention_reference(
     q: torch.Tensor,  # [N, Hq, D]
     k: torch.Tensor,  # [N, Hkv, D]
@@ -73,13 +85,7 @@ def prefill_attention_reference(
     check_prefill_args(q, k, v, cu_seqlens)
     window = check_window(window)
     bounds = cu_seqlens.tolist()
-    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
-    if bounds[0] != 0 or bounds[-1] != q.shape[0] or any(n < 0 for n in lengths):
-        raise ValueError(
-            f"cu_seqlens must rise from 0 to N={q.shape[0]} without decreasing, got {bounds}"
-        )
-    if lengths and max(lengths) > max_seqlen:
-        raise ValueError(f"max_seqlen={max_seqlen} is below the longest prompt ({max(lengths)})")
+    check_prompt_lengths(cu_seqlens, q.shape[0], max_seqlen)
     group = q.shape[1] // k.shape[1]
     math_dtype = torch.promote_types(q.dtype, torch.float32)  # float32 (float64 stays)
     out = torch.empty_like(q)
