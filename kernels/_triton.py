@@ -1,8 +1,9 @@
 """Triton, when it is installed, and what the kernel modules need to know about it.
 
-When Triton is missing (e.g. macOS) the kernel modules still import: `triton.jit` is then
-the identity and `tl.constexpr` a placeholder, so only the PyTorch references are usable
-and `HAS_TRITON` is False.
+When Triton is missing (e.g. macOS), or cannot run here (no CUDA GPU and no interpreter
+asked for: it is then not imported, which saves a CPU process about 0.4 s of start-up), the
+kernel modules still import: `triton.jit` is then the identity and `tl.constexpr` a
+placeholder, so only the PyTorch references are usable and `HAS_TRITON` is False.
 
 Triton decides at decoration time (`@triton.jit`) whether a kernel is compiled for the GPU
 or run by its CPU interpreter, from the environment variable `TRITON_INTERPRET`. Each kernel
@@ -13,12 +14,34 @@ from __future__ import annotations
 
 import os
 
+_TRUE = ("1", "true", "yes", "on")
+
+
+def interpret_requested() -> bool:
+    """True when the environment asks Triton for its CPU interpreter (`TRITON_INTERPRET=1`)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in _TRUE
+
+
+def _triton_usable() -> bool:
+    """Triton can run here: a CUDA GPU, or its CPU interpreter asked for. Elsewhere (a CPU-only
+    machine) importing it would only cost start-up time (about 0.4 s), so it is not imported."""
+    nanoserve_flag = os.environ.get("NANOSERVE_TRITON_INTERPRET", "0").strip().lower()
+    if interpret_requested() or nanoserve_flag in _TRUE:
+        return True
+    import torch
+
+    built_for_gpu = torch.version.cuda is not None or torch.version.hip is not None
+    return built_for_gpu and torch.cuda.is_available()
+
+
 try:
+    if not _triton_usable():
+        raise ImportError("no GPU and no interpreter asked for")
     import triton
     import triton.language as tl
 
     HAS_TRITON = True
-except ImportError:  # pragma: no cover - exercised only where Triton is not installed
+except ImportError:
     HAS_TRITON = False
 
     class _Placeholder:
@@ -33,14 +56,6 @@ except ImportError:  # pragma: no cover - exercised only where Triton is not ins
 
     triton = _Placeholder()
     tl = _Placeholder()
-
-_TRUE = ("1", "true", "yes", "on")
-
-
-def interpret_requested() -> bool:
-    """True when the environment asks Triton for its CPU interpreter (`TRITON_INTERPRET=1`)."""
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in _TRUE
-
 
 def next_power_of_2(n: int) -> int:
     """Smallest power of two >= n (n >= 1); Triton tiles need power-of-two extents."""

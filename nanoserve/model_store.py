@@ -27,10 +27,14 @@ give the same config, the same tokenizer and bit for bit the same tensors as loa
   `.gguf` file's size and modification time as they were when it was written (its sha256, the
   pinned one, was checked then). Anything else is stale and is written again.
 - Each file's size and sha256 (and those of its 32 MiB chunks) are in the manifest; a file is
-  checked against them each time it is read (the tensors too, through a memory map, their
-  chunks on parallel threads: about 0.4 s of hashing for 540 MB; then the tensors are
-  memory-mapped, not copied), and a file that fails the check is not used: the load falls
-  back to the `.gguf` file and the folder is written again.
+  checked against them each time it is read, and a file that fails the check is not used:
+  the load falls back to the `.gguf` file and the folder is written again. The tensors are
+  hashed through a memory map, their chunks on parallel threads (about 0.4 s for 540 MB,
+  several seconds on a busy machine), then memory-mapped, not copied; once they matched,
+  `verified.json` records the file's identity (device, inode, size, modification and change
+  times), and later loads of the same unchanged file skip the hashing. Any write to the file,
+  even one that keeps its size and sets its modification time back, moves its change time,
+  so it is hashed again.
 - It is written into a temporary folder and renamed into place whole, under a lock file, so
   readers see the old folder, no folder, or the new one, never a half-written one; a folder
   that cannot be written (a read-only cache) only means loads go to the `.gguf` file.
@@ -213,6 +217,7 @@ TENSORS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_META_FILE = "tokenizer_meta.json"
+VERIFIED_FILE = "verified.json"  # the tensor file's identity when its sha256s last matched
 PREPARED_FILES = (CONFIG_FILE, TENSORS_FILE, TOKENIZER_FILE, TOKENIZER_META_FILE)
 _CONVERSION_SOURCES = ("gguf_file.py", "tokenizer.py")  # the code that turns a GGUF into these
 
@@ -264,6 +269,15 @@ def _chunk_sha256(data: Any, chunk: int) -> list[str]:
         return list(pool.map(lambda b: hashlib.sha256(b).hexdigest(), pieces))
 
 
+def _file_identity(st: os.stat_result, entry: dict[str, Any]) -> list:
+    """What must be unchanged for a file once checked against its sha256s to be trusted
+    without hashing it again: its device, inode, size, modification and change times (any
+    write moves the change time, which no program can set back) and the digests it was
+    checked against."""
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns,
+            hashlib.sha256("".join(entry["chunk_sha256"]).encode()).hexdigest()]
+
+
 class PreparedCacheError(Exception):
     """A prepared file that does not match its manifest (changed, truncated, corrupt)."""
 
@@ -308,10 +322,13 @@ class PreparedModel:
                 hashed = os.fstat(f.fileno())
                 if hashed.st_size != entry["size"]:
                     raise PreparedCacheError(f"{path} does not match its size")
-                with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-                    digests = _chunk_sha256(mm, entry["chunk_bytes"])
-            if digests != entry["chunk_sha256"]:
-                raise PreparedCacheError(f"{path} does not match its sha256")
+                identity = _file_identity(hashed, entry)
+                if not self._verified(identity):
+                    with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                        digests = _chunk_sha256(mm, entry["chunk_bytes"])
+                    if digests != entry["chunk_sha256"]:
+                        raise PreparedCacheError(f"{path} does not match its sha256")
+                    self._mark_verified(identity)
             tensors = load_file(path)
             header = self._header()
             now = path.stat()
@@ -326,6 +343,23 @@ class PreparedModel:
                 tensors[name] = whole.narrow(0, start, rows)
                 start += rows
         return tensors
+
+    def _verified(self, identity: list) -> bool:
+        try:
+            return json.loads((self.folder / VERIFIED_FILE).read_text()) == identity
+        except (OSError, ValueError):
+            return False
+
+    def _mark_verified(self, identity: list) -> None:
+        """Record that the tensor file with this identity matched its sha256s (written
+        whole, by rename; a folder that cannot be written only means the next load hashes
+        again)."""
+        tmp = self.folder / f".{VERIFIED_FILE}.{os.getpid()}"
+        try:
+            tmp.write_text(json.dumps(identity))
+            os.replace(tmp, self.folder / VERIFIED_FILE)
+        except OSError:
+            tmp.unlink(missing_ok=True)
 
     def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
         """Each tensor's shape by Hugging Face name, from the safetensors header alone (no

@@ -19,6 +19,7 @@ from nanoserve.model_store import (
     MANIFEST_FILE,
     TENSORS_FILE,
     TOKENIZER_FILE,
+    VERIFIED_FILE,
     default_model_path,
     prepared_default_model,
     prepared_dir,
@@ -138,7 +139,8 @@ def test_first_load_writes_the_folder_whole(private_cache, gguf_reference, capsy
     assert_same_tensors(got_tensors, tensors)
     folder = prepared_dir(private_cache)
     manifest = manifest_of(private_cache)
-    assert sorted(p.name for p in folder.iterdir()) == sorted([MANIFEST_FILE, *manifest["files"]])
+    names = {p.name for p in folder.iterdir()}
+    assert names - {VERIFIED_FILE} == {MANIFEST_FILE, *manifest["files"]}
     assert manifest["source"]["sha256"] == model_store.DEFAULT_MODEL_SHA256
     # no temporary folder left beside it (the lock file stays)
     assert sorted(p.name for p in private_cache.parent.iterdir()) == sorted(
@@ -161,6 +163,31 @@ def test_corrupt_tensor_file_is_not_used(private_cache, gguf_reference, capsys):
     again = prepared_default_model(private_cache)
     assert_same_tensors(_checked(ModelConfig.from_hf_dict(again.read_json(CONFIG_FILE)),
                                  again.tensors(), "prepared"), tensors)
+
+
+def test_a_checked_tensor_file_is_trusted_until_it_is_written(private_cache, gguf_reference,
+                                                               monkeypatch, capsys):
+    """Once the tensor file matched its sha256s, loads of the same unchanged file skip the
+    hashing; a byte changed in place (size and modification time kept) is hashed again and
+    not used."""
+    _, tensors, _ = gguf_reference
+    validate_checkpoint(private_cache)
+    load_checkpoint(private_cache)  # hashed (or already trusted), and recorded
+    folder = prepared_dir(private_cache)
+    assert (folder / VERIFIED_FILE).exists()
+    hashed = []
+    real = model_store._chunk_sha256
+    monkeypatch.setattr(model_store, "_chunk_sha256",
+                        lambda data, chunk: hashed.append(chunk) or real(data, chunk))
+    _, got = load_checkpoint(private_cache)
+    assert hashed == [] and capsys.readouterr().err == ""
+    assert_same_tensors(got, tensors)
+    path = folder / TENSORS_FILE
+    flip_byte(path, path.stat().st_size // 3)
+    _, got = load_checkpoint(private_cache)
+    assert len(hashed) == 1  # hashed again, and the bad byte found
+    assert "not using the prepared model" in capsys.readouterr().err
+    assert_same_tensors(got, tensors)
 
 
 def test_corrupt_tokenizer_file_is_not_used(private_cache, gguf_reference, capsys):
