@@ -10,13 +10,14 @@ table row:
   length its constrained run produced (`ignore_eos`), so both runs generate the same
   number of tokens. Also: how many constrained rows parse and validate.
 - logprobs: ROWS rows (prompts 100-1,024, outputs 100-300, `ignore_eos`) with logprobs=5
-  on every row, against the same rows without; peak device memory of each run.
+  on every row, against the same rows without; peak device memory of each run;
+  `--repeats N` runs the two sides N times, alternating (each pair's ratio is printed).
 - n: N_PROMPTS prompts (256-2,048 tokens) x n=8 samples (temperature 0.8, seed), outputs
   64-256 tokens, against the same samples as separate rows (row seed + i), with prefix
   caching on (the engine's default) and off; how many samples have the same tokens.
 
-    python -m benchmarks.output_controls [--rows 4096] [--n-prompts 512]
-    [--tokenizer PATH/tokenizer.json]  (default: the default model's, from its GGUF)
+    python -m benchmarks.output_controls [--rows 4096] [--n-prompts 512] [--repeats 1]
+    [--only json|logprobs|n] [--tokenizer PATH/tokenizer.json]  (default: the default model's, from its GGUF)
 """
 
 from __future__ import annotations
@@ -118,6 +119,8 @@ def main() -> None:
     ap.add_argument("--n-prompts", type=int, default=512)
     ap.add_argument("--tokenizer", type=Path, default=None)
     ap.add_argument("--only", choices=["json", "logprobs", "n"], action="append")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="logprobs: run the two sides this many times, alternating")
     ap.add_argument("--profile", action="store_true",
                     help="print the host's hottest functions (cProfile) of each timed run")
     args = ap.parse_args()
@@ -189,10 +192,15 @@ def main() -> None:
         base = [SamplingParams(max_tokens=n, ignore_eos=True) for n in lens]
         lp = [SamplingParams(max_tokens=n, ignore_eos=True, logprobs=5) for n in lens]
         timed(llm, prompts[:256], lp[:256])
-        a = timed(llm, prompts, lp)
-        b = timed(llm, prompts, base)
+        pairs = []
+        for _ in range(args.repeats):  # alternating, so neither side pays the other's warm-up
+            pairs.append((timed(llm, prompts, lp), timed(llm, prompts, base)))
+        a, b = pairs[-1]
         same = sum(x.token_ids == y.token_ids for x, y in zip(a["outs"], b["outs"]))
-        row("logprobs=5 every row vs none", a, b, f"{same}/{len(prompts)} rows same tokens")
+        ratios = ", ".join(f"{x['rate'] / y['rate']:.2f}x" for x, y in pairs)
+        row("logprobs=5 every row vs none", a, b,
+            f"{same}/{len(prompts)} rows same tokens; each pair's ratio in order: {ratios} "
+            f"(the table shows the last)")
 
     if "n" in only:
         prompts = prompts_of(args.n_prompts, 256, 2048)

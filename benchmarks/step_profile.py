@@ -15,7 +15,12 @@ Three tables, all on the throughput benchmark's workload and model (`benchmarks/
    tokens); 16 calls (layers) in one CUDA graph, each over its own cache.
 4. The kernels of one captured step (padding rows) at buckets 1, 64 and 256.
 
+With `--shape 8b` the engine tables (1, 2 and 4) run the Llama-3.1-8B shape, its random
+weights drawn on the GPU (`LLM(load_format="dummy")`); `--skip-micro` leaves out tables 3
+and the GEMM table (which use the 1B shape).
+
     python -m benchmarks.step_profile [--rows 256] [--runs continuous:graph static:graph]
+    [--shape 1b|8b] [--skip-micro]
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.gpu_job import LLAMA_1B, make_random_model, make_workload
+from benchmarks.gpu_job import LLAMA_1B, LLAMA_8B, make_random_model, make_workload
 
 KINDS = [  # (kind, regular expression over the kernel's name), first match wins
     ("decode attention", r"_paged_decode_kernel"),
@@ -78,13 +83,14 @@ def decode_context_bytes(prompts, max_tokens, layers: int, kv_bytes_per_token_la
 
 
 def profile_engine(model_dir: Path, prompts, max_tokens, scheduler: str, step: str,
-                   warm) -> None:
+                   warm, load_format: str = "auto") -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from nanoserve.llm import LLM
     from nanoserve.sampling import SamplingParams
 
-    llm = LLM(str(model_dir), device="cuda", decode_step=step, scheduler=scheduler)
+    llm = LLM(str(model_dir), device="cuda", decode_step=step, scheduler=scheduler,
+              load_format=load_format)
     params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens]
     llm.generate(warm[0], [SamplingParams(max_tokens=m, ignore_eos=True) for m in warm[1]])
     torch.cuda.synchronize()
@@ -249,26 +255,36 @@ def main() -> None:
     ap.add_argument("--runs", nargs="+", default=["continuous:graph", "static:graph"],
                     metavar="SCHEDULER:DECODE_STEP")
     ap.add_argument("--skip-engine", action="store_true")
+    ap.add_argument("--skip-micro", action="store_true",
+                    help="leave out the attention-balance and GEMM tables")
+    ap.add_argument("--shape", choices=["1b", "8b"], default="1b")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
-    print("| batch | contexts | rows | splits | us per call | TB/s |")
-    print("|---:|---|---|---:|---:|---:|")
-    for batch in (8, 16, 32, 64, 96, 128, 192, 256):
-        attention_balance(batch, (1, 2, 3, 4, 6, 8, 12, 16))
-    for batch in (4, 16, 32):  # the drained tail: few rows, long contexts
-        attention_balance(batch, (2, 4, 8, 12, 16), lo=1200)
-    gemm_table()
+    if not args.skip_micro:
+        print("| batch | contexts | rows | splits | us per call | TB/s |")
+        print("|---:|---|---|---:|---:|---:|")
+        for batch in (8, 16, 32, 64, 96, 128, 192, 256):
+            attention_balance(batch, (1, 2, 3, 4, 6, 8, 12, 16))
+        for batch in (4, 16, 32):  # the drained tail: few rows, long contexts
+            attention_balance(batch, (2, 4, 8, 12, 16), lo=1200)
+        gemm_table()
     if args.skip_engine:
         return
     work = Path(tempfile.mkdtemp(prefix="nanoserve-profile-"))
-    model_dir = make_random_model(work / "llama-1b-random", "cuda")
-    prompts, max_tokens = make_workload(work / "workload.parquet", args.rows,
-                                        LLAMA_1B["vocab_size"])
-    warm = ([[(t + 1) % LLAMA_1B["vocab_size"] for t in p] for p in prompts], max_tokens)
+    if args.shape == "1b":
+        model_dir, load_format = make_random_model(work / "llama-1b-random", "cuda"), "auto"
+    else:
+        from benchmarks.fp8 import model_folder
+
+        model_dir, load_format = model_folder(work / "llama-8b-dummy", LLAMA_8B), "dummy"
+    vocab = LLAMA_1B["vocab_size"]  # the same in both shapes
+    prompts, max_tokens = make_workload(work / "workload.parquet", args.rows, vocab)
+    warm = ([[(t + 1) % vocab for t in p] for p in prompts], max_tokens)
     for run in args.runs:
         scheduler, _, step = run.partition(":")
-        profile_engine(model_dir, prompts, max_tokens, scheduler, step or "auto", warm)
+        profile_engine(model_dir, prompts, max_tokens, scheduler, step or "auto", warm,
+                       load_format)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """The one place that chooses between the Triton kernels and their PyTorch references.
 
 The engine calls only `decode_attention`, `prefill_attention`, `paged_prefill_attention`,
-`store_kv`, `rms_norm`, `add_rms_norm`, `rotary`, `rotary_store`, `silu_and_mul` and
-`argmax_scatter` from here.
+`store_kv`, `rms_norm`, `add_rms_norm`, `rotary`, `rotary_store`, `silu_and_mul`,
+`argmax_scatter` and `logprob_rows` from here.
 `use_triton(device)` is the rule (`NANOSERVE_KERNELS=reference` forces the references
 everywhere, for side-by-side checks of the two paths):
 - CUDA: the Triton kernels whenever Triton is installed;
@@ -38,6 +38,8 @@ from kernels.cpu_attention import (
 )
 from kernels.kv_store import store_kv as _store_kv_triton
 from kernels.kv_store import store_kv_reference
+from kernels.logprobs import logprob_rows as _logprob_rows_triton
+from kernels.logprobs import logprob_rows_reference
 from kernels.paged_attention import (
     paged_decode_attention,
     paged_decode_attention_reference,
@@ -210,6 +212,14 @@ def argmax_scatter(logits: torch.Tensor, slots: torch.Tensor,
     return argmax_scatter_reference(logits, slots, last_tok)
 
 
+def logprob_rows(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
+    """logits [m, V], tokens [m] int64 -> [m, 2 + 2k] float32: each token's logprob, its
+    rank, the k top ids and their logprobs (`kernels.logprobs`)."""
+    if use_triton(logits.device):
+        return _logprob_rows_triton(logits, tokens, k)
+    return logprob_rows_reference(logits, tokens, k)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[..., 2I] = [gate | up] -> silu(gate) * up [..., I]."""
     if use_triton(x.device):
@@ -220,6 +230,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 __all__ = [
     "add_rms_norm",
     "argmax_scatter",
+    "logprob_rows",
     "rotary",
     "rotary_store",
     "decode_attention",

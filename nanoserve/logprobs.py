@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kernels import backend as kernel_backend
+
 PROMPT_CHUNK = 256  # prompt positions whose logits exist at once
 
 
@@ -41,15 +43,11 @@ class TokenLogprob:
 
 def logprob_rows(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
     """logits [m, V] (any float dtype), tokens [m] int64 -> [m, 2 + 2k] float32 on the same
-    device: the token's logprob, its rank, then the k top ids and their logprobs."""
-    lp = torch.log_softmax(logits.float(), dim=-1)  # [m, V]
-    chosen = lp.gather(1, tokens.view(-1, 1))  # [m, 1]
-    rank = (lp > chosen).sum(dim=-1, keepdim=True).float() + 1  # [m, 1]
-    parts = [chosen, rank]
-    if k:
-        top_lp, top_id = lp.topk(k, dim=-1)  # [m, k]
-        parts += [top_id.float(), top_lp]  # ids < 2**24 are exact in float32
-    return torch.cat(parts, dim=1)
+    device: the token's logprob, its rank, then the k top ids and their logprobs. On a GPU
+    one Triton kernel reads the logits once (`kernels.logprobs`); elsewhere its reference."""
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    return kernel_backend.logprob_rows(logits, tokens.contiguous(), k)
 
 
 def unpack(row: list[float], k: int) -> TokenLogprob:

@@ -35,6 +35,7 @@ class StepSampling:
     k: int = 0  # the most alternatives any of them asks for
     steered: tuple[Sequence, ...] = ()  # the masked rows' sequences, in `masked` order
     words: int = 0  # int32 words per bitmask row
+    all_greedy: bool = False  # every row takes its argmax (before any mask)
 
     @classmethod
     def of(cls, seqs: list[Sequence], counters: list[int], words: int = 0,
@@ -44,11 +45,19 @@ class StepSampling:
         one. words: int32 words per bitmask row (needed when a row is constrained); fill: fill
         the bitmask now, in host memory (else the caller, the runner, calls `fill` with its
         pinned buffer before the sampling is queued)."""
-        masked = tuple(i for i, s in enumerate(seqs) if s.constrained)
-        lp = tuple(i for i, s in enumerate(seqs) if s.params.logprobs is not None)
-        out = cls([s.params for s in seqs], [s.key for s in seqs], list(counters), None,
-                  masked, lp, max((seqs[i].params.logprobs for i in lp), default=0),
-                  tuple(seqs[i] for i in masked), words)
+        params, keys, masked, lp, k, greedy = [], [], [], [], 0, True
+        for i, s in enumerate(seqs):  # one pass: this runs every step, for every row
+            p = s.params
+            greedy = greedy and p.temperature == 0  # SamplingParams.greedy
+            params.append(p)
+            keys.append(s.key)
+            if s.constrained:
+                masked.append(i)
+            if p.logprobs is not None:
+                lp.append(i)
+                k = max(k, p.logprobs)
+        out = cls(params, keys, list(counters), None, tuple(masked), tuple(lp), k,
+                  tuple(seqs[i] for i in masked), words, greedy)
         if masked and fill:
             out.fill(allocate_bitmask(len(masked), words))
         return out
@@ -68,8 +77,7 @@ class StepSampling:
 
     @property
     def trivial(self) -> bool:
-        return (not self.masked and not self.logprob_rows
-                and all(p.greedy for p in self.params))
+        return not self.masked and not self.logprob_rows and self.all_greedy
 
 
 def sample_step(logits: torch.Tensor, sampling: StepSampling,
@@ -78,7 +86,7 @@ def sample_step(logits: torch.Tensor, sampling: StepSampling,
     [m, 2 + 2k] float32 (`nanoserve.logprobs.logprob_rows`), both on the logits' device.
     logits [B, V] stay unchanged. `tokens`: the step's argmax if already computed (the
     captured step's), reused when nothing else is needed."""
-    if tokens is None or sampling.masked or not all(p.greedy for p in sampling.params):
+    if tokens is None or sampling.masked or not sampling.all_greedy:
         tokens = sample_next(logits, sampling.params, sampling.keys, sampling.counters,
                              sampling.bitmask, list(sampling.masked))
     lp = None

@@ -962,6 +962,61 @@ def test_interp_argmax_scatter_matches_reference(interp):
                            argmax_scatter_reference(xh, slots, want_last))
 
 
+# --- logprobs of a step's tokens (kernels/logprobs.py) ----------------------------------------
+
+
+def _logprob_cases(g, dtype):
+    """7 rows over V = 9000 (three chunks, the last partial), as a strided view; tokens
+    chosen among the best, the worst and in between; large values at chunk edges."""
+    wide = torch.randn(7, 9100, generator=g) * 3
+    x = wide[:, :9000]
+    x[1, 4095:4097] = 20.0 + torch.tensor([0.5, 0.25])  # across a chunk boundary
+    x[2, 8990:9000] = 15.0 + torch.arange(10.0)  # the best all in the partial chunk
+    x[3, :40] = 12.0 + torch.arange(40.0) / 8  # the best all in the first chunk
+    x = x.to(dtype)
+    tokens = torch.tensor([0, 4096, 8999, 5, int(x[4].argmin()), int(x[5].argmax()), 8191])
+    return x, tokens
+
+
+def _assert_same_logprob_rows(got, want, x, k):
+    """Equal up to rounding; among equal top values any order (each id must carry the
+    value it is listed with, and the ids must be distinct)."""
+    assert got.shape == want.shape == (x.shape[0], 2 + 2 * k)
+    torch.testing.assert_close(got[:, 0], want[:, 0], atol=2e-5, rtol=1e-5)
+    assert torch.equal(got[:, 1], want[:, 1])  # ranks
+    if k:
+        torch.testing.assert_close(got[:, 2 + k:], want[:, 2 + k:], atol=2e-5, rtol=1e-5)
+        lp = torch.log_softmax(x.float(), dim=-1)
+        ids = got[:, 2:2 + k].long()
+        torch.testing.assert_close(lp.gather(1, ids), got[:, 2 + k:], atol=2e-5, rtol=1e-5)
+        assert all(len(set(r)) == k for r in ids.tolist())
+
+
+def test_logprob_rows_reference_rules():
+    from kernels.logprobs import logprob_rows_reference
+
+    x, tokens = _logprob_cases(torch.Generator().manual_seed(3), torch.float32)
+    out = logprob_rows_reference(x, tokens, 3)
+    lp = torch.log_softmax(x, dim=-1)
+    assert torch.equal(out[:, 0], lp.gather(1, tokens[:, None])[:, 0])
+    assert out[1, 1] == 2 and out[1, 2:4].tolist() == [4095.0, 4096.0]  # the second best
+    assert out[2, 1] == 1 and out[2, 2:5].tolist() == [8999.0, 8998.0, 8997.0]
+    assert out[4, 1] == x.shape[1]  # the worst token ranks last
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_interp_logprob_rows_matches_reference(interp, dtype):
+    from kernels.logprobs import logprob_rows, logprob_rows_reference
+
+    x, tokens = _logprob_cases(torch.Generator().manual_seed(3), dtype)
+    for k in (0, 1, 5, 20):
+        _assert_same_logprob_rows(logprob_rows(x, tokens, k),
+                                  logprob_rows_reference(x, tokens, k), x, k)
+    assert logprob_rows(x[:0], tokens[:0], 5).shape == (0, 12)
+    with pytest.raises(ValueError, match="k must be"):
+        logprob_rows(x, tokens, 21)
+
+
 # --- FP8 KV cache: float8 e4m3 pools with per-layer scales (kernels/kv_quant.py) ---------------
 # The interpreter loads float8 exactly, but its own float32 -> float8 cast rounds wrongly; the
 # kernels round to the e4m3 grid themselves before casting (see kernels/kv_quant.py), so the

@@ -441,3 +441,29 @@ def test_argmax_scatter_equals_torch_argmax(dtype):
         assert torch.equal(tokens, want)
         assert torch.equal(last[slots], want)
         assert int((last >= 0).sum()) == b
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_logprob_rows_kernel_equals_reference(dtype):
+    """The engine's shapes: up to 256 rows over real vocabularies, k from 0 to 20; each
+    token's logprob and rank, and the top k (any order among equal values: bf16 logits
+    tie often), against log_softmax, gather and topk."""
+    from kernels.logprobs import logprob_rows, logprob_rows_reference
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    for m, V in ((1, 128256), (256, 128256), (256, 49152), (13, 32000)):
+        x = (torch.randn(m, V, generator=g, device="cuda") * 4).to(dtype)
+        tokens = torch.randint(0, V, (m,), generator=g, device="cuda")
+        tokens[0] = int(x[0].argmax())
+        for k in (0, 5, 20):
+            got, want = logprob_rows(x, tokens, k), logprob_rows_reference(x, tokens, k)
+            torch.testing.assert_close(got[:, 0], want[:, 0], atol=1e-4, rtol=1e-5)
+            assert torch.equal(got[:, 1], want[:, 1])
+            if k:
+                torch.testing.assert_close(got[:, 2 + k:], want[:, 2 + k:], atol=1e-4,
+                                           rtol=1e-5)
+                lp = torch.log_softmax(x.float(), dim=-1)
+                ids = got[:, 2:2 + k].long()
+                torch.testing.assert_close(lp.gather(1, ids), got[:, 2 + k:], atol=1e-4,
+                                           rtol=1e-5)
+                assert all(len(set(r)) == k for r in ids.tolist())
