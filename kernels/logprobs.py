@@ -28,9 +28,11 @@ MAX_K = 20
 
 
 def logprob_rows_reference(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
-    lp = torch.log_softmax(logits.float(), dim=-1)  # [m, V]
+    x = logits.float()
+    lp = torch.log_softmax(x, dim=-1)  # [m, V]
     chosen = lp.gather(1, tokens.view(-1, 1))  # [m, 1]
-    rank = (lp > chosen).sum(dim=-1, keepdim=True).float() + 1  # [m, 1]
+    # the rank from the logits themselves: two logits that differ can round to one logprob
+    rank = (x > x.gather(1, tokens.view(-1, 1))).sum(dim=-1, keepdim=True).float() + 1
     parts = [chosen, rank]
     if k:
         top_lp, top_id = lp.topk(k, dim=-1)  # [m, k]

@@ -3,7 +3,7 @@
 Values are `log_softmax` of the model's raw logits in float32: before temperature, top-k,
 top-p and a structured output's mask (vLLM's default, "raw" logprobs), so they describe the
 model, not the sampler. A token's rank is 1 + the number of tokens with a strictly higher
-logprob (the argmax has rank 1). Only the rows that ask are computed: their logits rows are
+logit (so a higher logprob, counted before rounding: the argmax has rank 1). Only the rows that ask are computed: their logits rows are
 gathered, reduced to `[rows, 2 + 2k]` float32 (logprob, rank, k top ids, k top logprobs),
 and that small tensor is what reaches the host: no `[rows, vocab]` tensor is kept, and the
 host waits for it with the step's tokens, not per row.
