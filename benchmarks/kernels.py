@@ -18,7 +18,8 @@ The target (>= 70% of copy bandwidth at batch >= 8 and context >= 1024) is judge
 Then: prefill kernel time against its reference, and the KV store kernel.
 `--fp8-kv` runs only the decode kernel over a bfloat16 cache against the same cache in FP8
 (e4m3, scales 0.5 / 2.0; `kernels/kv_quant.py`): time, bandwidth on the bytes each reads,
-and the speedup (about a minute).
+and the speedup (about a minute); `--head-dim 128` the 8B shape's heads; `--fp8-sweep`
+adds the FP8 kernel at forced tilings (tokens per step, warps, stages) against bfloat16.
 `--sweep` adds a tuning sweep of the decode kernel (program order, tile size, warps, stages,
 splits) and the host cost of one call;
 `default_tiling` and `choose_num_splits` in `kernels/paged_attention.py` encode its findings.
@@ -239,6 +240,38 @@ def run_decode_fp8(copy_bw: float) -> None:
         for ctx in (1024, 8192):
             print(fp8_decode_row(batch, ctx, copy_bw), flush=True)
             torch.cuda.empty_cache()
+
+
+def fp8_tiling_sweep(batch: int, ctx: int, copy_bw: float) -> None:
+    """The FP8 cache's decode kernel at forced tilings (tokens per step, warps, stages)
+    against the bfloat16 cache's at its defaults: an FP8 step holds half the bytes."""
+    from kernels.kv_quant import quantize_reference
+    from kernels.paged_attention import paged_decode_attention
+
+    q, k_cache, v_cache, tables, lens = decode_case(batch, ctx)
+    k8, v8 = quantize_reference(k_cache, 0.5), quantize_reference(v_cache, 2.0)
+    bf16_us = 1e3 * bench_ms(graphed(
+        lambda: paged_decode_attention(q, k_cache, v_cache, tables, lens, SCALE)))
+    fp8_bytes = decode_bytes(batch, ctx) - batch * ctx * HKV * HEAD_DIM * 2
+    print(f"\nFP8 tilings, batch {batch}, context {ctx}, head_dim {HEAD_DIM}: bf16 default "
+          f"{bf16_us:.1f} us\n| block_n | warps | stages | fp8 us | % copy | vs bf16 |\n"
+          "|---|---|---|---|---|---|")
+    for block_n in (32, 64, 128):
+        for warps in (4, 8):
+            for stages in (2, 3, 4):
+                def fp8(block_n=block_n, warps=warps, stages=stages):
+                    return paged_decode_attention(q, k8, v8, tables, lens, SCALE, k_scale=0.5,
+                                                  v_scale=2.0, block_n=block_n,
+                                                  num_warps=warps, num_stages=stages)
+                try:
+                    us = 1e3 * bench_ms(graphed(fp8))
+                except Exception as e:  # noqa: BLE001 - a tiling that does not fit
+                    print(f"| {block_n} | {warps} | {stages} | - | - | {type(e).__name__} |")
+                    continue
+                print(f"| {block_n} | {warps} | {stages} | {us:.1f} | "
+                      f"{fp8_bytes / (us * 1e-6) / copy_bw:.0%} | {bf16_us / us:.2f}x |",
+                      flush=True)
+    torch.cuda.empty_cache()
 
 
 def fp8_decode_row(batch: int, ctx: int, copy_bw: float) -> str:
@@ -489,6 +522,11 @@ def main() -> int:
     parser.add_argument("--sweep", action="store_true", help="also run a decode tuning sweep")
     parser.add_argument("--fp8-kv", action="store_true",
                         help="only the decode kernel over an FP8 cache against bfloat16")
+    parser.add_argument("--fp8-sweep", action="store_true",
+                        help="with --fp8-kv: the FP8 kernel at forced tilings")
+    parser.add_argument("--head-dim", type=int, default=HEAD_DIM,
+                        help="with --fp8-kv: head_dim (128: the 8B shape)")
+    parser.add_argument("--heads", type=int, default=HQ, help="with --fp8-kv: query heads")
     parser.add_argument("--sweep-shapes", default=None, metavar="BxCTX,...",
                         help="sweep only these shapes, e.g. 8x1024,64x1024 (default: six shapes)")
     args = parser.parse_args()
@@ -514,7 +552,12 @@ def main() -> int:
     copy_bw = copy_bandwidth()
     print(f"copy bandwidth: {copy_bw / 1e12:.2f} TB/s (read + write)", flush=True)
     if args.fp8_kv:
+        global HQ, HEAD_DIM
+        HQ, HEAD_DIM = args.heads, args.head_dim
         run_decode_fp8(copy_bw)
+        if args.fp8_sweep:
+            for batch, ctx in ((256, 1024), (256, 2048), (64, 2048)):
+                fp8_tiling_sweep(batch, ctx, copy_bw)
         return 0
     decode = run_decode(copy_bw)
     prefill = run_prefill()
