@@ -518,6 +518,7 @@ def markdown(copy_bw: float, decode: list[dict], prefill: list[dict], store: dic
 
 
 def main() -> int:
+    global HQ, HEAD_DIM
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also run a decode tuning sweep")
     parser.add_argument("--fp8-kv", action="store_true",
@@ -552,7 +553,6 @@ def main() -> int:
     copy_bw = copy_bandwidth()
     print(f"copy bandwidth: {copy_bw / 1e12:.2f} TB/s (read + write)", flush=True)
     if args.fp8_kv:
-        global HQ, HEAD_DIM
         HQ, HEAD_DIM = args.heads, args.head_dim
         run_decode_fp8(copy_bw)
         if args.fp8_sweep:
