@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+
+import pytest
 
 
 def test_the_driver_imports_no_engine():
@@ -19,3 +22,21 @@ def test_the_driver_imports_no_engine():
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
+
+
+def test_the_engine_on_a_cpu_only_machine_imports_no_triton():
+    """Where Triton cannot run (no CUDA GPU, no interpreter asked for), the engine does not
+    import it (about 0.4 s of a CPU worker's start), and the kernels' references serve."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is present: the engine imports Triton here")
+    code = ("import sys, nanoserve.llm, kernels\n"
+            "assert not kernels.use_triton('cpu')\n"
+            "print('triton' in sys.modules)\n")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TRITON_INTERPRET", "NANOSERVE_TRITON_INTERPRET")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"
