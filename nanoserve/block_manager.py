@@ -179,8 +179,10 @@ class BlockTable:
         self.block_hashes: list[bytes] = []
 
     def blocks_needed(self, num_new_tokens: int) -> int:
+        """Free blocks that `append(num_new_tokens)` takes: never negative (a table may hold
+        blocks reserved ahead of its tokens, which must not lower a batch's demand)."""
         total = self.num_tokens + num_new_tokens
-        return -(-total // self.block_size) - len(self.blocks)
+        return max(0, -(-total // self.block_size) - len(self.blocks))
 
     def append(self, num_new_tokens: int, allocator: BlockAllocator) -> list[int]:
         """Reserve room for `num_new_tokens` more tokens (all or nothing) and return
@@ -263,6 +265,42 @@ def reserve_all_or_nothing(
             f"KV cache needs {demand} free blocks for this step, has {allocator.num_free}"
         )
     return [t.append(n, allocator) for t, n in zip(tables, num_new_tokens)]
+
+
+def decode_demand(tables: list[BlockTable]) -> int:
+    """Free blocks a decode step of these tables takes, `sum(t.blocks_needed(1))`, in one
+    pass (a table needs a block when its tokens fill every block it holds)."""
+    return sum(1 for t in tables if len(t.blocks) <= t.num_tokens // t.block_size)
+
+
+def reserve_one_each(tables: list[BlockTable], allocator: BlockAllocator) -> list[int]:
+    """A decode step's reservation: one token slot for every table, all or nothing; the same
+    as `[s[0] for s in reserve_all_or_nothing(tables, [1] * len(tables), allocator)]` (the
+    same blocks, taken in the same order, the same checks), as one loop over the rows: it
+    runs for every row of every step. The tables share `allocator`'s block size."""
+    if not tables:
+        return []
+    bs = tables[0].block_size
+    demand = decode_demand(tables)
+    if demand > allocator.num_free:
+        raise CacheFullError(
+            f"KV cache needs {demand} free blocks for this step, has {allocator.num_free}"
+        )
+    fresh = iter(allocator.allocate(demand))
+    ref, named = allocator._ref, allocator._hash_of
+    slots = []
+    for t in tables:
+        n = t.num_tokens
+        i = n // bs
+        off = n - i * bs
+        blocks = t.blocks
+        if i == len(blocks):
+            blocks.append(next(fresh))
+        elif off and (ref[blocks[i]] != 1 or blocks[i] in named):
+            raise RuntimeError(f"block {blocks[i]} would be written while shared or named")
+        slots.append(blocks[i] * bs + off)
+        t.num_tokens = n + 1
+    return slots
 
 
 def check_integrity(allocator: BlockAllocator, tables: Iterable[BlockTable]) -> None:

@@ -34,6 +34,7 @@ from nanoserve.block_manager import (
     BlockTable,
     check_integrity,
     reserve_all_or_nothing,
+    reserve_one_each,
 )
 from nanoserve.config import ModelConfig
 
@@ -348,9 +349,9 @@ class BatchedPagedKVCache:
         st = self._require_static()
         st.wait_for_copies()  # the last step's copies still read the pinned mirror
         held = [len(t.blocks) for t in self.tables]
-        slots = reserve_all_or_nothing(self.tables, [1] * self.batch_size, self.pool.allocator)
+        slots = reserve_one_each(self.tables, self.pool.allocator)
         self._mirror_new_blocks(held)
-        st.refill([row[0] for row in slots], self.seq_lens, self._bt_host)
+        st.refill(slots, self.seq_lens, self._bt_host)
 
     def _require_static(self) -> _StaticStepTensors:
         if self._static is None:

@@ -58,7 +58,12 @@ from time import perf_counter
 
 import torch
 
-from nanoserve.block_manager import BlockTable, reserve_all_or_nothing
+from nanoserve.block_manager import (
+    BlockTable,
+    decode_demand,
+    reserve_all_or_nothing,
+    reserve_one_each,
+)
 from nanoserve.cache import KVPool
 from nanoserve.errors import CacheFullError
 from nanoserve.generate import BatchStats, pool_for
@@ -383,12 +388,12 @@ class ContinuousScheduler:
         everything queued (rows may finish and free blocks), then preempt the most recently
         admitted rows until the rest fit. Returns the rows that step."""
         alloc = self.pool.allocator
-        if sum(r.table.blocks_needed(1) for r in rows) > alloc.num_free:
+        if decode_demand([r.table for r in rows]) > alloc.num_free:
             while self.unread:
                 self._read(self.unread.popleft())
             rows = [r for r in self.running if r.wants_step()]
             preempted: list[_Row] = []
-            while rows and sum(r.table.blocks_needed(1) for r in rows) > alloc.num_free:
+            while rows and decode_demand([r.table for r in rows]) > alloc.num_free:
                 victim = self.running.pop()  # the most recently admitted
                 self._release(victim)
                 victim.launched = 0
@@ -404,8 +409,7 @@ class ContinuousScheduler:
         if ORDER_LONGEST_FIRST:
             rows = sorted(rows, key=lambda r: -r.table.num_tokens)
         positions = [r.table.num_tokens for r in rows]
-        writes = [w[0] for w in reserve_all_or_nothing(
-            [r.table for r in rows], [1] * len(rows), self.pool.allocator)]
+        writes = reserve_one_each([r.table for r in rows], self.pool.allocator)
         new_blocks = []
         for r in rows:
             if len(r.table.blocks) > r.sent_blocks:

@@ -224,3 +224,69 @@ def test_prefill_metadata_packs_right_padded_rows_once():
     assert meta.cu_seqlens.tolist() == [0, 3, 4, 9] and meta.max_seqlen == 5
     # Left padding cannot be packed by offsets: no cu_seqlens, the dense path is used.
     assert AttentionMetadata.prefill(valid.flip(1)).cu_seqlens is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_decode_reservation_equals_the_general_one(data):
+    """`reserve_one_each` (a decode step's one slot per row) takes the same blocks in the
+    same order, returns the same slots and leaves the same state as
+    `reserve_all_or_nothing(tables, [1] * n)`, from any mix of rows at block boundaries,
+    inside blocks, with spare blocks reserved ahead and with named blocks to evict; and when
+    the pool is short, both raise CacheFullError and change nothing."""
+    from nanoserve.block_manager import decode_demand, reserve_all_or_nothing, reserve_one_each
+
+    bs = data.draw(st.sampled_from([1, 4, 16]))
+    lens = data.draw(st.lists(st.integers(0, 40), min_size=1, max_size=6))
+    spare = data.draw(st.lists(st.booleans(), min_size=len(lens), max_size=len(lens)))
+    extra = data.draw(st.integers(0, 3))
+
+    def build():
+        need = sum(-(-n // bs) + s for n, s in zip(lens, spare))
+        alloc = BlockAllocator(need + extra + 2)
+        named = BlockTable(bs)  # two named blocks, then freed: evictable, taken last
+        named.append(2 * bs, alloc)
+        for i, b in enumerate(named.blocks):
+            alloc.register(b, bytes([i + 1]) * 16)
+        tables = []
+        for n, s in zip(lens, spare):
+            t = BlockTable(bs)
+            t.append(n, alloc)
+            if s:  # a block reserved ahead of the tokens
+                t.blocks += alloc.allocate(1)
+            tables.append(t)
+        named.free(alloc)
+        return alloc, tables
+
+    def state(alloc, tables):
+        return ([(list(t.blocks), t.num_tokens) for t in tables], alloc.free_blocks(),
+                alloc.cached_free_blocks(), alloc.hash_index())
+
+    a1, t1 = build()
+    a2, t2 = build()
+    assert decode_demand(t2) == sum(t.blocks_needed(1) for t in t1)
+    before = state(a1, t1)
+    try:
+        want = [s[0] for s in reserve_all_or_nothing(t1, [1] * len(t1), a1)]
+    except CacheFullError:
+        with pytest.raises(CacheFullError):
+            reserve_one_each(t2, a2)
+        assert state(a2, t2) == before == state(a1, t1)
+        return
+    assert reserve_one_each(t2, a2) == want
+    assert state(a2, t2) == state(a1, t1)
+    check_integrity(a2, t2)
+
+
+def test_decode_reservation_refuses_a_shared_tail():
+    from nanoserve.block_manager import reserve_one_each
+
+    alloc = BlockAllocator(8)
+    t = BlockTable(4)
+    t.append(3, alloc)
+    child, pair = t.fork(alloc)
+    assert pair is not None  # the partly filled tail was copied, not shared
+    alloc.share(t.blocks[-1:])  # a bug's state: the tail shared
+    with pytest.raises(RuntimeError, match="shared or named"):
+        reserve_one_each([t], alloc)
+    assert reserve_one_each([], alloc) == []
