@@ -22,11 +22,17 @@ def interpret_requested() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in _TRUE
 
 
+IMPORT_ENV = "NANOSERVE_TRITON_IMPORT"  # "1": import Triton even where it cannot run
+
+
 def _triton_usable() -> bool:
     """Triton can run here: a CUDA GPU, or its CPU interpreter asked for. Elsewhere (a CPU-only
-    machine) importing it would only cost start-up time (about 0.4 s), so it is not imported."""
-    nanoserve_flag = os.environ.get("NANOSERVE_TRITON_INTERPRET", "0").strip().lower()
-    if interpret_requested() or nanoserve_flag in _TRUE:
+    machine) importing it would only cost start-up time (about 0.4 s), so it is not imported,
+    unless IMPORT_ENV asks (compiling the kernels ahead of time on a machine without a GPU:
+    tests/test_kernels_compile.py)."""
+    flags = [os.environ.get(name, "0").strip().lower()
+             for name in ("NANOSERVE_TRITON_INTERPRET", IMPORT_ENV)]
+    if interpret_requested() or any(f in _TRUE for f in flags):
         return True
     import torch
 
@@ -62,4 +68,4 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-__all__ = ["HAS_TRITON", "interpret_requested", "next_power_of_2", "tl", "triton"]
+__all__ = ["HAS_TRITON", "IMPORT_ENV", "interpret_requested", "next_power_of_2", "tl", "triton"]

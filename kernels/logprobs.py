@@ -41,9 +41,9 @@ def logprob_rows_reference(logits: torch.Tensor, tokens: torch.Tensor, k: int) -
 
 
 @triton.jit
-def _chunk_kernel(logits_ptr, tokens_ptr, max_ptr, sum_ptr, cnt_ptr, topv_ptr, topi_ptr,
-                  V, stride_row, num_chunks, K: tl.constexpr, KP: tl.constexpr,
-                  CHUNK: tl.constexpr):
+def _logprob_chunk_kernel(logits_ptr, tokens_ptr, max_ptr, sum_ptr, cnt_ptr, topv_ptr,
+                          topi_ptr, V, stride_row, num_chunks, K: tl.constexpr,
+                          KP: tl.constexpr, CHUNK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     offs = c * CHUNK + tl.arange(0, CHUNK)
@@ -74,9 +74,9 @@ def _chunk_kernel(logits_ptr, tokens_ptr, max_ptr, sum_ptr, cnt_ptr, topv_ptr, t
 
 
 @triton.jit
-def _merge_kernel(tokens_ptr, logits_ptr, stride_row, max_ptr, sum_ptr, cnt_ptr, topv_ptr,
-                  topi_ptr, out_ptr, num_chunks, K: tl.constexpr, KP: tl.constexpr,
-                  C_PAD: tl.constexpr):
+def _logprob_merge_kernel(tokens_ptr, logits_ptr, stride_row, max_ptr, sum_ptr, cnt_ptr,
+                          topv_ptr, topi_ptr, out_ptr, num_chunks, K: tl.constexpr,
+                          KP: tl.constexpr, C_PAD: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, C_PAD)
     cm = c < num_chunks
@@ -129,12 +129,12 @@ def logprob_rows(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Te
     cnts = torch.empty((m, num_chunks), dtype=torch.int32, device=dev)
     topv = torch.empty((m, num_chunks, kp), dtype=torch.float32, device=dev)
     topi = torch.empty((m, num_chunks, kp), dtype=torch.int32, device=dev)
-    _chunk_kernel[(m, num_chunks)](logits, tokens, maxes, sums, cnts, topv, topi, V,
-                                   logits.stride(0), num_chunks, K=k, KP=kp, CHUNK=CHUNK,
-                                   num_warps=8)
-    _merge_kernel[(m,)](tokens, logits, logits.stride(0), maxes, sums, cnts, topv, topi, out,
-                        num_chunks, K=k, KP=kp, C_PAD=max(2, next_power_of_2(num_chunks)),
-                        num_warps=4)
+    _logprob_chunk_kernel[(m, num_chunks)](logits, tokens, maxes, sums, cnts, topv, topi, V,
+                                           logits.stride(0), num_chunks, K=k, KP=kp,
+                                           CHUNK=CHUNK, num_warps=8)
+    _logprob_merge_kernel[(m,)](tokens, logits, logits.stride(0), maxes, sums, cnts, topv,
+                                topi, out, num_chunks, K=k, KP=kp,
+                                C_PAD=max(2, next_power_of_2(num_chunks)), num_warps=4)
     return out
 
 

@@ -6,14 +6,29 @@ accepts code the GPU compiler refuses (a variable whose block shape changes insi
 `if`, say). Here each wrapper is called with CPU tensors while `JITFunction.run` only
 records its arguments; each recorded launch is then compiled ahead of time, through
 PTX to a cubin with the ptxas Triton ships, for compute capability 9.0. Nothing runs.
+
+On a machine without a GPU the engine does not import Triton (`kernels/_triton.py`), so the
+kernels are not defined for it in the test run's process: there these tests run in a child
+pytest with `NANOSERVE_TRITON_IMPORT=1` (`test_kernels_compile_in_a_child_process`).
 """
 
 from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 triton = pytest.importorskip("triton")
+
+from kernels._triton import HAS_TRITON, IMPORT_ENV  # noqa: E402
+
+needs_kernels = pytest.mark.skipif(
+    not HAS_TRITON, reason="run by test_kernels_compile_in_a_child_process (Triton imported)")
 
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
@@ -63,6 +78,7 @@ def _wrapper_calls(dtype: torch.dtype):
     from kernels.activation import silu_and_mul
     from kernels.argmax import argmax_scatter
     from kernels.kv_store import store_kv
+    from kernels.logprobs import logprob_rows
     from kernels.paged_attention import paged_decode_attention
     from kernels.paged_prefill import paged_prefill_attention
     from kernels.prefill_attention import prefill_attention
@@ -103,10 +119,13 @@ def _wrapper_calls(dtype: torch.dtype):
         lambda: silu_and_mul(t(30, 512)),
         lambda: argmax_scatter(t(3, 9000), torch.tensor([2, 0, 1]),
                                torch.zeros(4, dtype=torch.int64)),
+        lambda: logprob_rows(t(3, 9000), torch.tensor([2, 0, 8999]), 5),
+        lambda: logprob_rows(t(3, 9000), torch.tensor([2, 0, 8999]), 0),
     ]
     return calls
 
 
+@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_every_kernel_compiles_for_hopper(monkeypatch, dtype):
     launches = _launches(monkeypatch, _wrapper_calls(dtype))
@@ -115,7 +134,8 @@ def test_every_kernel_compiles_for_hopper(monkeypatch, dtype):
     assert {"_paged_decode_kernel", "_combine_splits_kernel", "_prefill_kernel",
             "_paged_prefill_kernel", "_store_kv_kernel", "_rms_norm_kernel",
             "_add_rms_norm_kernel", "_rotary_kernel", "_rotary_store_kernel",
-            "_silu_and_mul_kernel", "_chunk_max_kernel", "_pick_kernel"} <= names, names
+            "_silu_and_mul_kernel", "_chunk_max_kernel", "_pick_kernel",
+            "_logprob_chunk_kernel", "_logprob_merge_kernel"} <= names, names
     monkeypatch.undo()
     for fn, args, kwargs in launches:
         _compile(fn, args, kwargs)
@@ -150,6 +170,7 @@ def _fp8_wrapper_calls(dtype: torch.dtype):
     ]
 
 
+@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_fp8_kv_kernels_compile_for_hopper(monkeypatch, dtype):
     launches = _launches(monkeypatch, _fp8_wrapper_calls(dtype))
@@ -160,6 +181,7 @@ def test_fp8_kv_kernels_compile_for_hopper(monkeypatch, dtype):
         _compile(fn, args, kwargs)
 
 
+@needs_kernels
 def test_a_kernel_the_gpu_compiler_refuses_fails_here(monkeypatch):
     """The check can fail: a block whose shape changes inside an `if` runs under the
     interpreter but does not compile."""
@@ -177,3 +199,22 @@ def test_a_kernel_the_gpu_compiler_refuses_fails_here(monkeypatch):
     monkeypatch.undo()
     with pytest.raises(Exception, match="redefines|type"):
         _compile(*launches[0])
+
+
+def test_kernels_compile_in_a_child_process():
+    """Where this process has no Triton kernels (no GPU: the engine did not import Triton),
+    the tests above run in a child pytest that imports it (NANOSERVE_TRITON_IMPORT=1)."""
+    if HAS_TRITON:
+        pytest.skip("the kernels are defined in this process: the tests above ran here")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TRITON_INTERPRET", "NANOSERVE_TRITON_INTERPRET")}
+    env[IMPORT_ENV] = "1"
+    root = Path(__file__).resolve().parents[1]
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
+         "not in_a_child_process", str(Path(__file__).resolve())],
+        cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    report = result.stdout[-6000:] + result.stderr[-2000:]
+    assert result.returncode == 0, report
+    assert re.search(r"\b\d+ passed", report) and "skipped" not in report, report
