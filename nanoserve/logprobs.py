@@ -3,10 +3,11 @@
 Values are `log_softmax` of the model's raw logits in float32: before temperature, top-k,
 top-p and a structured output's mask (vLLM's default, "raw" logprobs), so they describe the
 model, not the sampler. A token's rank is 1 + the number of tokens with a strictly higher
-logit (so a higher logprob, counted before rounding: the argmax has rank 1). Only the rows that ask are computed: their logits rows are
-gathered, reduced to `[rows, 2 + 2k]` float32 (logprob, rank, k top ids, k top logprobs),
-and that small tensor is what reaches the host: no `[rows, vocab]` tensor is kept, and the
-host waits for it with the step's tokens, not per row.
+logit (so a higher logprob, counted before rounding: the argmax has rank 1). Only the rows
+that ask are computed: their logits rows are reduced to `[rows, 2 + 2k]` float32 (logprob,
+rank, k top ids, k top logprobs; on a GPU by `kernels.logprobs`, which reads the logits
+once), and that small tensor is what reaches the host: no `[rows, vocab]` tensor is kept,
+and the host waits for it with the step's tokens, not per row.
 
 Prompt logprobs (for each prompt token after the first, the logprob of that token given
 the ones before) come from the prefill's hidden states, `PROMPT_CHUNK` positions at a time,

@@ -48,7 +48,7 @@ class StepSampling:
         params, keys, masked, lp, k, greedy = [], [], [], [], 0, True
         for i, s in enumerate(seqs):  # one pass: this runs every step, for every row
             p = s.params
-            greedy = greedy and p.temperature == 0  # SamplingParams.greedy
+            greedy = greedy and p.greedy
             params.append(p)
             keys.append(s.key)
             if s.constrained:
