@@ -33,6 +33,7 @@ import torch
 from kernels._triton import HAS_TRITON, interpret_requested, next_power_of_2, tl, triton
 from kernels.kv_quant import check_kv_scales, dequantize_reference, is_fp8
 from kernels.online_softmax import online_softmax_step
+from kernels.prefill_attention import check_prompt_lengths
 
 # Decided when this module is imported, like Triton's own choice in `@triton.jit` below.
 INTERPRETED = HAS_TRITON and interpret_requested()
@@ -104,12 +105,7 @@ def check_row_lengths(n: int, block_tables: torch.Tensor, block_size: int,
     """(new tokens, context tokens) of each row, checked: cu_seqlens_q rises from 0 to n,
     no row longer than max_seqlen_q, each context holds its new tokens and fits its blocks
     (ValueError otherwise)."""
-    bounds = cu_seqlens_q.tolist()
-    q_lens = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
-    if bounds[0] != 0 or bounds[-1] != n or any(x < 0 for x in q_lens):
-        raise ValueError(f"cu_seqlens_q must rise from 0 to N={n} without decreasing, got {bounds}")
-    if q_lens and max(q_lens) > max_seqlen_q:
-        raise ValueError(f"max_seqlen_q={max_seqlen_q} is below the longest row ({max(q_lens)})")
+    q_lens = check_prompt_lengths(cu_seqlens_q, n, max_seqlen_q, "_q")
     ctx_lens = context_lens.tolist()
     capacity = block_tables.shape[1] * block_size
     for q_len, ctx in zip(q_lens, ctx_lens):

@@ -59,15 +59,19 @@ def check_prefill_args(
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
 
 
-def check_prompt_lengths(cu_seqlens: torch.Tensor, n: int, max_seqlen: int) -> list[int]:
+def check_prompt_lengths(cu_seqlens: torch.Tensor, n: int, max_seqlen: int,
+                         suffix: str = "") -> list[int]:
     """Each packed prompt's length, checked: cu_seqlens rises from 0 to n, none longer than
-    max_seqlen (ValueError otherwise)."""
+    max_seqlen (ValueError otherwise). suffix: the arguments' names' ending in the messages
+    ("_q": cu_seqlens_q, max_seqlen_q)."""
     bounds = cu_seqlens.tolist()
     lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
     if bounds[0] != 0 or bounds[-1] != n or any(x < 0 for x in lengths):
-        raise ValueError(f"cu_seqlens must rise from 0 to N={n} without decreasing, got {bounds}")
+        raise ValueError(f"cu_seqlens{suffix} must rise from 0 to N={n} without decreasing, "
+                         f"got {bounds}")
     if lengths and max(lengths) > max_seqlen:
-        raise ValueError(f"max_seqlen={max_seqlen} is below the longest prompt ({max(lengths)})")
+        raise ValueError(f"max_seqlen{suffix}={max_seqlen} is below the longest prompt "
+                         f"({max(lengths)})")
     return lengths
 
 
