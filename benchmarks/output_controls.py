@@ -120,7 +120,7 @@ def main() -> None:
     ap.add_argument("--tokenizer", type=Path, default=None)
     ap.add_argument("--only", choices=["json", "logprobs", "n"], action="append")
     ap.add_argument("--repeats", type=int, default=1,
-                    help="logprobs: run the two sides this many times, alternating")
+                    help="json, logprobs: run the two sides this many times, alternating")
     ap.add_argument("--profile", action="store_true",
                     help="print the host's hottest functions (cProfile) of each timed run")
     args = ap.parse_args()
@@ -167,6 +167,10 @@ def main() -> None:
                  for o in c["outs"]]
         timed(llm, prompts[:256], plain[:256])
         u = timed(llm, prompts, plain)
+        ratios = [f"{c['rate'] / u['rate']:.2f}x"]
+        for _ in range(args.repeats - 1):  # alternating, as logprobs
+            c, u = timed(llm, prompts, cons), timed(llm, prompts, plain)
+            ratios.append(f"{c['rate'] / u['rate']:.2f}x")
         ok = 0
         try:
             import jsonschema
@@ -184,7 +188,8 @@ def main() -> None:
         row("json schema (4 schemas) vs unconstrained", c, u,
             f"{ok}/{len(lens)} parse+validate; output tokens median {lens[len(lens) // 2]} "
             f"(p10 {lens[len(lens) // 10]}, p90 {lens[9 * len(lens) // 10]}); "
-            f"4 schemas compiled in {compile_s:.2f} s")
+            f"4 schemas compiled in {compile_s:.2f} s; each pair's ratio in order: "
+            f"{', '.join(ratios)} (the table shows the last)")
 
     if "logprobs" in only:
         prompts = prompts_of(args.rows, 100, 1024)

@@ -242,7 +242,9 @@ class ContinuousScheduler:
     def step(self) -> None:
         steered = False  # a step with a structured output was queued, its older ops read
         t = perf_counter()
+        alone = False  # nothing ran when the admission was tried: it had to take a row
         if len(self.unread) < MAX_UNREAD:
+            alone = not self.running
             admitted = self._admit()
             if admitted:
                 self._prefill(admitted)
@@ -259,7 +261,9 @@ class ContinuousScheduler:
             # queued first, and this one is read while that forward runs.
             if not (steered and len(self.unread) < MAX_UNREAD):
                 self._read(self.unread.popleft())
-        elif self.waiting and not self.running:
+        elif alone and self.waiting and not self.running:
+            # (rows that ended later in this step, read by a preemption, freed their blocks:
+            # the next step admits)
             raise CacheFullError(
                 f"prompt {self.waiting[0].index} cannot start: the pool has "
                 f"{self.pool.allocator.num_free} of {self.pool.num_blocks} blocks free")

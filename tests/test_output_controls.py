@@ -383,3 +383,35 @@ def test_mixed_controls_through_the_fixed_tensor_step(tmp_path):
     from nanoserve.testing import save_tiny_byte_llama
 
     mixed_controls_equal_rows_alone("cpu", "static", save_tiny_byte_llama(tmp_path / "m"))
+
+
+def test_constrained_rows_preempted_keep_their_tokens(tmp_path):
+    """Constrained, sampled and plain rows in a pool too small for all of them: rows are
+    preempted and recomputed (their matchers keep their place); each row equals itself run
+    alone through the static path, and every block comes back."""
+    from nanoserve.cache import CacheShape, KVPool
+    from nanoserve.llm import LLM
+    from nanoserve.testing import save_tiny_byte_llama
+
+    llm = LLM(str(save_tiny_byte_llama(tmp_path / "m")), dtype="float32", scheduler="static",
+              kv_cache_bytes=16 << 20)
+    tok = llm.tokenizer
+    schema = {"type": "object", "properties": {"k": {"type": "string", "maxLength": 6},
+                                               "v": {"type": "integer", "minimum": 0}},
+              "required": ["k", "v"], "additionalProperties": False}
+    kinds = [StructuredOutputs(regex="[a-z]{3,9}( [0-9]{1,3}){2}"),
+             StructuredOutputs(json=schema), StructuredOutputs(choice=("north", "south", "east")),
+             None]
+    params = [SamplingParams(max_tokens=24, structured_outputs=kinds[i % 4],
+                             temperature=0.0 if i % 3 else 0.9, seed=i) for i in range(10)]
+    prompts = [tok.encode(f"row {i}: " + "word " * (i % 5), add_special_tokens=False)
+               for i in range(10)]
+    pool = KVPool(CacheShape.of(llm.config), 14, 4, torch.float32, "cpu")
+    outs, stats = generate_continuous(llm.model, prompts, params, llm.eos_token_ids, pool, tok,
+                                      max_batch_size=6, grammars=llm.grammars)
+    assert stats.preemptions > 0
+    for prompt, p, out in zip(prompts, params, outs):
+        exp = generate_batch(llm.model, [prompt], [p], llm.eos_token_ids, None, tok,
+                             grammars=llm.grammars)[0][0]
+        assert (out.token_ids, out.finish_reason) == (exp.token_ids, exp.finish_reason)
+    assert pool.allocator.num_free == pool.num_blocks
