@@ -429,10 +429,7 @@ class ContinuousRunner:
         else:
             b = next(x for x in self.buckets if x >= n)
             stage = self._stage[k]
-            stage[0, :n] = torch.tensor(slots)
-            stage[1, :n] = torch.tensor(positions)
-            stage[2, :n] = torch.tensor(writes)
-            stage[3, :n] = torch.tensor(ctx)
+            stage[:4, :n] = torch.tensor([slots, positions, writes, ctx])
             stage[0, n:b], stage[1, n:b], stage[2, n:b], stage[3, n:b] = self.pad, 0, -1, 1
             self._inputs[:, :b].copy_(stage[:, :b], non_blocking=True)
             if self.mode == "graph":

@@ -338,11 +338,27 @@ def accept_tokens(matchers: list[RowMatcher], tokens: list[int]) -> list[bool]:
     """Advance each matcher by its token, all in one call; whether each was allowed."""
     if len(matchers) == 1:
         return [matchers[0].accept(tokens[0])]
-    ok = list(_filler().batch_accept_token([m._m for m in matchers], [int(t) for t in tokens]))
+    ok = _batch_accept([m._m for m in matchers], [int(t) for t in tokens])
     for m, t in zip(matchers, tokens):
         if int(t) in m.stop_ids:  # only a stop token ends a grammar
             m.terminated = bool(m._m.is_terminated())
     return ok
+
+
+def _batch_accept(matchers: list, tokens: list[int]) -> list[bool]:
+    """xgrammar's batch accept. Its wrapper turns the result into bools one element at a time
+    (0.3-0.45 ms for 256 rows, more than the accept itself); here, when the result holds no 0
+    (one test in xgrammar's core: every token accepted, the usual case), that is read at once.
+    Where xgrammar's internals differ, its public call."""
+    core = getattr(getattr(_xgrammar(), "base", None), "_core", None)
+    try:
+        result = core.BatchGrammarMatcher.batch_accept_token(
+            [m._handle for m in matchers], tokens, False)
+    except (AttributeError, TypeError):
+        return list(_filler().batch_accept_token(matchers, tokens))
+    if len(result) == len(tokens) and type(result[0]) is int and 0 not in result:
+        return [True] * len(tokens)
+    return [bool(result[i]) for i in range(len(result))]
 
 
 def fill_bitmasks(matchers: list[RowMatcher], bitmask: torch.Tensor) -> list[bool]:

@@ -159,6 +159,47 @@ def test_apply_bitmask_matches_xgrammar():
     assert torch.equal(apply_bitmask(torch.zeros(1, V), full), torch.zeros(1, V))
 
 
+def test_batch_accept_reads_xgrammars_answers(smollm2_llm):
+    """`accept_tokens` (xgrammar's core call, its result read at once when every token was
+    accepted) gives, step after step, the accepted flags, terminations and next masks of
+    xgrammar's own public batch call on twin matchers: refused tokens and finished grammars
+    among them."""
+    import random
+
+    import xgrammar as xgr
+
+    from nanoserve.structured import accept_tokens, fill_bitmasks
+
+    llm = smollm2_llm
+    kinds = [StructuredOutputs(json=json.dumps(s)) for s in SCHEMAS[:3]] + [
+        StructuredOutputs(regex="[a-z]{2,6}( [0-9]{1,2}){1,3}"),
+        StructuredOutputs(choice=("yes", "no", "perhaps"))]
+    rows = 40
+    ours = [llm.grammars.matcher(kinds[i % len(kinds)]) for i in range(rows)]
+    theirs = [llm.grammars.matcher(kinds[i % len(kinds)]) for i in range(rows)]
+    public = xgr.BatchGrammarMatcher(1)
+    a, b = allocate_bitmask(rows, llm.grammars.words), allocate_bitmask(rows, llm.grammars.words)
+    rng = random.Random(3)
+    refused = 0
+    for step in range(14):
+        live = [j for j in range(rows) if not ours[j].terminated]  # as a step's steered rows
+        fill_bitmasks([ours[j] for j in live], a)
+        public.batch_fill_next_token_bitmask([theirs[j]._m for j in live], b)
+        assert torch.equal(a[:len(live)], b[:len(live)])
+        tokens = []
+        for i, j in enumerate(live):  # an allowed token; at odd steps row 5 sends a refused one
+            allowed = torch.nonzero(((a[i].unsqueeze(-1) >> torch.arange(32)) & 1).flatten())
+            tokens.append(7 if j == 5 and step % 2 else int(allowed[rng.randrange(len(allowed))]))
+        got = accept_tokens([ours[j] for j in live], tokens)
+        want = public.batch_accept_token([theirs[j]._m for j in live], tokens)
+        assert got == [bool(x) for x in want]
+        for j in live:
+            theirs[j].terminated = theirs[j]._m.is_terminated()
+        assert [m.terminated for m in ours] == [m.terminated for m in theirs]
+        refused += got.count(False)
+    assert refused and any(m.terminated for m in ours)
+
+
 @pytest.mark.parametrize(("request_fields", "message"), [
     ({"guided_json": "{not json"}, "not valid JSON"),
     ({"guided_json": [1, 2]}, "must be a JSON object"),
