@@ -363,12 +363,12 @@ def _batch_accept(matchers: list, tokens: list[int]) -> list[bool]:
 
 def fill_bitmasks(matchers: list[RowMatcher], bitmask: torch.Tensor) -> list[bool]:
     """Row j of `bitmask` <- the allowed next tokens of matchers[j], for all rows at once on
-    xgrammar's thread pool (it releases the GIL). Returns, per row, whether any token is
-    allowed."""
+    xgrammar's thread pool (it releases the GIL). Returns, per matcher, whether any token is
+    allowed (rows of `bitmask` past the matchers are left alone)."""
     if len(matchers) == 1:
         return [matchers[0].fill(bitmask, 0)]
     _filler().batch_fill_next_token_bitmask([m._m for m in matchers], bitmask)
-    return bitmask.numpy().any(axis=1).tolist()
+    return bitmask[:len(matchers)].numpy().any(axis=1).tolist()
 
 
 _BIT_INDEX: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}

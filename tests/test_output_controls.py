@@ -183,7 +183,7 @@ def test_batch_accept_reads_xgrammars_answers(smollm2_llm):
     refused = 0
     for step in range(14):
         live = [j for j in range(rows) if not ours[j].terminated]  # as a step's steered rows
-        fill_bitmasks([ours[j] for j in live], a)
+        assert fill_bitmasks([ours[j] for j in live], a) == [True] * len(live)
         public.batch_fill_next_token_bitmask([theirs[j]._m for j in live], b)
         assert torch.equal(a[:len(live)], b[:len(live)])
         tokens = []
