@@ -10,8 +10,9 @@ table row:
   length its constrained run produced (`ignore_eos`), so both runs generate the same
   number of tokens. Also: how many constrained rows parse and validate.
 - logprobs: ROWS rows (prompts 100-1,024, outputs 100-300, `ignore_eos`) with logprobs=5
-  on every row, against the same rows without; peak device memory of each run;
-  `--repeats N` runs the two sides N times, alternating (each pair's ratio is printed).
+  on every row, against the same rows without; peak device memory of each run.
+For json and logprobs, `--repeats N` runs the two sides N times, alternating (each pair's
+ratio is printed; the first pair of a process pays its one-time costs).
 - n: N_PROMPTS prompts (256-2,048 tokens) x n=8 samples (temperature 0.8, seed), outputs
   64-256 tokens, against the same samples as separate rows (row seed + i), with prefix
   caching on (the engine's default) and off; how many samples have the same tokens.
