@@ -467,3 +467,23 @@ def test_llm_static_scheduler_with_and_without_prefix_caching(tiny_job_model):
         hit = llm.last_stats.prefix_hit_rate
         assert (hit > 0) == caching
     assert [o.token_ids for o in outs[True]] == [o.token_ids for o in outs[False]]
+
+
+def test_rows_a_preemption_ends_leave_the_queue_to_the_next_step(tiny_model):
+    """A step whose admission found the pool full, then whose preemption check read the
+    queued steps and saw the last running rows end (stop tokens), has nothing running and
+    rows waiting: the next step admits them (it used to raise CacheFullError with the
+    whole pool free). Every row equals itself run alone; every block comes back."""
+    rng = random.Random(321)  # a configuration that reaches that step
+    n = rng.randint(3, 8)
+    prompts = [[rng.randrange(3, 128) for _ in range(rng.randint(4, 30))] for _ in range(n)]
+    stops = rng.sample(range(3, 128), rng.randint(30, 100))
+    params = [SamplingParams(max_tokens=rng.randint(4, 30), stop_token_ids=stops,
+                             temperature=0.8, seed=i) for i in range(n)]
+    need = max(-(-(len(p) + sp.max_tokens) // 4) for p, sp in zip(prompts, params))
+    pool = make_pool(tiny_model, need + rng.randint(0, 1), block_size=4)
+    outs, _ = generate_continuous(tiny_model, prompts, params, (), pool,
+                                  max_batch_size=rng.randint(2, 6))
+    for prompt, p, out in zip(prompts, params, outs):
+        assert out.token_ids == alone(tiny_model, prompt, p, ()).token_ids
+    assert_free(pool)
