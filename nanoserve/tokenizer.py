@@ -84,7 +84,7 @@ class Tokenizer:
 
     def __init__(
         self,
-        backend: tokenizers.Tokenizer,
+        backend: tokenizers.Tokenizer | str,
         *,
         bos_token_id: int | None,
         eos_token_ids: Sequence[int],
@@ -93,10 +93,12 @@ class Tokenizer:
         special_tokens: dict[str, str] | None = None,
         source: str = "",
     ) -> None:
-        """backend: a ready `tokenizers.Tokenizer` (its post-processor decides BOS/EOS);
+        """backend: a ready `tokenizers.Tokenizer` (its post-processor decides BOS/EOS), or
+        its JSON text, parsed on first use (`from_prepared`);
         special_tokens: template variables such as {'bos_token': '<s>'};
         source: where it came from, for error messages."""
-        self._backend = backend
+        self._backend_obj = backend if isinstance(backend, tokenizers.Tokenizer) else None
+        self._backend_json = None if self._backend_obj is not None else backend
         self._bos_token_id = bos_token_id
         self._eos_token_ids = tuple(eos_token_ids)
         self._pad_token_id = pad_token_id
@@ -175,18 +177,27 @@ class Tokenizer:
 
     @classmethod
     def from_prepared(cls, backend_json: str, meta: dict[str, Any], source: str) -> Tokenizer:
-        """The tokenizer `to_prepared` wrote. Raises the prepared cache's error on text that
-        does not load (its sha256 matched, so only a changed library would cause it)."""
+        """The tokenizer `to_prepared` wrote. Its special ids and template are read now; the
+        backend's JSON is parsed on first use (about 0.2 s for a 50k vocabulary, which a
+        worker given token ids never needs). Raises the prepared cache's error on metadata
+        that does not load; backend text that does not parse (its sha256 matched, so only a
+        changed library would cause it) is rebuilt from the `.gguf` file `source` then."""
         from nanoserve.model_store import PreparedCacheError
 
         try:
-            backend = tokenizers.Tokenizer.from_str(backend_json)
-            return cls(backend, bos_token_id=meta["bos_token_id"],
+            return cls(backend_json, bos_token_id=meta["bos_token_id"],
                        eos_token_ids=meta["eos_token_ids"], pad_token_id=meta["pad_token_id"],
                        chat_template=meta["chat_template"],
                        special_tokens=meta["special_tokens"], source=source)
-        except Exception as e:  # the library raises a bare Exception on bad JSON
-            raise PreparedCacheError(f"prepared tokenizer of {source}: {e}") from None
+        except (KeyError, TypeError) as e:
+            raise PreparedCacheError(f"prepared tokenizer of {source}: {e!r}") from None
+
+    @property
+    def _backend(self) -> tokenizers.Tokenizer:
+        if self._backend_obj is None:  # JSON from `from_prepared`, parsed once
+            self._backend_obj = _parse_prepared_backend(self._backend_json, self._source)
+            self._backend_json = None
+        return self._backend_obj
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> Tokenizer:
@@ -408,6 +419,22 @@ class IncrementalDetokenizer:
 
 
 # -------------------------------------------------------------------- GGUF
+
+
+def _parse_prepared_backend(backend_json: str, source: str) -> tokenizers.Tokenizer:
+    """The prepared tokenizer's backend; on text that does not parse, the prepared folder
+    is discarded (written again on the next load) and the backend rebuilt from the GGUF
+    file `source`."""
+    from nanoserve.model_store import PreparedCacheError, prepared_default_model
+
+    try:
+        return tokenizers.Tokenizer.from_str(backend_json)
+    except Exception as e:  # the library raises a bare Exception on bad JSON
+        error = PreparedCacheError(f"prepared tokenizer of {source}: {e}")
+    prepared = prepared_default_model(Path(source), _prepared_contents)
+    if prepared is not None:
+        prepared.discard(error)
+    return Tokenizer.from_gguf(source)._backend
 
 
 def _prepared_contents(path: Path) -> dict[str, bytes]:

@@ -5,11 +5,13 @@ private cache folder (`$NANOSERVE_CACHE`), never on the user's cache that other 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 
 import pytest
+import tokenizers
 import torch
 
 from nanoserve import gguf_file, model_store
@@ -265,3 +267,39 @@ def test_fused_projections_are_read_as_views_and_multiplied_in_place(smollm2_ggu
         assert theirs.self_attn.qkv[0].data_ptr() != want[p + "self_attn.q_proj.weight"].data_ptr()
         assert torch.equal(mine.self_attn.qkv[0], theirs.self_attn.qkv[0])
         assert torch.equal(mine.mlp.gate_up[0], theirs.mlp.gate_up[0])
+
+
+def test_prepared_tokenizer_is_parsed_on_first_use(private_cache, gguf_reference, monkeypatch):
+    """Loading reads the special ids now and parses the backend's JSON only when text is
+    first encoded or decoded (a worker given token ids never does)."""
+    _, _, tokenizer = gguf_reference
+    validate_checkpoint(private_cache)
+    parsed = []
+    real = tokenizers.Tokenizer.from_str
+    monkeypatch.setattr(tokenizers.Tokenizer, "from_str",
+                        staticmethod(lambda text: parsed.append(1) or real(text)))
+    got = Tokenizer.from_path(private_cache)
+    assert parsed == [] and got.eos_token_ids == tokenizer.eos_token_ids
+    assert_same_tokenizer(got, tokenizer)
+    assert parsed == [1]
+
+
+def test_prepared_tokenizer_text_that_does_not_parse_is_rebuilt(private_cache, gguf_reference,
+                                                                capsys):
+    """Backend text whose sha256 matches but which the library cannot parse (a changed
+    library): the first use rebuilds the backend from the GGUF file, says so, and the
+    folder is written again."""
+    _, _, tokenizer = gguf_reference
+    validate_checkpoint(private_cache)
+    folder = prepared_dir(private_cache)
+    bad = b'{"version": "1.0", "model": "not a tokenizer"}'
+    (folder / TOKENIZER_FILE).write_bytes(bad)
+    manifest = manifest_of(private_cache)
+    manifest["files"][TOKENIZER_FILE].update(size=len(bad), sha256=hashlib.sha256(bad).hexdigest())
+    (folder / MANIFEST_FILE).write_text(json.dumps(manifest))
+    got = Tokenizer.from_path(private_cache)
+    assert capsys.readouterr().err == ""  # nothing parsed yet
+    assert_same_tokenizer(got, tokenizer)
+    assert "not using the prepared model" in capsys.readouterr().err
+    validate_checkpoint(private_cache)  # written again
+    assert_same_tokenizer(Tokenizer.from_path(private_cache), tokenizer)
