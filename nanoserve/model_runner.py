@@ -319,12 +319,14 @@ class ContinuousRunner:
         return end
 
     def phase_times(self) -> dict[str, float]:
-        """Device seconds in prefills and in decode steps since the last call (profile on,
-        CUDA), and host seconds spent waiting for results; resets the counters."""
+        """Device seconds in prefills and in decode steps and how many of each ran since the
+        last call (profile on, CUDA), and host seconds spent waiting for results; resets the
+        counters."""
         self.sync()
-        out = {"prefill_s": 0.0, "decode_s": 0.0}
+        out = {"prefill_s": 0.0, "decode_s": 0.0, "prefill_n": 0, "decode_n": 0}
         for kind, start, end in self._marks:
             out[f"{kind}_s"] += start.elapsed_time(end) / 1000
+            out[f"{kind}_n"] += 1
         out["host_wait_s"] = self.host_wait_s
         out["host"] = dict(self.host_s)
         self._marks, self.host_wait_s, self.host_s = [], 0.0, {}
