@@ -15,11 +15,12 @@ its max_tokens tokens, checked on both sides):
 Each side builds one engine with prefix caching on and runs every workload on it: first an
 untimed warm-up with the workload's own lengths and sharing pattern but other tokens (each
 id + 1: other system prompts too, so no block of the timed run is cached), then the timed
-`generate` of the whole workload. nanoserve runs in this process (`LLM(...,
-scheduler="continuous", enable_prefix_caching=True)`) and is freed before vLLM runs, in a
+`generate` of the whole workload. vLLM runs first, in a
 child process whose PYTHONPATH is only --vllm-site (see ../shared/tools/stage-vllm.sh) with
 VLLM_USE_FLASHINFER_SAMPLER=0, on vLLM's defaults (`LLM(model=DIR, skip_tokenizer_init=True,
-enable_prefix_caching=True, gpu_memory_utilization=0.9, max_model_len=4096)`). Prints one
+enable_prefix_caching=True, gpu_memory_utilization=0.9, max_model_len=4096)`), which exits
+and leaves the GPU whole; then nanoserve in this process (`LLM(..., scheduler="continuous",
+enable_prefix_caching=True)`). Prints one
 table: wall time, output tok/s and nanoserve's rate over vLLM's, plus nanoserve's prefix hit
 rate and prefill tokens on `shared`; writes the results to DIR/vs_vllm_<shape>.json (with
 --out, the random model folder is kept there and reused by later runs).
@@ -385,14 +386,14 @@ def main() -> None:
     results: dict = {"shape": args.shape, "smoke": args.smoke, "device": device,
                      "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
                      "torch": torch.__version__, "model": str(model_dir), "sides": {}}
-    if "nanoserve" in sides:
-        results["sides"]["nanoserve"] = run_nanoserve(model_dir, workloads, device, args.vocab)
     error = ""
-    if "vllm" in sides:
+    if "vllm" in sides:  # first: its child exits and leaves the GPU whole for nanoserve
         results["sides"]["vllm"], error = run_vllm(model_dir, workloads, work, args)
         if error:
             results["vllm_error"] = error
             print(error, flush=True)
+    if "nanoserve" in sides:
+        results["sides"]["nanoserve"] = run_nanoserve(model_dir, workloads, device, args.vocab)
     print_table(args.shape, names, results["sides"])
     path = work / f"vs_vllm_{args.shape}{'_smoke' if args.smoke else ''}.json"
     path.write_text(json.dumps(results, indent=2))

@@ -343,17 +343,28 @@ class ContinuousRunner:
         width = max(len(t) for t in tables)
         if width > self.width:
             raise ValueError(f"a row holds {width} blocks; the step's tables have {self.width}")
-        host = torch.zeros(len(slots), self.width, dtype=torch.int32)
-        for i, t in enumerate(tables):
-            host[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
-        idx = torch.tensor(slots, dtype=torch.long).to(self.device, non_blocking=True)
-        self.block_tables.index_copy_(0, idx, host.to(self.device, non_blocking=True))
+        # [rows + 1, width]: the row slots, then the tables (only as wide as the widest)
+        host = torch.zeros(len(slots) + 1, max(width, len(slots)), dtype=torch.long)
+        host[0, :len(slots)] = torch.tensor(slots, dtype=torch.long)
+        for i, t in enumerate(tables, 1):
+            host[i, :len(t)] = torch.tensor(t, dtype=torch.long)
+        dev = self._upload(host)
+        idx = dev[0, :len(slots)]
+        self.block_tables.index_fill_(0, idx, 0)
+        self.block_tables[:, :width].index_copy_(0, idx, dev[1:, :width].to(torch.int32))
 
     def set_last_tokens(self, slots: list[int], tokens: list[int]) -> None:
         """Set rows' latest tokens from the host (a recomputed row's last token)."""
-        idx = torch.tensor(slots, dtype=torch.long).to(self.device, non_blocking=True)
-        val = torch.tensor(tokens, dtype=torch.long).to(self.device, non_blocking=True)
+        idx, val = self._upload(torch.tensor([slots, tokens], dtype=torch.long))
         self.last_tok.index_copy_(0, idx, val)
+
+    def _upload(self, host: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the runner's device, through pinned memory on a GPU: the copy
+        is queued and the host goes on (a copy from pageable memory may first wait for the
+        device to finish the work queued before it)."""
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     def prefill(self, tokens: list[list[int]], writes: list[int], slots: list[int],
                 sample_from: list[int], sample_slots: list[int],
@@ -369,24 +380,30 @@ class ContinuousRunner:
         block tables (set beforehand; `slots` are the rows' row slots).
         prompt_logprobs: (row, k) for rows whose new tokens are their whole prompt and that
         want its logprobs (read back in `Launched.prompt`)."""
-        dev = self.device
         end = self._mark("prefill")
         cached = cached or [0] * len(tokens)
         lens = [len(t) for t in tokens]
         cu = [0]
         for n in lens:
             cu.append(cu[-1] + n)
-        flat = [x for t in tokens for x in t]
-        pos = [p for c, n in zip(cached, lens) for p in range(c, c + n)]
-        ids_t = torch.tensor([flat], dtype=torch.long).to(dev, non_blocking=True)  # [1, N]
-        pos_t = torch.tensor([pos], dtype=torch.long).to(dev, non_blocking=True)
-        writes_t = torch.tensor(writes, dtype=torch.long).to(dev, non_blocking=True)
-        cu_t = torch.tensor(cu, dtype=torch.int32).to(dev, non_blocking=True)
+        N, R, S = cu[-1], len(tokens), len(sample_from)
+        # Every input in one host tensor, one copy: token ids [N], positions [N], K/V
+        # slots [N], row starts [R + 1], row slots [R], context lengths [R], the samplers'
+        # last positions [S] and row slots [S].
+        host = torch.tensor(
+            [x for t in tokens for x in t]
+            + [p for c, n in zip(cached, lens) for p in range(c, c + n)]
+            + writes + cu + slots + [c + n for c, n in zip(cached, lens)]
+            + [cu[i + 1] - 1 for i in sample_from] + sample_slots, dtype=torch.long)
+        if host.numel() != 3 * N + 3 * R + 1 + 2 * S:
+            raise ValueError("prefill: one K/V slot per token and one row slot per row")
+        inputs = self._upload(host)
+        ids_t, pos_t, writes_t, cu_t, rows_t, ctx_t, last, idx = inputs.split(
+            [N, N, N, R + 1, R, R, S, S])
+        ids_t, pos_t, cu_t = ids_t[None], pos_t[None], cu_t.to(torch.int32)  # [1, N]
         if any(cached):
-            rows_t = torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True)
-            ctx = torch.tensor([c + n for c, n in zip(cached, lens)], dtype=torch.int32)
             cache = StepCache(self.pool, writes_t, self.block_tables.index_select(0, rows_t),
-                              ctx.to(dev, non_blocking=True))
+                              ctx_t.to(torch.int32))
         else:
             cache = StepCache(self.pool, writes_t)
         hidden = self.model.hidden_states(ids_t, pos_t, cache,
@@ -399,13 +416,11 @@ class ContinuousRunner:
         k = self._take_ring()
         if not sample_from:
             return self._finish(k, self.last_tok, 0, end, prompt=prompt)
-        last = torch.tensor([cu[i + 1] - 1 for i in sample_from], dtype=torch.long)
-        h = hidden[0].index_select(0, last.to(dev, non_blocking=True))  # [n, d]
+        h = hidden[0].index_select(0, last)  # [S, d]
         logits = self.model.compute_logits(h)
         self._masks(k, sampling)
         new, lp = sample_step(logits, sampling)
-        idx = torch.tensor(sample_slots, dtype=torch.long)
-        self.last_tok.index_copy_(0, idx.to(dev, non_blocking=True), new)
+        self.last_tok.index_copy_(0, idx, new)
         return self._finish(k, new, len(sample_from), end, lp, prompt)
 
     def decode(self, slots: list[int], positions: list[int], writes: list[int],

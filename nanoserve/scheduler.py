@@ -5,7 +5,9 @@ and drives a `ContinuousRunner` (nanoserve/model_runner.py). Each iteration of `
 
 1. while fewer than two operations are unread on the device:
    a. admit: when nothing runs, or when at least min(waiting rows, max_batch_size /
-      ADMIT_SHARE) row slots are free, waiting rows join (first come, first served)
+      ADMIT_FULL_SHARE) row slots are free, or min(waiting rows, max_batch_size /
+      ADMIT_SHARE) and the batch ran ADMIT_WAIT_STEPS decode steps since its last
+      admission, waiting rows join (first come, first served)
       while the running batch has fewer than `max_batch_size` rows, the admitted prompts
       hold at most `max_prefill_tokens` tokens together (the first always goes), and the
       pool keeps one free block per running row after their prompts (what the next step
@@ -82,11 +84,17 @@ MAX_UNREAD = 2  # operations queued on the device ahead of the host
 # program per (row, KV head) in row order, so the longest rows start first and the short
 # ones fill in behind them. A row's result does not depend on its place in the step.
 ORDER_LONGEST_FIRST = True
-# A running batch takes new rows once 1/ADMIT_SHARE of its row slots are free (8 of 256),
-# not row by row: each admission is one packed prefill launched op by op from the host,
-# and a batch job's rows finish about one every other step, so admitting each alone spends
-# the host's time between steps on prefills of one row. The slots wait a few steps.
+# A running batch takes new rows in groups, not row by row: each admission is one packed
+# prefill launched op by op from the host (~100 kernel launches for 16 layers), which costs
+# the host more than a captured decode step costs the device. It admits once 1/ADMIT_SHARE
+# of its row slots are free (8 of 256) and it ran ADMIT_WAIT_STEPS decode steps since its
+# last admission, or at once when 1/ADMIT_FULL_SHARE are free (64 of 256). Rows that end
+# slowly (long outputs: about one every other step) join 8 at a time, as soon as 8 slots
+# are free; rows that end by the dozen each step (short outputs) join in groups of ~50
+# every few steps instead of a dozen after every step, a quarter of the prefills.
 ADMIT_SHARE = 32
+ADMIT_FULL_SHARE = 4
+ADMIT_WAIT_STEPS = 4
 
 
 def _blocks(tokens: int, block_size: int) -> int:
@@ -176,6 +184,7 @@ class ContinuousScheduler:
         self.unread: deque[_Op] = deque()
         self.free_slots = list(range(runner.max_batch_size - 1, -1, -1))
         self.stats = BatchStats()
+        self.steps_since_admit = 0  # decode steps launched since the last admission
 
     # --- the public surface -----------------------------------------------------------------
 
@@ -255,6 +264,7 @@ class ContinuousScheduler:
                 t = self._tick("reserve", t)
                 if rows:
                     steered = self._decode(rows)
+                    self.steps_since_admit += 1
                     t = perf_counter()
         if self.unread:
             # After a steered step the host leaves it unread: the next step's forward is
@@ -276,7 +286,10 @@ class ContinuousScheduler:
         admitted: list[_Row] = []
         if self.running and self.waiting:
             free_slots = self.max_batch_size - len(self.running)
-            if free_slots < min(len(self.waiting), max(1, self.max_batch_size // ADMIT_SHARE)):
+            group = min(len(self.waiting), max(1, self.max_batch_size // ADMIT_SHARE))
+            full = min(len(self.waiting), max(1, self.max_batch_size // ADMIT_FULL_SHARE))
+            if free_slots < group or (free_slots < full
+                                      and self.steps_since_admit < ADMIT_WAIT_STEPS):
                 return admitted
         alloc, bs = self.pool.allocator, self.pool.block_size
         free = alloc.num_free
@@ -324,6 +337,8 @@ class ContinuousScheduler:
                 row.forks.append(child)
                 admitted.append(child)
                 free -= fork_need
+        if admitted:
+            self.steps_since_admit = 0
         return admitted
 
     def _prefill(self, admitted: list[_Row]) -> None:

@@ -137,6 +137,53 @@ def test_a_running_batch_takes_new_rows_in_groups(tiny_model, monkeypatch):
     assert_free(pool)
 
 
+def test_rows_that_end_by_the_dozen_join_in_larger_groups(tiny_model, monkeypatch):
+    """With 32 row slots (ADMIT_SHARE 16: groups of at least 2, ADMIT_FULL_SHARE 2: at once
+    from 16, ADMIT_WAIT_STEPS 3) and rows that end after 2-12 tokens (several each step),
+    an admission of fewer than 16 rows (fewer waiting aside) comes only after 3 decode steps
+    since the one before; every row is still the one it is alone."""
+    from nanoserve import scheduler as sched_mod
+
+    monkeypatch.setattr(sched_mod, "ADMIT_SHARE", 16)
+    monkeypatch.setattr(sched_mod, "ADMIT_FULL_SHARE", 2)
+    monkeypatch.setattr(sched_mod, "ADMIT_WAIT_STEPS", 3)
+    rng = random.Random(11)
+    n = 120
+    prompts = [[rng.randrange(3, 128) for _ in range(rng.randint(3, 9))] for _ in range(n)]
+    params = [SamplingParams(max_tokens=rng.randint(2, 12), ignore_eos=True) for _ in range(n)]
+    events: list[tuple[str, int]] = []
+    real_prefill, real_decode = ContinuousRunner.prefill, ContinuousRunner.decode
+
+    def prefill(self, tokens, *args, **kwargs):
+        events.append(("prefill", len(tokens)))
+        return real_prefill(self, tokens, *args, **kwargs)
+
+    def decode(self, slots, *args, **kwargs):
+        events.append(("decode", len(slots)))
+        return real_decode(self, slots, *args, **kwargs)
+
+    monkeypatch.setattr(ContinuousRunner, "prefill", prefill)
+    monkeypatch.setattr(ContinuousRunner, "decode", decode)
+    pool = make_pool(tiny_model, 512, block_size=4)
+    outs, stats = generate_continuous(tiny_model, prompts, params, (), pool, max_batch_size=32)
+    sizes = [k for e, k in events if e == "prefill"]
+    assert sizes[0] == 32 and sum(sizes) == n and stats.preemptions == 0
+    waiting, steps, small = n - 32, 0, 0
+    for e, k in events[1:]:
+        if e == "decode":
+            steps += 1
+            continue
+        if k < min(16, waiting):
+            assert k >= min(2, waiting) and steps >= 3, events
+            small += 1
+        waiting -= k
+        steps = 0
+    assert small and len(sizes) < n // 8  # the waiting rule was used; few, large prefills
+    for prompt, p, out in zip(prompts, params, outs):
+        assert out.token_ids == alone(tiny_model, prompt, p, ()).token_ids
+    assert_free(pool)
+
+
 def test_no_prompts_no_work(tiny_model):
     outs, stats = generate_continuous(tiny_model, [], [])
     assert outs == [] and stats.num_rows == 0 and stats.decode_row_steps == 0
