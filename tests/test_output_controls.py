@@ -447,7 +447,7 @@ def test_constrained_rows_preempted_keep_their_tokens(tmp_path):
                              temperature=0.0 if i % 3 else 0.9, seed=i) for i in range(10)]
     prompts = [tok.encode(f"row {i}: " + "word " * (i % 5), add_special_tokens=False)
                for i in range(10)]
-    pool = KVPool(CacheShape.of(llm.config), 14, 4, torch.float32, "cpu")
+    pool = KVPool(CacheShape.of(llm.config), 14, 4, torch.float32, llm.device)
     outs, stats = generate_continuous(llm.model, prompts, params, llm.eos_token_ids, pool, tok,
                                       max_batch_size=6, grammars=llm.grammars)
     assert stats.preemptions > 0
