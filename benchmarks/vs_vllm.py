@@ -15,15 +15,16 @@ its max_tokens tokens, checked on both sides):
 Each side builds one engine with prefix caching on and runs every workload on it: first an
 untimed warm-up with the workload's own lengths and sharing pattern but other tokens (each
 id + 1: other system prompts too, so no block of the timed run is cached), then the timed
-`generate` of the whole workload. vLLM runs first, in a
-child process whose PYTHONPATH is only --vllm-site (see ../shared/tools/stage-vllm.sh) with
-VLLM_USE_FLASHINFER_SAMPLER=0, on vLLM's defaults (`LLM(model=DIR, skip_tokenizer_init=True,
-enable_prefix_caching=True, gpu_memory_utilization=0.9, max_model_len=4096)`), which exits
-and leaves the GPU whole; then nanoserve in this process (`LLM(..., scheduler="continuous",
-enable_prefix_caching=True)`). Prints one
-table: wall time, output tok/s and nanoserve's rate over vLLM's, plus nanoserve's prefix hit
-rate and prefill tokens on `shared`; writes the results to DIR/vs_vllm_<shape>.json (with
---out, the random model folder is kept there and reused by later runs).
+`generate` of the whole workload. vLLM runs first, in a child process whose PYTHONPATH is
+only --vllm-site (vLLM and its dependencies installed there with `pip install --target`),
+with VLLM_USE_FLASHINFER_SAMPLER=0, on vLLM's defaults (`LLM(model=DIR,
+skip_tokenizer_init=True, enable_prefix_caching=True, gpu_memory_utilization=0.9,
+max_model_len=4096)`); it exits and leaves the GPU whole for nanoserve, in this process
+(`LLM(..., scheduler="continuous", enable_prefix_caching=True)`). Prints one table: wall
+time, output tok/s and nanoserve's rate over vLLM's, plus nanoserve's phases (device
+prefill and decode, idle, host) and on `shared` its prefix hit rate and prefill tokens;
+writes the results to DIR/vs_vllm_<shape>.json (with --out, the random model folder is
+kept there and reused by later runs).
 
 --smoke: a 2-layer, narrow model (vocabulary 8,192) on the CPU, a few short rows, nanoserve
 only: checks the script runs (tests/test_bench_vs_vllm.py).
@@ -336,7 +337,7 @@ def main() -> None:
                     help="folder for the model, the vLLM child's files and the results JSON "
                          "(default: a new temporary folder)")
     ap.add_argument("--vllm-site", default="/tmp/vsite",
-                    help="the vLLM child's whole PYTHONPATH (where stage-vllm.sh installs it)")
+                    help="the vLLM child's whole PYTHONPATH (a `pip install --target` folder)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="vLLM's")
     ap.add_argument("--vllm-timeout", type=float, default=1500,
                     help="seconds before the vLLM child is killed")
