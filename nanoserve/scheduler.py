@@ -91,7 +91,8 @@ ORDER_LONGEST_FIRST = True
 # last admission, or at once when 1/ADMIT_FULL_SHARE are free (64 of 256). Rows that end
 # slowly (long outputs: about one every other step) join 8 at a time, as soon as 8 slots
 # are free; rows that end by the dozen each step (short outputs) join in groups of ~50
-# every few steps instead of a dozen after every step, a quarter of the prefills.
+# every few steps instead of a dozen after every step: a third of the prefills (3,000
+# rows of 8-32 tokens over shared system prompts: 69 prefills against 210, 2x the rate).
 ADMIT_SHARE = 32
 ADMIT_FULL_SHARE = 4
 ADMIT_WAIT_STEPS = 4

@@ -178,8 +178,9 @@ class Tokenizer:
     @classmethod
     def from_prepared(cls, backend_json: str, meta: dict[str, Any], source: str) -> Tokenizer:
         """The tokenizer `to_prepared` wrote. Its special ids and template are read now; the
-        backend's JSON is parsed on first use (about 0.2 s for a 50k vocabulary, which a
-        worker given token ids never needs). Raises the prepared cache's error on metadata
+        backend's JSON is parsed on first use (about 0.2 s for a 50k vocabulary: a worker
+        given token ids loads without it, and parses it when its first rows' text is
+        decoded). Raises the prepared cache's error on metadata
         that does not load; backend text that does not parse (its sha256 matched, so only a
         changed library would cause it) is rebuilt from the `.gguf` file `source` then."""
         from nanoserve.model_store import PreparedCacheError
@@ -194,9 +195,10 @@ class Tokenizer:
 
     @property
     def _backend(self) -> tokenizers.Tokenizer:
-        if self._backend_obj is None:  # JSON from `from_prepared`, parsed once
+        # JSON from `from_prepared`, parsed on first use (the text is kept: two threads that
+        # meet here both parse it, and either result serves)
+        if self._backend_obj is None:
             self._backend_obj = _parse_prepared_backend(self._backend_json, self._source)
-            self._backend_json = None
         return self._backend_obj
 
     @classmethod

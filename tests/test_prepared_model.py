@@ -303,3 +303,28 @@ def test_prepared_tokenizer_text_that_does_not_parse_is_rebuilt(private_cache, g
     assert "not using the prepared model" in capsys.readouterr().err
     validate_checkpoint(private_cache)  # written again
     assert_same_tokenizer(Tokenizer.from_path(private_cache), tokenizer)
+
+
+def test_prepared_tokenizer_first_use_from_several_threads(private_cache, gguf_reference,
+                                                           capsys):
+    """Threads that meet the first use together each get the right ids, and nothing is taken
+    for a broken prepared file."""
+    import threading
+
+    _, _, tokenizer = gguf_reference
+    validate_checkpoint(private_cache)
+    got = Tokenizer.from_path(private_cache)
+    text = "Row 7: the quick brown fox jumps"
+    barrier, results = threading.Barrier(4), []
+
+    def encode():
+        barrier.wait()
+        results.append(got.encode(text))
+
+    threads = [threading.Thread(target=encode) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [tokenizer.encode(text)] * 4
+    assert "not using the prepared model" not in capsys.readouterr().err
