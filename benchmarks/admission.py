@@ -14,7 +14,7 @@ A policy is ADMIT_SHARE/ADMIT_FULL_SHARE/ADMIT_WAIT_STEPS: 32/32/0 admits as soo
 
 Each timed run uses its own token shift (every id + k), so no block of one run is in the
 prefix cache for the next; each workload is warmed up once first, untimed. Prints per run:
-wall time, output tok/s, prefills and decode steps, the device's busy and idle time and
+wall time, output tok/s, prefills and decode steps, the device's busy time and
 the host's admission time (the runner's phase timers: CUDA events, no sync added), then a
 table of medians. --profile: one more run of the shared workload at the first policy under
 cProfile, the host's top functions by own time (the profiler slows the host: shares only).
