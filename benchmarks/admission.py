@@ -27,14 +27,20 @@ import cProfile
 import io
 import pstats
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
 import nanoserve.scheduler as scheduler
 from benchmarks.gpu_job import LLAMA_1B
-from benchmarks.vs_vllm import VOCAB, model_folder, nanovllm_workload, shared_workload
+from benchmarks.vs_vllm import (
+    VOCAB,
+    model_folder,
+    nanovllm_workload,
+    shared_workload,
+    timed_generate,
+    warmup_of,
+)
 
 
 def _set(policy: tuple[int, int, int]) -> None:
@@ -45,35 +51,11 @@ def _name(policy: tuple[int, int, int]) -> str:
     return "/".join(map(str, policy))
 
 
-def shifted(prompts: list[list[int]], k: int, vocab: int) -> list[list[int]]:
-    return [[(t + k) % vocab for t in p] for p in prompts]
-
-
 def timed_run(llm, prompts, max_tokens, device: str) -> dict:
-    from nanoserve.sampling import SamplingParams
-
-    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens]
-    runner = llm.runner if device == "cuda" else None
-    if runner is not None:
-        runner.phase_times()  # reset
-        runner.profile = True
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    sync()
-    t = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    sync()
-    wall = time.perf_counter() - t
-    n_out = sum(len(o.token_ids) for o in outs)
-    if [len(o.token_ids) for o in outs] != list(max_tokens):
-        raise SystemExit("a row did not give exactly its max_tokens tokens")
-    out = {"wall_s": wall, "tok_s": n_out / wall, "prefills": 0, "decodes": 0,
-           "busy_s": 0.0, "admit_s": 0.0}
-    if runner is not None:
-        runner.profile = False
-        ph = runner.phase_times()
-        out.update(prefills=ph["prefill_n"], decodes=ph["decode_n"],
-                   busy_s=ph["prefill_s"] + ph["decode_s"], admit_s=ph["host"].get("admit", 0.0))
-    return out
+    r = timed_generate(llm, prompts, max_tokens, device)
+    ph = r.get("phases") or {"prefill_n": 0, "decode_n": 0, "host": {}}
+    return {**r, "prefills": ph["prefill_n"], "decodes": ph["decode_n"],
+            "busy_s": r.get("busy_s", 0.0), "admit_s": ph["host"].get("admit", 0.0)}
 
 
 def main() -> None:
@@ -121,13 +103,13 @@ def main() -> None:
     results: dict[tuple[str, str], list[dict]] = {}
     shift = 1
     for name, (prompts, max_tokens) in workloads.items():
-        llm.generate(shifted(prompts, shift, vocab),
+        llm.generate(warmup_of(prompts, vocab, shift),
                      [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens])
         shift += 1
         for rep in range(args.repeats):
             for policy in policies:
                 _set(policy)
-                r = timed_run(llm, shifted(prompts, shift, vocab), max_tokens, device)
+                r = timed_run(llm, warmup_of(prompts, vocab, shift), max_tokens, device)
                 shift += 1
                 results.setdefault((name, _name(policy)), []).append(r)
                 print(f"{name} policy {_name(policy)} rep {rep}: "
@@ -151,7 +133,7 @@ def main() -> None:
         _set(policies[0])
         prof = cProfile.Profile()
         prof.enable()
-        timed_run(llm, shifted(prompts, shift, vocab), max_tokens, device)
+        timed_run(llm, warmup_of(prompts, vocab, shift), max_tokens, device)
         prof.disable()
         _set(default)
         s = io.StringIO()

@@ -93,10 +93,11 @@ def make_workloads(names: list[str], smoke: bool, vocab: int = VOCAB) -> dict[st
     return out
 
 
-def warmup_of(prompts: list[list[int]], vocab: int = VOCAB) -> list[list[int]]:
-    """The same lengths and sharing pattern, other tokens (each id + 1): shared system
+def warmup_of(prompts: list[list[int]], vocab: int = VOCAB, shift: int = 1
+              ) -> list[list[int]]:
+    """The same lengths and sharing pattern, other tokens (each id + shift): shared system
     prompts become other shared system prompts, and no block of the timed run is cached."""
-    return [[(t + 1) % vocab for t in p] for p in prompts]
+    return [[(t + shift) % vocab for t in p] for p in prompts]
 
 
 def _tail(path: Path, n: int = 40) -> str:
@@ -158,40 +159,22 @@ def run_nanoserve(model_dir: Path, workloads: dict, device: str, vocab: int) -> 
     side = {"load_s": time.perf_counter() - t, "kv_pool_tokens": llm.pool.num_tokens,
             "max_batch_size": llm.max_batch_size, "workloads": {}}
     for name, (prompts, max_tokens) in workloads.items():
-        params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens]
-        llm.generate(warmup_of(prompts, vocab), params)
-        sync()
-        runner = llm.runner if device == "cuda" else None
-        if runner is not None:  # CUDA events around each step; no sync added
-            runner.phase_times()  # reset
-            runner.profile = True
-        t = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        sync()
-        wall = time.perf_counter() - t
-        if runner is not None:
-            runner.profile = False
-            ph = runner.phase_times()
-            busy = ph["prefill_s"] + ph["decode_s"]
+        llm.generate(warmup_of(prompts, vocab),
+                     [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens])
+        r = timed_generate(llm, prompts, max_tokens, device, name)
+        ph = r.get("phases")
+        if ph is not None:
             host = ", ".join(f"{k} {v:.2f}" for k, v in sorted(ph["host"].items()))
             print(f"nanoserve {name} phases: device prefill {ph['prefill_s']:.2f} s in "
                   f"{ph['prefill_n']} steps, decode {ph['decode_s']:.2f} s in {ph['decode_n']} "
-                  f"steps, device idle {wall - busy:.2f} s; host waiting {ph['host_wait_s']:.2f} s"
-                  f"{'; host ' + host if host else ''}", flush=True)
-        lens = [len(o.token_ids) for o in outs]
-        bad = sum(n != m for n, m in zip(lens, max_tokens)) + abs(len(lens) - len(max_tokens))
-        if bad:
-            raise SystemExit(f"nanoserve, {name}: {bad} rows did not give exactly max_tokens tokens")
+                  f"steps, device idle {r['wall_s'] - r['busy_s']:.2f} s; host waiting "
+                  f"{ph['host_wait_s']:.2f} s{'; host ' + host if host else ''}", flush=True)
         st = llm.last_stats
-        n_out = sum(lens)
         side["workloads"][name] = {
-            "wall_s": wall, "output_tokens": n_out, "tok_s": n_out / wall,
-            "prompt_tokens": sum(map(len, prompts)), "prefill_computed": st.prefill_real_tokens,
-            "cached_tokens": st.cached_tokens, "prefix_hit_rate": st.prefix_hit_rate,
-            "preemptions": st.preemptions,
-            **({"phases": ph} if runner is not None else {})}
-        print(f"nanoserve {name}: {wall:.2f} s, {n_out / wall:.0f} output tok/s", flush=True)
-        del outs
+            **r, "prompt_tokens": sum(map(len, prompts)),
+            "prefill_computed": st.prefill_real_tokens, "cached_tokens": st.cached_tokens,
+            "prefix_hit_rate": st.prefix_hit_rate, "preemptions": st.preemptions}
+        print(f"nanoserve {name}: {r['wall_s']:.2f} s, {r['tok_s']:.0f} output tok/s", flush=True)
     del llm
     gc.collect()
     if device == "cuda":
@@ -201,6 +184,37 @@ def run_nanoserve(model_dir: Path, workloads: dict, device: str, vocab: int) -> 
         print(f"nanoserve freed: {free / 2**30:.1f} of {total / 2**30:.1f} GiB free on the GPU",
               flush=True)
     return side
+
+
+def timed_generate(llm, prompts: list[list[int]], max_tokens: list[int], device: str,
+                   name: str = "") -> dict:
+    """One timed `generate` (greedy, ignore_eos) that must give every row exactly its
+    max_tokens: wall_s, output_tokens, tok_s and, on a GPU, the runner's phase timers
+    (`phases`: CUDA events around each step, no sync added) and busy_s."""
+    import torch
+
+    from nanoserve.sampling import SamplingParams
+
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens]
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    runner = llm.runner if device == "cuda" else None
+    sync()
+    if runner is not None:
+        runner.phase_times()  # reset
+        runner.profile = True
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    sync()
+    wall = time.perf_counter() - t
+    lens = [len(o.token_ids) for o in outs]
+    if lens != list(max_tokens):
+        raise SystemExit(f"nanoserve, {name}: rows did not give exactly their max_tokens")
+    out = {"wall_s": wall, "output_tokens": sum(lens), "tok_s": sum(lens) / wall}
+    if runner is not None:
+        runner.profile = False
+        ph = runner.phase_times()
+        out.update(phases=ph, busy_s=ph["prefill_s"] + ph["decode_s"])
+    return out
 
 
 # --- vLLM, in a child process ------------------------------------------------------------------
