@@ -2,7 +2,7 @@
 
 The engine calls only `decode_attention`, `prefill_attention`, `paged_prefill_attention`,
 `store_kv`, `rms_norm`, `add_rms_norm`, `rotary`, `rotary_store`, `silu_and_mul`,
-`argmax_scatter` and `logprob_rows` from here.
+`argmax_scatter`, `masked_argmax` and `logprob_rows` from here.
 `use_triton(device)` is the rule (`NANOSERVE_KERNELS=reference` forces the references
 everywhere, for side-by-side checks of the two paths):
 - CUDA: the Triton kernels whenever Triton is installed;
@@ -30,7 +30,8 @@ from kernels._triton import HAS_TRITON, interpret_requested
 from kernels.activation import silu_and_mul as _silu_and_mul_triton
 from kernels.activation import silu_and_mul_reference
 from kernels.argmax import argmax_scatter as _argmax_scatter_triton
-from kernels.argmax import argmax_scatter_reference
+from kernels.argmax import argmax_scatter_reference, masked_argmax_reference
+from kernels.argmax import masked_argmax as _masked_argmax_triton
 from kernels.cpu_attention import (
     decode_attention_cpu,
     paged_prefill_attention_cpu,
@@ -212,6 +213,14 @@ def argmax_scatter(logits: torch.Tensor, slots: torch.Tensor,
     return argmax_scatter_reference(logits, slots, last_tok)
 
 
+def masked_argmax(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax among the tokens its bitmask [b, ceil(V/32)] int32 allows, -1 where
+    it allows none; logits [b, V] -> [b] int64 (`kernels.argmax`)."""
+    if use_triton(logits.device):
+        return _masked_argmax_triton(logits, bitmask)
+    return masked_argmax_reference(logits, bitmask)
+
+
 def logprob_rows(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
     """logits [m, V], tokens [m] int64 -> [m, 2 + 2k] float32: each token's logprob, its
     rank, the k top ids and their logprobs (`kernels.logprobs`)."""
@@ -231,6 +240,7 @@ __all__ = [
     "add_rms_norm",
     "argmax_scatter",
     "logprob_rows",
+    "masked_argmax",
     "rotary",
     "rotary_store",
     "decode_attention",

@@ -208,9 +208,9 @@ def generate_batch(model: LlamaForCausalLM, prompts: list[list[int]], params: li
             stats.decode_row_steps += B
             stats.finished_row_steps += sum(s.finished for s in seqs)
             if step is not None:
-                _append(seqs, step([s.output_ids[-1] for s in seqs]), _words(grammars))
+                _append(seqs, step([_last(s) for s in seqs]), _words(grammars))
                 continue
-            step_ids = torch.tensor([[s.output_ids[-1]] for s in seqs], device=device)
+            step_ids = torch.tensor([[_last(s)] for s in seqs], device=device)
             step_pos = torch.tensor([[n] for n in cache.seq_lens], device=device)
             hidden = model.hidden_states(step_ids, step_pos, cache, AttentionMetadata.decode())
             _append(seqs, model.compute_logits(hidden[:, 0]), _words(grammars))
@@ -329,6 +329,12 @@ def _decode_pipelined(step: DecodeStep, seqs: list[Sequence], stats: BatchStats,
                 s.append(t)
         if all(s.finished for s in seqs):
             return
+
+
+def _last(seq: Sequence) -> int:
+    """A row's input to the next static step (a row that ended before its first token, its
+    grammar allowing none, still steps with the rest: its prompt's last token)."""
+    return seq.output_ids[-1] if seq.output_ids else seq.prompt_ids[-1]
 
 
 def _append(seqs: list[Sequence], logits: torch.Tensor, words: int = 0) -> None:

@@ -420,7 +420,7 @@ class ContinuousRunner:
         logits = self.model.compute_logits(h)
         self._masks(k, sampling)
         new, lp = sample_step(logits, sampling)
-        self.last_tok.index_copy_(0, idx, new)
+        self.last_tok.index_copy_(0, idx, _as_input(new, sampling))
         return self._finish(k, new, len(sample_from), end, lp, prompt)
 
     def decode(self, slots: list[int], positions: list[int], writes: list[int],
@@ -469,7 +469,7 @@ class ContinuousRunner:
         if sampling is not None and not sampling.trivial:
             self._masks(op.ring, sampling)
             tokens, lp = sample_step(logits[:op.n], sampling, tokens[:op.n])
-            self.last_tok.index_copy_(0, where, tokens)
+            self.last_tok.index_copy_(0, where, _as_input(tokens, sampling))
         self._finish(op.ring, tokens, op.n, end, lp, op=op)
 
     def _update_tables(self, k: int, new_blocks: list[tuple[int, int, int]]) -> None:
@@ -480,6 +480,12 @@ class ContinuousRunner:
         stage[:, :u] = torch.tensor(new_blocks, dtype=torch.long).T
         upd = stage[:, :u].to(self.device, non_blocking=True)
         self.block_tables[upd[0], upd[1]] = upd[2].to(torch.int32)
+
+
+def _as_input(tokens: torch.Tensor, sampling: StepSampling | None) -> torch.Tensor:
+    """A step's sampled tokens as the next step's inputs: a masked row's -1 (its grammar
+    allowed nothing; the row ends when read) becomes 0, a valid id the model may read."""
+    return tokens.clamp_min(0) if sampling is not None and sampling.masked else tokens
 
 
 __all__ = ["RING", "STEP_MODES", "ContinuousRunner", "Launched", "decode_buckets"]

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # imported where tensors are made: a job's driver needs SamplingParams only
     import torch
 
-from nanoserve.structured import StructuredOutputs, apply_bitmask, masked_argmax
+from nanoserve.structured import StructuredOutputs, allowed_tokens, masked_argmax
 
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes
 MAX_N = 128  # samples per prompt
@@ -158,7 +158,8 @@ def sample_next(logits: torch.Tensor, params: list[SamplingParams], keys: list[i
     logits: [B, V]; keys: each row's `row_seed` (None for greedy rows); counters: how many
     tokens each row has generated before this one; bitmask [len(masked), ceil(V/32)] int32
     (host or device): the allowed tokens of the rows at indexes `masked` (structured
-    outputs), applied before temperature and the cut. Returns [B] int64 on that device.
+    outputs), applied before temperature and the cut. Returns [B] int64 on that device; a
+    masked row whose bitmask allows no token gets -1 (its row ends: `Sequence.append`).
 
     Greedy rows take the exact argmax. The others draw by the Gumbel-max trick from
     counter-based noise (`gumbel_noise`): the draw depends on the row's key, its token
@@ -180,12 +181,14 @@ def sample_next(logits: torch.Tensor, params: list[SamplingParams], keys: list[i
         return tokens.index_copy(0, idx, drawn)
     idx = torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True)
     x = logits.index_select(0, idx).float()  # [m, V], a copy
+    stuck = None  # [m] bool: a masked row that allows no token at all
     if masked:
         at = {r: j for j, r in enumerate(rows)}
         where = torch.tensor([at[r] for r in masked], dtype=torch.int64).to(dev, non_blocking=True)
-        sub = x.index_select(0, where)
-        apply_bitmask(sub, bitmask.to(dev, non_blocking=True))
-        x.index_copy_(0, where, sub)
+        allowed = allowed_tokens(bitmask.to(dev, non_blocking=True), x.shape[-1])
+        x.index_copy_(0, where, x.index_select(0, where).masked_fill_(~allowed, float("-inf")))
+        stuck = torch.zeros(len(rows), dtype=torch.bool, device=dev).index_copy_(
+            0, where, ~allowed.any(dim=1))
     sp = [params[i] for i in rows]
     draws = [not p.greedy for p in sp]
     temperature = torch.tensor([p.temperature if d else 1.0 for p, d in zip(sp, draws)],
@@ -204,4 +207,6 @@ def sample_next(logits: torch.Tensor, params: list[SamplingParams], keys: list[i
         on = torch.tensor(draws).to(dev, non_blocking=True)
         x = x + torch.where(on[:, None], noise, torch.zeros((), device=dev))
     drawn = torch.argmax(x, dim=-1)
+    if stuck is not None:
+        drawn.masked_fill_(stuck, -1)
     return tokens.index_copy(0, idx, drawn)

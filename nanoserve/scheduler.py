@@ -475,7 +475,7 @@ class ContinuousScheduler:
         self._set_prompt_logprobs(op)  # a prefill's rows that asked for them
         live = [j for j, r in enumerate(op.rows) if not r.seq.finished and r.table is not None]
         self.stats.finished_row_steps += len(op.rows) - len(live)
-        steered = [j for j in live if op.rows[j].seq.constrained]
+        steered = [j for j in live if op.rows[j].seq.constrained and tokens[j] >= 0]
         accepted = dict(zip(steered, accept_tokens([op.rows[j].seq.matcher for j in steered],
                                                    [tokens[j] for j in steered]))) if steered else {}
         t = self._tick("accept", t)

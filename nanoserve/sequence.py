@@ -102,9 +102,14 @@ class Sequence:
                accepted: bool | None = None) -> None:
         """Add the next token. logprob: its row of `nanoserve.logprobs.logprob_rows` (made
         into a `TokenLogprob` only when the output is read); accepted: the caller already
-        advanced the matcher by this token (a batch of rows at once), with this result."""
+        advanced the matcher by this token (a batch of rows at once), with this result.
+        token -1: the row's grammar allowed no token (the masked argmax or draw found its
+        bitmask empty): the row ends (`cannot_continue`), nothing appended."""
         if self.finished:
             raise RuntimeError("a finished sequence takes no tokens")
+        if token < 0 and self.matcher is not None:
+            self.cannot_continue()
+            return
         self.output_ids.append(token)
         if self.logprobs is not None and logprob is not None:
             self.logprobs.append(logprob)

@@ -64,14 +64,10 @@ class StepSampling:
 
     def fill(self, out: torch.Tensor) -> torch.Tensor:
         """Fill the masked rows' bitmask into out[:len(masked)] (host, int32, [>= m, words])
-        and keep that view as `bitmask`. A row whose grammar allows no token ends here
-        (`Sequence.cannot_continue`) and samples unmasked (its token is dropped)."""
+        and keep that view as `bitmask`. A row whose grammar allows no token is found on the
+        device: its token comes out -1 (`sample_step`) and ends it when appended."""
         bitmask = out[:len(self.masked)]
-        ok = fill_bitmasks([s.matcher for s in self.steered], bitmask)
-        for j, seq in enumerate(self.steered):
-            if not ok[j]:
-                bitmask[j].fill_(-1)
-                seq.cannot_continue()
+        fill_bitmasks([s.matcher for s in self.steered], bitmask)
         self.bitmask = bitmask
         return bitmask
 
@@ -82,21 +78,23 @@ class StepSampling:
 
 def sample_step(logits: torch.Tensor, sampling: StepSampling,
                 tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The step's tokens [B] int64 and, for `sampling.logprob_rows`, their logprob rows
+    """The step's tokens [B] int64 (-1 for a masked row whose grammar allows no token: not
+    an input for the model) and, for `sampling.logprob_rows`, their logprob rows
     [m, 2 + 2k] float32 (`nanoserve.logprobs.logprob_rows`), both on the logits' device.
     logits [B, V] stay unchanged. `tokens`: the step's argmax if already computed (the
     captured step's), reused when nothing else is needed."""
     if tokens is None or sampling.masked or not sampling.all_greedy:
         tokens = sample_next(logits, sampling.params, sampling.keys, sampling.counters,
                              sampling.bitmask, list(sampling.masked))
-    lp = None
+    if not sampling.logprob_rows:
+        return tokens, None
+    chosen = tokens.clamp_min(0) if sampling.masked else tokens  # -1 reads no logit
     if len(sampling.logprob_rows) == len(sampling.params):  # every row (in order) asks
-        lp = logprob_rows(logits, tokens, sampling.k)
-    elif sampling.logprob_rows:
-        idx = torch.tensor(sampling.logprob_rows, dtype=torch.int64).to(logits.device,
-                                                                        non_blocking=True)
-        lp = logprob_rows(logits.index_select(0, idx), tokens.index_select(0, idx), sampling.k)
-    return tokens, lp
+        return tokens, logprob_rows(logits, chosen, sampling.k)
+    idx = torch.tensor(sampling.logprob_rows, dtype=torch.int64).to(logits.device,
+                                                                    non_blocking=True)
+    return tokens, logprob_rows(logits.index_select(0, idx), chosen.index_select(0, idx),
+                                sampling.k)
 
 
 __all__ = ["StepSampling", "sample_step"]

@@ -306,11 +306,9 @@ class RowMatcher:
         self.terminated = bool(self._m.is_terminated())
         return ok
 
-    def fill(self, bitmask: torch.Tensor, index: int) -> bool:
-        """Write the allowed next tokens into row `index` of `bitmask` (int32, CPU). Returns
-        False when the grammar allows no token at all (it cannot go on)."""
+    def fill(self, bitmask: torch.Tensor, index: int) -> None:
+        """Write the allowed next tokens into row `index` of `bitmask` (int32, CPU)."""
         self._m.fill_next_token_bitmask(bitmask, index)
-        return bool(bitmask[index].any())
 
 
 def allocate_bitmask(rows: int, words: int, pin: bool = False) -> torch.Tensor:
@@ -361,30 +359,23 @@ def _batch_accept(matchers: list, tokens: list[int]) -> list[bool]:
     return [bool(result[i]) for i in range(len(result))]
 
 
-def fill_bitmasks(matchers: list[RowMatcher], bitmask: torch.Tensor) -> list[bool]:
+def fill_bitmasks(matchers: list[RowMatcher], bitmask: torch.Tensor) -> None:
     """Row j of `bitmask` <- the allowed next tokens of matchers[j], for all rows at once on
-    xgrammar's thread pool (it releases the GIL). Returns, per matcher, whether any token is
-    allowed (rows of `bitmask` past the matchers are left alone)."""
+    xgrammar's thread pool (it releases the GIL); rows of `bitmask` past the matchers are
+    left alone. A row that allows no token is found on the device, by the masked argmax or
+    draw (`nanoserve.sampling.sample_next`: token -1), not here."""
     if len(matchers) == 1:
-        return [matchers[0].fill(bitmask, 0)]
-    _filler().batch_fill_next_token_bitmask([m._m for m in matchers], bitmask)
-    return bitmask[:len(matchers)].numpy().any(axis=1).tolist()
-
-
-_BIT_INDEX: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        matchers[0].fill(bitmask, 0)
+    else:
+        _filler().batch_fill_next_token_bitmask([m._m for m in matchers], bitmask)
 
 
 def allowed_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     """The bool mask [n, vocab] of a bitmask [n, ceil(vocab/32)] int32 (bit j of word w:
-    token 32 w + j), on the bitmask's device. Pure torch: any device, and CUDA graphs."""
-    import torch
+    token 32 w + j), on the bitmask's device."""
+    from kernels.argmax import allowed_mask
 
-    key = (vocab, str(bitmask.device))
-    if key not in _BIT_INDEX:
-        vid = torch.arange(vocab, device=bitmask.device)
-        _BIT_INDEX[key] = (vid // 32, (vid % 32).to(torch.int32))
-    word, shift = _BIT_INDEX[key]
-    return ((bitmask.index_select(1, word) >> shift) & 1).bool()
+    return allowed_mask(bitmask, vocab)
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
@@ -394,12 +385,12 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
 
 
 def masked_argmax(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """Each row's argmax among its allowed tokens: [n] int64. logits [n, V] stay unchanged
-    (a half-precision row's argmax is its float32's, as the unmasked argmax)."""
-    import torch
+    """Each row's argmax among its allowed tokens: [n] int64, -1 for a row that allows none.
+    logits [n, V] stay unchanged (a half-precision row's argmax is its float32's, as the
+    unmasked argmax). One Triton launch pair on a GPU (`kernels.argmax`)."""
+    from kernels.backend import masked_argmax as _masked_argmax
 
-    allowed = allowed_tokens(bitmask, logits.shape[-1])
-    return torch.where(allowed, logits, float("-inf")).argmax(dim=-1)
+    return _masked_argmax(logits, bitmask)
 
 
 __all__ = ["GrammarCache", "RowMatcher", "StructuredOutputs", "allocate_bitmask",

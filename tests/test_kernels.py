@@ -962,6 +962,48 @@ def test_interp_argmax_scatter_matches_reference(interp):
                            argmax_scatter_reference(xh, slots, want_last))
 
 
+def _masked_argmax_cases(g):
+    """Rows of _argmax_cases under bitmasks with one word more than V needs (its bits set:
+    they must be ignored): random bits; none (-1); one token, in the partial last chunk;
+    the row's NaN and maximum disallowed; a NaN allowed (it wins); every word set."""
+    x = _argmax_cases(g)
+    b, V = x.shape
+    words = -(-V // 32) + 1
+    bm = torch.randint(-(2**31), 2**31 - 1, (b, words), generator=g, dtype=torch.int32)
+    bm[:, -1] = -1
+    bm[0, :-1] = 0  # nothing allowed
+    bm[2, :-1] = 0
+    bm[2, 8990 // 32] = 1 << (8990 % 32)  # only token 8990
+    bm[4, 6000 // 32] &= ~(1 << (6000 % 32))  # its NaN disallowed: the +inf at 7 wins if allowed
+    bm[4, 0] |= 1 << 7
+    bm[5, 4100 // 32] |= 1 << (4100 % 32)  # its first NaN allowed
+    bm[6, :-1] = -1  # every token: the unmasked argmax
+    return x, bm
+
+
+def test_masked_argmax_reference_rules():
+    from kernels.argmax import masked_argmax_reference
+
+    x, bm = _masked_argmax_cases(torch.Generator().manual_seed(0))
+    tokens = masked_argmax_reference(x, bm)
+    assert tokens[[0, 2, 4, 5, 6]].tolist() == [-1, 8990, 7, 4100, 4095]
+    bits = ((bm[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1).flatten(1)[:, :9000]
+    assert tokens[3] == bits[3].nonzero()[0]  # all -inf: the first allowed token
+    allowed = bits[1].bool()  # random bits: the largest allowed logit
+    assert allowed[tokens[1]] and tokens[1] == torch.where(allowed, x[1], float("-inf")).argmax()
+
+
+def test_interp_masked_argmax_matches_reference(interp):
+    from kernels.argmax import masked_argmax, masked_argmax_reference
+
+    x, bm = _masked_argmax_cases(torch.Generator().manual_seed(0))
+    for dtype in (torch.float32, torch.bfloat16):
+        xd = x.to(dtype)
+        assert torch.equal(masked_argmax(xd, bm), masked_argmax_reference(xd, bm))
+    with pytest.raises(ValueError, match="bitmask must be int32"):
+        masked_argmax(x, bm[:, :200])
+
+
 # --- logprobs of a step's tokens (kernels/logprobs.py) ----------------------------------------
 
 

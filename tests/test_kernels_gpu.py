@@ -444,6 +444,30 @@ def test_argmax_scatter_equals_torch_argmax(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_masked_argmax_equals_reference(dtype):
+    """The engine's shapes (up to 256 rows over real vocabularies): random bitmasks, sparse
+    ones (a few allowed tokens, as inside a JSON string's end), a row allowing nothing (-1)
+    and one allowing everything, against the torch reference on the same device."""
+    from kernels.argmax import masked_argmax, masked_argmax_reference
+
+    g = torch.Generator(device="cuda").manual_seed(12)
+    for b, V in ((1, 49152), (7, 9000), (256, 49152), (64, 128256)):
+        words = -(-V // 32)
+        x = torch.randn(b, V, generator=g, device="cuda").to(dtype)
+        bm = torch.randint(-(2**31), 2**31 - 1, (b, words), generator=g, device="cuda",
+                           dtype=torch.int32)
+        bm[::3] &= torch.randint(0, 2, (words,), generator=g, device="cuda",
+                                 dtype=torch.int32) << 5  # sparse: one bit in some words
+        if b > 1:
+            bm[0] = 0
+            bm[-1] = -1
+        got = masked_argmax(x, bm)
+        assert torch.equal(got, masked_argmax_reference(x, bm))
+        if b > 1:
+            assert got[0] == -1 and got[-1] == torch.argmax(x[-1])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_logprob_rows_kernel_equals_reference(dtype):
     """The engine's shapes: up to 256 rows over real vocabularies, k from 0 to 20; each
     token's logprob and rank, and the top k (any order among equal values: bf16 logits

@@ -159,6 +159,57 @@ def test_apply_bitmask_matches_xgrammar():
     assert torch.equal(apply_bitmask(torch.zeros(1, V), full), torch.zeros(1, V))
 
 
+class _VocabWithout:
+    """The model's tokenizer as xgrammar sees it, with every token containing one of `chars`
+    made empty (xgrammar never allows an empty token): a grammar that needs one of them
+    reaches a state where no token is allowed."""
+
+    def __init__(self, tokenizer, chars: str) -> None:
+        self.inner, self.chars = tokenizer.backend, chars
+
+    @property
+    def backend(self):
+        return self
+
+    def get_vocab(self, with_added_tokens=True):
+        vocab = self.inner.get_vocab(with_added_tokens=with_added_tokens)
+        return {(t if not any(c in t for c in self.chars) else f"<gone{i}>"): i
+                for t, i in vocab.items()}
+
+    def to_str(self):
+        return self.inner.to_str()
+
+
+def test_a_grammar_that_allows_no_token_ends_its_row_with_an_error(smollm2_llm):
+    """A row whose grammar allows no next token ends with finish_reason 'error' (found by the
+    masked argmax or draw on the device: token -1, never fed to the model), at its first token
+    (the prefill's) or later; the other rows of its batch get their tokens alone, through
+    both schedulers and the runner's fixed-tensor steps."""
+    from nanoserve.structured import GrammarCache
+
+    llm = smollm2_llm
+    tok = llm.tokenizer
+    grammars = GrammarCache(_VocabWithout(tok, "xX"), llm.config.vocab_size, llm.eos_token_ids)
+    prompts = [_chat(llm, p) for p in PROMPTS[:4]]
+    params = [SamplingParams(max_tokens=6, structured_outputs=StructuredOutputs(regex="x")),
+              SamplingParams(max_tokens=6, structured_outputs=StructuredOutputs(regex="a{1,2}x")),
+              SamplingParams(max_tokens=8, temperature=0.9, seed=3,
+                             structured_outputs=StructuredOutputs(regex="b{1,2}x")),
+              SamplingParams(max_tokens=8)]
+    alone = llm.generate([prompts[3]], [params[3]])[0]
+    static, _ = generate_batch(llm.model, prompts, params, llm.eos_token_ids, llm.pool,
+                               tok, grammars=grammars)
+    cont, fixed = (generate_continuous(llm.model, prompts, params, llm.eos_token_ids, llm.pool,
+                                       tok, grammars=grammars, step_mode=mode)[0]
+                   for mode in ("eager", "static"))
+    check_integrity(llm.pool.allocator, [])
+    for outs in (static, cont, fixed):
+        assert [o.finish_reason for o in outs[:3]] == ["error"] * 3
+        assert all("allows no next token" in o.error for o in outs[:3]) and outs[0].token_ids == []
+        assert re.fullmatch(r"a{1,2}", outs[1].text) and re.fullmatch(r"b{1,2}", outs[2].text)
+        assert outs[3].token_ids == alone.token_ids
+
+
 def test_batch_accept_reads_xgrammars_answers(smollm2_llm):
     """`accept_tokens` (xgrammar's core call, its result read at once when every token was
     accepted) gives, step after step, the accepted flags, terminations and next masks of
@@ -183,7 +234,8 @@ def test_batch_accept_reads_xgrammars_answers(smollm2_llm):
     refused = 0
     for step in range(14):
         live = [j for j in range(rows) if not ours[j].terminated]  # as a step's steered rows
-        assert fill_bitmasks([ours[j] for j in live], a) == [True] * len(live)
+        fill_bitmasks([ours[j] for j in live], a)
+        assert a[:len(live)].ne(0).any(dim=1).all()  # every live row allows some token
         public.batch_fill_next_token_bitmask([theirs[j]._m for j in live], b)
         assert torch.equal(a[:len(live)], b[:len(live)])
         tokens = []
