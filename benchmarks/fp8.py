@@ -8,7 +8,9 @@ no checkpoint file; FP8 projections drawn and quantized one matrix at a time):
 - 8b: Llama-3.1-8B (hidden 4096, 32 layers, 32/8 heads, head_dim 128, intermediate 14336);
 - 70b: Llama-3.1-70B (hidden 8192, 80 layers, 64/8 heads, head_dim 128, intermediate
   28672): FP8 only, its bf16 weights (141 GB) do not fit one H200.
-All vocab 128256. The runs go one after the other in one process, each with a warm-up
+All vocab 128256. Runs: bf16; fp8; fp8-unfused (fp8 with each activation quantized by a
+launch of its own before its projection, as before the norms and silu-and-mul quantized
+their outputs: `nanoserve.fp8.fuse_activation_quant` skipped). The runs go one after the other in one process, each with a warm-up
 pass over the same lengths (other token ids) first. Prints one Markdown table: rate, ratio
 to bf16, the memory split (weights / KV pool / CUDA graphs), the pool's tokens, the largest
 decode batch, and the device's prefill and decode seconds.
@@ -59,17 +61,23 @@ def model_folder(folder: Path, config: dict) -> Path:
 def run_one(folder: Path, weights: str, prompts, max_tokens, device: str,
             kv_cache_bytes: int | None) -> dict:
     """One engine over the workload: a warm-up pass, then the timed one."""
+    import nanoserve.dummy_weights as dummy
     from nanoserve.errors import NanoserveError
     from nanoserve.llm import LLM
     from nanoserve.sampling import SamplingParams
 
-    quantization = "fp8" if weights == "fp8" else None
+    quantization = "fp8" if weights.startswith("fp8") else None
+    fuse = dummy.fuse_activation_quant
+    if weights == "fp8-unfused":  # before the graphs are captured at load
+        dummy.fuse_activation_quant = lambda model: model
     t = time.perf_counter()
     try:
         llm = LLM(str(folder), device=device, load_format="dummy", quantization=quantization,
                   kv_cache_bytes=kv_cache_bytes)
     except NanoserveError as e:
         return {"weights": weights, "refused": str(e)}
+    finally:
+        dummy.fuse_activation_quant = fuse
     load_s = time.perf_counter() - t
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     largest = _count_decode_rows(llm.runner)
@@ -151,7 +159,7 @@ def main(argv=None) -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=list(SHAPES), default="8b")
     ap.add_argument("--rows", type=int, default=256)
-    ap.add_argument("--runs", nargs="+", choices=("bf16", "fp8"), default=None,
+    ap.add_argument("--runs", nargs="+", choices=("bf16", "fp8", "fp8-unfused"), default=None,
                     help="default: bf16 fp8 (70b: fp8 only)")
     ap.add_argument("--kv-cache-gib", type=float, default=None,
                     help="the KV pool's size for every run (default: 80%% of the memory "

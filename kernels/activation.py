@@ -7,6 +7,11 @@ silu is computed in float32 and rounded to x's dtype before the product, as
 
 - `silu_and_mul_reference`: PyTorch, the oracle.
 - `silu_and_mul`: Triton, one program per (row, column block).
+- `silu_and_mul_fp8(x, ub)` -> (q, scale): the product quantized per row to float8 e4m3 in
+  the same launch, as `kernels.fp8_quant.quantize_rows` quantizes it (the input of an FP8
+  down projection); one program per row, a pass for the maximum and one to quantize (the
+  product computed again: cheaper than writing it). `silu_and_mul_fp8_reference`: the two
+  references composed.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels._triton import HAS_TRITON, tl, triton
+from kernels.fp8_quant import FP8, quantize_rows_reference, quantize_to_fp8, row_scale
 
 _BLOCK = 1024
 
@@ -24,15 +30,47 @@ def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def silu_and_mul_fp8_reference(x: torch.Tensor, ub: float | None = None
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., 2 I] -> e4m3 [M, I] and float32 scales [M, 1] (M rows of x)."""
+    y = silu_and_mul_reference(x)
+    return quantize_rows_reference(y.reshape(-1, y.shape[-1]), ub)
+
+
+@triton.jit
+def _act(x_ptr, row, stride_x, inner, cols, mask):
+    """silu(gate) * up at `cols` of a row, rounded to x's dtype as the reference, as float32."""
+    dtype = x_ptr.dtype.element_ty
+    g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + row * stride_x + inner + cols, mask=mask, other=0.0).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+    return (act * u).to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, s_ptr, inner, stride_x, stride_q, ub,
+                             HAS_UB: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, inner, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        amax = tl.maximum(amax, tl.abs(_act(x_ptr, row, stride_x, inner, cols, cols < inner)))
+    scale = row_scale(tl.max(amax, axis=0), ub, HAS_UB)
+    tl.store(s_ptr + row, scale)
+    for start in range(0, inner, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        y = _act(x_ptr, row, stride_x, inner, cols, cols < inner)
+        tl.store(q_ptr + row * stride_q + cols,
+                 quantize_to_fp8(y, scale).to(q_ptr.dtype.element_ty), mask=cols < inner)
+
+
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, inner, stride_x, stride_o, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inner
-    g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(x_ptr + row * stride_x + inner + cols, mask=mask, other=0.0).to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (act * u).to(out_ptr.dtype.element_ty), mask=mask)
+    y = _act(x_ptr, row, stride_x, inner, cols, mask)
+    tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -52,4 +90,26 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out.view(*x.shape[:-1], inner)
 
 
-__all__ = ["silu_and_mul", "silu_and_mul_reference"]
+def silu_and_mul_fp8(x: torch.Tensor, ub: float | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton form of `silu_and_mul_fp8_reference`."""
+    if not HAS_TRITON:
+        raise RuntimeError("silu_and_mul_fp8 needs Triton; use the reference instead")
+    if x.shape[-1] % 2:
+        raise ValueError(f"the last dimension must be even (gate | up), got {x.shape[-1]}")
+    inner = x.shape[-1] // 2
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    q = torch.empty((rows.shape[0], inner), dtype=FP8, device=x.device)
+    scale = torch.empty((rows.shape[0], 1), dtype=torch.float32, device=x.device)
+    if rows.shape[0]:
+        _silu_and_mul_fp8_kernel[(rows.shape[0],)](
+            rows, q, scale, inner, rows.stride(0), q.stride(0),
+            0.0 if ub is None else float(ub), HAS_UB=ub is not None, BLOCK=_BLOCK,
+            num_warps=8)
+    return q, scale
+
+
+__all__ = ["silu_and_mul", "silu_and_mul_fp8", "silu_and_mul_fp8_reference",
+           "silu_and_mul_reference"]

@@ -1,7 +1,8 @@
 """The one place that chooses between the Triton kernels and their PyTorch references.
 
 The engine calls only `decode_attention`, `prefill_attention`, `paged_prefill_attention`,
-`store_kv`, `rms_norm`, `add_rms_norm`, `rotary`, `rotary_store`, `silu_and_mul`,
+`store_kv`, `rms_norm`, `add_rms_norm`, `rotary`, `rotary_store`, `silu_and_mul` (and the
+last three's `_fp8` forms, their output quantized per row for an FP8 projection),
 `argmax_scatter`, `masked_argmax` and `logprob_rows` from here.
 `use_triton(device)` is the rule (`NANOSERVE_KERNELS=reference` forces the references
 everywhere, for side-by-side checks of the two paths):
@@ -28,7 +29,8 @@ import torch
 from kernels import paged_attention
 from kernels._triton import HAS_TRITON, interpret_requested
 from kernels.activation import silu_and_mul as _silu_and_mul_triton
-from kernels.activation import silu_and_mul_reference
+from kernels.activation import silu_and_mul_fp8 as _silu_and_mul_fp8_triton
+from kernels.activation import silu_and_mul_fp8_reference, silu_and_mul_reference
 from kernels.argmax import argmax_scatter as _argmax_scatter_triton
 from kernels.argmax import argmax_scatter_reference, masked_argmax_reference
 from kernels.argmax import masked_argmax as _masked_argmax_triton
@@ -50,8 +52,15 @@ from kernels.paged_prefill import paged_prefill_attention_reference
 from kernels.prefill_attention import prefill_attention as _prefill_attention_triton
 from kernels.prefill_attention import prefill_attention_reference
 from kernels.rmsnorm import add_rms_norm as _add_rms_norm_triton
-from kernels.rmsnorm import add_rms_norm_reference, rms_norm_reference
+from kernels.rmsnorm import add_rms_norm_fp8 as _add_rms_norm_fp8_triton
+from kernels.rmsnorm import (
+    add_rms_norm_fp8_reference,
+    add_rms_norm_reference,
+    rms_norm_fp8_reference,
+    rms_norm_reference,
+)
 from kernels.rmsnorm import rms_norm as _rms_norm_triton
+from kernels.rmsnorm import rms_norm_fp8 as _rms_norm_fp8_triton
 from kernels.rotary import rotary as _rotary_triton
 from kernels.rotary import rotary_reference
 from kernels.rotary_store import rotary_store as _rotary_store_triton
@@ -205,6 +214,31 @@ def rotary_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     return rotary_store_reference(*args, k_scale=k_scale, v_scale=v_scale)
 
 
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 ub: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of x [..., d], quantized per row: (e4m3 [M, d], float32 scales [M, 1])."""
+    if use_triton(x.device):
+        return _rms_norm_fp8_triton(x, weight, eps, ub)
+    return rms_norm_fp8_reference(x, weight, eps, ub)
+
+
+def add_rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                     ub: float | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(h = x + residual, the RMSNorm of h quantized per row: e4m3 [M, d], scales [M, 1])."""
+    if use_triton(x.device):
+        return _add_rms_norm_fp8_triton(x, residual, weight, eps, ub)
+    return add_rms_norm_fp8_reference(x, residual, weight, eps, ub)
+
+
+def silu_and_mul_fp8(x: torch.Tensor, ub: float | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """silu(gate) * up of x [..., 2I], quantized per row: (e4m3 [M, I], scales [M, 1])."""
+    if use_triton(x.device):
+        return _silu_and_mul_fp8_triton(x, ub)
+    return silu_and_mul_fp8_reference(x, ub)
+
+
 def argmax_scatter(logits: torch.Tensor, slots: torch.Tensor,
                    last_tok: torch.Tensor) -> torch.Tensor:
     """tokens = argmax of each row of logits [b, V]; last_tok[slots] = tokens; -> tokens."""
@@ -238,9 +272,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 __all__ = [
     "add_rms_norm",
+    "add_rms_norm_fp8",
     "argmax_scatter",
     "logprob_rows",
+    "silu_and_mul_fp8",
     "masked_argmax",
+    "rms_norm_fp8",
     "rotary",
     "rotary_store",
     "decode_attention",

@@ -9,6 +9,8 @@ saturation, as torch's cast does: the kernel equals the reference bit for bit.
 
 - `quantize_rows_reference`: PyTorch, the oracle (a few kernels on a GPU: 14-17 us a call).
 - `quantize_rows`: Triton, one program per row: a pass for the maximum, a pass to quantize.
+- `row_scale`, `quantize_to_fp8`, `store_row_fp8`: the same steps as Triton functions, for
+  kernels that quantize the row they compute (kernels/rmsnorm.py, kernels/activation.py).
 """
 
 from __future__ import annotations
@@ -34,6 +36,29 @@ def quantize_rows_reference(x: torch.Tensor, ub: float | None = None
 
 
 @triton.jit
+def row_scale(amax, ub, HAS_UB: tl.constexpr):
+    """A row's scale from the largest |x| of its float32 values (capped at ub)."""
+    if HAS_UB:
+        amax = tl.minimum(amax, ub)
+    return tl.math.div_rn(tl.maximum(amax, 1e-12), 448.0)
+
+
+@triton.jit
+def quantize_to_fp8(x, scale):
+    """float32 values -> x / scale, saturated to e4m3's range (the store's cast rounds)."""
+    return tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)
+
+
+@triton.jit
+def store_row_fp8(y, q_row, s_row, cols, mask, ub, HAS_UB: tl.constexpr):
+    """A whole row y (float32, in registers; 0 where masked) quantized: its scale to s_row,
+    its e4m3 values to q_row + cols."""
+    scale = row_scale(tl.max(tl.abs(y), axis=0), ub, HAS_UB)
+    tl.store(s_row, scale)
+    tl.store(q_row + cols, quantize_to_fp8(y, scale).to(q_row.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, ub,
                           HAS_UB: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -42,16 +67,13 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, ub,
         cols = start + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + row * stride_x + cols, mask=cols < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    m = tl.max(amax, axis=0)
-    if HAS_UB:
-        m = tl.minimum(m, ub)
-    scale = tl.math.div_rn(tl.maximum(m, 1e-12), 448.0)
+    scale = row_scale(tl.max(amax, axis=0), ub, HAS_UB)
     tl.store(s_ptr + row, scale)
     for start in range(0, K, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + row * stride_x + cols, mask=cols < K, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)
-        tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=cols < K)
+        tl.store(q_ptr + row * stride_q + cols,
+                 quantize_to_fp8(x, scale).to(q_ptr.dtype.element_ty), mask=cols < K)
 
 
 def quantize_rows(x: torch.Tensor, ub: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,4 +92,5 @@ def quantize_rows(x: torch.Tensor, ub: float | None = None) -> tuple[torch.Tenso
     return q, scale
 
 
-__all__ = ["quantize_rows", "quantize_rows_reference"]
+__all__ = ["FP8", "quantize_rows", "quantize_rows_reference", "quantize_to_fp8", "row_scale",
+           "store_row_fp8"]

@@ -11,6 +11,11 @@ once, as a torch product of two bf16 tensors is).
 - `add_rms_norm(x, residual, weight, eps) -> (h, y)`: the residual stream's add and the
   next norm in one launch: h = x + residual (rounded to the dtype, as a torch add is), then
   y = the RMSNorm of h; `add_rms_norm_reference` is its PyTorch form.
+- `rms_norm_fp8(x, weight, eps, ub)` -> (q, scale) and `add_rms_norm_fp8(x, residual,
+  weight, eps, ub)` -> (h, q, scale): the same, y quantized per row to float8 e4m3 in the
+  same launch, exactly as `kernels.fp8_quant.quantize_rows` quantizes y (what an FP8
+  projection after the norm needs: no launch of its own, no y written and read back).
+  `*_fp8_reference`: the two references composed.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from kernels._triton import HAS_TRITON, next_power_of_2, tl, triton
+from kernels.fp8_quant import FP8, quantize_rows_reference, store_row_fp8
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -33,19 +39,34 @@ def add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torc
     return h, rms_norm_reference(h, weight, eps)
 
 
+def rms_norm_fp8_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                           ub: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., d] -> e4m3 [M, d] and float32 scales [M, 1] (M rows of x)."""
+    return quantize_rows_reference(rms_norm_reference(x, weight, eps).reshape(-1, x.shape[-1]), ub)
+
+
+def add_rms_norm_fp8_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                               eps: float, ub: float | None = None
+                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    h, y = add_rms_norm_reference(x, residual, weight, eps)
+    return (h, *quantize_rows_reference(y.reshape(-1, x.shape[-1]), ub))
+
+
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, d, stride_x, stride_o, eps,
-                     BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, s_ptr, d, stride_x, stride_o, eps, ub,
+                     BLOCK: tl.constexpr, FP8_OUT: tl.constexpr, HAS_UB: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < d
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    _normalise_and_store(x, w_ptr, out_ptr + row * stride_o, cols, mask, d, eps)
+    _normalise_and_store(x, w_ptr, out_ptr + row * stride_o, s_ptr + row, cols, mask, d, eps,
+                         ub, FP8_OUT, HAS_UB)
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, h_ptr, out_ptr, d, stride_x, stride_r, stride_h,
-                         stride_o, eps, BLOCK: tl.constexpr):
+def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, h_ptr, out_ptr, s_ptr, d, stride_x, stride_r,
+                         stride_h, stride_o, eps, ub, BLOCK: tl.constexpr,
+                         FP8_OUT: tl.constexpr, HAS_UB: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < d
@@ -53,21 +74,40 @@ def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, h_ptr, out_ptr, d, stride_x, strid
     r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
     h = (x + r).to(h_ptr.dtype.element_ty)
     tl.store(h_ptr + row * stride_h + cols, h, mask=mask)
-    _normalise_and_store(h.to(tl.float32), w_ptr, out_ptr + row * stride_o, cols, mask, d, eps)
+    _normalise_and_store(h.to(tl.float32), w_ptr, out_ptr + row * stride_o, s_ptr + row, cols,
+                         mask, d, eps, ub, FP8_OUT, HAS_UB)
 
 
 @triton.jit
-def _normalise_and_store(x, w_ptr, out_row, cols, mask, d, eps):
+def _normalise_and_store(x, w_ptr, out_row, s_row, cols, mask, d, eps, ub,
+                         FP8_OUT: tl.constexpr, HAS_UB: tl.constexpr):
     inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / d + eps)
-    normed = (x * inv).to(out_row.dtype.element_ty).to(tl.float32)
+    dtype = w_ptr.dtype.element_ty  # the input's (the weight is in it)
+    normed = (x * inv).to(dtype).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_row + cols, (w * normed).to(out_row.dtype.element_ty), mask=mask)
+    y = (w * normed).to(dtype)
+    if FP8_OUT:
+        store_row_fp8(y.to(tl.float32), out_row, s_row, cols, mask, ub, HAS_UB)
+    else:
+        tl.store(out_row + cols, y, mask=mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Triton RMSNorm; same contract as `rms_norm_reference` (weight in x's dtype)."""
     if not HAS_TRITON:
         raise RuntimeError("rms_norm needs Triton; use the reference instead")
+    return _rms_norm(x, weight, eps, None, False)[0].view(x.shape)
+
+
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 ub: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton form of `rms_norm_fp8_reference`."""
+    if not HAS_TRITON:
+        raise RuntimeError("rms_norm_fp8 needs Triton; use the reference instead")
+    return _rms_norm(x, weight, eps, ub, True)
+
+
+def _rms_norm(x, weight, eps, ub, fp8):
     d = x.shape[-1]
     if weight.shape != (d,) or weight.dtype != x.dtype:
         raise ValueError(f"weight must be [{d}] in {x.dtype}, got {tuple(weight.shape)} "
@@ -75,12 +115,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     rows = x.reshape(-1, d)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(rows.shape, dtype=FP8 if fp8 else x.dtype, device=x.device)
+    scale = torch.empty((rows.shape[0], 1) if fp8 else (1,), dtype=torch.float32,
+                        device=x.device)
     if rows.shape[0]:
         block = next_power_of_2(d)
-        _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, d, rows.stride(0), out.stride(0),
-                                           eps, BLOCK=block, num_warps=8 if block >= 4096 else 4)
-    return out.view(x.shape)
+        _rms_norm_kernel[(rows.shape[0],)](
+            rows, weight, out, scale, d, rows.stride(0), out.stride(0), eps,
+            0.0 if ub is None else float(ub), BLOCK=block, FP8_OUT=fp8, HAS_UB=ub is not None,
+            num_warps=8 if block >= 4096 else 4)
+    return out, scale
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -88,6 +132,20 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     """Triton form of `add_rms_norm_reference` (x and residual of one shape and dtype)."""
     if not HAS_TRITON:
         raise RuntimeError("add_rms_norm needs Triton; use the reference instead")
+    h, out, _ = _add_rms_norm(x, residual, weight, eps, None, False)
+    return h, out.view(x.shape)
+
+
+def add_rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float, ub: float | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton form of `add_rms_norm_fp8_reference`."""
+    if not HAS_TRITON:
+        raise RuntimeError("add_rms_norm_fp8 needs Triton; use the reference instead")
+    return _add_rms_norm(x, residual, weight, eps, ub, True)
+
+
+def _add_rms_norm(x, residual, weight, eps, ub, fp8):
     d = x.shape[-1]
     if residual.shape != x.shape or residual.dtype != x.dtype:
         raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match "
@@ -98,13 +156,18 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     xs = xs if xs.stride(-1) == 1 else xs.contiguous()
     rs = rs if rs.stride(-1) == 1 else rs.contiguous()
     h = torch.empty(xs.shape, dtype=x.dtype, device=x.device)
-    out = torch.empty(xs.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(xs.shape, dtype=FP8 if fp8 else x.dtype, device=x.device)
+    scale = torch.empty((xs.shape[0], 1) if fp8 else (1,), dtype=torch.float32,
+                        device=x.device)
     if xs.shape[0]:
         block = next_power_of_2(d)
         _add_rms_norm_kernel[(xs.shape[0],)](
-            xs, rs, weight, h, out, d, xs.stride(0), rs.stride(0), h.stride(0), out.stride(0),
-            eps, BLOCK=block, num_warps=8 if block >= 4096 else 4)
-    return h.view(x.shape), out.view(x.shape)
+            xs, rs, weight, h, out, scale, d, xs.stride(0), rs.stride(0), h.stride(0),
+            out.stride(0), eps, 0.0 if ub is None else float(ub), BLOCK=block, FP8_OUT=fp8,
+            HAS_UB=ub is not None, num_warps=8 if block >= 4096 else 4)
+    return h.view(x.shape), out, scale
 
 
-__all__ = ["add_rms_norm", "add_rms_norm_reference", "rms_norm", "rms_norm_reference"]
+__all__ = ["add_rms_norm", "add_rms_norm_fp8", "add_rms_norm_fp8_reference",
+           "add_rms_norm_reference", "rms_norm", "rms_norm_fp8", "rms_norm_fp8_reference",
+           "rms_norm_reference"]

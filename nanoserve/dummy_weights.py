@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from nanoserve.config import ModelConfig
-from nanoserve.fp8 import PROJECTIONS, Fp8Linear, quantize_per_channel
+from nanoserve.fp8 import PROJECTIONS, Fp8Linear, fuse_activation_quant, quantize_per_channel
 from nanoserve.model import LlamaForCausalLM, build_model
 from nanoserve.weights import expected_shapes
 
@@ -51,4 +51,5 @@ def random_model(config: ModelConfig, dtype: torch.dtype, device: str | torch.de
         else:
             t = torch.randn(shape, generator=g, device=device, dtype=dtype)
             state_dict[name] = t.mul_(STD)
-    return build_model(config, state_dict, dtype, device, projections=projections)
+    model = build_model(config, state_dict, dtype, device, projections=projections)
+    return fuse_activation_quant(model) if projections else model

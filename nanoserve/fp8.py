@@ -33,7 +33,7 @@ from kernels.fp8_quant import quantize_rows as quantize_rows_triton
 from kernels.fp8_quant import quantize_rows_reference
 from nanoserve.config import ModelConfig
 from nanoserve.errors import ModelError
-from nanoserve.model import LlamaForCausalLM, build_model
+from nanoserve.model import FP8Out, LlamaForCausalLM, QuantizedRows, build_model
 from nanoserve.quantization import Fp8Scheme, check_online
 
 FP8 = torch.float8_e4m3fn
@@ -147,17 +147,21 @@ class Fp8Linear(nn.Module):
     def out_features(self) -> int:
         return self.weight.shape[0]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., K] -> [..., N] in x.dtype."""
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+        """x [..., K] -> [..., N] in x.dtype. x may come quantized per row already (by the
+        kernel before: `fuse_activation_quant`; dynamic input scales only)."""
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1])  # [M, K]
-        if self.input_scale is None:
+        if isinstance(x, QuantizedRows):
+            xq, x_scale = x.q, x.scale
+        elif self.input_scale is None:
+            x2 = x.reshape(-1, x.shape[-1])  # [M, K]
             xq, x_scale = quantize_rows(x2, self.activation_scale_ub)  # [M, K], [M, 1]
         else:
+            x2 = x.reshape(-1, x.shape[-1])
             x_scale = self.input_scale.expand(x2.shape[0], 1).contiguous()
             xq = _cast(x2 / self.input_scale)
         # CUDA's row-wise kernel writes bf16 only
-        out_dtype = torch.bfloat16 if x.is_cuda else x.dtype
+        out_dtype = torch.bfloat16 if xq.is_cuda else x.dtype
         y = torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale,
                              out_dtype=out_dtype)  # [M, N]
         if self.bias is not None:
@@ -199,7 +203,28 @@ def build_with_fp8(config: ModelConfig, state_dict: dict[str, torch.Tensor],
             if linear is not None:
                 projections[f"model.layers.{layer}.{proj}"] = linear
     rest = dequantized(state_dict, scheme, dtype) if scheme is not None else state_dict
-    return build_model(config, rest, dtype, device, projections=projections)
+    return fuse_activation_quant(build_model(config, rest, dtype, device,
+                                             projections=projections))
+
+
+def fuse_activation_quant(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    """Each kernel whose output goes only to an FP8 projection with per-token activation
+    scales quantizes that output itself (`nanoserve.model.FP8Out`), saving the projection
+    its own quantization launch: a layer's input norm (for q/k/v), its post-attention norm
+    (for gate/up), silu-and-mul (for down). The attention's output still goes through
+    `quantize_rows` in o_proj; the final norm feeds the LM head. Same values either way:
+    the fused kernels quantize exactly as `quantize_rows` does. Returns `model`."""
+    for layer in model.model.layers:
+        layer.input_layernorm.fp8_out = _dynamic_fp8_input(layer.self_attn.qkv)
+        layer.post_attention_layernorm.fp8_out = _dynamic_fp8_input(layer.mlp.gate_up)
+        layer.mlp.fp8_act = _dynamic_fp8_input(layer.mlp.down_proj)
+    return model
+
+
+def _dynamic_fp8_input(linear) -> FP8Out | None:
+    if isinstance(linear, Fp8Linear) and linear.input_scale is None:
+        return FP8Out(linear.activation_scale_ub)
+    return None
 
 
 def check_quantization(quantization: str | None, device: str | torch.device) -> None:

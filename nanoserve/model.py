@@ -26,20 +26,50 @@ from nanoserve.attention import AttentionMetadata, gqa_attention
 from nanoserve.config import ModelConfig
 
 
+class QuantizedRows:
+    """An activation quantized per row to float8 e4m3 by the kernel that computed it, for
+    the FP8 projection it goes to (`nanoserve.fp8.Fp8Linear`): q [M, K] e4m3, scale [M, 1]
+    float32 (row i ~= q[i] * scale[i]); `shape` and `dtype`: the activation's own
+    ([..., K], M the product of the leading sides)."""
+
+    __slots__ = ("q", "scale", "shape", "dtype")
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, shape: torch.Size,
+                 dtype: torch.dtype) -> None:
+        self.q, self.scale, self.shape, self.dtype = q, scale, shape, dtype
+
+
+class FP8Out:
+    """Set on a kernel whose output feeds only FP8 projections with per-token activation
+    scales (`nanoserve.fp8.fuse_activation_quant`): it then returns `QuantizedRows`, the
+    quantization done in its own launch. ub: the activations' amax cap (or None)."""
+
+    def __init__(self, ub: float | None = None) -> None:
+        self.ub = ub
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.fp8_out: FP8Out | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor | QuantizedRows:
         # Normalise in float32, cast back, then scale: the order transformers uses (one
         # Triton kernel on a GPU, kernels/rmsnorm.py).
+        if self.fp8_out is not None:
+            q, scale = kernel_backend.rms_norm_fp8(x, self.weight, self.eps, self.fp8_out.ub)
+            return QuantizedRows(q, scale, x.shape, x.dtype)
         return kernel_backend.rms_norm(x, self.weight, self.eps)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    ) -> tuple[torch.Tensor, torch.Tensor | QuantizedRows]:
         """The residual add before this norm, fused with it: (x + residual, norm of that)."""
+        if self.fp8_out is not None:
+            h, q, scale = kernel_backend.add_rms_norm_fp8(x, residual, self.weight, self.eps,
+                                                          self.fp8_out.ub)
+            return h, QuantizedRows(q, scale, x.shape, x.dtype)
         return kernel_backend.add_rms_norm(x, residual, self.weight, self.eps)
 
 
@@ -100,10 +130,10 @@ def _fuse_rows(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
     return weight, bias
 
 
-def _project(x: torch.Tensor, fused: tuple[torch.Tensor, torch.Tensor | None] | nn.Module
-             ) -> torch.Tensor:
+def _project(x: torch.Tensor | QuantizedRows,
+             fused: tuple[torch.Tensor, torch.Tensor | None] | nn.Module) -> torch.Tensor:
     """A fused projection: (weight, bias) from `_fuse_rows`, or a module standing for it
-    (an FP8 GEMM, nanoserve/fp8.py)."""
+    (an FP8 GEMM, nanoserve/fp8.py: x may then come quantized)."""
     return F.linear(x, *fused) if isinstance(fused, tuple) else fused(x)
 
 
@@ -177,6 +207,7 @@ class LlamaMLP(nn.Module):
         self.up_proj = Linear(d, inner, bias=False)
         self.down_proj = Linear(inner, d, bias=False)
         self.gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by fuse()
+        self.fp8_act: FP8Out | None = None  # silu-and-mul's output quantized for down_proj
 
     def fuse(self) -> None:
         """gate and up projections as one GEMM (see `_fuse_rows`)."""
@@ -186,6 +217,10 @@ class LlamaMLP(nn.Module):
         if self.gate_up is None:
             self.fuse()
         gate_up = _project(x, self.gate_up)  # [..., 2 * inner] = [gate | up]
+        if self.fp8_act is not None:
+            q, scale = kernel_backend.silu_and_mul_fp8(gate_up, self.fp8_act.ub)
+            shape = (*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+            return self.down_proj(QuantizedRows(q, scale, torch.Size(shape), gate_up.dtype))
         return self.down_proj(kernel_backend.silu_and_mul(gate_up))
 
 

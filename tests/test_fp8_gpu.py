@@ -133,6 +133,48 @@ def test_fp8_gemm_model_close_to_its_bf16_twin(fp8_dirs):
     assert_close_to_twin(_logits(model, ids), _logits(reference, ids))
 
 
+@pytest.mark.parametrize("ub", [None, 0.5])
+def test_fused_fp8_outputs_equal_the_unfused_kernels(ub):
+    """RMSNorm (with and without the residual add) and silu-and-mul quantizing their own
+    output give the codes and scales of the plain kernel followed by `quantize_rows`, bit
+    for bit, at the 8B shape's sides (hidden 4096, intermediate 14336) and batch sizes."""
+    from kernels.activation import silu_and_mul, silu_and_mul_fp8
+    from kernels.rmsnorm import add_rms_norm, add_rms_norm_fp8, rms_norm, rms_norm_fp8
+
+    def same(a, b):
+        return all(torch.equal(x.float(), y.float()) for x, y in zip(a, b))
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    for m in (1, 7, 256):
+        x, r = (torch.randn(m, 4096, generator=g, device="cuda", dtype=torch.bfloat16) * 4
+                for _ in range(2))
+        w = torch.randn(4096, generator=g, device="cuda", dtype=torch.bfloat16)
+        gu = torch.randn(m, 2 * 14336, generator=g, device="cuda", dtype=torch.bfloat16) * 3
+        assert same(rms_norm_fp8(x, w, 1e-5, ub), quantize_rows(rms_norm(x, w, 1e-5), ub))
+        h, y = add_rms_norm(x, r, w, 1e-5)
+        assert same(add_rms_norm_fp8(x, r, w, 1e-5, ub), (h, *quantize_rows(y, ub)))
+        assert same(silu_and_mul_fp8(gu, ub), quantize_rows(silu_and_mul(gu), ub))
+
+
+def test_fp8_model_with_fused_quantization_equals_it_unfused(fp8_dirs):
+    """The model whose norms and activations quantize for their FP8 projections gives the
+    logits of the same model quantizing inside each projection, bit for bit."""
+    fp8, _ = fp8_dirs
+    config, sd = load_checkpoint(fp8)
+    model = build_with_fp8(config, sd, torch.bfloat16, "cuda")
+    ids = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(2)).cuda()
+    fused = _logits(model, ids)
+    touched = 0
+    for layer in model.model.layers:
+        touched += sum(f is not None for f in (layer.input_layernorm.fp8_out,
+                                               layer.post_attention_layernorm.fp8_out,
+                                               layer.mlp.fp8_act))
+        layer.input_layernorm.fp8_out = layer.post_attention_layernorm.fp8_out = None
+        layer.mlp.fp8_act = None
+    assert touched or config.quantization.static_input
+    assert torch.equal(fused, _logits(model, ids))
+
+
 def test_without_fp8_compute_the_gpu_runs_the_dequantized_twin(fp8_dirs, monkeypatch):
     """The path of GPUs before sm_89 (forced here): weights dequantized at load, bf16 logits
     equal to the twin's exactly."""

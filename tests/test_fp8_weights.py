@@ -178,6 +178,35 @@ def test_fp8_gemm_model_close_to_the_twin(fp8_dirs, fp8_gemm_on_cpu):
     _assert_clear_argmax_agrees(ours, ref, err)
 
 
+def test_norms_and_activations_quantize_for_their_fp8_projections(fp8_dirs, fp8_gemm_on_cpu):
+    """A norm or silu-and-mul feeding a per-token FP8 projection returns its output already
+    quantized (`fuse_activation_quant`); a static input scale, a projection kept in float
+    and the final norm (LM head) are left alone; the logits are exactly those of the same
+    model quantizing in the projections."""
+    from nanoserve.model import FP8Out
+
+    fmt, path, _ = fp8_dirs
+    config, sd = load_checkpoint(path)
+    model = build_with_fp8(config, sd)
+    static = fmt in ("ct-tensor-static", "fp8-tensor-static")
+    layers = model.model.layers
+    flags = [(layer.input_layernorm.fp8_out, layer.post_attention_layernorm.fp8_out,
+              layer.mlp.fp8_act) for layer in layers]
+    assert model.model.norm.fp8_out is None
+    if static:
+        assert all(f is None for row in flags for f in row)
+        return
+    assert flags[0][2] is None  # layer 0's down_proj is kept in float
+    assert all(isinstance(f, FP8Out) for row in flags for f in row if f is not flags[0][2])
+    ub = config.quantization.activation_scale_ub
+    assert all(f.ub == ub for row in flags for f in row if f is not None)
+    fused = _logits(model, IDS)
+    for layer in layers:
+        layer.input_layernorm.fp8_out = layer.post_attention_layernorm.fp8_out = None
+        layer.mlp.fp8_act = None
+    assert torch.equal(fused, _logits(model, IDS))
+
+
 def _assert_clear_argmax_agrees(ours, ref, err):
     """Greedy tokens agree wherever the reference's top-2 margin exceeds twice the largest
     logit error (elsewhere a tie within the error may go either way)."""

@@ -886,6 +886,59 @@ def test_interp_rotary_and_add_rms_norm_match_references(interp):
         assert_close(got, want, torch.float32)
 
 
+def test_fp8_output_references_are_the_plain_forms_quantized():
+    from kernels.activation import silu_and_mul_fp8_reference, silu_and_mul_reference
+    from kernels.fp8_quant import quantize_rows_reference
+    from kernels.rmsnorm import (
+        add_rms_norm_fp8_reference,
+        add_rms_norm_reference,
+        rms_norm_fp8_reference,
+        rms_norm_reference,
+    )
+
+    g = torch.Generator().manual_seed(8)
+    x, r, w = (torch.randn(2, 3, 96, generator=g), torch.randn(2, 3, 96, generator=g),
+               torch.randn(96, generator=g))
+    h, y = add_rms_norm_reference(x, r, w, 1e-5)
+    for got, want in zip(add_rms_norm_fp8_reference(x, r, w, 1e-5, 0.5),
+                         (h, *quantize_rows_reference(y.reshape(6, 96), 0.5))):
+        assert torch.equal(got.float(), want.float())
+    q, s = rms_norm_fp8_reference(x, w, 1e-5)
+    want_q, want_s = quantize_rows_reference(rms_norm_reference(x, w, 1e-5).reshape(6, 96))
+    assert q.shape == (6, 96) and s.shape == (6, 1)
+    assert torch.equal(q.float(), want_q.float()) and torch.equal(s, want_s)
+    gu = torch.randn(5, 192, generator=g)
+    q, s = silu_and_mul_fp8_reference(gu)
+    want_q, want_s = quantize_rows_reference(silu_and_mul_reference(gu))
+    assert torch.equal(q.float(), want_q.float()) and torch.equal(s, want_s)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_interp_fp8_output_kernels_equal_the_kernels_unfused(interp, dtype):
+    """Each fused kernel quantizes exactly what the unfused pair (the plain kernel, then
+    `quantize_rows`) quantizes: equal codes and scales, with and without an amax cap;
+    rows of 96 (not a power of two) and gate/up rows of 2 x 1,300 (two blocks, one partial)."""
+    from kernels.activation import silu_and_mul, silu_and_mul_fp8
+    from kernels.fp8_quant import quantize_rows
+    from kernels.rmsnorm import add_rms_norm, add_rms_norm_fp8, rms_norm, rms_norm_fp8
+
+    def same(a, b):
+        return all(torch.equal(x.float(), y.float()) for x, y in zip(a, b))
+
+    g = torch.Generator().manual_seed(9)
+    x, r = (torch.randn(2, 3, 96, generator=g).to(dtype) * 3 for _ in range(2))
+    w = torch.randn(96, generator=g).to(dtype)
+    gu = (torch.randn(4, 2600, generator=g) * 2).to(dtype)
+    for ub in (None, 0.5):
+        assert same(rms_norm_fp8(x, w, 1e-5, ub),
+                    quantize_rows(rms_norm(x, w, 1e-5).reshape(6, 96), ub))
+        h, y = add_rms_norm(x, r, w, 1e-5)
+        assert same(add_rms_norm_fp8(x, r, w, 1e-5, ub), (h, *quantize_rows(y.reshape(6, 96), ub)))
+        assert same(silu_and_mul_fp8(gu, ub), quantize_rows(silu_and_mul(gu), ub))
+    q, s = rms_norm_fp8(x, w, 1e-5)
+    assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32 and s.shape == (6, 1)
+
+
 def _rotary_store_case(g, n=6, hq=4, hkv=2, d=32, num_blocks=5, block=4):
     qkv = torch.randn(n, hq + 2 * hkv + 1, d, generator=g)[:, :hq + 2 * hkv]  # strided rows
     cos, sin = torch.randn(n, d, generator=g), torch.randn(n, d, generator=g)
