@@ -73,16 +73,19 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, inner, stride_x, stride_o, BLOCK: tl.co
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """Triton form of `silu_and_mul_reference`."""
+def _gate_up_rows(x: torch.Tensor, name: str) -> tuple[torch.Tensor, int]:
+    """x [..., 2 I] as rows [M, 2 I] with unit stride along them, and I."""
     if not HAS_TRITON:
-        raise RuntimeError("silu_and_mul needs Triton; use the reference instead")
+        raise RuntimeError(f"{name} needs Triton; use the reference instead")
     if x.shape[-1] % 2:
         raise ValueError(f"the last dimension must be even (gate | up), got {x.shape[-1]}")
-    inner = x.shape[-1] // 2
     rows = x.reshape(-1, x.shape[-1])
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    return (rows if rows.stride(-1) == 1 else rows.contiguous()), x.shape[-1] // 2
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """Triton form of `silu_and_mul_reference`."""
+    rows, inner = _gate_up_rows(x, "silu_and_mul")
     out = torch.empty((rows.shape[0], inner), dtype=x.dtype, device=x.device)
     if rows.shape[0]:
         grid = (rows.shape[0], triton.cdiv(inner, _BLOCK))
@@ -93,14 +96,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def silu_and_mul_fp8(x: torch.Tensor, ub: float | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton form of `silu_and_mul_fp8_reference`."""
-    if not HAS_TRITON:
-        raise RuntimeError("silu_and_mul_fp8 needs Triton; use the reference instead")
-    if x.shape[-1] % 2:
-        raise ValueError(f"the last dimension must be even (gate | up), got {x.shape[-1]}")
-    inner = x.shape[-1] // 2
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    rows, inner = _gate_up_rows(x, "silu_and_mul_fp8")
     q = torch.empty((rows.shape[0], inner), dtype=FP8, device=x.device)
     scale = torch.empty((rows.shape[0], 1), dtype=torch.float32, device=x.device)
     if rows.shape[0]:
