@@ -5,10 +5,12 @@ How a constrained row runs (both schedulers, through `nanoserve.sampling.sample_
 before each of its tokens is sampled, its `RowMatcher` (the grammar's state after the row's
 tokens so far) fills one row of a token bitmask on the host, `int32 [rows, ceil(V/32)]`
 (bit j of word i allows token 32*i + j); the bitmask is copied to the logits' device and
-disallowed tokens' logits become -inf there, before temperature, top-k/top-p and the draw.
-The sampled token advances the matcher (`Sequence.append`). A matcher that accepts one of
-the model's EOS tokens has terminated: the row ends with finish_reason 'stop'. A row cut
-by max_tokens first ends with 'length', and its text may not parse.
+disallowed tokens' logits become -inf there, before temperature, top-k/top-p and the draw
+(a greedy row: the argmax among its allowed tokens, `kernels/argmax.py`). The sampled token
+advances the matcher (`Sequence.append`). A matcher that accepts one of the model's EOS
+tokens has terminated: the row ends with finish_reason 'stop'. A row cut by max_tokens
+first ends with 'length', and its text may not parse. A row whose grammar allows no token
+at all (found on the device: its draw comes out -1) ends with 'error'.
 
 `GrammarCache` (one per engine) builds xgrammar's tokenizer info once from the model's
 tokenizer (tokenizer.json or GGUF: the `tokenizers` backend, with the model's whole EOS
