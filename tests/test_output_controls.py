@@ -161,8 +161,8 @@ def test_apply_bitmask_matches_xgrammar():
 
 class _VocabWithout:
     """The model's tokenizer as xgrammar sees it, with every token containing one of `chars`
-    made empty (xgrammar never allows an empty token): a grammar that needs one of them
-    reaches a state where no token is allowed."""
+    renamed `<goneN>` (text the test's regexes never match): a grammar that needs one of
+    those characters reaches a state where no token is allowed."""
 
     def __init__(self, tokenizer, chars: str) -> None:
         self.inner, self.chars = tokenizer.backend, chars
