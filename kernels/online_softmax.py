@@ -31,6 +31,14 @@ def online_softmax_step(q, k, v, visible, qk_scale, m_i, l_i, acc, DOT_FP32: tl.
     else:
         s = tl.dot(q, tl.trans(k))
     s = tl.where(visible, s * qk_scale, float("-inf"))  # [M, N]
+    return online_softmax_update(s, v, m_i, l_i, acc, DOT_FP32)
+
+
+@triton.jit
+def online_softmax_update(s, v, m_i, l_i, acc, DOT_FP32: tl.constexpr):
+    """The step after the scores: s [M, N] float32 in log2 units, -inf where hidden; v
+    [N, D] (float8 e4m3 too: p is then cast to e4m3 for the product, while l sums the
+    unrounded p); returns the new (m_i, l_i, acc)."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # A row with no visible key so far (a sliding window's tile can hide a whole row) keeps
     # m = -inf; subtracting 0 instead keeps alpha and p at 0 rather than NaN (-inf - -inf).
@@ -46,4 +54,4 @@ def online_softmax_step(q, k, v, visible, qk_scale, m_i, l_i, acc, DOT_FP32: tl.
     return m_new, l_i, acc
 
 
-__all__ = ["online_softmax_step"]
+__all__ = ["online_softmax_step", "online_softmax_update"]

@@ -23,9 +23,16 @@ Two implementations with one signature (the CPU engine runs
   neighbouring bytes of each `[block_size, Hkv, D]` cache block. With more than one
   split (flash-decoding) each program covers one partition of the context and writes a
   partial output with its log-sum-exp; a second kernel combines the partitions.
-  From an FP8 cache it loads one byte per element and casts it to q's dtype in registers
-  (exact: every e4m3 value is a float16/bfloat16 value); the scales' multiplies are folded
-  into the softmax scale (K) and the output's normalisation (V), since
+  From an FP8 cache with float16/bfloat16 queries both products run on FP8 tensor cores
+  (no per-element conversion of the entries): each query head is split once per program
+  into two e4m3 terms with their own scales (`_split_query`: about bfloat16's precision),
+  q·kᵀ is the two terms' products summed, and the probabilities are cast to e4m3 for p·v
+  (float32 sums; the softmax's sum l adds the unrounded p). The e4m3 p (3 mantissa bits,
+  0 below 2^-9) is the one rounding the reference does not have: up to ~1% of the largest
+  value read in `tests/test_fp8_kv_gpu.py`'s peaked cases. With float32 queries (and under
+  the CPU interpreter) the entries are cast to q's dtype in registers instead (exact:
+  every e4m3 value is a float16/bfloat16/float32 value). Either way the scales' multiplies
+  are folded into the softmax scale (K) and the output's normalisation (V), since
   softmax(q·(s k)ᵀ c) = softmax(q·kᵀ (s c)) and Σ p (s v) = s Σ p v.
 """
 
@@ -37,7 +44,7 @@ import torch
 
 from kernels._triton import HAS_TRITON, interpret_requested, next_power_of_2, tl, triton
 from kernels.kv_quant import check_kv_scales, dequantize_reference, is_fp8
-from kernels.online_softmax import online_softmax_step
+from kernels.online_softmax import online_softmax_step, online_softmax_update
 
 # Decided when this module is imported, like Triton's own choice in `@triton.jit` below.
 INTERPRETED = HAS_TRITON and interpret_requested()
@@ -189,6 +196,23 @@ def _row_partition(span, partition_size, num_splits, BLOCK_N: tl.constexpr,
 
 
 @triton.jit
+def _split_query(q):
+    """q [M, D] -> two e4m3 terms with per-row scales, q ≈ hi * s_hi + lo * s_lo: hi is q
+    rounded to e4m3 at s_hi = a row's largest |q| / 448, lo the remainder rounded the same
+    way, so the sum keeps about 7 significant bits (bfloat16's 8) where one e4m3 term
+    keeps 4. Returns (hi, s_hi [M], lo, s_lo [M]); an all-zero row gets scales 1."""
+    qf = q.to(tl.float32)
+    amax = tl.max(tl.abs(qf), 1)
+    s_hi = tl.where(amax > 0.0, amax / 448.0, 1.0)
+    hi = (qf / s_hi[:, None]).to(tl.float8e4nv)
+    rest = qf - hi.to(tl.float32) * s_hi[:, None]
+    r_max = tl.max(tl.abs(rest), 1)
+    s_lo = tl.where(r_max > 0.0, r_max / 448.0, 1.0)
+    lo = (rest / s_lo[:, None]).to(tl.float8e4nv)
+    return hi, s_hi, lo, s_lo
+
+
+@triton.jit
 def _paged_decode_kernel(
     q_ptr,  # [B, Hq, D]
     k_ptr,  # [num_blocks, block_size, Hkv, D]
@@ -232,6 +256,7 @@ def _paged_decode_kernel(
     HEADS_FASTEST: tl.constexpr,  # grid (Hkv, B, S) instead of (B, Hkv, S)
     EVEN_SPLITS: tl.constexpr,  # each row's own span cut into num_splits equal partitions
     KV_FP8: tl.constexpr,  # the cache is float8 e4m3
+    FP8_PRODUCTS: tl.constexpr,  # KV_FP8 and not DOT_FP32: both products in e4m3
 ):
     if HEADS_FASTEST:  # the KV heads of one row run side by side and read adjacent bytes
         kv_head = tl.program_id(0)
@@ -257,6 +282,10 @@ def _paged_decode_kernel(
     q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [GROUP_PAD, D_PAD]
     if DOT_FP32:
         q = q.to(tl.float32)
+    if FP8_PRODUCTS:  # q in two e4m3 terms, each query head with its own scales
+        q_hi, s_hi, q_lo, s_lo = _split_query(q)
+        s_hi = s_hi[:, None] * qk_scale  # [GROUP_PAD, 1]
+        s_lo = s_lo[:, None] * qk_scale
 
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)  # running max (log2 units)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)  # running sum of exp2
@@ -274,11 +303,17 @@ def _paged_decode_kernel(
         v_ptrs = v_head + block[:, None] * stride_vb + offset[:, None] * stride_vo
         k = tl.load(k_ptrs + d[None, :] * stride_kd, mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
         v = tl.load(v_ptrs + d[None, :] * stride_vd, mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
-        if KV_FP8:  # exact casts; the scales are in qk_scale and v_scale
+        if KV_FP8 and not FP8_PRODUCTS:  # exact casts; the scales: in qk_scale, v_scale
             k = k.to(q_ptr.dtype.element_ty)
             v = v.to(q_ptr.dtype.element_ty)
-        m_i, l_i, acc = online_softmax_step(q, k, v, t_mask[None, :], qk_scale, m_i, l_i, acc,
-                                            DOT_FP32)
+        if FP8_PRODUCTS:  # both products on FP8 tensor cores, float32 sums
+            k_t = tl.trans(k)
+            s = tl.dot(q_hi, k_t) * s_hi + tl.dot(q_lo, k_t) * s_lo  # [GROUP_PAD, BLOCK_N]
+            s = tl.where(t_mask[None, :], s, float("-inf"))
+            m_i, l_i, acc = online_softmax_update(s, v, m_i, l_i, acc, DOT_FP32)
+        else:
+            m_i, l_i, acc = online_softmax_step(q, k, v, t_mask[None, :], qk_scale, m_i, l_i,
+                                                acc, DOT_FP32)
 
     has_tokens = l_i > 0.0  # False only for an empty partition (or a row of length 0)
     out = acc / tl.where(has_tokens, l_i, 1.0)[:, None] * v_scale
@@ -371,15 +406,18 @@ def choose_num_splits(
     return max(1, min(by_fill, by_length, _MAX_SPLITS))
 
 
-def default_tiling(programs: int, head_dim: int, device: torch.device) -> tuple[int, int | None]:
+def default_tiling(programs: int, head_dim: int, device: torch.device,
+                   fp8_products: bool = False) -> tuple[int, int | None]:
     """Tokens per loop step and software-pipelining depth, as measured best on an H200 with
     `benchmarks/kernels.py --sweep`: two stages (three hold more shared memory per program and
     leave fewer programs per SM), and 128-token steps when fewer than 8 programs per SM
-    (head_dim <= 64), else 64. Off CUDA: 64 tokens, Triton's default stages."""
+    (head_dim <= 64), else 64. FP8 products (`fp8_products`) always take 128-token steps
+    (1.14-1.22x the 64-token step at head_dim 128). Off CUDA: 64 tokens, Triton's default
+    stages."""
     if device.type != "cuda":
         return 64, None
     few = programs < 8 * _num_sms(device.index if device.index is not None else 0)
-    return (128 if few and head_dim <= 64 else 64), 2
+    return (128 if fp8_products or (few and head_dim <= 64) else 64), 2
 
 
 def paged_decode_attention(
@@ -440,10 +478,14 @@ def paged_decode_attention(
     max_ctx = min(max_ctx, window)  # the most tokens one row attends to
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads, max_ctx, q.device)
+    dot_fp32 = INTERPRETED or q.dtype == torch.float32
+    # FP8 tensor-core products need both reduction sides (head_dim, tokens a step) >= 32
+    fp8_products = is_fp8(k_cache.dtype) and not dot_fp32 and next_power_of_2(head_dim) >= 32
     default_block_n, default_stages = default_tiling(
-        batch * num_kv_heads * num_splits, head_dim, q.device
+        batch * num_kv_heads * num_splits, head_dim, q.device, fp8_products
     )
     block_n = block_n or default_block_n
+    fp8_products = fp8_products and block_n >= 32
     num_stages = num_stages or default_stages
     if even_splits:  # `partition`: the least partition, each row computes its own
         partition = _cdiv(_MIN_TOKENS_PER_SPLIT, block_n) * block_n
@@ -453,7 +495,6 @@ def paged_decode_attention(
         partition = _cdiv(_cdiv(max_ctx, num_splits), block_n) * block_n  # of BLOCK_N
         num_splits = _cdiv(max_ctx, partition)
     d_pad = next_power_of_2(head_dim)
-    dot_fp32 = INTERPRETED or q.dtype == torch.float32
     launch = {"num_warps": num_warps or 4}
     if num_stages is not None:
         launch["num_stages"] = num_stages
@@ -503,6 +544,7 @@ def paged_decode_attention(
         HEADS_FASTEST=bool(heads_fastest),
         EVEN_SPLITS=bool(even_splits),
         KV_FP8=is_fp8(k_cache.dtype),
+        FP8_PRODUCTS=fp8_products,
         **launch,
     )
     if num_splits > 1:

@@ -81,7 +81,8 @@ def paged_case(seed, lens, hkv, group, d, block, k_scale, v_scale):
 
 
 @pytest.mark.parametrize("k_scale,v_scale", SCALES)
-@pytest.mark.parametrize("group,head_dim,block_size", [(1, 64, 16), (4, 128, 16), (8, 64, 32)])
+@pytest.mark.parametrize("group,head_dim,block_size",
+                         [(1, 64, 16), (4, 128, 16), (8, 64, 32), (2, 16, 16)])
 def test_fp8_decode_kernel_matches_reference(group, head_dim, block_size, k_scale, v_scale):
     lens = [1, 17, block_size * 8, 1000, 2048]
     g, (k8, v8, tables, lens_t) = paged_case(group + head_dim, lens, 2, group, head_dim,
@@ -90,8 +91,10 @@ def test_fp8_decode_kernel_matches_reference(group, head_dim, block_size, k_scal
                                                                             torch.bfloat16)
     scale, scales = head_dim ** -0.5, {"k_scale": k_scale, "v_scale": v_scale}
     want = paged_decode_attention_reference(q, k8, v8, tables, lens_t, scale, **scales)
+    # head_dim 16 and 16-token steps: the entries converted to bfloat16 (the FP8 products
+    # need 32 on both reduction sides); the rest: FP8 products
     for kwargs in ({}, {"num_splits": 1}, {"num_splits": 6}, {"even_splits": True},
-                   {"window": 100}):
+                   {"window": 100}, {"block_n": 16}):
         if "window" in kwargs:
             ref = paged_decode_attention_reference(q, k8, v8, tables, lens_t, scale,
                                                    window=100, **scales)
