@@ -92,7 +92,8 @@ def make_workload(path: Path, rows: int, vocab: int, seed: int = 0,
 
 def bench_engine(model_dir: Path, prompts, max_tokens, device: str = "cuda",
                  decode_step: str = "auto", scheduler: str = "static",
-                 warmup: tuple[list, list] | None = None, kv_cache_dtype: str = "auto") -> dict:
+                 warmup: tuple[list, list] | None = None, kv_cache_dtype: str = "auto",
+                 max_batch_size: int = 256) -> dict:
     """warmup: (prompts, max_tokens) run once, untimed, first: the same lengths as the
     workload but other tokens, so every kernel variant is compiled and no prompt block is
     in the prefix cache when the timed run starts."""
@@ -101,14 +102,18 @@ def bench_engine(model_dir: Path, prompts, max_tokens, device: str = "cuda",
 
     t = time.perf_counter()
     llm = LLM(str(model_dir), device=device, decode_step=decode_step, scheduler=scheduler,
-              kv_cache_dtype=kv_cache_dtype)
+              kv_cache_dtype=kv_cache_dtype, max_batch_size=max_batch_size)
     load_s = time.perf_counter() - t
     params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens]
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     w_prompts, w_max = warmup or (prompts[:4], max_tokens[:4])
     llm.generate(w_prompts, [SamplingParams(max_tokens=m, ignore_eos=True) for m in w_max])
     sync()
+    largest = [0]
     if llm.runner is not None:
+        from benchmarks.fp8 import _count_decode_rows
+
+        largest = _count_decode_rows(llm.runner)
         llm.runner.phase_times()  # reset
         llm.runner.profile = True
     t = time.perf_counter()
@@ -118,7 +123,9 @@ def bench_engine(model_dir: Path, prompts, max_tokens, device: str = "cuda",
     phases = llm.runner.phase_times() if llm.runner is not None else {}
     if phases:
         busy = phases["prefill_s"] + phases["decode_s"]
-        print(f"{scheduler}:{decode_step} ({kv_cache_dtype} KV, {llm.pool.num_tokens} tokens): wall {wall:.2f} s; device prefill "
+        print(f"{scheduler}:{decode_step} ({kv_cache_dtype} KV, {llm.pool.num_tokens} tokens, "
+              f"at most {max_batch_size} rows, largest decode batch {largest[0]}, "
+              f"{llm.last_stats.preemptions} preemptions): wall {wall:.2f} s; device prefill "
               f"{phases['prefill_s']:.2f} s, decode {phases['decode_s']:.2f} s, idle "
               f"{wall - busy:.2f} s; host waiting for the device {phases['host_wait_s']:.2f} s; "
               f"load {load_s:.1f} s (graphs {llm.runner.capture_s:.1f} s, "
@@ -129,6 +136,8 @@ def bench_engine(model_dir: Path, prompts, max_tokens, device: str = "cuda",
     dtype = str(llm.dtype).removeprefix("torch.")
     kv = str(llm.pool.k[0].dtype).removeprefix("torch.")
     shape = f"{llm.config.num_hidden_layers} x {llm.config.hidden_size} Llama shape"
+    if llm.runner is not None:
+        del llm.runner.decode  # the counting wrapper (it holds the runner: a cycle)
     del llm
     torch.cuda.empty_cache()
     how = f"{scheduler} scheduler, decode_step={decode_step}, {kv} KV cache"
@@ -169,6 +178,11 @@ def main() -> None:
                          "with the uncaptured 'static' step)")
     ap.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=["auto", "fp8"],
                     help="each engine run once per KV cache dtype, side by side (e.g. auto fp8)")
+    ap.add_argument("--max-batch-size", type=int, default=256,
+                    help="the engine's most rows in one batch (LLM's max_batch_size)")
+    ap.add_argument("--warmup-rows", type=int, default=None,
+                    help="rows of the untimed warm-up run before each engine run (default: "
+                         "as many as the workload; fewer save time on long workloads)")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="1b",
                     help="the random model's shape: Llama-3.2-1B (default) or Llama-3.1-8B")
     ap.add_argument("--prompt-len", nargs=2, type=int, default=[100, 1024], metavar=("LO", "HI"))
@@ -209,7 +223,9 @@ def main() -> None:
         for kv_cache_dtype in args.kv_cache_dtype:
             results.append(bench_engine(model_dir, prompts, max_tokens, device,
                                         decode_step or "auto", scheduler,
-                                        (warm_prompts, max_tokens), kv_cache_dtype))
+                                        (warm_prompts[:args.warmup_rows],
+                                         max_tokens[:args.warmup_rows]), kv_cache_dtype,
+                                        args.max_batch_size))
             if variant:
                 results[-1]["what"] += f", {variant}"
     continuous_scheduler.ORDER_LONGEST_FIRST = True
