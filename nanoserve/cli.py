@@ -53,6 +53,8 @@ def _add_generate_parser(sub) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3"),
                    help="auto (the model's dtype) or fp8: float8 e4m3 keys and values, twice "
                         "the tokens per byte (a GPU of compute capability 8.9+)")
+    p.add_argument("--max-running-rows", type=int, default=256, metavar="N",
+                   help="the most rows decoding at once (default: 256)")
 
 
 def _run_generate(args) -> int:
@@ -67,6 +69,8 @@ def _run_generate(args) -> int:
             raise NanoserveError(f"cannot read {args.file}: {e.strerror}") from None
     if not prompts:
         raise NanoserveError("no prompts: give them as arguments or with --file")
+    if args.max_running_rows < 1:
+        raise NanoserveError(f"--max-running-rows must be >= 1, got {args.max_running_rows}")
     structured = _structured_output(args)
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
@@ -75,7 +79,7 @@ def _run_generate(args) -> int:
     except ValueError as e:
         raise NanoserveError(str(e)) from None
     llm = LLM(args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
-              kv_cache_dtype=args.kv_cache_dtype)
+              kv_cache_dtype=args.kv_cache_dtype, max_batch_size=args.max_running_rows)
     if structured is not None:
         try:
             llm.grammars.check(structured)

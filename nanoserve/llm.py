@@ -53,6 +53,13 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return _DTYPES[dtype]
 
 
+def check_max_batch_size(value) -> None:
+    """An int >= 1 (NanoserveError otherwise, before anything is loaded)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise NanoserveError(f"max_batch_size (the most rows running at once) must be an "
+                             f"int >= 1, got {value!r}")
+
+
 class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto",
                  device: str = "auto", kv_cache_fraction: float = 0.8,
@@ -85,7 +92,11 @@ class LLM:
         benchmarks of shapes whose checkpoint does not fit the disk).
         kv_cache_dtype: "auto" (the model's dtype) or "fp8" (float8 e4m3 with per-layer scales
         from the checkpoint, else 1.0: twice the tokens in the same memory; a GPU of compute
-        capability 8.9 or newer only; see nanoserve/kv_cache_dtype.py)."""
+        capability 8.9 or newer only; see nanoserve/kv_cache_dtype.py).
+        max_batch_size: the most rows decoding at once (and the largest captured step). Rows
+        beyond it wait; fewer run when the pool runs out of blocks. More rows pay where the
+        pool holds them (an FP8 cache holds twice the tokens: benchmarks/RESULTS.md)."""
+        check_max_batch_size(max_batch_size)
         self.enable_prefix_caching = enable_prefix_caching
         if scheduler not in SCHEDULERS:
             raise NanoserveError(f"scheduler must be one of {', '.join(SCHEDULERS)}, "

@@ -136,6 +136,11 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="auto (the model's dtype) or fp8: keys and values stored as float8 e4m3 "
                         "with per-layer scales, twice the tokens per byte; GPUs of compute "
                         "capability 8.9 or newer (default: auto)")
+    r.add_argument("--max-running-rows", type=int, default=256, metavar="N",
+                   help="the most rows each worker's engine decodes at once (default: 256). "
+                        "A worker holds two batches at a time (2 x --batch-size rows), so "
+                        "raise both to run more, e.g. with --kv-cache-dtype fp8, whose pool "
+                        "holds twice the tokens")
     r.add_argument("--scheduler", choices=("auto", "static", "continuous"), default="auto",
                    help="the engine's batching in each worker: continuous (rows join as others "
                         "finish, and the next batch's rows as this batch's finish; decode steps "
@@ -192,7 +197,7 @@ def run_batch_cli(args: argparse.Namespace) -> int:
         prompt_column=args.prompt_column, id_column=args.id_column,
         input_format=args.input_format, output_format=args.output_format,
         progress=args.progress, kv_cache_fraction=args.kv_cache_fraction,
-        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_dtype=args.kv_cache_dtype, max_running_rows=args.max_running_rows,
         kv_cache_bytes=None if args.kv_cache_memory is None else int(args.kv_cache_memory * 2**30),
     )
     print(summary.format())

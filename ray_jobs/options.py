@@ -61,6 +61,9 @@ class JobOptions:
     kv_cache_fraction: float = 0.5  # of a GPU's free memory, for the KV pool
     kv_cache_bytes: int | None = None  # the KV pool's exact size per worker (else the above)
     kv_cache_dtype: str = "auto"  # the model's dtype, or "fp8" (e4m3, sm_89+ GPUs)
+    # each worker's engine: the most rows decoding at once (LLM's max_batch_size); the rows
+    # a worker holds are also bounded by batch_size x max_in_flight_per_worker
+    max_running_rows: int = 256
     scheduler: str = "auto"  # each worker's engine: continuous (nanoserve.llm.LLM)
     prefix_caching: bool = True  # engines reuse the KV blocks of shared prompt prefixes
     chunk_rows: int = DEFAULT_CHUNK_ROWS  # rows read and tokenized at a time
@@ -107,6 +110,10 @@ class JobOptions:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise NanoserveError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; choose "
                                  f"{', '.join(KV_CACHE_DTYPES)}")
+        if (isinstance(self.max_running_rows, bool) or not isinstance(self.max_running_rows, int)
+                or self.max_running_rows < 1):
+            raise NanoserveError(f"max_running_rows must be an int >= 1, got "
+                                 f"{self.max_running_rows!r}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise NanoserveError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
         if self.worker_start_timeout_s <= 0:

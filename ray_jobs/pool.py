@@ -195,6 +195,7 @@ class WorkerPool:
                   "kv_cache_fraction": opts.kv_cache_fraction,
                   "kv_cache_bytes": opts.kv_cache_bytes, "num_threads": num_threads,
                   "kv_cache_dtype": opts.kv_cache_dtype,
+                  "max_batch_size": opts.max_running_rows,
                   "scheduler": opts.scheduler, "prefix_caching": opts.prefix_caching,
                   **({"quantization": opts.quantization} if opts.quantization else {}),
                   **(actor_kwargs or {})}

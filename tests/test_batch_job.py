@@ -94,7 +94,9 @@ def jsonl_job(tmp_path_factory, ray_session):
     path = folder / "prompts.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in JSONL_ROWS))
     out = folder / "out"
-    summary = run_batch_job(path, out, max_tokens=MAX_TOKENS, batch_size=3, progress=False)
+    # at most 2 rows decoding at once in the worker's engine (of the 6 a worker holds)
+    summary = run_batch_job(path, out, max_tokens=MAX_TOKENS, batch_size=3, max_running_rows=2,
+                            progress=False)
     return summary, out
 
 
@@ -215,6 +217,17 @@ def test_job_level_errors_exit_2_before_any_worker(tmp_path, capsys, monkeypatch
     assert rc == 2
     assert len(err) == 1
     assert re.match(message, err[0]), err
+
+
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_max_running_rows_below_one_exits_2_before_any_worker(tmp_path, capsys, monkeypatch,
+                                                               value):
+    monkeypatch.setattr(WorkerPool, "start", _no_workers)
+    path = _write(tmp_path / "in.jsonl", '{"prompt": "hi"}\n')
+    rc = batch_main([str(path), "-o", str(tmp_path / "out"), "--max-running-rows", value])
+    assert rc == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: max_running_rows must be an int >= 1, got {value}"], err
 
 
 def test_unusable_model_exits_2_before_any_worker(tmp_path, capsys, monkeypatch):

@@ -110,3 +110,49 @@ def test_batch_worker_runs_two_batches_at_once(cont_llm):
     for i, (prompts, params) in enumerate(batches):
         got = tables[i].column("generated_token_ids").to_pylist()
         assert got == [alone(cont_llm, p, s) for p, s in zip(prompts, params)]
+
+
+def test_max_batch_size_caps_the_rows_a_step_decodes(tiny_job_model):
+    """LLM(max_batch_size=3) over 7 rows: no decode step carries more than 3 rows, some
+    carry 3, every row equals itself alone; 0, -1, 2.5 and True are refused before loading."""
+    from nanoserve.errors import NanoserveError
+    from nanoserve.llm import LLM
+
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(NanoserveError, match=r"max_batch_size .* must be an int >= 1"):
+            LLM(model="/nonexistent/model", device="cpu", max_batch_size=bad)
+    llm = LLM(model=str(tiny_job_model), device="cpu", kv_cache_bytes=8 << 20,
+              max_batch_size=3, scheduler="continuous", decode_step="static")
+    sizes: list[int] = []
+    original = llm.runner.decode
+
+    def watch(slots, *args, **kwargs):
+        sizes.append(len(slots))
+        return original(slots, *args, **kwargs)
+
+    llm.runner.decode = watch
+    prompts, params = rows(7, 5)
+    try:
+        outs = llm.generate(prompts, params)
+    finally:
+        del llm.runner.decode
+    assert max(sizes) == 3, sizes
+    for prompt, p, out in zip(prompts, params, outs):
+        assert out.token_ids == alone(llm, prompt, p)
+
+
+def test_generate_flag_max_running_rows(tiny_job_model, capsys):
+    """`nanoserve generate --max-running-rows`: below 1 refused in one line (exit 2); 1 runs
+    two prompts one at a time to the same texts as the default."""
+    from nanoserve_cli import main as nanoserve_main
+
+    assert nanoserve_main(["generate", "--max-running-rows", "0", "hi"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --max-running-rows must be >= 1, got 0"], err
+    texts = []
+    for extra in ([], ["--max-running-rows", "1"]):
+        rc = nanoserve_main(["generate", "--model", str(tiny_job_model), "--device", "cpu",
+                             "--max-tokens", "6", *extra, "one two", "three four five"])
+        assert rc == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] and texts[0].strip()
