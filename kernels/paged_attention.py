@@ -28,11 +28,13 @@ Two implementations with one signature (the CPU engine runs
   into two e4m3 terms with their own scales (`_split_query`: about bfloat16's precision),
   q·kᵀ is the two terms' products summed, and the probabilities are cast to e4m3 for p·v
   (float32 sums; the softmax's sum l adds the unrounded p). The e4m3 p (3 mantissa bits,
-  0 below 2^-9) is the one rounding the reference does not have: up to ~1% of the largest
-  value read in `tests/test_fp8_kv_gpu.py`'s peaked cases. With float32 queries (and under
-  the CPU interpreter) the entries are cast to q's dtype in registers instead (exact:
-  every e4m3 value is a float16/bfloat16/float32 value). Either way the scales' multiplies
-  are folded into the softmax scale (K) and the output's normalisation (V), since
+  0 below 2^-9) is the one rounding the reference does not have: about 1% of the largest
+  value read in `tests/test_fp8_kv_gpu.py`'s peaked cases (an emulation on the CPU).
+  With float32 queries, under the CPU interpreter, or with head_dim or tokens a step
+  under 32 (the e4m3 dots' least depth), the entries are cast to q's dtype in registers
+  instead (exact: every e4m3 value is a float16/bfloat16/float32 value). Either way the
+  scales' multiplies are folded into the softmax scale (K) and the output's normalisation
+  (V), since
   softmax(q·(s k)ᵀ c) = softmax(q·kᵀ (s c)) and Σ p (s v) = s Σ p v.
 """
 
@@ -256,7 +258,7 @@ def _paged_decode_kernel(
     HEADS_FASTEST: tl.constexpr,  # grid (Hkv, B, S) instead of (B, Hkv, S)
     EVEN_SPLITS: tl.constexpr,  # each row's own span cut into num_splits equal partitions
     KV_FP8: tl.constexpr,  # the cache is float8 e4m3
-    FP8_PRODUCTS: tl.constexpr,  # KV_FP8 and not DOT_FP32: both products in e4m3
+    FP8_PRODUCTS: tl.constexpr,  # KV_FP8, not DOT_FP32, D_PAD and BLOCK_N >= 32: e4m3 dots
 ):
     if HEADS_FASTEST:  # the KV heads of one row run side by side and read adjacent bytes
         kv_head = tl.program_id(0)
@@ -412,8 +414,8 @@ def default_tiling(programs: int, head_dim: int, device: torch.device,
     `benchmarks/kernels.py --sweep`: two stages (three hold more shared memory per program and
     leave fewer programs per SM), and 128-token steps when fewer than 8 programs per SM
     (head_dim <= 64), else 64. FP8 products (`fp8_products`) always take 128-token steps
-    (1.14-1.22x the 64-token step at head_dim 128). Off CUDA: 64 tokens, Triton's default
-    stages."""
+    (1.10-1.41x faster than 64-token steps at head_dim 128). Off CUDA: 64 tokens, Triton's
+    default stages."""
     if device.type != "cuda":
         return 64, None
     few = programs < 8 * _num_sms(device.index if device.index is not None else 0)
