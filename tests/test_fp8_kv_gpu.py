@@ -6,7 +6,10 @@ Skipped cleanly without Triton, without CUDA, or below sm_89. Tolerances:
 - stores (store_kv, rotary_store): bit for bit (values; +0 and -0 alike) with the
   reference's quantization (torch's float32 -> e4m3 conversion);
 - attention in bfloat16 over an FP8 pool: atol 2e-2 x the largest value read, rtol 2e-2
-  (tests/test_kernels_gpu.py's bfloat16 tolerance; the values read reach 448 x v_scale);
+  (tests/test_kernels_gpu.py's bfloat16 tolerance; the values read reach 448 x v_scale).
+  The decode kernel's FP8 products round p to e4m3 where the reference does not: a CPU
+  emulation of these cases put that at up to 0.72 of the tolerance (q, in two e4m3
+  terms, at 0.09; as one term it was up to 3.25x, which is why it is two);
 - the engine, FP8 against bfloat16 cache, same tokens fed to both (teacher forcing):
   logits within 10% of the logits' spread at every position and within 2% on average,
   the same argmax on at least 90% of positions; free-running greedy tokens equal on at
