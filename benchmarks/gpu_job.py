@@ -16,7 +16,12 @@ The bfloat16 KV cache against the FP8 one, in one call (each engine run once per
 dtype), e.g. on issue 24's long-output workload on the Llama-3.1-8B shape:
 
     python -m benchmarks.gpu_job --skip-job --shape 8b --rows 1024 --prompt-len 50 200 \
-        --output-len 1000 2000 --engine-runs continuous:graph --kv-cache-dtype auto fp8
+        --output-len 1000 2000 --engine-runs continuous:graph --kv-cache-dtype auto fp8 \
+        --max-batch-size 1024 --warmup-rows 128
+
+(`--max-batch-size`: the engine's most running rows, default 256; with 1,024 the bfloat16
+pool runs out and preempts while the FP8 pool holds every row. `--warmup-rows`: a shorter
+untimed warm-up.)
 """
 
 from __future__ import annotations
