@@ -480,7 +480,8 @@ def ready_line(infos: list[dict[str, Any]]) -> str:
     steps run (CUDA graphs, their memory and capture time, or why not) and their KV pool.
     Values are the first worker's; workers whose graphs failed are counted."""
     first = infos[0]
-    parts = [f"{first.get('scheduler', 'static')} batching"]
+    parts = [f"{first.get('scheduler', 'static')} batching"
+             + (f" of up to {first['max_rows']:,} rows" if first.get("max_rows") else "")]
     steps = first.get("steps")
     if steps:
         captured = [i for i in infos if (i.get("steps") or {}).get("graphs")]

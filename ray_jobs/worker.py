@@ -146,13 +146,14 @@ class BatchWorker:
 
     def info(self) -> dict[str, Any]:
         """Where this worker runs: Ray's GPU ids, the torch device, the host and process,
-        the KV pool's size in blocks, the engine's scheduler and (continuous) how its decode
-        steps run (`ContinuousRunner.capture_summary`)."""
+        the KV pool's size in blocks, the engine's scheduler, the most rows it runs at once
+        and (continuous) how its decode steps run (`ContinuousRunner.capture_summary`)."""
         runner = getattr(self.llm, "runner", None)
         return {"gpu_ids": ray_gpu_ids(), "device": str(self.llm.device),
                 "host": socket.gethostname(), "pid": os.getpid(),
                 "kv_blocks": self.llm.pool.num_blocks, "block_size": self.llm.pool.block_size,
                 "scheduler": getattr(self.llm, "scheduler", "static"),
+                "max_rows": getattr(self.llm, "max_batch_size", None),
                 "steps": runner.capture_summary() if runner is not None else None}
 
     def gpu_ids(self) -> list:

@@ -370,7 +370,8 @@ def test_ready_line_says_batching_steps_and_pool(smollm2_llm):
 
     info = BatchWorker.from_llm(smollm2_llm).info()
     tokens = smollm2_llm.pool.num_blocks * smollm2_llm.pool.block_size
-    assert ready_line([info]) == (f"nanoserve: 1 worker(s) ready: continuous batching; "
+    assert ready_line([info]) == (f"nanoserve: 1 worker(s) ready: continuous batching of up "
+                                  f"to {smollm2_llm.max_batch_size} rows; "
                                   f"KV pool {tokens:,} tokens a worker")
     steps = {"step_mode": "graph", "graphs": 20, "graph_mib": 1206.4, "capture_s": 3.94,
              "capture_error": None}
@@ -378,7 +379,8 @@ def test_ready_line_says_batching_steps_and_pool(smollm2_llm):
     failed = dict(ok, steps=dict(steps, step_mode="static", graphs=0, graph_mib=0.0,
                                  capture_s=0.0, capture_error="out of memory"))
     assert ready_line([ok, failed]) == (
-        "nanoserve: 2 worker(s) ready: continuous batching; decode steps as 20 CUDA graphs a "
+        f"nanoserve: 2 worker(s) ready: continuous batching of up to "
+        f"{smollm2_llm.max_batch_size} rows; decode steps as 20 CUDA graphs a "
         "worker (1,206 MiB, captured in 3.9 s); CUDA graphs not captured on 1 of 2 worker(s) "
         "(out of memory): their decode steps run uncaptured, slower; "
         f"KV pool {tokens:,} tokens a worker")
