@@ -80,7 +80,7 @@ def run_one(folder: Path, weights: str, prompts, max_tokens, device: str,
         dummy.fuse_activation_quant = fuse
     load_s = time.perf_counter() - t
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    largest = _count_decode_rows(llm.runner)
+    largest = count_decode_rows(llm.runner)
     vocab = llm.config.vocab_size
     warm = [[(tok + 1) % vocab for tok in p] for p in prompts]  # same lengths, other ids
     llm.generate(warm, [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens])
@@ -118,7 +118,7 @@ def run_one(folder: Path, weights: str, prompts, max_tokens, device: str,
     return result
 
 
-def _count_decode_rows(runner) -> list[int]:
+def count_decode_rows(runner) -> list[int]:
     """Wrap this runner's decode step to keep the most rows one step carried: [max]."""
     largest = [0]
     decode = runner.decode

@@ -116,9 +116,9 @@ def bench_engine(model_dir: Path, prompts, max_tokens, device: str = "cuda",
     sync()
     largest = [0]
     if llm.runner is not None:
-        from benchmarks.fp8 import _count_decode_rows
+        from benchmarks.fp8 import count_decode_rows
 
-        largest = _count_decode_rows(llm.runner)
+        largest = count_decode_rows(llm.runner)
         llm.runner.phase_times()  # reset
         llm.runner.profile = True
     t = time.perf_counter()
