@@ -10,7 +10,8 @@ no checkpoint file; FP8 projections drawn and quantized one matrix at a time):
   28672): FP8 only, its bf16 weights (141 GB) do not fit one H200.
 All vocab 128256. Runs: bf16; fp8; fp8-unfused (fp8 with each activation quantized by a
 launch of its own before its projection, as before the norms and silu-and-mul quantized
-their outputs: `nanoserve.fp8.fuse_activation_quant` skipped). The runs go one after the other in one process, each with a warm-up
+their outputs: `nanoserve.fp8.fuse_activation_quant` skipped); fp8+kv (fp8 with an FP8 KV
+cache, `kv_cache_dtype="fp8"`). The runs go one after the other in one process, each with a warm-up
 pass over the same lengths (other token ids) first. Prints one Markdown table: rate, ratio
 to bf16, the memory split (weights / KV pool / CUDA graphs), the pool's tokens, the largest
 decode batch, and the device's prefill and decode seconds.
@@ -67,13 +68,14 @@ def run_one(folder: Path, weights: str, prompts, max_tokens, device: str,
     from nanoserve.sampling import SamplingParams
 
     quantization = "fp8" if weights.startswith("fp8") else None
+    kv_cache_dtype = "fp8" if weights.endswith("+kv") else "auto"
     fuse = dummy.fuse_activation_quant
     if weights == "fp8-unfused":  # before the graphs are captured at load
         dummy.fuse_activation_quant = lambda model: model
     t = time.perf_counter()
     try:
         llm = LLM(str(folder), device=device, load_format="dummy", quantization=quantization,
-                  kv_cache_bytes=kv_cache_bytes)
+                  kv_cache_bytes=kv_cache_bytes, kv_cache_dtype=kv_cache_dtype)
     except NanoserveError as e:
         return {"weights": weights, "refused": str(e)}
     finally:
@@ -159,7 +161,8 @@ def main(argv=None) -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=list(SHAPES), default="8b")
     ap.add_argument("--rows", type=int, default=256)
-    ap.add_argument("--runs", nargs="+", choices=("bf16", "fp8", "fp8-unfused"), default=None,
+    ap.add_argument("--runs", nargs="+", choices=("bf16", "fp8", "fp8-unfused", "fp8+kv"),
+                    default=None,
                     help="default: bf16 fp8 (70b: fp8 only)")
     ap.add_argument("--kv-cache-gib", type=float, default=None,
                     help="the KV pool's size for every run (default: 80%% of the memory "

@@ -20,7 +20,11 @@ weights drawn on the GPU (`LLM(load_format="dummy")`); `--skip-micro` leaves out
 and the GEMM table (which use the 1B shape).
 
     python -m benchmarks.step_profile [--rows 256] [--runs continuous:graph static:graph]
-    [--shape 1b|8b] [--skip-micro]
+    [--shape 1b|8b] [--skip-micro] [--quantization fp8] [--fp8-gemms]
+
+`--quantization fp8` runs the engine tables with FP8 projections; `--fp8-gemms` adds the
+8B shape's decode GEMMs in bf16 against `torch._scaled_mm` (row-wise scales, with and
+without fast accumulation, and one scale per tensor).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import re
 import tempfile
 import time
 from collections import defaultdict
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -83,14 +88,14 @@ def decode_context_bytes(prompts, max_tokens, layers: int, kv_bytes_per_token_la
 
 
 def profile_engine(model_dir: Path, prompts, max_tokens, scheduler: str, step: str,
-                   warm, load_format: str = "auto") -> None:
+                   warm, load_format: str = "auto", quantization: str | None = None) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from nanoserve.llm import LLM
     from nanoserve.sampling import SamplingParams
 
     llm = LLM(str(model_dir), device="cuda", decode_step=step, scheduler=scheduler,
-              load_format=load_format)
+              load_format=load_format, quantization=quantization)
     params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens]
     llm.generate(warm[0], [SamplingParams(max_tokens=m, ignore_eos=True) for m in warm[1]])
     torch.cuda.synchronize()
@@ -105,7 +110,7 @@ def profile_engine(model_dir: Path, prompts, max_tokens, scheduler: str, step: s
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30))
         return
     total = sum(v[1] for v in by_kind.values())
-    print(f"\n### {scheduler}:{step}: {n_out} output tokens in {wall:.2f} s under the profiler "
+    print(f"\n### {scheduler}:{step} ({quantization or 'bf16'} weights): {n_out} output tokens in {wall:.2f} s under the profiler "
           f"({n_out / wall:,.0f} tok/s); kernel time {total / 1e6:.2f} s "
           f"({total / 1e6 / wall:.0%} of the wall)\n")
     print("| kind | kernels | ms | share of kernel time |")
@@ -217,6 +222,55 @@ def gemm_table(ms=(1, 8, 16, 32, 64, 96, 128, 192, 256)) -> None:
     torch.cuda.empty_cache()
 
 
+def fp8_gemm_table(ms=(1, 16, 64, 128, 192, 256, 512)) -> None:
+    """The decode step's GEMMs at the 8B shape per batch size: bf16 `linear` against
+    `torch._scaled_mm` over e4m3 operands with row-wise scales (per token x per output
+    channel), with one scale per tensor (the engine's `Fp8Linear`, its scales applied
+    after), each also with `use_fast_accum`. 8 calls in one CUDA graph, each over its own weight; the activations come
+    quantized (the norms before the projections write them)."""
+    from benchmarks.kernels import bench_ms, graphed_calls
+
+    fp8 = torch.float8_e4m3fn
+    shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
+              "down": (4096, 14336)}
+    print("\n| GEMM (8B) | batch | bf16 us | fp8 row-wise us | row-wise, fast accum us | "
+          "fp8 per tensor us | per tensor, fast accum us | bf16 / per tensor | "
+          "weight TB/s per tensor |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for name, (n, k) in shapes.items():
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(8)]
+        qs = [w.to(fp8) for w in ws]
+        w_scale = torch.rand(1, n, device="cuda") + 0.5
+        one = torch.ones((), device="cuda")
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            xq, x_scale = x.to(fp8), torch.rand(m, 1, device="cuda") + 0.5
+            mm = partial(torch._scaled_mm, xq, out_dtype=torch.bfloat16)
+            variants = {
+                "bf16": [partial(torch.nn.functional.linear, x, w) for w in ws],
+                "row": [partial(mm, q.t(), scale_a=x_scale, scale_b=w_scale) for q in qs],
+                "fast": [partial(mm, q.t(), scale_a=x_scale, scale_b=w_scale,
+                                 use_fast_accum=True) for q in qs],
+                "tensor": [partial(mm, q.t(), scale_a=one, scale_b=one) for q in qs],
+                "tensor_fast": [partial(mm, q.t(), scale_a=one, scale_b=one, use_fast_accum=True)
+                                for q in qs],
+            }
+            us = {}
+            for v, fns in variants.items():
+                try:
+                    replay, _ = graphed_calls(fns)
+                    us[v] = 1e3 * bench_ms(replay) / len(fns)
+                except RuntimeError as e:  # a variant this torch does not offer
+                    print(f"  {name} {m} {v}: {str(e).splitlines()[0][:100]}")
+                    us[v] = float("nan")
+            print(f"| {name} | {m} | {us['bf16']:.1f} | {us['row']:.1f} | {us['fast']:.1f} | "
+                  f"{us['tensor']:.1f} | {us['tensor_fast']:.1f} | "
+                  f"{us['bf16'] / us['tensor']:.2f}x | "
+                  f"{n * k / (us['tensor'] * 1e-6) / 1e12:.2f} |", flush=True)
+        del ws, qs
+        torch.cuda.empty_cache()
+
+
 def step_kernels(llm, buckets=(1, 64, 256), replays: int = 5) -> None:
     """Per-kernel device time of one captured step (padding rows, context 1) per bucket."""
     from torch.profiler import ProfilerActivity, profile
@@ -258,6 +312,10 @@ def main() -> None:
     ap.add_argument("--skip-micro", action="store_true",
                     help="leave out the attention-balance and GEMM tables")
     ap.add_argument("--shape", choices=["1b", "8b"], default="1b")
+    ap.add_argument("--quantization", choices=["fp8"], default=None,
+                    help="the engine tables with FP8 projections (quantized at load)")
+    ap.add_argument("--fp8-gemms", action="store_true",
+                    help="also the 8B shape's decode GEMMs in bf16 against FP8")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
@@ -269,6 +327,8 @@ def main() -> None:
         for batch in (4, 16, 32):  # the drained tail: few rows, long contexts
             attention_balance(batch, (2, 4, 8, 12, 16), lo=1200)
         gemm_table()
+    if args.fp8_gemms:
+        fp8_gemm_table()
     if args.skip_engine:
         return
     work = Path(tempfile.mkdtemp(prefix="nanoserve-profile-"))
@@ -284,7 +344,7 @@ def main() -> None:
     for run in args.runs:
         scheduler, _, step = run.partition(":")
         profile_engine(model_dir, prompts, max_tokens, scheduler, step or "auto", warm,
-                       load_format)
+                       load_format, args.quantization)
 
 
 if __name__ == "__main__":

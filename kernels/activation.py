@@ -9,9 +9,11 @@ silu is computed in float32 and rounded to x's dtype before the product, as
 - `silu_and_mul`: Triton, one program per (row, column block).
 - `silu_and_mul_fp8(x, ub)` -> (q, scale): the product quantized per row to float8 e4m3 in
   the same launch, as `kernels.fp8_quant.quantize_rows` quantizes it (the input of an FP8
-  down projection); one program per row, a pass for the maximum and one to quantize (the
-  product computed again: cheaper than writing it). `silu_and_mul_fp8_reference`: the two
-  references composed.
+  down projection); one program per row: the whole row in registers when I <= 16,384 (the
+  8B shape's 14,336), else a pass for the maximum and one to quantize (the product computed
+  again: cheaper than writing it). `silu_and_mul_fp8_reference`: the two references
+  composed. `x_scales=(row_scale, col_scale)` (keyword): x is an FP8 gate/up projection's
+  output before its scales (kernels/scaled_rows.py), applied as x is read.
 """
 
 from __future__ import annotations
@@ -19,10 +21,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import HAS_TRITON, tl, triton
-from kernels.fp8_quant import FP8, quantize_rows_reference, quantize_to_fp8, row_scale
+from kernels._triton import HAS_TRITON, next_power_of_2, tl, triton
+from kernels.fp8_quant import (
+    FP8,
+    quantize_rows_reference,
+    quantize_to_fp8,
+    row_scale,
+    store_row_fp8,
+)
+from kernels.scaled_rows import check_scales, load_scaled, scale_rows_reference
 
 _BLOCK = 1024
+_ONE_PASS_MAX = 16384  # the widest row silu_and_mul_fp8 keeps in registers
 
 
 def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
@@ -30,38 +40,53 @@ def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def silu_and_mul_fp8_reference(x: torch.Tensor, ub: float | None = None
+def silu_and_mul_fp8_reference(x: torch.Tensor, ub: float | None = None,
+                               x_scales: tuple[torch.Tensor, torch.Tensor] | None = None
                                ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., 2 I] -> e4m3 [M, I] and float32 scales [M, 1] (M rows of x)."""
+    if x_scales is not None:
+        x = scale_rows_reference(x.reshape(-1, x.shape[-1]), *x_scales, x.dtype)
     y = silu_and_mul_reference(x)
     return quantize_rows_reference(y.reshape(-1, y.shape[-1]), ub)
 
 
 @triton.jit
-def _act(x_ptr, row, stride_x, inner, cols, mask):
-    """silu(gate) * up at `cols` of a row, rounded to x's dtype as the reference, as float32."""
+def _act(x_ptr, row, stride_x, inner, cols, mask, xr_ptr, xc_ptr, SCALED: tl.constexpr):
+    """silu(gate) * up at `cols` of a row, rounded to x's dtype as the reference, as float32
+    (SCALED: x raw, its row and column scales applied as it is read)."""
     dtype = x_ptr.dtype.element_ty
-    g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(x_ptr + row * stride_x + inner + cols, mask=mask, other=0.0).to(tl.float32)
+    if SCALED:
+        g = load_scaled(x_ptr, xr_ptr, xc_ptr, row, stride_x, cols, mask, dtype)
+        u = load_scaled(x_ptr, xr_ptr, xc_ptr, row, stride_x, inner + cols, mask, dtype)
+    else:
+        g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(x_ptr + row * stride_x + inner + cols, mask=mask, other=0.0).to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
     return (act * u).to(dtype).to(tl.float32)
 
 
 @triton.jit
-def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, s_ptr, inner, stride_x, stride_q, ub,
-                             HAS_UB: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_and_mul_fp8_kernel(x_ptr, xr_ptr, xc_ptr, q_ptr, s_ptr, inner, stride_x, stride_q, ub,
+                             HAS_UB: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
+                             SCALED: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(0, inner, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        amax = tl.maximum(amax, tl.abs(_act(x_ptr, row, stride_x, inner, cols, cols < inner)))
-    scale = row_scale(tl.max(amax, axis=0), ub, HAS_UB)
-    tl.store(s_ptr + row, scale)
-    for start in range(0, inner, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        y = _act(x_ptr, row, stride_x, inner, cols, cols < inner)
-        tl.store(q_ptr + row * stride_q + cols,
-                 quantize_to_fp8(y, scale).to(q_ptr.dtype.element_ty), mask=cols < inner)
+    if ONE_PASS:  # BLOCK >= inner: the whole row at once
+        cols = tl.arange(0, BLOCK)
+        y = _act(x_ptr, row, stride_x, inner, cols, cols < inner, xr_ptr, xc_ptr, SCALED)
+        store_row_fp8(y, q_ptr + row * stride_q, s_ptr + row, cols, cols < inner, ub, HAS_UB)
+    else:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, inner, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            y = _act(x_ptr, row, stride_x, inner, cols, cols < inner, xr_ptr, xc_ptr, SCALED)
+            amax = tl.maximum(amax, tl.abs(y))
+        scale = row_scale(tl.max(amax, axis=0), ub, HAS_UB)
+        tl.store(s_ptr + row, scale)
+        for start in range(0, inner, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            y = _act(x_ptr, row, stride_x, inner, cols, cols < inner, xr_ptr, xc_ptr, SCALED)
+            tl.store(q_ptr + row * stride_q + cols,
+                     quantize_to_fp8(y, scale).to(q_ptr.dtype.element_ty), mask=cols < inner)
 
 
 @triton.jit
@@ -69,7 +94,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, inner, stride_x, stride_o, BLOCK: tl.co
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inner
-    y = _act(x_ptr, row, stride_x, inner, cols, mask)
+    y = _act(x_ptr, row, stride_x, inner, cols, mask, x_ptr, x_ptr, False)
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -93,17 +118,24 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out.view(*x.shape[:-1], inner)
 
 
-def silu_and_mul_fp8(x: torch.Tensor, ub: float | None = None
+def silu_and_mul_fp8(x: torch.Tensor, ub: float | None = None,
+                     x_scales: tuple[torch.Tensor, torch.Tensor] | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton form of `silu_and_mul_fp8_reference`."""
     rows, inner = _gate_up_rows(x, "silu_and_mul_fp8")
+    if x_scales is not None:
+        check_scales(*x_scales, rows.shape[0], 2 * inner)
+    row_s, col_s = x_scales if x_scales is not None else (rows, rows)  # unread without them
     q = torch.empty((rows.shape[0], inner), dtype=FP8, device=x.device)
     scale = torch.empty((rows.shape[0], 1), dtype=torch.float32, device=x.device)
+    one_pass = inner <= _ONE_PASS_MAX
+    block = next_power_of_2(inner) if one_pass else _BLOCK
     if rows.shape[0]:
         _silu_and_mul_fp8_kernel[(rows.shape[0],)](
-            rows, q, scale, inner, rows.stride(0), q.stride(0),
-            0.0 if ub is None else float(ub), HAS_UB=ub is not None, BLOCK=_BLOCK,
-            num_warps=8)
+            rows, row_s, col_s, q, scale, inner, rows.stride(0), q.stride(0),
+            0.0 if ub is None else float(ub), HAS_UB=ub is not None, BLOCK=block,
+            ONE_PASS=one_pass, SCALED=x_scales is not None,
+            num_warps=16 if block > 4096 else 8)
     return q, scale
 
 

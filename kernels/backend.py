@@ -3,7 +3,9 @@
 The engine calls only `decode_attention`, `prefill_attention`, `paged_prefill_attention`,
 `store_kv`, `rms_norm`, `add_rms_norm`, `rotary`, `rotary_store`, `silu_and_mul` (and the
 last three's `_fp8` forms, their output quantized per row for an FP8 projection),
-`argmax_scatter`, `masked_argmax` and `logprob_rows` from here.
+`argmax_scatter`, `masked_argmax`, `logprob_rows` and `scale_rows` from here. The residual
+adds and silu-and-mul's `_fp8` form also take `x_scales`: x is then an FP8 projection's
+output before its scales (`kernels.scaled_rows`), applied as x is read.
 `use_triton(device)` is the rule (`NANOSERVE_KERNELS=reference` forces the references
 everywhere, for side-by-side checks of the two paths):
 - CUDA: the Triton kernels whenever Triton is installed;
@@ -65,6 +67,8 @@ from kernels.rotary import rotary as _rotary_triton
 from kernels.rotary import rotary_reference
 from kernels.rotary_store import rotary_store as _rotary_store_triton
 from kernels.rotary_store import rotary_store_reference
+from kernels.scaled_rows import scale_rows as _scale_rows_triton
+from kernels.scaled_rows import scale_rows_reference
 
 _TRUE = ("1", "true", "yes", "on")
 
@@ -187,12 +191,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm_reference(x, weight, eps)
 
 
+Scales = tuple[torch.Tensor, torch.Tensor] | None  # (row_scale [M, 1], col_scale [1, N])
+
+
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 eps: float, x_scales: Scales = None) -> tuple[torch.Tensor, torch.Tensor]:
     """h = x + residual, and the RMSNorm of h by weight: (h, normed)."""
     if use_triton(x.device):
-        return _add_rms_norm_triton(x, residual, weight, eps)
-    return add_rms_norm_reference(x, residual, weight, eps)
+        return _add_rms_norm_triton(x, residual, weight, eps, x_scales)
+    return add_rms_norm_reference(x, residual, weight, eps, x_scales)
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -223,20 +230,28 @@ def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 def add_rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                     ub: float | None = None
+                     ub: float | None = None, x_scales: Scales = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(h = x + residual, the RMSNorm of h quantized per row: e4m3 [M, d], scales [M, 1])."""
     if use_triton(x.device):
-        return _add_rms_norm_fp8_triton(x, residual, weight, eps, ub)
-    return add_rms_norm_fp8_reference(x, residual, weight, eps, ub)
+        return _add_rms_norm_fp8_triton(x, residual, weight, eps, ub, x_scales)
+    return add_rms_norm_fp8_reference(x, residual, weight, eps, ub, x_scales)
 
 
-def silu_and_mul_fp8(x: torch.Tensor, ub: float | None = None
+def silu_and_mul_fp8(x: torch.Tensor, ub: float | None = None, x_scales: Scales = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """silu(gate) * up of x [..., 2I], quantized per row: (e4m3 [M, I], scales [M, 1])."""
     if use_triton(x.device):
-        return _silu_and_mul_fp8_triton(x, ub)
-    return silu_and_mul_fp8_reference(x, ub)
+        return _silu_and_mul_fp8_triton(x, ub, x_scales)
+    return silu_and_mul_fp8_reference(x, ub, x_scales)
+
+
+def scale_rows(raw: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor,
+               dtype: torch.dtype) -> torch.Tensor:
+    """An FP8 GEMM's raw output [M, N] scaled per row and column, in dtype."""
+    if use_triton(raw.device):
+        return _scale_rows_triton(raw, row_scale, col_scale, dtype)
+    return scale_rows_reference(raw, row_scale, col_scale, dtype)
 
 
 def argmax_scatter(logits: torch.Tensor, slots: torch.Tensor,
@@ -277,6 +292,7 @@ __all__ = [
     "logprob_rows",
     "silu_and_mul_fp8",
     "masked_argmax",
+    "scale_rows",
     "rms_norm_fp8",
     "rotary",
     "rotary_store",

@@ -11,6 +11,9 @@ once, as a torch product of two bf16 tensors is).
 - `add_rms_norm(x, residual, weight, eps) -> (h, y)`: the residual stream's add and the
   next norm in one launch: h = x + residual (rounded to the dtype, as a torch add is), then
   y = the RMSNorm of h; `add_rms_norm_reference` is its PyTorch form.
+- `x_scales=(row_scale, col_scale)` (keyword, both add forms): x is an FP8 projection's
+  output before its scales (kernels/scaled_rows.py), applied here as x is read: x =
+  `scale_rows_reference(x, *x_scales, residual.dtype)`.
 - `rms_norm_fp8(x, weight, eps, ub)` -> (q, scale) and `add_rms_norm_fp8(x, residual,
   weight, eps, ub)` -> (h, q, scale): the same, y quantized per row to float8 e4m3 in the
   same launch, exactly as `kernels.fp8_quant.quantize_rows` quantizes y (what an FP8
@@ -24,6 +27,7 @@ import torch
 
 from kernels._triton import HAS_TRITON, next_power_of_2, tl, triton
 from kernels.fp8_quant import FP8, quantize_rows_reference, store_row_fp8
+from kernels.scaled_rows import check_scales, load_scaled, scale_rows_reference
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -34,7 +38,9 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 
 
 def add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                           eps: float, x_scales: tuple[torch.Tensor, torch.Tensor] | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    x = _scaled(x, residual, x_scales)
     h = x + residual
     return h, rms_norm_reference(h, weight, eps)
 
@@ -46,10 +52,20 @@ def rms_norm_fp8_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 def add_rms_norm_fp8_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                               eps: float, ub: float | None = None
+                               eps: float, ub: float | None = None,
+                               x_scales: tuple[torch.Tensor, torch.Tensor] | None = None
                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    h, y = add_rms_norm_reference(x, residual, weight, eps)
+    h, y = add_rms_norm_reference(x, residual, weight, eps, x_scales)
     return (h, *quantize_rows_reference(y.reshape(-1, x.shape[-1]), ub))
+
+
+def _scaled(x: torch.Tensor, residual: torch.Tensor,
+            x_scales: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """x as the residual add reads it: scaled (x_scales given: x [..., d] raw) or as it is."""
+    if x_scales is None:
+        return x
+    d = x.shape[-1]
+    return scale_rows_reference(x.reshape(-1, d), *x_scales, residual.dtype).view(residual.shape)
 
 
 @triton.jit
@@ -64,13 +80,17 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, s_ptr, d, stride_x, stride_o, eps, u
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, h_ptr, out_ptr, s_ptr, d, stride_x, stride_r,
-                         stride_h, stride_o, eps, ub, BLOCK: tl.constexpr,
-                         FP8_OUT: tl.constexpr, HAS_UB: tl.constexpr):
+def _add_rms_norm_kernel(x_ptr, xr_ptr, xc_ptr, r_ptr, w_ptr, h_ptr, out_ptr, s_ptr, d, stride_x,
+                         stride_r, stride_h, stride_o, eps, ub, BLOCK: tl.constexpr,
+                         FP8_OUT: tl.constexpr, HAS_UB: tl.constexpr, SCALED: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < d
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if SCALED:  # x: an FP8 projection's raw output, its row and column scales applied here
+        x = load_scaled(x_ptr, xr_ptr, xc_ptr, row, stride_x, cols, mask,
+                        h_ptr.dtype.element_ty)
+    else:
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
     h = (x + r).to(h_ptr.dtype.element_ty)
     tl.store(h_ptr + row * stride_h + cols, h, mask=mask)
@@ -128,24 +148,26 @@ def _rms_norm(x, weight, eps, ub, fp8):
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 eps: float, x_scales: tuple[torch.Tensor, torch.Tensor] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton form of `add_rms_norm_reference` (x and residual of one shape and dtype)."""
     if not HAS_TRITON:
         raise RuntimeError("add_rms_norm needs Triton; use the reference instead")
-    h, out, _ = _add_rms_norm(x, residual, weight, eps, None, False)
+    h, out, _ = _add_rms_norm(x, residual, weight, eps, None, False, x_scales)
     return h, out.view(x.shape)
 
 
 def add_rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float, ub: float | None = None
+                     eps: float, ub: float | None = None,
+                     x_scales: tuple[torch.Tensor, torch.Tensor] | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton form of `add_rms_norm_fp8_reference`."""
     if not HAS_TRITON:
         raise RuntimeError("add_rms_norm_fp8 needs Triton; use the reference instead")
-    return _add_rms_norm(x, residual, weight, eps, ub, True)
+    return _add_rms_norm(x, residual, weight, eps, ub, True, x_scales)
 
 
-def _add_rms_norm(x, residual, weight, eps, ub, fp8):
+def _add_rms_norm(x, residual, weight, eps, ub, fp8, x_scales):
     d = x.shape[-1]
     if residual.shape != x.shape or residual.dtype != x.dtype:
         raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match "
@@ -155,6 +177,9 @@ def _add_rms_norm(x, residual, weight, eps, ub, fp8):
     xs, rs = x.reshape(-1, d), residual.reshape(-1, d)
     xs = xs if xs.stride(-1) == 1 else xs.contiguous()
     rs = rs if rs.stride(-1) == 1 else rs.contiguous()
+    if x_scales is not None:
+        check_scales(*x_scales, xs.shape[0], d)
+    row_s, col_s = x_scales if x_scales is not None else (xs, xs)  # unread without them
     h = torch.empty(xs.shape, dtype=x.dtype, device=x.device)
     out = torch.empty(xs.shape, dtype=FP8 if fp8 else x.dtype, device=x.device)
     scale = torch.empty((xs.shape[0], 1) if fp8 else (1,), dtype=torch.float32,
@@ -162,9 +187,10 @@ def _add_rms_norm(x, residual, weight, eps, ub, fp8):
     if xs.shape[0]:
         block = next_power_of_2(d)
         _add_rms_norm_kernel[(xs.shape[0],)](
-            xs, rs, weight, h, out, scale, d, xs.stride(0), rs.stride(0), h.stride(0),
-            out.stride(0), eps, 0.0 if ub is None else float(ub), BLOCK=block, FP8_OUT=fp8,
-            HAS_UB=ub is not None, num_warps=8 if block >= 4096 else 4)
+            xs, row_s, col_s, rs, weight, h, out, scale, d, xs.stride(0), rs.stride(0),
+            h.stride(0), out.stride(0), eps, 0.0 if ub is None else float(ub), BLOCK=block,
+            FP8_OUT=fp8, HAS_UB=ub is not None, SCALED=x_scales is not None,
+            num_warps=8 if block >= 4096 else 4)
     return h.view(x.shape), out, scale
 
 

@@ -12,7 +12,7 @@ Two paths, chosen by the device (`fp8_supported`):
   head stay in the compute dtype.
 
 Scales inside `Fp8Linear` are always per output row (`[N]`) with per-token activation
-scales: torch's row-wise `_scaled_mm`. A per-tensor scale is expanded into rows, which is
+scales, applied after a unit-scale `_scaled_mm` (`Fp8Linear`'s docstring says why). A per-tensor scale is expanded into rows, which is
 exact; so fused q/k/v and gate/up whose parts carry separate per-tensor scales keep each
 part's own scale (no second rounding, as requantizing to the largest scale would cost).
 Block-wise checkpoints are requantized per row at load (one more rounding: at most 1/16 of
@@ -33,7 +33,7 @@ from kernels.fp8_quant import quantize_rows as quantize_rows_triton
 from kernels.fp8_quant import quantize_rows_reference
 from nanoserve.config import ModelConfig
 from nanoserve.errors import ModelError
-from nanoserve.model import FP8Out, LlamaForCausalLM, QuantizedRows, build_model
+from nanoserve.model import FP8Out, LlamaForCausalLM, QuantizedRows, ScaledRows, build_model
 from nanoserve.quantization import Fp8Scheme, check_online
 
 FP8 = torch.float8_e4m3fn
@@ -116,13 +116,23 @@ def _expand(scale: torch.Tensor, block: tuple[int, int], n: int, k: int) -> torc
 
 
 class Fp8Linear(nn.Module):
-    """y = x W^T (+ bias) with W = weight * weight_scale (per output row), computed as
-    `torch._scaled_mm(xq, weight.t())` with x quantized to e4m3 per token (or by a static
-    input scale), accumulated in float32, returned in x's dtype.
+    """y = x W^T (+ bias) with W = weight * weight_scale (per output row), x quantized to
+    e4m3 per token (or by a static input scale), accumulated in float32, returned in x's
+    dtype.
+
+    The GEMM is `torch._scaled_mm(xq, weight.t())` at unit scales (one scale per tensor:
+    cuBLAS's kernels for that are 1.2-2.2x faster at decode sizes than its row-wise-scaled
+    one, which is a 128 x 128 tile at every size); its raw output (bfloat16 on a GPU, x's
+    dtype on the CPU) is then scaled per row and column (kernels/scaled_rows.py): by one
+    kernel here, or, with `keep_scales` (`nanoserve.model._project`), by the kernel that
+    reads the output next, which gets `ScaledRows`. Either way y is
+    ((raw * x_scale) * weight_scale) rounded to x's dtype, the same bits.
 
     weight: e4m3 [N, K], contiguous (its `.t()` is the column-major second operand);
     weight_scale: float32 [1, N]; input_scale: float32 [1, 1] or None (dynamic);
     bias: [N] or None. N and K multiples of 16 (`_scaled_mm`'s constraint)."""
+
+    keeps_scales = True  # forward takes keep_scales (nanoserve.model._project)
 
     def __init__(self, weight: torch.Tensor, row_scale: torch.Tensor,
                  input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
@@ -137,6 +147,8 @@ class Fp8Linear(nn.Module):
         self.register_buffer("input_scale", None if input_scale is None
                              else input_scale.float().reshape(1, 1))
         self.register_buffer("bias", bias)
+        self.register_buffer("unit_scale", torch.ones((), device=weight.device),
+                             persistent=False)
         self.activation_scale_ub = activation_scale_ub
 
     @property
@@ -147,9 +159,12 @@ class Fp8Linear(nn.Module):
     def out_features(self) -> int:
         return self.weight.shape[0]
 
-    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedRows,
+                keep_scales: bool = False) -> torch.Tensor | ScaledRows:
         """x [..., K] -> [..., N] in x.dtype. x may come quantized per row already (by the
-        kernel before: `fuse_activation_quant`; dynamic input scales only)."""
+        kernel before: `fuse_activation_quant`; dynamic input scales only). keep_scales:
+        return `ScaledRows` when the raw output is in x's dtype and there is no bias (the
+        caller's next kernel applies the scales), else y as always."""
         lead = x.shape[:-1]
         if isinstance(x, QuantizedRows):
             xq, x_scale = x.q, x.scale
@@ -160,13 +175,17 @@ class Fp8Linear(nn.Module):
             x2 = x.reshape(-1, x.shape[-1])
             x_scale = self.input_scale.expand(x2.shape[0], 1).contiguous()
             xq = _cast(x2 / self.input_scale)
-        # CUDA's row-wise kernel writes bf16 only
-        out_dtype = torch.bfloat16 if xq.is_cuda else x.dtype
-        y = torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale,
-                             out_dtype=out_dtype)  # [M, N]
+        # raw sums of e4m3 products reach far past float16's range: bfloat16 on a GPU
+        raw_dtype = torch.bfloat16 if xq.is_cuda else x.dtype
+        raw = torch._scaled_mm(xq, self.weight.t(), scale_a=self.unit_scale,
+                               scale_b=self.unit_scale, out_dtype=raw_dtype)  # [M, N]
+        shape = torch.Size((*lead, raw.shape[-1]))
+        if keep_scales and raw_dtype == x.dtype and self.bias is None:
+            return ScaledRows(raw, x_scale, self.weight_scale, shape)
+        y = kernel_backend.scale_rows(raw, x_scale, self.weight_scale, x.dtype)
         if self.bias is not None:
             y = y + self.bias
-        return y.to(x.dtype).view(*lead, y.shape[-1])
+        return y.view(shape)
 
     def dequantized(self) -> torch.Tensor:
         """The weight this linear stands for: [N, K] float32."""

@@ -39,6 +39,34 @@ class QuantizedRows:
         self.q, self.scale, self.shape, self.dtype = q, scale, shape, dtype
 
 
+class ScaledRows:
+    """An FP8 projection's output before its scales (`nanoserve.fp8.Fp8Linear` asked with
+    `keep_scales`), for the kernel after it to apply them as it reads (kernels/scaled_rows.py:
+    value = raw * row_scale * col_scale): raw [M, N] in `dtype`, row_scale [M, 1], col_scale
+    [1, N] float32; `shape`: the output's own ([..., N], M the product of the leading sides).
+    Read by the residual add (`RMSNorm.add_forward`) and silu-and-mul's FP8 form."""
+
+    __slots__ = ("raw", "row_scale", "col_scale", "shape")
+
+    def __init__(self, raw: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor,
+                 shape: torch.Size) -> None:
+        self.raw, self.row_scale, self.col_scale, self.shape = raw, row_scale, col_scale, shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.raw.dtype
+
+    def parts(self) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """(raw viewed as `shape`, the scales): the arguments of the kernels that read it."""
+        return self.raw.view(self.shape), (self.row_scale, self.col_scale)
+
+
+def with_scales(x: torch.Tensor | ScaledRows
+                ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """(the tensor a kernel reads, the scales it applies: None for a plain tensor)."""
+    return x.parts() if isinstance(x, ScaledRows) else (x, None)
+
+
 class FP8Out:
     """Set on a kernel whose output feeds only FP8 projections with per-token activation
     scales (`nanoserve.fp8.fuse_activation_quant`): it then returns `QuantizedRows`, the
@@ -63,14 +91,16 @@ class RMSNorm(nn.Module):
             return QuantizedRows(q, scale, x.shape, x.dtype)
         return kernel_backend.rms_norm(x, self.weight, self.eps)
 
-    def add_forward(self, x: torch.Tensor, residual: torch.Tensor
+    def add_forward(self, x: torch.Tensor | ScaledRows, residual: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor | QuantizedRows]:
-        """The residual add before this norm, fused with it: (x + residual, norm of that)."""
+        """The residual add before this norm, fused with it: (x + residual, norm of that).
+        x may be an FP8 projection's output with its scales still to apply."""
+        x, scales = with_scales(x)
         if self.fp8_out is not None:
             h, q, scale = kernel_backend.add_rms_norm_fp8(x, residual, self.weight, self.eps,
-                                                          self.fp8_out.ub)
+                                                          self.fp8_out.ub, x_scales=scales)
             return h, QuantizedRows(q, scale, x.shape, x.dtype)
-        return kernel_backend.add_rms_norm(x, residual, self.weight, self.eps)
+        return kernel_backend.add_rms_norm(x, residual, self.weight, self.eps, x_scales=scales)
 
 
 class RotaryEmbedding(nn.Module):
@@ -131,10 +161,16 @@ def _fuse_rows(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 
 def _project(x: torch.Tensor | QuantizedRows,
-             fused: tuple[torch.Tensor, torch.Tensor | None] | nn.Module) -> torch.Tensor:
-    """A fused projection: (weight, bias) from `_fuse_rows`, or a module standing for it
-    (an FP8 GEMM, nanoserve/fp8.py: x may then come quantized)."""
-    return F.linear(x, *fused) if isinstance(fused, tuple) else fused(x)
+             fused: tuple[torch.Tensor, torch.Tensor | None] | nn.Module,
+             keep_scales: bool = False) -> torch.Tensor | ScaledRows:
+    """A projection: (weight, bias) from `_fuse_rows`, or a module (a linear, or an FP8 GEMM,
+    nanoserve/fp8.py: x may then come quantized). keep_scales: the caller's next kernel
+    applies an FP8 GEMM's scales itself, so the GEMM may return `ScaledRows`."""
+    if isinstance(fused, tuple):
+        return F.linear(x, *fused)
+    if keep_scales and getattr(fused, "keeps_scales", False):
+        return fused(x, keep_scales=True)
+    return fused(x)
 
 
 class Linear(nn.Linear):
@@ -186,7 +222,7 @@ class LlamaAttention(nn.Module):
             # paged read (what gqa_attention does, with the store already done)
             q = cache.rotary_store(self.layer_idx, qkv, cos, sin, Hq)  # [B, 1, Hq, D]
             out = cache.paged_attention(self.layer_idx, q[:, 0], window=self.window)
-            return self.o_proj(out.reshape(B, T, Hq * D))
+            return _project(out.reshape(B, T, Hq * D), self.o_proj, keep_scales=True)
         v = qkv[:, :, Hq + Hkv:]  # [B, T, Hkv, D]
         if self.q_norm is not None:  # per head, over D, before rotary
             q = apply_rotary(self.q_norm(qkv[:, :, :Hq]), cos, sin)  # [B, T, Hq, D]
@@ -196,7 +232,8 @@ class LlamaAttention(nn.Module):
             q, k = qk[:, :, :Hq], qk[:, :, Hq:]
         out = gqa_attention(q, k, v, self.layer_idx, cache, meta,
                             window=self.window)  # [B, T, Hq, D]
-        return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
+        return _project(out.reshape(B, T, self.num_heads * self.head_dim), self.o_proj,
+                        keep_scales=True)  # for the residual add after it
 
 
 class LlamaMLP(nn.Module):
@@ -216,12 +253,16 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
             self.fuse()
-        gate_up = _project(x, self.gate_up)  # [..., 2 * inner] = [gate | up]
-        if self.fp8_act is not None:
-            q, scale = kernel_backend.silu_and_mul_fp8(gate_up, self.fp8_act.ub)
+        fp8_act = self.fp8_act is not None  # silu-and-mul's FP8 form then applies the scales
+        gate_up = _project(x, self.gate_up, keep_scales=fp8_act)  # [..., 2 * inner]: gate | up
+        if fp8_act:
+            gate_up, scales = with_scales(gate_up)
+            q, scale = kernel_backend.silu_and_mul_fp8(gate_up, self.fp8_act.ub, x_scales=scales)
             shape = (*gate_up.shape[:-1], gate_up.shape[-1] // 2)
-            return self.down_proj(QuantizedRows(q, scale, torch.Size(shape), gate_up.dtype))
-        return self.down_proj(kernel_backend.silu_and_mul(gate_up))
+            down_in = QuantizedRows(q, scale, torch.Size(shape), gate_up.dtype)
+        else:
+            down_in = kernel_backend.silu_and_mul(gate_up)
+        return _project(down_in, self.down_proj, keep_scales=True)  # for the residual add
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -98,6 +98,29 @@ def test_fp8_linear_on_the_gpu_equals_its_reference_math():
                                    atol=float(ref.abs().max()) * 2 ** -7)
 
 
+def test_fp8_linear_keeps_its_scales_for_the_kernel_after_it():
+    """With keep_scales the projection returns its raw output and scales (`ScaledRows`); the
+    scales applied by `scale_rows` (kernel and reference alike) give its plain output's bits."""
+    from kernels.scaled_rows import scale_rows, scale_rows_reference
+    from nanoserve.model import ScaledRows
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q, s = quantize_per_channel(torch.randn(4096, 14336, device="cuda", generator=g))
+    lin = Fp8Linear(q, s.reshape(-1))
+    for m in (1, 7, 256):
+        x = torch.randn(2, m, 14336, device="cuda", generator=g, dtype=torch.bfloat16)
+        out = lin(x, keep_scales=True)
+        assert isinstance(out, ScaledRows) and out.shape == (2, m, 4096)
+        y = lin(x)
+        assert torch.equal(scale_rows(out.raw, out.row_scale, out.col_scale, x.dtype).view(y.shape), y)
+        assert torch.equal(scale_rows_reference(out.raw, out.row_scale, out.col_scale,
+                                                x.dtype).view(y.shape), y)
+    half = Fp8Linear(q, s.reshape(-1))  # float16: raw sums overflow it, so scaled here
+    y16 = half(torch.randn(3, 14336, device="cuda", generator=g, dtype=torch.float16),
+               keep_scales=True)
+    assert isinstance(y16, torch.Tensor) and y16.dtype == torch.float16
+
+
 @pytest.mark.parametrize("ub", [None, 0.5])
 def test_quantize_rows_kernel_equals_its_reference(ub):
     from kernels.fp8_quant import quantize_rows as kernel
@@ -154,11 +177,47 @@ def test_fused_fp8_outputs_equal_the_unfused_kernels(ub):
         h, y = add_rms_norm(x, r, w, 1e-5)
         assert same(add_rms_norm_fp8(x, r, w, 1e-5, ub), (h, *quantize_rows(y, ub)))
         assert same(silu_and_mul_fp8(gu, ub), quantize_rows(silu_and_mul(gu), ub))
+    wide = torch.randn(3, 2 * 28672, generator=g, device="cuda", dtype=torch.bfloat16) * 3
+    assert same(silu_and_mul_fp8(wide, ub), quantize_rows(silu_and_mul(wide), ub))  # 70B
 
 
-def test_fp8_model_with_fused_quantization_equals_it_unfused(fp8_dirs):
+@pytest.mark.parametrize("ub", [None, 0.5])
+def test_kernels_applying_fp8_scales_equal_scale_rows_first(ub):
+    """The residual adds (plain and quantizing) and silu-and-mul's FP8 form, given an FP8
+    projection's raw output and scales, equal `scale_rows` then the kernel, bit for bit; and
+    `scale_rows` equals its reference: at the 8B and 70B sides and decode and prefill rows."""
+    from kernels.activation import silu_and_mul_fp8
+    from kernels.rmsnorm import add_rms_norm, add_rms_norm_fp8
+    from kernels.scaled_rows import scale_rows, scale_rows_reference
+
+    def same(a, b):
+        return all(torch.equal(x.float(), y.float()) for x, y in zip(a, b))
+
+    def case(m, n):
+        raw = torch.randn(m, n, generator=g, device="cuda").mul(300).to(torch.bfloat16)
+        return raw, (torch.rand(m, 1, generator=g, device="cuda") / 100 + 1e-3,
+                     torch.rand(1, n, generator=g, device="cuda") / 100 + 1e-3)
+
+    g = torch.Generator(device="cuda").manual_seed(4)
+    for m in (1, 7, 256, 700):
+        raw, scales = case(m, 4096)
+        y = scale_rows(raw, *scales, torch.bfloat16)
+        assert torch.equal(y, scale_rows_reference(raw, *scales, torch.bfloat16))
+        r = torch.randn(m, 4096, generator=g, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(4096, generator=g, device="cuda", dtype=torch.bfloat16)
+        assert same(add_rms_norm(raw, r, w, 1e-5, scales), add_rms_norm(y, r, w, 1e-5))
+        assert same(add_rms_norm_fp8(raw, r, w, 1e-5, ub, scales),
+                    add_rms_norm_fp8(y, r, w, 1e-5, ub))
+        for inner in (14336, 28672):
+            gu, gu_scales = case(m if m < 700 else 3, 2 * inner)
+            assert same(silu_and_mul_fp8(gu, ub, gu_scales),
+                        silu_and_mul_fp8(scale_rows(gu, *gu_scales, torch.bfloat16), ub))
+
+
+def test_fp8_model_with_fused_quantization_equals_it_unfused(fp8_dirs, monkeypatch):
     """The model whose norms and activations quantize for their FP8 projections gives the
-    logits of the same model quantizing inside each projection, bit for bit."""
+    logits of the same model quantizing inside each projection, bit for bit; and so does
+    the model whose projections scale their own outputs (no `ScaledRows`)."""
     fp8, _ = fp8_dirs
     config, sd = load_checkpoint(fp8)
     model = build_with_fp8(config, sd, torch.bfloat16, "cuda")
@@ -172,6 +231,8 @@ def test_fp8_model_with_fused_quantization_equals_it_unfused(fp8_dirs):
         layer.input_layernorm.fp8_out = layer.post_attention_layernorm.fp8_out = None
         layer.mlp.fp8_act = None
     assert touched or config.quantization.static_input
+    assert torch.equal(fused, _logits(model, ids))
+    monkeypatch.setattr(Fp8Linear, "keeps_scales", False)
     assert torch.equal(fused, _logits(model, ids))
 
 

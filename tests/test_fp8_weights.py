@@ -95,8 +95,9 @@ def test_validate_checkpoint_accepts_fp8_files(fp8_dirs):
 
 
 def test_fp8_linear_equals_its_reference_math():
-    """_scaled_mm on e4m3 operands with row scales == the same products in float32 (exact up
-    to float32 summation order); and within activation-rounding error of the float matmul."""
+    """_scaled_mm on e4m3 operands, then the row and column scales == the same products
+    summed in float32 and scaled (exact up to float32 summation order); and within
+    activation-rounding error of the float matmul."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(48, 64, generator=g)
     x = torch.randn(5, 3, 64, generator=g) * 3
@@ -105,7 +106,7 @@ def test_fp8_linear_equals_its_reference_math():
     y = lin(x)
     assert y.shape == (5, 3, 48) and y.dtype == torch.float32
     xq, xs = fp8.quantize_rows(x.reshape(-1, 64))
-    ref = (xq.float() * xs) @ (q.float() * s).t() + lin.bias
+    ref = ((xq.float() @ q.float().t()) * xs) * s.reshape(1, -1) + lin.bias
     torch.testing.assert_close(y.reshape(-1, 48), ref, rtol=1e-5, atol=1e-5)
     exact = x @ lin.dequantized().t() + lin.bias
     # e4m3 keeps 3 mantissa bits: each activation is off by at most 1/16 of itself
@@ -178,11 +179,13 @@ def test_fp8_gemm_model_close_to_the_twin(fp8_dirs, fp8_gemm_on_cpu):
     _assert_clear_argmax_agrees(ours, ref, err)
 
 
-def test_norms_and_activations_quantize_for_their_fp8_projections(fp8_dirs, fp8_gemm_on_cpu):
+def test_norms_and_activations_quantize_for_their_fp8_projections(fp8_dirs, fp8_gemm_on_cpu,
+                                                                  monkeypatch):
     """A norm or silu-and-mul feeding a per-token FP8 projection returns its output already
     quantized (`fuse_activation_quant`); a static input scale, a projection kept in float
     and the final norm (LM head) are left alone; the logits are exactly those of the same
-    model quantizing in the projections."""
+    model quantizing in the projections, and of the model whose projections apply their
+    own scales (no `ScaledRows` to the residual adds and silu-and-mul)."""
     from nanoserve.model import FP8Out
 
     fmt, path, _ = fp8_dirs
@@ -204,6 +207,8 @@ def test_norms_and_activations_quantize_for_their_fp8_projections(fp8_dirs, fp8_
     for layer in layers:
         layer.input_layernorm.fp8_out = layer.post_attention_layernorm.fp8_out = None
         layer.mlp.fp8_act = None
+    assert torch.equal(fused, _logits(model, IDS))
+    monkeypatch.setattr(Fp8Linear, "keeps_scales", False)
     assert torch.equal(fused, _logits(model, IDS))
 
 

@@ -929,7 +929,9 @@ def test_interp_fp8_output_kernels_equal_the_kernels_unfused(interp, dtype):
     x, r = (torch.randn(2, 3, 96, generator=g).to(dtype) * 3 for _ in range(2))
     w = torch.randn(96, generator=g).to(dtype)
     gu = (torch.randn(4, 2600, generator=g) * 2).to(dtype)
+    wide = (torch.randn(2, 2 * 16400, generator=g) * 2).to(dtype)  # past one pass: two
     for ub in (None, 0.5):
+        assert same(silu_and_mul_fp8(wide, ub), quantize_rows(silu_and_mul(wide), ub))
         assert same(rms_norm_fp8(x, w, 1e-5, ub),
                     quantize_rows(rms_norm(x, w, 1e-5).reshape(6, 96), ub))
         h, y = add_rms_norm(x, r, w, 1e-5)
@@ -937,6 +939,76 @@ def test_interp_fp8_output_kernels_equal_the_kernels_unfused(interp, dtype):
         assert same(silu_and_mul_fp8(gu, ub), quantize_rows(silu_and_mul(gu), ub))
     q, s = rms_norm_fp8(x, w, 1e-5)
     assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32 and s.shape == (6, 1)
+
+
+def _scaled_case(g, m, n, dtype):
+    """An FP8 GEMM's raw output [m, n] (sums of e4m3 products: hundreds) and its scales."""
+    raw = (torch.randn(m, n, generator=g) * 300).to(dtype)
+    row_scale = torch.rand(m, 1, generator=g) / 100 + 1e-3
+    col_scale = torch.rand(1, n, generator=g) / 100 + 1e-3
+    return raw, (row_scale, col_scale)
+
+
+def test_scaled_references_read_x_as_scale_rows_gives_it():
+    """The residual adds and silu-and-mul's FP8 form given x raw with its scales compute what
+    they compute on `scale_rows_reference` of it; which is the products in float32, in order."""
+    from kernels.activation import silu_and_mul_fp8_reference
+    from kernels.rmsnorm import add_rms_norm_fp8_reference, add_rms_norm_reference
+    from kernels.scaled_rows import scale_rows_reference
+
+    g = torch.Generator().manual_seed(10)
+    for dtype in (torch.float32, torch.bfloat16):
+        raw, scales = _scaled_case(g, 6, 96, dtype)
+        y = scale_rows_reference(raw, *scales, dtype)
+        assert y.dtype == dtype
+        assert torch.equal(y, ((raw.float() * scales[0]) * scales[1]).to(dtype))
+        r, w = torch.randn(2, 3, 96, generator=g).to(dtype), torch.randn(96, generator=g).to(dtype)
+        x = raw.view(2, 3, 96)
+        for got, want in zip(add_rms_norm_reference(x, r, w, 1e-5, scales),
+                             add_rms_norm_reference(y.view(2, 3, 96), r, w, 1e-5)):
+            assert torch.equal(got, want)
+        for got, want in zip(add_rms_norm_fp8_reference(x, r, w, 1e-5, 0.5, scales),
+                             add_rms_norm_fp8_reference(y.view(2, 3, 96), r, w, 1e-5, 0.5)):
+            assert torch.equal(got.float(), want.float())
+        gu, gu_scales = _scaled_case(g, 4, 192, dtype)
+        gu_y = scale_rows_reference(gu, *gu_scales, dtype)
+        for got, want in zip(silu_and_mul_fp8_reference(gu, None, gu_scales),
+                             silu_and_mul_fp8_reference(gu_y)):
+            assert torch.equal(got.float(), want.float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_interp_scaled_kernels_equal_scale_rows_then_the_plain_kernels(interp, dtype):
+    """`scale_rows` equals its reference (bit for bit in float32); the residual adds and silu-and-mul's FP8
+    form applying x's scales as they read it equal `scale_rows` then the kernel on its output
+    (rows of 96, not a power of two; gate/up rows of 2 x 1,300, one pass, and of 2 x 16,400,
+    wider than one pass holds: a pass for the maximum, one to quantize)."""
+    from kernels.activation import silu_and_mul_fp8
+    from kernels.rmsnorm import add_rms_norm, add_rms_norm_fp8
+    from kernels.scaled_rows import scale_rows, scale_rows_reference
+
+    def same(a, b):
+        return all(torch.equal(x.float(), y.float()) for x, y in zip(a, b))
+
+    g = torch.Generator().manual_seed(11)
+    raw, scales = _scaled_case(g, 6, 96, dtype)
+    y = scale_rows(raw, *scales, dtype)
+    if dtype == torch.float32:
+        assert torch.equal(y, scale_rows_reference(raw, *scales, dtype))
+    else:  # the interpreter's cast to bfloat16 may round the other way: one ulp
+        torch.testing.assert_close(y, scale_rows_reference(raw, *scales, dtype),
+                                   rtol=2 ** -7, atol=0)
+    r, w = torch.randn(6, 96, generator=g).to(dtype), torch.randn(96, generator=g).to(dtype)
+    assert same(add_rms_norm(raw, r, w, 1e-5, scales), add_rms_norm(y, r, w, 1e-5))
+    for ub in (None, 0.5):
+        assert same(add_rms_norm_fp8(raw, r, w, 1e-5, ub, scales),
+                    add_rms_norm_fp8(y, r, w, 1e-5, ub))
+    for inner in (1300, 16400):
+        gu, gu_scales = _scaled_case(g, 2, 2 * inner, dtype)
+        assert same(silu_and_mul_fp8(gu, None, gu_scales),
+                    silu_and_mul_fp8(scale_rows(gu, *gu_scales, dtype)))
+    with pytest.raises(ValueError, match="row_scale"):
+        scale_rows(raw, scales[0].t(), scales[1], dtype)
 
 
 def _rotary_store_case(g, n=6, hq=4, hkv=2, d=32, num_blocks=5, block=4):

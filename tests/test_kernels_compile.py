@@ -181,6 +181,47 @@ def test_fp8_kv_kernels_compile_for_hopper(monkeypatch, dtype):
         _compile(fn, args, kwargs)
 
 
+def _fp8_activation_calls(dtype: torch.dtype):
+    """The kernels around an FP8 projection: those quantizing their output for it, and those
+    applying its output's scales (`kernels.scaled_rows`)."""
+    from kernels.activation import silu_and_mul_fp8
+    from kernels.fp8_quant import quantize_rows
+    from kernels.rmsnorm import add_rms_norm, add_rms_norm_fp8, rms_norm_fp8
+    from kernels.scaled_rows import scale_rows
+
+    g = torch.Generator().manual_seed(0)
+
+    def t(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    def scales(m, n):
+        return torch.rand(m, 1, generator=g), torch.rand(1, n, generator=g)
+
+    return [
+        lambda: quantize_rows(t(5, 4096)),
+        lambda: rms_norm_fp8(t(5, 4096), t(4096), 1e-5),
+        lambda: add_rms_norm_fp8(t(5, 4096), t(5, 4096), t(4096), 1e-5, 0.5),
+        lambda: add_rms_norm_fp8(t(5, 4096), t(5, 4096), t(4096), 1e-5, None, scales(5, 4096)),
+        lambda: add_rms_norm(t(5, 4096), t(5, 4096), t(4096), 1e-5, scales(5, 4096)),
+        lambda: silu_and_mul_fp8(t(5, 2 * 14336)),  # one pass
+        lambda: silu_and_mul_fp8(t(5, 2 * 28672), 0.5),  # two passes
+        lambda: silu_and_mul_fp8(t(5, 2 * 14336), None, scales(5, 2 * 14336)),
+        lambda: scale_rows(t(5, 6144), *scales(5, 6144), dtype),
+    ]
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_activation_kernels_compile_for_hopper(monkeypatch, dtype):
+    launches = _launches(monkeypatch, _fp8_activation_calls(dtype))
+    assert {"_quantize_rows_kernel", "_rms_norm_kernel", "_add_rms_norm_kernel",
+            "_silu_and_mul_fp8_kernel", "_scale_rows_kernel"} <= {fn.__name__
+                                                                  for fn, _, _ in launches}
+    monkeypatch.undo()
+    for fn, args, kwargs in launches:
+        _compile(fn, args, kwargs)
+
+
 @needs_kernels
 def test_a_kernel_the_gpu_compiler_refuses_fails_here(monkeypatch):
     """The check can fail: a block whose shape changes inside an `if` runs under the
