@@ -39,6 +39,11 @@ from nanoserve.quantization import Fp8Scheme, check_online
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 MIN_AMAX = 1e-12  # an all-zero row or tensor still gets a finite, nonzero scale
+# Hopper's FP8 tensor cores sum a GEMM's products in their own accumulator, without moving
+# the partial sums into float32 registers every few steps of K: 3% faster on the 8B
+# workload (benchmarks/RESULTS.md), with the logits within the FP8 tests' tolerance (the
+# e4m3 rounding of each activation, ~3.6%, is the larger error). vLLM's FP8 kernels do too.
+FAST_ACCUM = True
 
 # a decoder layer's GEMMs: the model's projection name -> the checkpoint linears it joins
 PROJECTIONS = {"self_attn.qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -117,12 +122,11 @@ def _expand(scale: torch.Tensor, block: tuple[int, int], n: int, k: int) -> torc
 
 class Fp8Linear(nn.Module):
     """y = x W^T (+ bias) with W = weight * weight_scale (per output row), x quantized to
-    e4m3 per token (or by a static input scale), accumulated in float32, returned in x's
-    dtype.
+    e4m3 per token (or by a static input scale), returned in x's dtype.
 
     The GEMM is `torch._scaled_mm(xq, weight.t())` at unit scales (one scale per tensor:
     cuBLAS's kernels for that are 1.2-2.2x faster at decode sizes than its row-wise-scaled
-    one, which is a 128 x 128 tile at every size); its raw output (bfloat16 on a GPU, x's
+    one, which is a 128 x 128 tile at every size; summed as `FAST_ACCUM` says); its raw output (bfloat16 on a GPU, x's
     dtype on the CPU) is then scaled per row and column (kernels/scaled_rows.py): by one
     kernel here, or, with `keep_scales` (`nanoserve.model._project`), by the kernel that
     reads the output next, which gets `ScaledRows`. Either way y is
@@ -178,7 +182,8 @@ class Fp8Linear(nn.Module):
         # raw sums of e4m3 products reach far past float16's range: bfloat16 on a GPU
         raw_dtype = torch.bfloat16 if xq.is_cuda else x.dtype
         raw = torch._scaled_mm(xq, self.weight.t(), scale_a=self.unit_scale,
-                               scale_b=self.unit_scale, out_dtype=raw_dtype)  # [M, N]
+                               scale_b=self.unit_scale, out_dtype=raw_dtype,
+                               use_fast_accum=FAST_ACCUM)  # [M, N]
         shape = torch.Size((*lead, raw.shape[-1]))
         if keep_scales and raw_dtype == x.dtype and self.bias is None:
             return ScaledRows(raw, x_scale, self.weight_scale, shape)
