@@ -24,6 +24,7 @@ from nanoserve.prefix_cache import lookup
 from nanoserve.sampling import SamplingParams
 from nanoserve.sequence import Sequence, SequenceOutput, samples_of
 from nanoserve.step_sampling import StepSampling, sample_step
+from nanoserve.structured import accept_tokens
 
 
 @dataclass
@@ -345,6 +346,9 @@ def _append(seqs: list[Sequence], logits: torch.Tensor, words: int = 0) -> None:
     tokens, lp = sample_step(logits[live], sampling)
     tokens = tokens.tolist()
     lps = dict(zip(sampling.logprob_rows, lp.cpu().numpy())) if lp is not None else {}
+    steered = [j for j, s in enumerate(rows) if s.constrained and tokens[j] >= 0]
+    accepted = dict(zip(steered, accept_tokens([rows[j].matcher for j in steered],
+                                               [tokens[j] for j in steered]))) if steered else {}
     for j, (s, t) in enumerate(zip(rows, tokens)):
         if not s.finished:  # a grammar that allowed nothing ended it while masking
-            s.append(t, lps.get(j))
+            s.append(t, lps.get(j), accepted.get(j))
