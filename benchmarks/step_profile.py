@@ -110,7 +110,8 @@ def profile_engine(model_dir: Path, prompts, max_tokens, scheduler: str, step: s
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30))
         return
     total = sum(v[1] for v in by_kind.values())
-    print(f"\n### {scheduler}:{step} ({quantization or 'bf16'} weights): {n_out} output tokens in {wall:.2f} s under the profiler "
+    print(f"\n### {scheduler}:{step} ({quantization or 'bf16'} weights): {n_out} output "
+          f"tokens in {wall:.2f} s under the profiler "
           f"({n_out / wall:,.0f} tok/s); kernel time {total / 1e6:.2f} s "
           f"({total / 1e6 / wall:.0%} of the wall)\n")
     print("| kind | kernels | ms | share of kernel time |")
@@ -225,9 +226,9 @@ def gemm_table(ms=(1, 8, 16, 32, 64, 96, 128, 192, 256)) -> None:
 def fp8_gemm_table(ms=(1, 16, 64, 128, 192, 256, 512)) -> None:
     """The decode step's GEMMs at the 8B shape per batch size: bf16 `linear` against
     `torch._scaled_mm` over e4m3 operands with row-wise scales (per token x per output
-    channel), with one scale per tensor (the engine's `Fp8Linear`, its scales applied
-    after), each also with `use_fast_accum`. 8 calls in one CUDA graph, each over its own weight; the activations come
-    quantized (the norms before the projections write them)."""
+    channel) and with one scale per tensor (the engine's `Fp8Linear`, its scales applied
+    after), each also with `use_fast_accum`. 8 calls in one CUDA graph, each over its own
+    weight; the activations come quantized (the norms before the projections write them)."""
     from benchmarks.kernels import bench_ms, graphed_calls
 
     fp8 = torch.float8_e4m3fn

@@ -2,7 +2,7 @@
 
 `nanoserve.fp8.Fp8Linear` multiplies e4m3 operands with `torch._scaled_mm` at unit scales
 (one scale per tensor: cuBLAS picks its kernel by the shape; its kernel for row-wise scales
-is one 128 x 128 tile at every size, 1.2-2.2x slower at decode sizes on the H200), and the
+is one 128 x 128 tile at every size, up to 2.2x slower at decode sizes on the H200), and the
 scales are applied after, by the kernel that reads the output next:
 
     y[m, n] = ((raw[m, n] * row_scale[m]) * col_scale[n]), rounded to y's dtype

@@ -12,9 +12,10 @@ Two paths, chosen by the device (`fp8_supported`):
   head stay in the compute dtype.
 
 Scales inside `Fp8Linear` are always per output row (`[N]`) with per-token activation
-scales, applied after a unit-scale `_scaled_mm` (`Fp8Linear`'s docstring says why). A per-tensor scale is expanded into rows, which is
-exact; so fused q/k/v and gate/up whose parts carry separate per-tensor scales keep each
-part's own scale (no second rounding, as requantizing to the largest scale would cost).
+scales, applied after a unit-scale `_scaled_mm` (`Fp8Linear`'s docstring says why). A
+per-tensor scale is expanded into rows, which is exact; so fused q/k/v and gate/up whose
+parts carry separate per-tensor scales keep each part's own scale (no second rounding, as
+requantizing to the largest scale would cost).
 Block-wise checkpoints are requantized per row at load (one more rounding: at most 1/16 of
 a weight's magnitude, like any e4m3 rounding). Per-token activation scales keep a row's
 result independent of the rows that share its batch. A checkpoint's static `input_scale`
@@ -125,12 +126,13 @@ class Fp8Linear(nn.Module):
     e4m3 per token (or by a static input scale), returned in x's dtype.
 
     The GEMM is `torch._scaled_mm(xq, weight.t())` at unit scales (one scale per tensor:
-    cuBLAS's kernels for that are 1.2-2.2x faster at decode sizes than its row-wise-scaled
-    one, which is a 128 x 128 tile at every size; summed as `FAST_ACCUM` says); its raw output (bfloat16 on a GPU, x's
-    dtype on the CPU) is then scaled per row and column (kernels/scaled_rows.py): by one
-    kernel here, or, with `keep_scales` (`nanoserve.model._project`), by the kernel that
-    reads the output next, which gets `ScaledRows`. Either way y is
-    ((raw * x_scale) * weight_scale) rounded to x's dtype, the same bits.
+    cuBLAS picks its kernels for that by the shape, up to 2.2x faster at decode sizes than
+    its row-wise-scaled one, a 128 x 128 tile at every size; summed as `FAST_ACCUM` says);
+    its raw output (bfloat16 on a GPU, x's dtype on the CPU) is then scaled per row and
+    column (kernels/scaled_rows.py): by one kernel here, or, with `keep_scales`
+    (`nanoserve.model._project`), by the kernel that reads the output next, which gets
+    `ScaledRows`. Either way y is ((raw * x_scale) * weight_scale) rounded to x's dtype,
+    the same bits.
 
     weight: e4m3 [N, K], contiguous (its `.t()` is the column-major second operand);
     weight_scale: float32 [1, N]; input_scale: float32 [1, 1] or None (dynamic);
