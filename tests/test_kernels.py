@@ -980,9 +980,10 @@ def test_scaled_references_read_x_as_scale_rows_gives_it():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_interp_scaled_kernels_equal_scale_rows_then_the_plain_kernels(interp, dtype):
     """`scale_rows` equals its reference (bit for bit in float32); the residual adds and
-    silu-and-mul's FP8 form applying x's scales as they read it equal `scale_rows` then the kernel on its output
-    (rows of 96, not a power of two; gate/up rows of 2 x 1,300, one pass, and of 2 x 16,400,
-    wider than one pass holds: a pass for the maximum, one to quantize)."""
+    silu-and-mul's FP8 form applying x's scales as they read it equal `scale_rows` then the
+    kernel on its output (rows of 96, not a power of two; gate/up rows of 2 x 1,300, one
+    pass, and of 2 x 16,400, wider than one pass holds: a pass for the maximum, one to
+    quantize)."""
     from kernels.activation import silu_and_mul_fp8
     from kernels.rmsnorm import add_rms_norm, add_rms_norm_fp8
     from kernels.scaled_rows import scale_rows, scale_rows_reference
