@@ -16,3 +16,9 @@ class InputError(NanoserveError):
 
 class CacheFullError(NanoserveError):
     """The KV block pool cannot hold what was asked of it; nothing was changed."""
+
+
+def check_positive_int(value, what: str) -> None:
+    """Refuse, in one line naming `what`, a value that is not an int >= 1 (a bool is not)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise NanoserveError(f"{what} must be an int >= 1, got {value!r}")

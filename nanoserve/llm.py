@@ -15,7 +15,7 @@ from nanoserve.cache import CacheShape, KVPool
 from nanoserve.config import ModelConfig
 from nanoserve.cuda_graph import MIN_DECODE_STEPS, graphs_wanted
 from nanoserve.dummy_weights import random_model
-from nanoserve.errors import CacheFullError, NanoserveError
+from nanoserve.errors import CacheFullError, NanoserveError, check_positive_int
 from nanoserve.fp8 import build_with_fp8, check_quantization
 from nanoserve.generate import DECODE_STEP_MODES, BatchStats, blocks_for_batch, generate_batch
 from nanoserve.kv_cache_dtype import read_kv_scales, resolve_kv_cache_dtype
@@ -51,13 +51,6 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     if dtype not in _DTYPES:
         raise NanoserveError(f"unknown dtype {dtype!r}; choose auto, {', '.join(_DTYPES)}")
     return _DTYPES[dtype]
-
-
-def check_max_batch_size(value) -> None:
-    """An int >= 1 (NanoserveError otherwise, before anything is loaded)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise NanoserveError(f"max_batch_size (the most rows running at once) must be an "
-                             f"int >= 1, got {value!r}")
 
 
 class LLM:
@@ -96,7 +89,7 @@ class LLM:
         max_batch_size: the most rows decoding at once (and the largest captured step). Rows
         beyond it wait; fewer run when the pool runs out of blocks. More rows pay where the
         pool holds them (an FP8 cache holds twice the tokens: benchmarks/RESULTS.md)."""
-        check_max_batch_size(max_batch_size)
+        check_positive_int(max_batch_size, "max_batch_size (the most rows running at once)")
         self.enable_prefix_caching = enable_prefix_caching
         if scheduler not in SCHEDULERS:
             raise NanoserveError(f"scheduler must be one of {', '.join(SCHEDULERS)}, "

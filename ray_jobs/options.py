@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from nanoserve.errors import InputError, NanoserveError
+from nanoserve.errors import InputError, NanoserveError, check_positive_int
 from nanoserve.model_store import DEFAULT_MODEL
 from nanoserve.quantization import check_online
 from ray_jobs.autoscale import parse_num_workers
@@ -110,10 +110,7 @@ class JobOptions:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise NanoserveError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; choose "
                                  f"{', '.join(KV_CACHE_DTYPES)}")
-        if (isinstance(self.max_running_rows, bool) or not isinstance(self.max_running_rows, int)
-                or self.max_running_rows < 1):
-            raise NanoserveError(f"max_running_rows must be an int >= 1, got "
-                                 f"{self.max_running_rows!r}")
+        check_positive_int(self.max_running_rows, "max_running_rows")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise NanoserveError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
         if self.worker_start_timeout_s <= 0:
