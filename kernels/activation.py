@@ -7,11 +7,15 @@ silu is computed in float32 and rounded to x's dtype before the product, as
 
 - `silu_and_mul_reference`: PyTorch, the oracle.
 - `silu_and_mul`: Triton, one program per (row, column block).
-- `silu_and_mul_fp8(x, ub)` -> (q, scale): the product quantized per row to float8 e4m3 in
-  the same launch, as `kernels.fp8_quant.quantize_rows` quantizes it (the input of an FP8
-  down projection); one program per row: the whole row in registers when I <= 16,384 (the
-  8B shape's 14,336), else a pass for the maximum and one to quantize (the product computed
-  again: cheaper than writing it). `silu_and_mul_fp8_reference`: the two references
+- `silu_and_mul_fp8(x, ub)` -> (q, scale): the product quantized per row to float8 e4m3,
+  as `kernels.fp8_quant.quantize_rows` quantizes it (the input of an FP8 down projection).
+  Two forms, the same bits: "row", one launch, one program per row (the whole row in
+  registers when I <= 16,384, the 8B shape's 14,336, else a pass for the maximum and one
+  to quantize, the product computed again); "split", two launches over (row, column block)
+  programs: the first writes the product (in x's dtype, the value the reference rounds to)
+  and each block's largest |value|, the second reads a row's block maxima for its scale and
+  quantizes its block. A row's programs then run side by side instead of one program
+  walking the row: `_SPLIT_MIN_ROWS` decides, as measured on an H200. `silu_and_mul_fp8_reference`: the two references
   composed. `x_scales=(row_scale, col_scale)` (keyword): x is an FP8 gate/up projection's
   output before its scales (kernels/scaled_rows.py), applied as x is read.
 """
@@ -33,6 +37,8 @@ from kernels.scaled_rows import check_scales, load_scaled, scale_rows_reference
 
 _BLOCK = 1024
 _ONE_PASS_MAX = 16384  # the widest row silu_and_mul_fp8 keeps in registers
+_SPLIT_MIN_ROWS = 1  # silu_and_mul_fp8 takes the "split" form from this many rows
+_SPLIT_BLOCK = 1024  # columns of a "split" program
 
 
 def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
@@ -90,6 +96,41 @@ def _silu_and_mul_fp8_kernel(x_ptr, xr_ptr, xc_ptr, q_ptr, s_ptr, inner, stride_
 
 
 @triton.jit
+def _silu_and_mul_block_max_kernel(x_ptr, xr_ptr, xc_ptr, y_ptr, amax_ptr, inner, stride_x,
+                                   stride_y, n_blocks, BLOCK: tl.constexpr,
+                                   SCALED: tl.constexpr):
+    """The "split" form's first launch: program (row, block) writes the block's product y and
+    its largest |y| to amax [rows, n_blocks]."""
+    row = tl.program_id(0).to(tl.int64)
+    block = tl.program_id(1)
+    cols = block * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inner
+    y = _act(x_ptr, row, stride_x, inner, cols, mask, xr_ptr, xc_ptr, SCALED)
+    tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(amax_ptr + row * n_blocks + block, tl.max(tl.abs(y), axis=0))
+
+
+@triton.jit
+def _quantize_blocks_kernel(y_ptr, amax_ptr, q_ptr, s_ptr, inner, stride_y, stride_q, n_blocks,
+                            ub, HAS_UB: tl.constexpr, BLOCK: tl.constexpr,
+                            BLOCKS_PAD: tl.constexpr):
+    """The "split" form's second launch: program (row, block) takes the row's scale from its
+    block maxima (block 0 stores it) and quantizes its block of y."""
+    row = tl.program_id(0).to(tl.int64)
+    block = tl.program_id(1)
+    b = tl.arange(0, BLOCKS_PAD)
+    amax = tl.load(amax_ptr + row * n_blocks + b, mask=b < n_blocks, other=0.0)
+    scale = row_scale(tl.max(amax, axis=0), ub, HAS_UB)
+    if block == 0:
+        tl.store(s_ptr + row, scale)
+    cols = block * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inner
+    y = tl.load(y_ptr + row * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(q_ptr + row * stride_q + cols,
+             quantize_to_fp8(y, scale).to(q_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, inner, stride_x, stride_o, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -119,23 +160,40 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def silu_and_mul_fp8(x: torch.Tensor, ub: float | None = None,
-                     x_scales: tuple[torch.Tensor, torch.Tensor] | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton form of `silu_and_mul_fp8_reference`."""
+                     x_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     form: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton form of `silu_and_mul_fp8_reference`. `form`: "row" or "split" (the module's
+    docstring; the same bits), default by the number of rows (`_SPLIT_MIN_ROWS`)."""
     rows, inner = _gate_up_rows(x, "silu_and_mul_fp8")
+    m = rows.shape[0]
     if x_scales is not None:
-        check_scales(*x_scales, rows.shape[0], 2 * inner)
+        check_scales(*x_scales, m, 2 * inner)
     row_s, col_s = x_scales if x_scales is not None else (rows, rows)  # unread without them
-    q = torch.empty((rows.shape[0], inner), dtype=FP8, device=x.device)
-    scale = torch.empty((rows.shape[0], 1), dtype=torch.float32, device=x.device)
+    q = torch.empty((m, inner), dtype=FP8, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    form = form or ("split" if m >= _SPLIT_MIN_ROWS else "row")
+    if form not in ("row", "split"):
+        raise ValueError(f"form must be 'row' or 'split', got {form!r}")
+    ub_arg, has_ub, scaled = 0.0 if ub is None else float(ub), ub is not None, x_scales is not None
+    if m == 0:
+        return q, scale
+    if form == "split":
+        n_blocks = triton.cdiv(inner, _SPLIT_BLOCK)
+        y = torch.empty((m, inner), dtype=rows.dtype, device=x.device)
+        amax = torch.empty((m, n_blocks), dtype=torch.float32, device=x.device)
+        _silu_and_mul_block_max_kernel[(m, n_blocks)](
+            rows, row_s, col_s, y, amax, inner, rows.stride(0), y.stride(0), n_blocks,
+            BLOCK=_SPLIT_BLOCK, SCALED=scaled, num_warps=4)
+        _quantize_blocks_kernel[(m, n_blocks)](
+            y, amax, q, scale, inner, y.stride(0), q.stride(0), n_blocks, ub_arg, HAS_UB=has_ub,
+            BLOCK=_SPLIT_BLOCK, BLOCKS_PAD=next_power_of_2(n_blocks), num_warps=4)
+        return q, scale
     one_pass = inner <= _ONE_PASS_MAX
     block = next_power_of_2(inner) if one_pass else _BLOCK
-    if rows.shape[0]:
-        _silu_and_mul_fp8_kernel[(rows.shape[0],)](
-            rows, row_s, col_s, q, scale, inner, rows.stride(0), q.stride(0),
-            0.0 if ub is None else float(ub), HAS_UB=ub is not None, BLOCK=block,
-            ONE_PASS=one_pass, SCALED=x_scales is not None,
-            num_warps=16 if block > 4096 else 8)
+    _silu_and_mul_fp8_kernel[(m,)](
+        rows, row_s, col_s, q, scale, inner, rows.stride(0), q.stride(0), ub_arg,
+        HAS_UB=has_ub, BLOCK=block, ONE_PASS=one_pass, SCALED=scaled,
+        num_warps=16 if block > 4096 else 8)
     return q, scale
 
 

@@ -917,7 +917,8 @@ def test_fp8_output_references_are_the_plain_forms_quantized():
 def test_interp_fp8_output_kernels_equal_the_kernels_unfused(interp, dtype):
     """Each fused kernel quantizes exactly what the unfused pair (the plain kernel, then
     `quantize_rows`) quantizes: equal codes and scales, with and without an amax cap;
-    rows of 96 (not a power of two) and gate/up rows of 2 x 1,300 (two blocks, one partial)."""
+    rows of 96 (not a power of two) and gate/up rows of 2 x 1,300 (two blocks, one partial);
+    silu-and-mul's FP8 form in both its forms (one program a row, and blocks of a row)."""
     from kernels.activation import silu_and_mul, silu_and_mul_fp8
     from kernels.fp8_quant import quantize_rows
     from kernels.rmsnorm import add_rms_norm, add_rms_norm_fp8, rms_norm, rms_norm_fp8
@@ -931,12 +932,14 @@ def test_interp_fp8_output_kernels_equal_the_kernels_unfused(interp, dtype):
     gu = (torch.randn(4, 2600, generator=g) * 2).to(dtype)
     wide = (torch.randn(2, 2 * 16400, generator=g) * 2).to(dtype)  # past one pass: two
     for ub in (None, 0.5):
-        assert same(silu_and_mul_fp8(wide, ub), quantize_rows(silu_and_mul(wide), ub))
+        for form in ("row", "split"):
+            assert same(silu_and_mul_fp8(wide, ub, form=form),
+                        quantize_rows(silu_and_mul(wide), ub))
+            assert same(silu_and_mul_fp8(gu, ub, form=form), quantize_rows(silu_and_mul(gu), ub))
         assert same(rms_norm_fp8(x, w, 1e-5, ub),
                     quantize_rows(rms_norm(x, w, 1e-5).reshape(6, 96), ub))
         h, y = add_rms_norm(x, r, w, 1e-5)
         assert same(add_rms_norm_fp8(x, r, w, 1e-5, ub), (h, *quantize_rows(y.reshape(6, 96), ub)))
-        assert same(silu_and_mul_fp8(gu, ub), quantize_rows(silu_and_mul(gu), ub))
     q, s = rms_norm_fp8(x, w, 1e-5)
     assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32 and s.shape == (6, 1)
 
@@ -1006,8 +1009,9 @@ def test_interp_scaled_kernels_equal_scale_rows_then_the_plain_kernels(interp, d
                     add_rms_norm_fp8(y, r, w, 1e-5, ub))
     for inner in (1300, 16400):
         gu, gu_scales = _scaled_case(g, 2, 2 * inner, dtype)
-        assert same(silu_and_mul_fp8(gu, None, gu_scales),
-                    silu_and_mul_fp8(scale_rows(gu, *gu_scales, dtype)))
+        for form in ("row", "split"):
+            assert same(silu_and_mul_fp8(gu, None, gu_scales, form=form),
+                        silu_and_mul_fp8(scale_rows(gu, *gu_scales, dtype), form="row"))
     with pytest.raises(ValueError, match="row_scale"):
         scale_rows(raw, scales[0].t(), scales[1], dtype)
 

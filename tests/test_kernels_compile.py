@@ -203,9 +203,11 @@ def _fp8_activation_calls(dtype: torch.dtype):
         lambda: add_rms_norm_fp8(t(5, 4096), t(5, 4096), t(4096), 1e-5, 0.5),
         lambda: add_rms_norm_fp8(t(5, 4096), t(5, 4096), t(4096), 1e-5, None, scales(5, 4096)),
         lambda: add_rms_norm(t(5, 4096), t(5, 4096), t(4096), 1e-5, scales(5, 4096)),
-        lambda: silu_and_mul_fp8(t(5, 2 * 14336)),  # one pass
-        lambda: silu_and_mul_fp8(t(5, 2 * 28672), 0.5),  # two passes
-        lambda: silu_and_mul_fp8(t(5, 2 * 14336), None, scales(5, 2 * 14336)),
+        lambda: silu_and_mul_fp8(t(5, 2 * 14336), form="row"),  # one pass
+        lambda: silu_and_mul_fp8(t(5, 2 * 28672), 0.5, form="row"),  # two passes
+        lambda: silu_and_mul_fp8(t(5, 2 * 14336), None, scales(5, 2 * 14336), form="row"),
+        lambda: silu_and_mul_fp8(t(5, 2 * 14336), 0.5, form="split"),
+        lambda: silu_and_mul_fp8(t(5, 2 * 14336), None, scales(5, 2 * 14336), form="split"),
         lambda: scale_rows(t(5, 6144), *scales(5, 6144), dtype),
     ]
 
