@@ -17,8 +17,8 @@ silu is computed in float32 and rounded to x's dtype before the product, as
   quantizes its block. A row's programs then run side by side instead of one program
   walking the row: the default, 1.3-1.8x faster than "row" at 1 to 8,192 rows of the 8B
   shape on an H200 (7.7 against 12.4 us at 1 row, 17.0 against 22.6 at 256). "row" stays
-  as the split form's independent twin in the tests. `silu_and_mul_fp8_reference`: the two references
-  composed. `x_scales=(row_scale, col_scale)` (keyword): x is an FP8 gate/up projection's
+  as the split form's independent twin in the tests. `silu_and_mul_fp8_reference`: the two
+  references composed. `x_scales=(row_scale, col_scale)` (keyword): x is an FP8 gate/up projection's
   output before its scales (kernels/scaled_rows.py), applied as x is read.
 """
 

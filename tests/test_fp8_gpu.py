@@ -177,9 +177,11 @@ def test_fused_fp8_outputs_equal_the_unfused_kernels(ub):
         assert same(rms_norm_fp8(x, w, 1e-5, ub), quantize_rows(rms_norm(x, w, 1e-5), ub))
         h, y = add_rms_norm(x, r, w, 1e-5)
         assert same(add_rms_norm_fp8(x, r, w, 1e-5, ub), (h, *quantize_rows(y, ub)))
-        assert same(silu_and_mul_fp8(gu, ub), quantize_rows(silu_and_mul(gu), ub))
+        for form in ("split", "row"):  # both forms of silu-and-mul's (kernels/activation.py)
+            assert same(silu_and_mul_fp8(gu, ub, form=form), quantize_rows(silu_and_mul(gu), ub))
     wide = torch.randn(3, 2 * 28672, generator=g, device="cuda", dtype=torch.bfloat16) * 3
-    assert same(silu_and_mul_fp8(wide, ub), quantize_rows(silu_and_mul(wide), ub))  # 70B
+    for form in ("split", "row"):  # the 70B side: "row" in two passes
+        assert same(silu_and_mul_fp8(wide, ub, form=form), quantize_rows(silu_and_mul(wide), ub))
 
 
 @pytest.mark.parametrize("ub", [None, 0.5])
