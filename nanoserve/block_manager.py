@@ -196,7 +196,21 @@ class BlockTable:
             self.blocks.extend(allocator.allocate(need))
         start = self.num_tokens
         self.num_tokens += num_new_tokens
-        return [self.slot(p) for p in range(start, self.num_tokens)]
+        return self._slots_between(start, self.num_tokens)
+
+    def _slots_between(self, start: int, end: int) -> list[int]:
+        """The physical slots of positions start..end-1, `[self.slot(p) for p in
+        range(start, end)]`, built a block's run at a time (a prefill's thousands of
+        tokens are a few hundred ranges)."""
+        bs, out = self.block_size, []
+        p = start
+        while p < end:
+            i, off = divmod(p, bs)
+            n = min(end - p, bs - off)
+            base = self.blocks[i] * bs + off
+            out.extend(range(base, base + n))
+            p += n
+        return out
 
     def take_cached(self, blocks: Sequence[int], allocator: BlockAllocator) -> None:
         """Start an empty table from cached blocks (`prefix_cache.lookup`'s answer): one more
@@ -224,17 +238,24 @@ class BlockTable:
         child.block_hashes = list(self.block_hashes[:full])
         return child, ((self.blocks[full], fresh[0]) if tail else None)
 
-    def register_full_blocks(self, token_ids: Sequence[int], allocator: BlockAllocator) -> int:
+    def register_full_blocks(self, token_ids: Sequence[int], allocator: BlockAllocator,
+                             names: Sequence[bytes] | None = None) -> int:
         """Name the full blocks written since the last call; `token_ids` are the sequence's
         tokens from position 0 (prompt, then generated). Call after the step that wrote them.
-        Returns how many blocks got a name here."""
+        names: `hash_blocks(token_ids, block_size)` when the caller has it already (used
+        where it covers the blocks, not recomputed). Returns how many blocks got a name
+        here."""
         num_full = min(self.num_tokens, len(token_ids)) // self.block_size
         start = len(self.block_hashes)
         if num_full <= start:
             return 0
-        parent = self.block_hashes[-1] if self.block_hashes else ROOT_HASH
-        new = token_ids[start * self.block_size : num_full * self.block_size]
-        for i, name in enumerate(hash_blocks(new, self.block_size, parent), start):
+        if names is not None and len(names) >= num_full:
+            fresh = names[start:num_full]
+        else:
+            parent = self.block_hashes[-1] if self.block_hashes else ROOT_HASH
+            new = token_ids[start * self.block_size : num_full * self.block_size]
+            fresh = hash_blocks(new, self.block_size, parent)
+        for i, name in enumerate(fresh, start):
             self.block_hashes.append(name)
             allocator.register(self.blocks[i], name)
         return max(0, num_full - start)
@@ -245,7 +266,7 @@ class BlockTable:
         )
 
     def slots(self) -> list[int]:
-        return [self.slot(p) for p in range(self.num_tokens)]
+        return self._slots_between(0, self.num_tokens)
 
     def free(self, allocator: BlockAllocator) -> None:
         allocator.free(self.blocks)

@@ -290,3 +290,47 @@ def test_decode_reservation_refuses_a_shared_tail():
     with pytest.raises(RuntimeError, match="shared or named"):
         reserve_one_each([t], alloc)
     assert reserve_one_each([], alloc) == []
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from([1, 4, 16]), st.lists(st.integers(0, 70), min_size=1, max_size=5))
+def test_append_slots_are_each_positions_slot(bs, grows):
+    """`append` returns, a block's run at a time, the same slots as `slot(p)` of each new
+    position, over blocks taken out of order (a table grown in steps beside another)."""
+    alloc = BlockAllocator(sum(-(-n // bs) + 1 for n in grows) * 2 + 2)
+    t, other = BlockTable(bs), BlockTable(bs)
+    for n in grows:
+        start = t.num_tokens
+        got = t.append(n, alloc)
+        other.append(bs, alloc)  # interleaves the two tables' blocks
+        assert got == [t.blocks[p // bs] * bs + p % bs for p in range(start, t.num_tokens)]
+    assert t.slots() == [t.slot(p) for p in range(t.num_tokens)]
+
+
+def test_registering_with_known_names_equals_hashing_them():
+    """`register_full_blocks(tokens, alloc, names)` names the same blocks the same way as
+    without `names`, from an empty table and after cached blocks; names too short for the
+    blocks are not used."""
+    from nanoserve.prefix_cache import hash_blocks
+
+    bs = 4
+    tokens = list(range(100, 119))  # 4 full blocks and 3 tokens
+    names = hash_blocks(tokens, bs)
+
+    def run(given, cached=0, prefix=None):
+        alloc = BlockAllocator(32)
+        first = BlockTable(bs)
+        first.append(len(tokens), alloc)
+        first.register_full_blocks(tokens, alloc)
+        hit = first.blocks[:cached]
+        t = BlockTable(bs)
+        t.take_cached(hit, alloc)
+        t.append(len(tokens) - t.num_tokens, alloc)
+        fresh = t.register_full_blocks(tokens, alloc, given)
+        return fresh, t.block_hashes, alloc.hash_index()
+
+    for cached in (0, 2):
+        want = run(None, cached)
+        assert want[1] == names
+        assert run(names, cached) == want
+        assert run(names[:2], cached) == want  # too short: hashed instead
