@@ -56,6 +56,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from itertools import chain
 from time import perf_counter
 
 import torch
@@ -128,13 +129,13 @@ class _Row:
         self._names: tuple[int, list[bytes]] = (-1, [])  # (prefill length, block names)
 
     def block_names(self, block_size: int) -> list[bytes]:
-        """The prefix-cache names of the full blocks its prefill may take from the cache
-        (computed once per prefill length: a preempted row's prefill is longer)."""
+        """The prefix-cache names of its prefill's full blocks (`hash_blocks` of
+        `prefill_tokens()`; computed once per prefill length: a preempted row's prefill is
+        longer). Its prefill may take the first `max_cached_blocks` of them from the cache
+        and names them all once written."""
         tokens = self.prefill_tokens()
         if self._names[0] != len(tokens):
-            names = hash_blocks(tokens, block_size,
-                                max_blocks=max_cached_blocks(len(tokens), block_size))
-            self._names = (len(tokens), names)
+            self._names = (len(tokens), hash_blocks(tokens, block_size))
         return self._names[1]
 
     def peak_tokens(self) -> int:
@@ -301,7 +302,7 @@ class ContinuousScheduler:
             prefill = row.prefill_tokens()
             hit: list[int] = []
             if self.prefix_caching and not row.seq.wants_prompt_logprobs:
-                names = row.block_names(bs)
+                names = row.block_names(bs)[:max_cached_blocks(len(prefill), bs)]
                 for name in names:
                     block = alloc.cached_block(name)
                     if block is None:
@@ -386,13 +387,13 @@ class ContinuousScheduler:
                                     fill=False)
                     if samplers else None)
         op = self.runner.prefill(
-            tokens, [s for w in writes for s in w], [r.slot for r in rows], sample_from,
+            tokens, list(chain.from_iterable(writes)), [r.slot for r in rows], sample_from,
             [r.slot for r in samplers], sampling, cached,
             [(i, rows[i].seq.params.prompt_logprobs) for i in prompt])
         self.pool.copy_blocks(pairs)  # queued after the prefill that wrote the sources
         if self.prefix_caching:  # queued after the prefill that writes them: safe to share
             for r, f in zip(rows, full):
-                r.table.register_full_blocks(f, alloc)
+                r.table.register_full_blocks(f, alloc, r.block_names(self.pool.block_size))
         for r in placed:
             r.launched = max(len(r.seq.output_ids), 1)
         n = sum(len(t) for t in tokens)

@@ -534,3 +534,49 @@ def test_rows_a_preemption_ends_leave_the_queue_to_the_next_step(tiny_model):
     for prompt, p, out in zip(prompts, params, outs):
         assert out.token_ids == alone(tiny_model, prompt, p, ()).token_ids
     assert_free(pool)
+
+
+def test_prefill_length_rounds_up_to_few_shapes():
+    from nanoserve.model_runner import prefill_length
+
+    got = [prefill_length(n) for n in range(1, 9000)]
+    assert all(n <= g < n + 128 for n, g in zip(range(1, 9000), got))
+    assert got == sorted(got) and prefill_length(512) == 512 and prefill_length(513) == 576
+    assert prefill_length(2049) == 2176 and all(g % 16 == 0 for g in got)
+    assert len(set(got[:8192])) < 110  # shapes up to the default budget of 8,192 tokens
+
+
+def test_padded_prefills_give_the_tokens_and_writes_of_unpadded_ones(sharp_model):
+    """Packed prefills padded to `prefill_length` (a padding row after the real ones, as on a
+    GPU) against unpadded ones, on the model whose attention is sharp: rows over a shared
+    prefix (prefills after cached blocks, the paged path), sampled rows, a row asking for
+    prompt logprobs and one asking for 3 samples: the same tokens, logprobs and stats, and
+    the padding stores nothing (pools filled with a sentinel keep it where the unpadded
+    run left it)."""
+    import torch
+
+    prompts, params = shared_prefix_rows(20, 9, 5, sampled=True, suffix=(1, 13))
+    params[2] = SamplingParams(max_tokens=4, prompt_logprobs=2, logprobs=1, ignore_eos=True)
+    params[5] = SamplingParams(max_tokens=5, temperature=0.7, seed=9, n=3, ignore_eos=True)
+    runs, pools = {}, {}
+    for pad in (False, True):
+        pool = make_pool(sharp_model, 128, block_size=8)
+        for t in pool.k + pool.v:
+            t.fill_(7.0)
+        runner = ContinuousRunner(sharp_model, pool, 3, "eager", pad_prefills=pad)
+        runs[pad] = generate_continuous(sharp_model, prompts, params, (), pool, max_batch_size=3,
+                                        runner=runner)
+        pools[pad] = pool
+        assert pool.allocator.num_free == pool.num_blocks
+    (plain, plain_stats), (padded, padded_stats) = runs[False], runs[True]
+    assert [o.token_ids for o in padded] == [o.token_ids for o in plain]
+    assert padded_stats == plain_stats and plain_stats.cached_tokens > 0
+    for a, b in zip(padded, plain):
+        for x, y in ((a.logprobs, b.logprobs), (a.prompt_logprobs, b.prompt_logprobs)):
+            assert (x is None) == (y is None)
+            if x is not None:
+                assert [t.token_id for t in x] == [t.token_id for t in y]
+                assert [t.logprob for t in x] == pytest.approx([t.logprob for t in y], abs=1e-5)
+    for got, want in zip(pools[True].k + pools[True].v, pools[False].k + pools[False].v):
+        assert torch.equal(got == 7.0, want == 7.0)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)  # (another GEMM's rounding)
