@@ -12,6 +12,13 @@ token of block 0 and its token is never read.
 Block tables live per row slot too: `block_tables[r]` [W] int32, W = the most blocks a row
 can ever hold. The host sends only what changed (a row's new blocks) before a step.
 
+Packed prefill of N tokens (several rows' new tokens in one row [1, N]): on a CUDA device a
+row of padding follows them up to `prefill_length(N)` tokens (token 0, write slot -1, the
+padding row slot's table), so its GEMMs meet about a hundred shapes: cuBLAS picks each new
+shape's kernel on the host, ~10x the cost of a shape it has met. No real row attends to the
+padding and every other op is per token, so real rows' results are those of the unpadded
+prefill (up to the GEMMs' rounding at another row count).
+
 Decode step for n rows, run at the smallest bucket b >= n (buckets 1, 2, 4, 8, then
 multiples of 16 up to max_batch_size): inputs are fixed views [b] of one device buffer
 (row slots, positions, write slots, context lengths), refilled by one copy from pinned

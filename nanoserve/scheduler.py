@@ -11,8 +11,9 @@ and drives a `ContinuousRunner` (nanoserve/model_runner.py). Each iteration of `
       while the running batch has fewer than `max_batch_size` rows, the admitted prompts
       hold at most `max_prefill_tokens` tokens together (the first always goes), and the
       pool keeps one free block per running row after their prompts (what the next step
-      can need); the admitted rows are prefilled together, packed (no padding), and new
-      rows sample their first token on the device;
+      can need); the admitted rows are prefilled together, packed (on a GPU followed by
+      a padding row: `nanoserve.model_runner.prefill_length`), and new rows sample their
+      first token on the device;
    b. one decode step for every running row that may still need a token, the rows ordered
       longest context first (so the attention kernel's programs for the longest rows
       start first and the GPU's multiprocessors end together; `ORDER_LONGEST_FIRST`):
