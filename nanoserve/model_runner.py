@@ -15,7 +15,7 @@ can ever hold. The host sends only what changed (a row's new blocks) before a st
 Packed prefill of N tokens (several rows' new tokens in one row [1, N]): on a CUDA device a
 row of padding follows them up to `prefill_length(N)` tokens (token 0, write slot -1, the
 padding row slot's table), so its GEMMs meet about a hundred shapes: cuBLAS picks each new
-shape's kernel on the host, ~10x the cost of a shape it has met. No real row attends to the
+shape's kernel on the host, 5-15x the cost of a shape it has met. No real row attends to the
 padding and every other op is per token, so real rows' results are those of the unpadded
 prefill (up to the GEMMs' rounding at another row count).
 
@@ -104,7 +104,8 @@ class ContinuousRunner:
                  mode: str = "eager", max_blocks_per_row: int | None = None,
                  pad_prefills: bool | None = None) -> None:
         """pad_prefills: run packed prefills at `prefill_length` tokens (default: on a CUDA
-        device, where a GEMM of a shape cuBLAS has not met costs the host ~10x one it has)."""
+        device, where a GEMM of a shape cuBLAS has not met costs the host 5-15x one it has; a
+        prefill whose padding its table could not hold runs unpadded)."""
         if mode not in STEP_MODES:
             raise ValueError(f"step mode must be one of {STEP_MODES}, got {mode!r}")
         if mode == "graph" and pool.device.type != "cuda":
@@ -413,6 +414,8 @@ class ContinuousRunner:
         cached = cached or [0] * len(tokens)
         lens = [len(t) for t in tokens]
         pad = prefill_length(sum(lens)) - sum(lens) if self.pad_prefills else 0
+        if pad > self.width * self.pool.block_size:  # its table could not hold it: none
+            pad = 0
         if pad:  # one more row, of padding: it stores nothing and no row attends to it
             tokens, lens, cached = tokens + [[0] * pad], lens + [pad], cached + [0]
             slots, pad_writes = slots + [self.pad], [-1] * pad

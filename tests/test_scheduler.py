@@ -580,3 +580,25 @@ def test_padded_prefills_give_the_tokens_and_writes_of_unpadded_ones(sharp_model
     for got, want in zip(pools[True].k + pools[True].v, pools[False].k + pools[False].v):
         assert torch.equal(got == 7.0, want == 7.0)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)  # (another GEMM's rounding)
+
+
+def test_padding_that_its_table_cannot_hold_is_left_out(tiny_model):
+    """Tables of 2 blocks of 4 tokens, rows over a shared first block (later prefills
+    attend to cached blocks through their tables): a padding row longer than a table holds
+    is left out (the prefill runs unpadded), and the tokens equal the unpadded runner's."""
+    rng = random.Random(3)
+    prefix = [5, 6, 7, 8]
+    prompts = [prefix + [rng.randrange(3, 128) for _ in range(rng.randint(1, 3))]
+               for _ in range(120)]
+    params = [SamplingParams(max_tokens=2, ignore_eos=True)] * len(prompts)
+    outs = []
+    for pad in (False, True):
+        pool = make_pool(tiny_model, 400, block_size=4)
+        runner = ContinuousRunner(tiny_model, pool, 40, "eager", max_blocks_per_row=2,
+                                  pad_prefills=pad)
+        got, stats = generate_continuous(tiny_model, prompts, params, (), pool,
+                                         max_batch_size=40, runner=runner)
+        assert stats.cached_tokens > 0
+        outs.append([o.token_ids for o in got])
+        assert_free(pool)
+    assert outs[0] == outs[1]
