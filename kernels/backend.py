@@ -136,10 +136,13 @@ def prefill_attention(
     scale: float,
     *,
     window: int | None = None,  # sliding window: keys i-window+1..i; None: all
+    work: torch.Tensor | None = None,  # [2, P] int32 (kernels.prefill_attention.prefill_work)
 ) -> torch.Tensor:  # [N, Hq, D]
-    """Causal attention within each packed prompt."""
+    """Causal attention within each packed prompt. `work`: the Triton kernel's work table
+    (a grid that does not depend on the prompts' lengths); the other forms need none."""
     if use_triton(q.device):
-        return _prefill_attention_triton(q, k, v, cu_seqlens, max_seqlen, scale, window=window)
+        return _prefill_attention_triton(q, k, v, cu_seqlens, max_seqlen, scale, window=window,
+                                         work=work)
     if q.device.type == "cpu" and not references_forced():
         return prefill_attention_cpu(q, k, v, cu_seqlens, max_seqlen, scale, window=window)
     return prefill_attention_reference(q, k, v, cu_seqlens, max_seqlen, scale, window=window)
@@ -157,11 +160,13 @@ def paged_prefill_attention(
     *,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    work: torch.Tensor | None = None,  # [2, P] int32, for the kernel's default block_m
 ) -> torch.Tensor:  # [N, Hq, D]
-    """Causal attention of each row's new tokens over its whole paged context."""
+    """Causal attention of each row's new tokens over its whole paged context. `work`: the
+    Triton kernel's work table (its grid then independent of the rows' lengths)."""
     args = (q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, scale)
     if use_triton(q.device):
-        return _paged_prefill_triton(*args, k_scale=k_scale, v_scale=v_scale)
+        return _paged_prefill_triton(*args, k_scale=k_scale, v_scale=v_scale, work=work)
     if q.device.type == "cpu" and not references_forced():
         return paged_prefill_attention_cpu(*args, k_scale=k_scale, v_scale=v_scale)
     return paged_prefill_attention_reference(*args, k_scale=k_scale, v_scale=v_scale)

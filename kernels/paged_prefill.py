@@ -22,6 +22,8 @@ Two implementations with one signature:
   those tokens for all the query heads sharing that KV head (tokens x heads are the rows of
   one tile, as in the paged decode kernel), walks the row's context block by block up to the
   tile's last position, and keeps an online softmax in float32 (`kernels.online_softmax`).
+  A work table (`kernels.prefill_attention.prefill_work`) may list the (row, block) pairs
+  instead, so the grid depends on the table's size alone (a captured prefill).
 With no cached tokens (context_lens == q_len) both equal `kernels.prefill_attention` over the
 same tokens.
 """
@@ -167,6 +169,8 @@ def _paged_prefill_kernel(
     cu_seqlens_q_ptr,  # [B + 1] int32
     context_lens_ptr,  # [B]
     out_ptr,  # [N, Hq, D]
+    work_ptr,  # [2, P] int32 (WORK): each program's row (-1: none) and block of new tokens
+    work_size,  # P
     qk_scale,  # softmax scale * log2(e) (* k_scale: FP8 caches)
     v_scale,  # FP8 caches: the values' scale, applied to the output; else 1.0
     stride_qn,
@@ -194,10 +198,17 @@ def _paged_prefill_kernel(
     BLOCK_N: tl.constexpr,  # context tokens per loop step
     DOT_FP32: tl.constexpr,  # compute dots in float32 (fp32 inputs, CPU interpreter)
     KV_FP8: tl.constexpr,  # the cache is float8 e4m3
+    WORK: tl.constexpr,  # grid (P, Hkv) over a work table, else (blocks, Hkv, B)
 ):
-    m_block = tl.program_id(0)
     kv_head = tl.program_id(1)
-    row = tl.program_id(2)
+    if WORK:
+        row = tl.load(work_ptr + tl.program_id(0))
+        m_block = tl.load(work_ptr + work_size + tl.program_id(0))
+        if row < 0:
+            return
+    else:
+        m_block = tl.program_id(0)
+        row = tl.program_id(2)
     q_start = tl.load(cu_seqlens_q_ptr + row)
     q_len = tl.load(cu_seqlens_q_ptr + row + 1) - q_start
     m0 = m_block * BLOCK_M
@@ -272,6 +283,7 @@ def paged_prefill_attention(
     num_stages: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    work: torch.Tensor | None = None,  # [2, P] int32 (`prefill_work` for block_m)
 ) -> torch.Tensor:  # [N, Hq, D], dtype of q
     """Triton paged prefill attention; same contract as `paged_prefill_attention_reference`.
 
@@ -279,7 +291,9 @@ def paged_prefill_attention(
     `max_seqlen_q` new tokens are computed only up to `max_seqlen_q`, and a context longer
     than the row's blocks reads whatever its padding entries point to. `block_m` (new tokens
     per program), `block_n` (context tokens per step), `num_warps` and `num_stages` are
-    tuning knobs.
+    tuning knobs. `work`: a work table built for this block_m
+    (`kernels.prefill_attention.prefill_work`; default block_m: `default_block_m(group)`),
+    the grid then (P, Hkv) whatever the rows' lengths (max_seqlen_q unused).
     """
     if not HAS_TRITON:
         raise RuntimeError("paged_prefill_attention needs Triton; use the reference instead")
@@ -291,7 +305,13 @@ def paged_prefill_attention(
     block_size, num_kv_heads = k_cache.shape[1:3]
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     batch = cu_seqlens_q.shape[0] - 1
-    if num_tokens == 0 or batch == 0 or max_seqlen_q <= 0:
+    if work is not None:
+        if work.dim() != 2 or work.shape[0] != 2 or work.dtype != torch.int32 \
+                or not work.is_contiguous() or work.device != q.device:
+            raise ValueError("work must be a contiguous [2, P] int32 tensor on q's device")
+        if num_tokens == 0 or batch == 0 or work.shape[1] == 0:
+            return out
+    elif num_tokens == 0 or batch == 0 or max_seqlen_q <= 0:
         return out
     group = num_q_heads // num_kv_heads
     group_pad = next_power_of_2(group)
@@ -301,7 +321,10 @@ def paged_prefill_attention(
     launch = {"num_warps": num_warps or (8 if block_m * group_pad * d_pad > 64 * 128 else 4)}
     if num_stages is not None:
         launch["num_stages"] = num_stages
-    grid = (-(-int(max_seqlen_q) // block_m), num_kv_heads, batch)
+    if work is not None:
+        grid = (work.shape[1], num_kv_heads)
+    else:
+        grid = (-(-int(max_seqlen_q) // block_m), num_kv_heads, batch)
     _paged_prefill_kernel[grid](
         q,
         k_cache,
@@ -310,6 +333,8 @@ def paged_prefill_attention(
         cu_seqlens_q,
         context_lens,
         out,
+        cu_seqlens_q if work is None else work,
+        0 if work is None else work.shape[1],
         float(scale) * _LOG2E * float(k_scale),
         float(v_scale),
         *q.stride(),
@@ -326,6 +351,7 @@ def paged_prefill_attention(
         BLOCK_N=block_n,
         DOT_FP32=INTERPRETED or q.dtype == torch.float32,
         KV_FP8=is_fp8(k_cache.dtype),
+        WORK=work is not None,
         **launch,
     )
     return out

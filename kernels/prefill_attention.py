@@ -10,10 +10,15 @@ Two implementations with one signature:
 - `prefill_attention_reference`: PyTorch, the oracle (float32 math, one prompt at a time).
 - `prefill_attention`: Triton flash-attention forward. One program per (query block, query
   head, prompt) walks the prompt's key blocks up to its diagonal with a float32 online softmax.
+
+A work table (`prefill_work`) lists the (prompt, query block) pairs instead: the grid is then
+(table size, query heads) whatever the prompts' lengths, so a CUDA graph captured at one
+table size serves every packing of that many tokens (entries with prompt -1 do nothing).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kernels._triton import HAS_TRITON, interpret_requested, next_power_of_2, tl, triton
@@ -26,6 +31,31 @@ INTERPRETED = HAS_TRITON and interpret_requested()
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _FLOAT_DTYPES = (*_KERNEL_DTYPES, torch.float64)  # float64: the reference only
 _LOG2E = 1.4426950408889634
+PREFILL_BLOCK_M = 64  # queries per program (the default; a work table is built for it)
+
+
+def prefill_work_size(num_tokens: int, max_prompts: int, block_m: int = PREFILL_BLOCK_M) -> int:
+    """Entries a work table needs for any packing of `num_tokens` tokens into at most
+    `max_prompts` prompts: each prompt's blocks are ceil(length / block_m)."""
+    return num_tokens // block_m + min(max_prompts, num_tokens) + 1
+
+
+def prefill_work(lengths: list[int], size: int, block_m: int = PREFILL_BLOCK_M) -> np.ndarray:
+    """[2, size] int32: row 0 the prompt, row 1 the query block (of block_m queries) of each
+    program, the blocks furthest along their prompt first (they see the most keys, so they
+    start first and the programs end together); entries past the work hold prompt -1.
+    (The paged prefill kernel takes the same table, built for its own block_m.)"""
+    lens = np.asarray(lengths, dtype=np.int64)
+    blocks = -(-lens // block_m)  # [B]
+    total = int(blocks.sum())
+    if total > size:
+        raise ValueError(f"{total} query blocks do not fit a work table of {size}")
+    prompt = np.repeat(np.arange(len(lens)), blocks)  # [total]
+    block = np.arange(total) - np.repeat(np.cumsum(blocks) - blocks, blocks)
+    order = np.argsort(-block, kind="stable")
+    out = np.full((2, size), -1, dtype=np.int32)
+    out[0, :total], out[1, :total] = prompt[order], block[order]
+    return out
 
 
 def check_prefill_args(
@@ -116,6 +146,8 @@ def _prefill_kernel(
     v_ptr,  # [N, Hkv, D]
     out_ptr,  # [N, Hq, D]
     cu_seqlens_ptr,  # [B + 1] int32
+    work_ptr,  # [2, P] int32 (WORK): each program's prompt (-1: none) and query block
+    work_size,  # P
     qk_scale,  # softmax scale * log2(e)
     window,  # sliding window (NO_WINDOW: none): query m sees keys m-window+1..m
     stride_qn,
@@ -136,10 +168,17 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,  # queries per program
     BLOCK_N: tl.constexpr,  # keys per loop step
     DOT_FP32: tl.constexpr,  # compute dots in float32 (fp32 inputs, CPU interpreter)
+    WORK: tl.constexpr,  # grid (P, Hq) over a work table, else (query blocks, Hq, B)
 ):
-    m_block = tl.program_id(0)
     head = tl.program_id(1)
-    seq = tl.program_id(2)
+    if WORK:
+        seq = tl.load(work_ptr + tl.program_id(0))
+        m_block = tl.load(work_ptr + work_size + tl.program_id(0))
+        if seq < 0:
+            return
+    else:
+        m_block = tl.program_id(0)
+        seq = tl.program_id(2)
     seq_start = tl.load(cu_seqlens_ptr + seq)
     seq_len = tl.load(cu_seqlens_ptr + seq + 1) - seq_start
     m0 = m_block * BLOCK_M
@@ -194,12 +233,14 @@ def prefill_attention(
     block_m: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
+    work: torch.Tensor | None = None,  # [2, P] int32, from `prefill_work` (then max_seqlen unused)
 ) -> torch.Tensor:  # [N, Hq, D], dtype of q
     """Triton causal ragged prefill attention; same contract as `prefill_attention_reference`.
 
     `cu_seqlens` values are not checked on the device (no synchronization): prompts longer
-    than `max_seqlen` are computed only up to `max_seqlen` queries. `window`: a sliding
-    window (the reference's meaning). `block_m`, `block_n` and `num_warps` are tuning knobs.
+    than `max_seqlen` are computed only up to `max_seqlen` queries (with a work table: its
+    blocks only). `window`: a sliding window (the reference's meaning). `block_m`, `block_n`
+    and `num_warps` are tuning knobs; with a work table, block_m is PREFILL_BLOCK_M.
     """
     if not HAS_TRITON:
         raise RuntimeError("prefill_attention needs Triton; use the reference instead")
@@ -210,17 +251,30 @@ def prefill_attention(
     num_tokens, num_q_heads, head_dim = q.shape
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     num_seqs = cu_seqlens.shape[0] - 1
-    if num_tokens == 0 or num_seqs == 0 or max_seqlen <= 0:
-        return out
-    block_m = block_m or 64
+    if work is not None:
+        if block_m not in (None, PREFILL_BLOCK_M):
+            raise ValueError(f"a work table is built for block_m={PREFILL_BLOCK_M}")
+        if work.dim() != 2 or work.shape[0] != 2 or work.dtype != torch.int32 \
+                or not work.is_contiguous() or work.device != q.device:
+            raise ValueError("work must be a contiguous [2, P] int32 tensor on q's device")
+        if num_tokens == 0 or num_seqs == 0 or work.shape[1] == 0:
+            return out
+        block_m = PREFILL_BLOCK_M
+        grid = (work.shape[1], num_q_heads)
+    else:
+        if num_tokens == 0 or num_seqs == 0 or max_seqlen <= 0:
+            return out
+        block_m = block_m or PREFILL_BLOCK_M
+        grid = (-(-int(max_seqlen) // block_m), num_q_heads, num_seqs)
     block_n = block_n or 64
-    grid = (-(-int(max_seqlen) // block_m), num_q_heads, num_seqs)
     _prefill_kernel[grid](
         q,
         k,
         v,
         out,
         cu_seqlens,
+        cu_seqlens if work is None else work,
+        0 if work is None else work.shape[1],
         float(scale) * _LOG2E,
         window,
         *q.stride(),
@@ -233,9 +287,11 @@ def prefill_attention(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         DOT_FP32=INTERPRETED or q.dtype == torch.float32,
+        WORK=work is not None,
         num_warps=num_warps or 4,
     )
     return out
 
 
-__all__ = ["check_prefill_args", "prefill_attention", "prefill_attention_reference"]
+__all__ = ["PREFILL_BLOCK_M", "check_prefill_args", "prefill_attention",
+           "prefill_attention_reference", "prefill_work", "prefill_work_size"]

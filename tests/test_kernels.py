@@ -25,6 +25,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -673,6 +674,46 @@ def test_interp_prefill_kernel_matches_reference(interp, group, head_dim, dtype,
     assert_close(out, expected, dtype)
 
 
+def test_prefill_work_lists_each_query_block_once_furthest_first():
+    from kernels.prefill_attention import PREFILL_BLOCK_M, prefill_work, prefill_work_size
+
+    lengths = [1, 0, 2 * PREFILL_BLOCK_M, 3 * PREFILL_BLOCK_M + 5, 7]
+    size = prefill_work_size(sum(lengths), len(lengths))
+    work = prefill_work(lengths, size)
+    assert work.shape == (2, size) and work.dtype == np.int32
+    real = [(int(p), int(b)) for p, b in zip(*work) if p >= 0]
+    expected = {(p, b) for p, n in enumerate(lengths) for b in range(-(-n // PREFILL_BLOCK_M))}
+    assert sorted(real) == sorted(expected) and len(real) == len(expected)
+    assert [b for _, b in real] == sorted((b for _, b in real), reverse=True)
+    assert (work[:, len(real):] == -1).all()
+    # any packing of N tokens into at most R prompts fits the size made for (N, R)
+    for lens in ([1] * 9, [64] * 3 + [1] * 6, [65, 63, 1, 0]):
+        prefill_work(lens, prefill_work_size(sum(lens), len(lens)))
+    with pytest.raises(ValueError, match="do not fit"):
+        prefill_work([PREFILL_BLOCK_M + 1] * 3, 5)
+
+
+@pytest.mark.parametrize("group,dtype,window", [(1, torch.float32, None), (4, torch.float16, None),
+                                                (2, torch.float32, 37)])
+def test_interp_prefill_kernel_over_a_work_table_equals_its_grid(interp, group, dtype, window):
+    """The same blocks with the same tiles: the output equals the usual grid's bit for bit,
+    spare entries (prompt -1) and empty prompts included, and the reference's within
+    tolerance."""
+    prefill = interp["prefill_attention"]
+    lengths = [1, 64, 0, 131, 32, 70]
+    q, k, v, cu = make_prefill_case(seed=7 + group, lengths=lengths, num_kv_heads=2,
+                                    group=group, head_dim=64, dtype=dtype)
+    size = prefill.prefill_work_size(sum(lengths), len(lengths) + 3)
+    work = torch.from_numpy(prefill.prefill_work(lengths, size))
+    out = prefill.prefill_attention(q, k, v, cu, 1, 0.125, window=window, work=work)
+    plain = prefill.prefill_attention(q, k, v, cu, max(lengths), 0.125, window=window)
+    torch.testing.assert_close(out, plain, atol=0, rtol=0)
+    expected = prefill_attention_reference(q, k, v, cu, max(lengths), 0.125, window=window)
+    assert_close(out, expected, dtype)
+    with pytest.raises(ValueError, match="block_m"):
+        prefill.prefill_attention(q, k, v, cu, 1, 0.125, work=work, block_m=16)
+
+
 def _poison_outside_window(cache, tables, lens, window, block_size):
     """A copy of `cache` with NaN in each row's real slots that lie before its window: a
     kernel that loads one of them (even to mask it afterwards) returns NaN."""
@@ -827,6 +868,14 @@ def test_interp_paged_prefill_kernel_matches_reference(
         q, k_bad, v_bad, tables, cu, lens, max(new), scale, block_m=block_m, block_n=block_n
     )
     torch.testing.assert_close(dirty, out, atol=0, rtol=0)
+    if block_m is None and dtype == torch.float32:  # over a work table: the same bits
+        from kernels.prefill_attention import prefill_work, prefill_work_size
+
+        bm = paged_prefill.default_block_m(group)
+        work = torch.from_numpy(prefill_work(new, prefill_work_size(sum(new), 8, bm), bm))
+        tabled = paged_prefill.paged_prefill_attention(
+            q, k_bad, v_bad, tables, cu, lens, 1, scale, block_n=block_n, work=work)
+        torch.testing.assert_close(tabled, out, atol=0, rtol=0)
 
 
 def test_interp_paged_prefill_dispatch_and_strided_queries(interp):

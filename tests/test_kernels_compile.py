@@ -81,7 +81,7 @@ def _wrapper_calls(dtype: torch.dtype):
     from kernels.logprobs import logprob_rows
     from kernels.paged_attention import paged_decode_attention
     from kernels.paged_prefill import paged_prefill_attention
-    from kernels.prefill_attention import prefill_attention
+    from kernels.prefill_attention import prefill_attention, prefill_work
     from kernels.rmsnorm import add_rms_norm, rms_norm
     from kernels.rotary import rotary
     from kernels.rotary_store import rotary_store
@@ -110,7 +110,11 @@ def _wrapper_calls(dtype: torch.dtype):
                                   0.125),
         lambda: prefill_attention(qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:], cu, 18,
                                   0.125, window=5),
+        lambda: prefill_attention(qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:], cu, 18,
+                                  0.125, work=torch.from_numpy(prefill_work([5, 7, 18], 9))),
         lambda: paged_prefill_attention(qkv[:, :hq], kc, vc, tables, cu, lens, 18, 0.125),
+        lambda: paged_prefill_attention(qkv[:, :hq], kc, vc, tables, cu, lens, 18, 0.125,
+                                        work=torch.from_numpy(prefill_work([5, 7, 18], 9, 16))),
         lambda: store_kv(qkv[:, hq:hq + hkv], qkv[:, hq + hkv:], kc, vc, slots),
         lambda: rms_norm(t(30, 256), t(256), 1e-5),
         lambda: add_rms_norm(t(30, 256), t(30, 256), t(256), 1e-5),

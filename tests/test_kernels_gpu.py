@@ -37,6 +37,8 @@ from kernels.paged_prefill import (  # noqa: E402
 from kernels.prefill_attention import (  # noqa: E402
     prefill_attention,
     prefill_attention_reference,
+    prefill_work,
+    prefill_work_size,
 )
 
 DEVICE = "cuda"
@@ -171,6 +173,11 @@ def test_prefill_kernel_matches_reference_bf16(group, head_dim):
     out = prefill_attention(q, k, v, cu, max(lengths), scale)
     assert out.dtype == torch.bfloat16
     assert_close(out, expected, torch.bfloat16)
+    # over a work table (the captured prefill's grid), spare entries included: the same bits
+    size = prefill_work_size(n, len(lengths) + 4)
+    work = torch.from_numpy(prefill_work(lengths, size)).to(DEVICE)
+    torch.testing.assert_close(prefill_attention(q, k, v, cu, 1, scale, work=work), out,
+                               atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
