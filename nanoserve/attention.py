@@ -50,6 +50,11 @@ class AttentionMetadata:
     # The step's tokens are the real columns of this [B, T] mask (`valid`), packed into one
     # row [1, N] in row-major order (`as_packed`); None: the step's input has its own shape.
     packed_from: torch.Tensor | None = None
+    # A packed prefill's work table for the prefill kernel that runs (the ragged one, or the
+    # paged one after cached blocks: [2, P] int32, `kernels.prefill_attention.prefill_work`
+    # for that kernel's block_m): its grid then depends on P alone, which is what lets a
+    # CUDA graph serve every packing of one token count. None: the usual grid.
+    work: torch.Tensor | None = None
 
     def as_packed(self) -> AttentionMetadata:
         """This padded prefill's metadata for its real tokens packed into one row."""
@@ -71,10 +76,12 @@ class AttentionMetadata:
         return cls(valid=valid, is_prefill=True, cu_seqlens=cu, max_seqlen=int(lens.max()))
 
     @classmethod
-    def packed(cls, cu_seqlens: torch.Tensor, max_seqlen: int) -> AttentionMetadata:
+    def packed(cls, cu_seqlens: torch.Tensor, max_seqlen: int,
+               work: torch.Tensor | None = None) -> AttentionMetadata:
         """A packed prefill: the step's input is one row [1, N] holding several prompts
         back to back, prompt b owning tokens cu_seqlens[b]:cu_seqlens[b + 1]."""
-        return cls(valid=None, is_prefill=True, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+        return cls(valid=None, is_prefill=True, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                   work=work)
 
     @classmethod
     def decode(cls) -> AttentionMetadata:
@@ -160,11 +167,11 @@ def gqa_attention(q, k, v, layer: int, cache, meta: AttentionMetadata,
             out = kernel_backend.paged_prefill_attention(
                 q[0], cache.pool.k[layer], cache.pool.v[layer], cache.block_tables,
                 meta.cu_seqlens, cache.context_lens, meta.max_seqlen, q.shape[-1] ** -0.5,
-                **cache.pool.scales(layer))
+                work=meta.work, **cache.pool.scales(layer))
         else:
             out = kernel_backend.prefill_attention(q[0], k[0], v[0], meta.cu_seqlens,
                                                    meta.max_seqlen, q.shape[-1] ** -0.5,
-                                                   window=window)
+                                                   window=window, work=meta.work)
         return out[None]  # [1, N, Hq, D]
     if cache is None and meta.valid is None and meta.cu_seqlens is not None:
         # a packed prefill that keeps no KV (an embedding's rows): the ragged kernel alone

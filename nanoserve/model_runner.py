@@ -19,6 +19,16 @@ shape's kernel on the host, 5-15x the cost of a shape it has met. No real row at
 padding and every other op is per token, so real rows' results are those of the unpadded
 prefill (up to the GEMMs' rounding at another row count).
 
+Fixed-tensor prefills ("graph" and "static" modes): a packed prefill of a padded length T
+<= `prefill_tokens` reads its inputs from fixed views of one device buffer (token ids,
+positions, K/V slots [T]; row starts, row slots, context lengths [B + 1]; and the prefill
+kernel's work table, whose grid depends on T alone) and writes its final hidden states into
+one shared [T_max, d] buffer; in "graph" mode that forward is one CUDA graph per
+`prefill_length` value and kind (rows within their own tokens, or after cached blocks
+through their block tables), so a prefill costs the host one input copy and one replay
+instead of ~10 launches a layer. The LM head, sampling and prompt logprobs run after it,
+uncaptured (they depend on the rows). Longer prefills run eagerly.
+
 Decode step for n rows, run at the smallest bucket b >= n (buckets 1, 2, 4, 8, then
 multiples of 16 up to max_batch_size): inputs are fixed views [b] of one device buffer
 (row slots, positions, write slots, context lengths), refilled by one copy from pinned
@@ -48,6 +58,8 @@ import numpy as np
 import torch
 
 from kernels import backend as kernel_backend
+from kernels.paged_prefill import default_block_m
+from kernels.prefill_attention import PREFILL_BLOCK_M, prefill_work, prefill_work_size
 from nanoserve.attention import AttentionMetadata
 from nanoserve.cache import KVPool
 from nanoserve.logprobs import prompt_logprob_rows
@@ -63,6 +75,9 @@ STEP_MODES = ("eager", "static", "graph")
 # Context length the captured decode kernel's split count is chosen for (a longer context
 # is still read whole: the last split takes the rest).
 SPLIT_CONTEXT_HINT = 4096
+# The longest packed prefill (padded) run from fixed tensors: one CUDA graph per
+# `prefill_length` up to it (104 graphs at 8,192; the scheduler's default admission).
+PREFILL_GRAPH_TOKENS = 8192
 
 
 def prefill_length(n: int) -> int:
@@ -73,6 +88,12 @@ def prefill_length(n: int) -> int:
     prefill of the 1B shape makes 64 such calls."""
     step = 16 if n <= 512 else 64 if n <= 2048 else 128
     return -(-n // step) * step
+
+
+def prefill_lengths(max_tokens: int) -> list[int]:
+    """Every `prefill_length` value up to max_tokens, ascending."""
+    return sorted(t for t in {prefill_length(n) for n in range(1, max_tokens + 1)}
+                  if t <= max_tokens)
 
 
 def decode_buckets(max_batch_size: int) -> list[int]:
@@ -142,6 +163,18 @@ class ContinuousRunner:
             B, model.config.vocab_size, dtype=model.lm_head.weight.dtype, device=dev)  # [B, V]
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._graph_out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # logits, tokens
+        # Fixed-tensor prefills (modes "static" and "graph"): one input buffer laid out per
+        # padded length T (`_prefill_views`), the hidden states' shared output, the graphs.
+        self.prefill_tokens = 0 if mode == "eager" else max(
+            [t for t in prefill_lengths(PREFILL_GRAPH_TOKENS)
+             if t <= pool.num_blocks * pool.block_size], default=0)
+        self._pf_rows = B + 1  # rows a fixed prefill holds: its admitted rows and the padding
+        T = self.prefill_tokens
+        size = 3 * T + 3 * self._pf_rows + 1 + 2 * max(self._work_size(T, p)[0] for p in (0, 1))
+        self._pf_buf = torch.zeros(size + 2 * B if T else 0, dtype=torch.long, device=dev)
+        self._pf_hidden = torch.empty(T, model.config.hidden_size, dtype=model.dtype,
+                                      device=dev)  # [T_max, d]
+        self._pf_graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (T, paged)
         self.capture_s = 0.0
         self.graph_bytes = 0
         self.capture_error: str | None = None  # why the graphs were not captured, if so
@@ -207,35 +240,52 @@ class ContinuousRunner:
         self.capture_s = time.perf_counter() - t0
         self.graph_bytes = max(0, torch.cuda.memory_reserved(self.device) - before)
         free, _ = torch.cuda.mem_get_info(self.device)
-        log.info("captured %d decode-step graphs (batch %d..%d) in %.1f s: %.0f MiB outside "
-                 "the KV pool, %.0f MiB of the device left free", len(self._graphs),
-                 min(self.buckets), max(self.buckets), self.capture_s,
+        log.info("captured %d decode-step graphs (batch %d..%d) and %d prefill graphs (up to "
+                 "%d tokens) in %.1f s: %.0f MiB outside the KV pool, %.0f MiB of the device "
+                 "left free", len(self._graphs), min(self.buckets), max(self.buckets),
+                 len(self._pf_graphs), self.prefill_tokens, self.capture_s,
                  self.graph_bytes / 2**20, free / 2**20)
 
     def _capture_buckets(self) -> None:
+        """The decode steps' graphs, largest bucket first, then the fixed prefills', longest
+        first (a single row of T tokens, storing nothing), all in one memory pool."""
         mempool = torch.cuda.graph_pool_handle()
         for b in sorted(self.buckets, reverse=True):
             views = self._views(b)
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                self._forward(*views)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with warnings.catch_warnings():
-                # An allocation that fails before the first kernel leaves an empty graph,
-                # which torch reports as a capture on the wrong stream; the failure itself
-                # is what `_capture_all` reports. A captured forward is never empty.
-                warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
-                with torch.cuda.graph(graph, pool=mempool):
-                    self._graph_out[b] = self._forward(*views)
-            self._graphs[b] = graph
+            self._graph_out[b], self._graphs[b] = self._capture(mempool, self._forward, *views)
+        for T in reversed(prefill_lengths(self.prefill_tokens)):
+            for cached in (False, True):
+                if cached and T > self.width * self.pool.block_size:
+                    continue  # (the padding row could not attend through its table: eager)
+                self._stage_prefill(T, cached, [[0] * T], [-1] * T, [0], [self.pad], [], [])
+                self._pf_graphs[T, cached] = self._capture(mempool, self._prefill_forward, T,
+                                                           cached)[1]
         torch.cuda.synchronize(self.device)
+
+    @staticmethod
+    def _capture(mempool, fn, *args) -> tuple[object, torch.cuda.CUDAGraph]:
+        """fn(*args) run once on a side stream (warm-up), then captured: (its result, the
+        graph)."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn(*args)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with warnings.catch_warnings():
+            # An allocation that fails before the first kernel leaves an empty graph,
+            # which torch reports as a capture on the wrong stream; the failure itself
+            # is what `_capture_all` reports. A captured forward is never empty.
+            warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
+            with torch.cuda.graph(graph, pool=mempool):
+                out = fn(*args)
+        return out, graph
 
     def _drop_graphs(self, failure: str) -> None:
         """A capture failed: release what it made and run uncaptured from now on."""
         self._graphs.clear()
         self._graph_out.clear()
+        self._pf_graphs.clear()
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         free, _ = torch.cuda.mem_get_info(self.device)
@@ -249,10 +299,11 @@ class ContinuousRunner:
                     failure, free / 2**20, advice)
 
     def capture_summary(self) -> dict:
-        """How this runner's steps run: step mode, graphs captured, their memory (MiB) and
-        capture time (s), and why they were not captured (None when they were or when
-        none were asked for)."""
+        """How this runner's steps run: step mode, decode-step and prefill graphs captured,
+        their memory (MiB) and capture time (s), and why they were not captured (None when
+        they were or when none were asked for)."""
         return {"step_mode": self.mode, "graphs": len(self._graphs),
+                "prefill_graphs": len(self._pf_graphs),
                 "graph_mib": round(self.graph_bytes / 2**20, 1),
                 "capture_s": round(self.capture_s, 2), "capture_error": self.capture_error}
 
@@ -413,6 +464,37 @@ class ContinuousRunner:
         end = self._mark("prefill")
         cached = cached or [0] * len(tokens)
         lens = [len(t) for t in tokens]
+        n = sum(lens)
+        T = prefill_length(n)
+        fixed = (T <= self.prefill_tokens and len(tokens) < self._pf_rows
+                 and len(sample_from) <= self.max_batch_size
+                 and not (any(cached) and T - n > self.width * self.pool.block_size))
+        if fixed:
+            hidden, ids_t, cu, last, idx = self._prefill_fixed(T, tokens, lens, writes, slots,
+                                                               cached, sample_from,
+                                                               sample_slots)
+        else:
+            hidden, ids_t, cu, last, idx = self._prefill_eager(tokens, lens, writes, slots,
+                                                               cached, sample_from,
+                                                               sample_slots)
+        prompt = []
+        for i, k_top in prompt_logprobs:
+            targets = ids_t[0, cu[i] + 1:cu[i + 1]]
+            prompt.append((i, prompt_logprob_rows(self.model.compute_logits,
+                                                   hidden[0, cu[i]:cu[i + 1] - 1], targets, k_top)))
+        k = self._take_ring()
+        if not sample_from:
+            return self._finish(k, self.last_tok, 0, end, prompt=prompt)
+        h = hidden[0].index_select(0, last)  # [S, d]
+        logits = self.model.compute_logits(h)
+        self._masks(k, sampling)
+        new, lp = sample_step(logits, sampling)
+        self.last_tok.index_copy_(0, idx, _as_input(new, sampling))
+        return self._finish(k, new, len(sample_from), end, lp, prompt)
+
+    def _prefill_eager(self, tokens, lens, writes, slots, cached, sample_from, sample_slots):
+        """A packed prefill launched op by op (see `prefill`): (hidden states [1, N', d],
+        token ids [1, N'], row starts, the samplers' positions and row slots)."""
         pad = prefill_length(sum(lens)) - sum(lens) if self.pad_prefills else 0
         if pad > self.width * self.pool.block_size:  # its table could not hold it: none
             pad = 0
@@ -444,20 +526,90 @@ class ContinuousRunner:
             cache = StepCache(self.pool, writes_t)
         hidden = self.model.hidden_states(ids_t, pos_t, cache,
                                           AttentionMetadata.packed(cu_t, max(lens)))
-        prompt = []
-        for i, k_top in prompt_logprobs:
-            targets = ids_t[0, cu[i] + 1:cu[i + 1]]
-            prompt.append((i, prompt_logprob_rows(self.model.compute_logits,
-                                                   hidden[0, cu[i]:cu[i + 1] - 1], targets, k_top)))
-        k = self._take_ring()
-        if not sample_from:
-            return self._finish(k, self.last_tok, 0, end, prompt=prompt)
-        h = hidden[0].index_select(0, last)  # [S, d]
-        logits = self.model.compute_logits(h)
-        self._masks(k, sampling)
-        new, lp = sample_step(logits, sampling)
-        self.last_tok.index_copy_(0, idx, _as_input(new, sampling))
-        return self._finish(k, new, len(sample_from), end, lp, prompt)
+        return hidden, ids_t, cu, last, idx
+
+    def _prefill_fixed(self, T, tokens, lens, writes, slots, cached, sample_from, sample_slots):
+        """A packed prefill from the fixed tensors at padded length T (captured in "graph"
+        mode): what `_prefill_eager` returns, as views of the fixed buffers."""
+        n = sum(lens)
+        if T > n:  # a row of padding: it stores nothing and no row attends to it
+            tokens, lens, writes = tokens + [[0] * (T - n)], lens + [T - n], writes + [-1] * (T - n)
+            slots, cached = slots + [self.pad], cached + [0]
+        cu = [0]
+        for m in lens:
+            cu.append(cu[-1] + m)
+        paged = any(cached)
+        start = self._stage_prefill(T, paged, tokens, writes, cached, slots,
+                                    [cu[i + 1] - 1 for i in sample_from], sample_slots)
+        graph = self._pf_graphs.get((T, paged))
+        if graph is not None:
+            graph.replay()
+        else:
+            self._prefill_forward(T, paged)
+        S = len(sample_from)
+        last, idx = self._pf_buf[start:start + 2 * S].split([S, S])
+        return self._pf_hidden[:T][None], self._prefill_views(T, paged)[0], cu, last, idx
+
+    def _work_size(self, T: int, paged: bool) -> tuple[int, int]:
+        """(the work table's entries, the kernel's block of queries) for a fixed prefill of
+        T tokens: the ragged kernel's, or the paged one's after cached blocks."""
+        cfg = self.model.config
+        bm = (default_block_m(cfg.num_attention_heads // cfg.num_key_value_heads) if paged
+              else PREFILL_BLOCK_M)
+        return prefill_work_size(T, self._pf_rows, bm), bm
+
+    def _prefill_views(self, T: int, paged: bool) -> tuple[torch.Tensor, ...]:
+        """Padded length T's inputs, fixed views of one buffer: token ids [1, T], positions
+        [1, T], K/V slots [T], row starts [rows + 1], row slots [rows], context lengths
+        [rows] and the prefill kernel's work table [2 * P] (int64 here; the forward narrows
+        what the kernels take as int32)."""
+        R, P = self._pf_rows, self._work_size(T, paged)[0]
+        ids, pos, writes, cu, rows, ctx, work = self._pf_buf[:3 * T + 3 * R + 1 + 2 * P].split(
+            [T, T, T, R + 1, R, R, 2 * P])
+        return ids[None], pos[None], writes, cu, rows, ctx, work
+
+    def _prefill_forward(self, T: int, paged: bool) -> None:
+        """A fixed prefill's forward (what its graph holds): the final hidden states of its T
+        tokens into the shared buffer. paged: its rows attend to cached blocks through their
+        block tables (the paged prefill kernel), else within their own tokens."""
+        ids, pos, writes, cu, rows, ctx, work = self._prefill_views(T, paged)
+        meta = AttentionMetadata.packed(cu.to(torch.int32), T, work.to(torch.int32).view(2, -1))
+        if paged:
+            cache = StepCache(self.pool, writes, self.block_tables.index_select(0, rows),
+                              ctx.to(torch.int32))
+        else:
+            cache = StepCache(self.pool, writes)
+        hidden = self.model.hidden_states(ids, pos, cache, meta)
+        self._pf_hidden[:T].copy_(hidden[0])
+
+    def _stage_prefill(self, T: int, paged: bool, tokens: list[list[int]], writes: list[int],
+                       cached: list[int], slots: list[int], sample_last: list[int],
+                       sample_slots: list[int]) -> int:
+        """Copy a fixed prefill's inputs into its views (rows `tokens` of T tokens in all,
+        padding included, each after its `cached` tokens; their K/V slots and row slots),
+        and after them its samplers' last positions and row slots: returns where those
+        start. Rows past the last are empty (row slot: the padding's)."""
+        lens = [len(t) for t in tokens]
+        R = self._pf_rows
+        P, bm = self._work_size(T, paged)
+        cu = np.full(R + 1, T, dtype=np.int64)
+        cu[0] = 0
+        cu[1:len(lens) + 1] = np.cumsum(lens)
+        rows = np.full(R, self.pad, dtype=np.int64)
+        rows[:len(slots)] = slots
+        ctx = np.zeros(R, dtype=np.int64)
+        ctx[:len(lens)] = np.add(cached, lens)
+        host = np.concatenate([
+            np.fromiter(chain(chain.from_iterable(tokens),
+                              chain.from_iterable(map(range, cached, np.add(cached, lens))),
+                              writes), dtype=np.int64, count=3 * T),
+            cu, rows, ctx, prefill_work(lens, P, bm).ravel(),
+            np.asarray(sample_last + sample_slots, np.int64)])
+        src = torch.from_numpy(host)
+        if self.device.type == "cuda":
+            src = torch.empty(src.shape, dtype=src.dtype, pin_memory=True).copy_(src)
+        self._pf_buf[:src.numel()].copy_(src, non_blocking=True)
+        return 3 * T + 3 * R + 1 + 2 * P
 
     def decode(self, slots: list[int], positions: list[int], writes: list[int],
                new_blocks: list[tuple[int, int, int]], sampling: StepSampling | None,

@@ -487,7 +487,9 @@ def ready_line(infos: list[dict[str, Any]]) -> str:
         captured = [i for i in infos if (i.get("steps") or {}).get("graphs")]
         if captured:
             s = captured[0]["steps"]
-            parts.append(f"decode steps as {s['graphs']} CUDA graphs a worker "
+            prefills = (f" and prefills as {s['prefill_graphs']}" if s.get("prefill_graphs")
+                        else "")
+            parts.append(f"decode steps as {s['graphs']} CUDA graphs{prefills} a worker "
                          f"({s['graph_mib']:,.0f} MiB, captured in {s['capture_s']:.1f} s)")
         failed = [i["steps"]["capture_error"] for i in infos
                   if (i.get("steps") or {}).get("capture_error")]

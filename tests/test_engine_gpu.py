@@ -124,7 +124,7 @@ def test_continuous_batching_on_the_gpu_equals_each_row_alone(tiny_model_dir):
     gives each row the tokens the static path gives it alone, and every block back."""
     from nanoserve.cache import CacheShape, KVPool
     from nanoserve.generate import generate_batch
-    from nanoserve.model_runner import ContinuousRunner
+    from nanoserve.model_runner import ContinuousRunner, prefill_lengths
     from nanoserve.sampling import SamplingParams
     from nanoserve.scheduler import generate_continuous
 
@@ -138,6 +138,10 @@ def test_continuous_batching_on_the_gpu_equals_each_row_alone(tiny_model_dir):
         pool = KVPool(CacheShape.of(config), num_blocks, 16, torch.float32, "cuda")
         runner = ContinuousRunner(model, pool, max_batch, "graph")
         assert len(runner._graphs) == len(runner.buckets)
+        # prefill graphs per padded length the pool can hold (256 blocks: 4,096 tokens),
+        # within the rows' own tokens, and after cached blocks up to what a table holds (256)
+        assert sorted(runner._pf_graphs) == [(T, paged) for T in prefill_lengths(16 * num_blocks)
+                                             for paged in (False, True) if T <= 256 or not paged]
         outs, stats = generate_continuous(model, prompts, params, (2,), pool,
                                           max_batch_size=max_batch, runner=runner)
         for prompt, p, out in zip(prompts, params, outs):
@@ -201,9 +205,11 @@ def test_graphs_that_do_not_fit_fall_back_to_uncaptured_steps(tiny_model_dir, ca
         if runner.capture_error is None:
             assert summary["step_mode"] == "graph"
             assert summary["graphs"] == len(runner.buckets)
+            assert summary["prefill_graphs"] == len(runner._pf_graphs) > 0
         else:
-            assert summary == {"step_mode": "static", "graphs": 0, "graph_mib": 0.0,
-                               "capture_s": 0.0, "capture_error": "out of memory"}
+            assert summary == {"step_mode": "static", "graphs": 0, "prefill_graphs": 0,
+                               "graph_mib": 0.0, "capture_s": 0.0,
+                               "capture_error": "out of memory"}
             assert "not captured (out of memory" in caplog.text
             assert "kv_cache_fraction" in caplog.text
             fell_back.append(margin)

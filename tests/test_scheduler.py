@@ -546,10 +546,19 @@ def test_prefill_length_rounds_up_to_few_shapes():
     assert len(set(got[:8192])) < 110  # shapes up to the default budget of 8,192 tokens
 
 
+def test_prefill_lengths_lists_each_padded_length_once():
+    from nanoserve.model_runner import prefill_length, prefill_lengths
+
+    assert prefill_lengths(8192) == sorted({prefill_length(n) for n in range(1, 8193)})
+    assert prefill_lengths(100) == list(range(16, 100, 16)) and prefill_lengths(0) == []
+
+
 def test_padded_prefills_give_the_tokens_and_writes_of_unpadded_ones(sharp_model):
     """Packed prefills padded to `prefill_length` (a padding row after the real ones, as on a
-    GPU) against unpadded ones, on the model whose attention is sharp: rows over a shared
-    prefix (prefills after cached blocks, the paged path), sampled rows, a row asking for
+    GPU), eagerly and from the fixed tensors a graph captures ("static": the same code
+    uncaptured, with the work tables), against unpadded ones, on the model whose
+    attention is sharp: rows over a shared prefix (prefills after cached blocks, the paged
+    path, and prefills within their own tokens), sampled rows, a row asking for
     prompt logprobs and one asking for 3 samples: the same tokens, logprobs and stats, and
     the padding stores nothing (pools filled with a sentinel keep it where the unpadded
     run left it)."""
@@ -558,47 +567,61 @@ def test_padded_prefills_give_the_tokens_and_writes_of_unpadded_ones(sharp_model
     prompts, params = shared_prefix_rows(20, 9, 5, sampled=True, suffix=(1, 13))
     params[2] = SamplingParams(max_tokens=4, prompt_logprobs=2, logprobs=1, ignore_eos=True)
     params[5] = SamplingParams(max_tokens=5, temperature=0.7, seed=9, n=3, ignore_eos=True)
-    runs, pools = {}, {}
-    for pad in (False, True):
+    runs, pools, kinds = {}, {}, []
+    for mode, pad in (("eager", False), ("eager", True), ("static", None)):
         pool = make_pool(sharp_model, 128, block_size=8)
         for t in pool.k + pool.v:
             t.fill_(7.0)
-        runner = ContinuousRunner(sharp_model, pool, 3, "eager", pad_prefills=pad)
-        runs[pad] = generate_continuous(sharp_model, prompts, params, (), pool, max_batch_size=3,
-                                        runner=runner)
-        pools[pad] = pool
+        runner = ContinuousRunner(sharp_model, pool, 3, mode, pad_prefills=pad)
+        if mode == "static":
+            assert runner.prefill_tokens == 1024  # the pool's 128 blocks of 8
+            real = runner._prefill_forward
+
+            def forward(T, paged, real=real):
+                kinds.append(paged)
+                return real(T, paged)
+            runner._prefill_forward = forward
+        runs[mode, pad] = generate_continuous(sharp_model, prompts, params, (), pool,
+                                              max_batch_size=3, runner=runner)
+        pools[mode, pad] = pool
         assert pool.allocator.num_free == pool.num_blocks
-    (plain, plain_stats), (padded, padded_stats) = runs[False], runs[True]
-    assert [o.token_ids for o in padded] == [o.token_ids for o in plain]
-    assert padded_stats == plain_stats and plain_stats.cached_tokens > 0
-    for a, b in zip(padded, plain):
-        for x, y in ((a.logprobs, b.logprobs), (a.prompt_logprobs, b.prompt_logprobs)):
-            assert (x is None) == (y is None)
-            if x is not None:
-                assert [t.token_id for t in x] == [t.token_id for t in y]
-                assert [t.logprob for t in x] == pytest.approx([t.logprob for t in y], abs=1e-5)
-    for got, want in zip(pools[True].k + pools[True].v, pools[False].k + pools[False].v):
-        assert torch.equal(got == 7.0, want == 7.0)
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)  # (another GEMM's rounding)
+    assert set(kinds) == {False, True}  # fixed prefills of both kinds ran
+    plain, plain_stats = runs["eager", False]
+    for key in (("eager", True), ("static", None)):
+        padded, padded_stats = runs[key]
+        assert [o.token_ids for o in padded] == [o.token_ids for o in plain]
+        assert padded_stats == plain_stats and plain_stats.cached_tokens > 0
+        for a, b in zip(padded, plain):
+            for x, y in ((a.logprobs, b.logprobs), (a.prompt_logprobs, b.prompt_logprobs)):
+                assert (x is None) == (y is None)
+                if x is not None:
+                    assert [t.token_id for t in x] == [t.token_id for t in y]
+                    assert [t.logprob for t in x] == pytest.approx([t.logprob for t in y],
+                                                                   abs=1e-5)
+        for got, want in zip(pools[key].k + pools[key].v,
+                             pools["eager", False].k + pools["eager", False].v):
+            assert torch.equal(got == 7.0, want == 7.0)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)  # another GEMM's rounding
 
 
 def test_padding_that_its_table_cannot_hold_is_left_out(tiny_model):
     """Tables of 2 blocks of 4 tokens, rows over a shared first block (later prefills
     attend to cached blocks through their tables): a padding row longer than a table holds
-    is left out (the prefill runs unpadded), and the tokens equal the unpadded runner's."""
+    is left out (the prefill runs unpadded; from the fixed tensors: eagerly), and the tokens
+    equal the unpadded runner's."""
     rng = random.Random(3)
     prefix = [5, 6, 7, 8]
     prompts = [prefix + [rng.randrange(3, 128) for _ in range(rng.randint(1, 3))]
                for _ in range(120)]
     params = [SamplingParams(max_tokens=2, ignore_eos=True)] * len(prompts)
     outs = []
-    for pad in (False, True):
+    for mode, pad in (("eager", False), ("eager", True), ("static", None)):
         pool = make_pool(tiny_model, 400, block_size=4)
-        runner = ContinuousRunner(tiny_model, pool, 40, "eager", max_blocks_per_row=2,
+        runner = ContinuousRunner(tiny_model, pool, 40, mode, max_blocks_per_row=2,
                                   pad_prefills=pad)
         got, stats = generate_continuous(tiny_model, prompts, params, (), pool,
                                          max_batch_size=40, runner=runner)
         assert stats.cached_tokens > 0
         outs.append([o.token_ids for o in got])
         assert_free(pool)
-    assert outs[0] == outs[1]
+    assert outs[0] == outs[1] == outs[2]
