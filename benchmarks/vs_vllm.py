@@ -158,6 +158,9 @@ def run_nanoserve(model_dir: Path, workloads: dict, device: str, vocab: int) -> 
     sync()
     side = {"load_s": time.perf_counter() - t, "kv_pool_tokens": llm.pool.num_tokens,
             "max_batch_size": llm.max_batch_size, "workloads": {}}
+    if llm.runner is not None:
+        side["steps"] = llm.runner.capture_summary()
+        print(f"nanoserve loaded in {side['load_s']:.1f} s: {side['steps']}", flush=True)
     for name, (prompts, max_tokens) in workloads.items():
         llm.generate(warmup_of(prompts, vocab),
                      [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens])

@@ -14,7 +14,7 @@ can ever hold. The host sends only what changed (a row's new blocks) before a st
 
 Packed prefill of N tokens (several rows' new tokens in one row [1, N]): on a CUDA device a
 row of padding follows them up to `prefill_length(N)` tokens (token 0, write slot -1, the
-padding row slot's table), so its GEMMs meet about a hundred shapes: cuBLAS picks each new
+padding row slot's table), so its GEMMs meet 56 shapes up to 8,192: cuBLAS picks each new
 shape's kernel on the host, 5-15x the cost of a shape it has met. No real row attends to the
 padding and every other op is per token, so real rows' results are those of the unpadded
 prefill (up to the GEMMs' rounding at another row count).
@@ -76,17 +76,20 @@ STEP_MODES = ("eager", "static", "graph")
 # is still read whole: the last split takes the rest).
 SPLIT_CONTEXT_HINT = 4096
 # The longest packed prefill (padded) run from fixed tensors: one CUDA graph per
-# `prefill_length` up to it (104 graphs at 8,192; the scheduler's default admission).
+# `prefill_length` up to it and kind (2 x 56 graphs at 8,192, the scheduler's default
+# admission).
 PREFILL_GRAPH_TOKENS = 8192
 
 
 def prefill_length(n: int) -> int:
-    """The tokens a packed prefill of n runs at when padded: n rounded up to a multiple of 16
-    (n <= 512), 64 (<= 2,048) or 128 (about 1% more tokens at the usual 4,000-8,000). cuBLAS
-    picks a GEMM's kernel on the host for each new shape: 0.34 ms a call at a new row count
-    against 0.03 ms at one it has met (an H200, the 1B shape's q/k/v projection), and a
-    prefill of the 1B shape makes 64 such calls."""
-    step = 16 if n <= 512 else 64 if n <= 2048 else 128
+    """The tokens a packed prefill of n runs at when padded: n rounded up to a multiple of 64
+    (n <= 1,024), 128 (<= 4,096) or 256 (about 2% more tokens at the usual 4,000-8,000): 56
+    lengths up to 8,192, each a captured prefill graph of each kind (~35 ms of capture a
+    graph). Uncaptured, few shapes matter too: cuBLAS picks a GEMM's kernel on the host for
+    each new shape, 0.34 ms a call at a new row count against 0.03 ms at one it has met (an
+    H200, the 1B shape's q/k/v projection), and a prefill of the 1B shape makes 64 such
+    calls."""
+    step = 64 if n <= 1024 else 128 if n <= 4096 else 256
     return -(-n // step) * step
 
 
@@ -169,12 +172,9 @@ class ContinuousRunner:
             [t for t in prefill_lengths(PREFILL_GRAPH_TOKENS)
              if t <= pool.num_blocks * pool.block_size], default=0)
         self._pf_rows = B + 1  # rows a fixed prefill holds: its admitted rows and the padding
-        T = self.prefill_tokens
-        size = 3 * T + 3 * self._pf_rows + 1 + 2 * max(self._work_size(T, p)[0] for p in (0, 1))
-        self._pf_buf = torch.zeros(size + 2 * B if T else 0, dtype=torch.long, device=dev)
-        self._pf_hidden = torch.empty(T, model.config.hidden_size, dtype=model.dtype,
-                                      device=dev)  # [T_max, d]
+        self._pf_buf = self._pf_hidden = None  # made by _prefill_buffers (graph: in the capture)
         self._pf_graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (T, paged)
+        self._side: torch.cuda.Stream | None = None  # where graphs are captured
         self.capture_s = 0.0
         self.graph_bytes = 0
         self.capture_error: str | None = None  # why the graphs were not captured, if so
@@ -187,6 +187,17 @@ class ContinuousRunner:
         self.host_wait_s = 0.0
         if mode == "graph":
             self._capture_all()
+        elif mode == "static":
+            self._prefill_buffers()
+
+    def _prefill_buffers(self) -> None:
+        """The fixed prefills' input buffer (every layout up to prefill_tokens, then the
+        samplers') and their hidden states' output [T_max, d]."""
+        T, B = self.prefill_tokens, self.max_batch_size
+        size = 3 * T + 3 * self._pf_rows + 1 + 2 * max(self._work_size(T, p)[0] for p in (0, 1))
+        self._pf_buf = torch.zeros(size + 2 * B if T else 0, dtype=torch.long, device=self.device)
+        self._pf_hidden = torch.empty(T, self.model.config.hidden_size, dtype=self.model.dtype,
+                                      device=self.device)  # [T_max, d]
 
     # --- the step's forward -----------------------------------------------------------------
 
@@ -214,8 +225,9 @@ class ContinuousRunner:
         return tuple(self._inputs[i, :b] for i in range(4))
 
     def _capture_all(self) -> None:
-        """One graph per bucket, largest first, all in one memory pool; each warmed up on a
-        side stream first. The padding-only inputs store nothing and read block 0.
+        """One graph per decode bucket and per fixed prefill length and kind, largest
+        first, all in one memory pool; each warmed up on a side stream first. The
+        padding-only inputs store nothing and read block 0.
 
         Memory: the graphs live outside the KV pool, in what the pool left free (LLM's
         `kv_cache_fraction`); their size is logged. If they do not fit there (or a capture
@@ -250,6 +262,7 @@ class ContinuousRunner:
         """The decode steps' graphs, largest bucket first, then the fixed prefills', longest
         first (a single row of T tokens, storing nothing), all in one memory pool."""
         mempool = torch.cuda.graph_pool_handle()
+        self._prefill_buffers()
         for b in sorted(self.buckets, reverse=True):
             views = self._views(b)
             self._graph_out[b], self._graphs[b] = self._capture(mempool, self._forward, *views)
@@ -261,24 +274,30 @@ class ContinuousRunner:
                 self._pf_graphs[T, cached] = self._capture(mempool, self._prefill_forward, T,
                                                            cached)[1]
         torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()  # the warm-ups' memory (the graphs keep their pool)
 
-    @staticmethod
-    def _capture(mempool, fn, *args) -> tuple[object, torch.cuda.CUDAGraph]:
-        """fn(*args) run once on a side stream (warm-up), then captured: (its result, the
-        graph)."""
-        side = torch.cuda.Stream()
+    def _capture(self, mempool, fn, *args) -> tuple[object, torch.cuda.CUDAGraph]:
+        """fn(*args) run once on a side stream (warm-up), then captured there: (its result,
+        the graph). What `torch.cuda.graph` does, without its device sync and emptied caches
+        before each capture (~35 ms a graph here: the warm-ups' memory freed, then allocated
+        again); `_capture_all` empties them once."""
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        side = self._side
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn(*args)
-        torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with warnings.catch_warnings():
+        with torch.cuda.stream(side), warnings.catch_warnings():
+            fn(*args)
             # An allocation that fails before the first kernel leaves an empty graph,
             # which torch reports as a capture on the wrong stream; the failure itself
             # is what `_capture_all` reports. A captured forward is never empty.
             warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
-            with torch.cuda.graph(graph, pool=mempool):
+            graph.capture_begin(pool=mempool)
+            try:
                 out = fn(*args)
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream().wait_stream(side)
         return out, graph
 
     def _drop_graphs(self, failure: str) -> None:
@@ -286,6 +305,7 @@ class ContinuousRunner:
         self._graphs.clear()
         self._graph_out.clear()
         self._pf_graphs.clear()
+        self.prefill_tokens, self._pf_buf, self._pf_hidden = 0, None, None  # eager prefills
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         free, _ = torch.cuda.mem_get_info(self.device)

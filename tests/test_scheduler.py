@@ -540,17 +540,17 @@ def test_prefill_length_rounds_up_to_few_shapes():
     from nanoserve.model_runner import prefill_length
 
     got = [prefill_length(n) for n in range(1, 9000)]
-    assert all(n <= g < n + 128 for n, g in zip(range(1, 9000), got))
-    assert got == sorted(got) and prefill_length(512) == 512 and prefill_length(513) == 576
-    assert prefill_length(2049) == 2176 and all(g % 16 == 0 for g in got)
-    assert len(set(got[:8192])) < 110  # shapes up to the default budget of 8,192 tokens
+    assert all(n <= g < n + 256 for n, g in zip(range(1, 9000), got))
+    assert got == sorted(got) and prefill_length(1024) == 1024 and prefill_length(1025) == 1152
+    assert prefill_length(4097) == 4352 and all(g % 64 == 0 for g in got)
+    assert len(set(got[:8192])) == 56  # shapes up to the default budget of 8,192 tokens
 
 
 def test_prefill_lengths_lists_each_padded_length_once():
     from nanoserve.model_runner import prefill_length, prefill_lengths
 
     assert prefill_lengths(8192) == sorted({prefill_length(n) for n in range(1, 8193)})
-    assert prefill_lengths(100) == list(range(16, 100, 16)) and prefill_lengths(0) == []
+    assert prefill_lengths(200) == [64, 128, 192] and prefill_lengths(0) == []
 
 
 def test_padded_prefills_give_the_tokens_and_writes_of_unpadded_ones(sharp_model):
