@@ -127,9 +127,10 @@ class ContinuousRunner:
     def __init__(self, model: LlamaForCausalLM, pool: KVPool, max_batch_size: int,
                  mode: str = "eager", max_blocks_per_row: int | None = None,
                  pad_prefills: bool | None = None) -> None:
-        """pad_prefills: run packed prefills at `prefill_length` tokens (default: on a CUDA
-        device, where a GEMM of a shape cuBLAS has not met costs the host 5-15x one it has; a
-        prefill whose padding its table could not hold runs unpadded)."""
+        """pad_prefills: run packed prefills launched op by op (mode "eager", or longer than
+        `prefill_tokens`) at `prefill_length` tokens (default: on a CUDA device, where a GEMM
+        of a shape cuBLAS has not met costs the host 5-15x one it has; a prefill whose padding
+        its table could not hold runs unpadded). Fixed-tensor prefills are always padded."""
         if mode not in STEP_MODES:
             raise ValueError(f"step mode must be one of {STEP_MODES}, got {mode!r}")
         if mode == "graph" and pool.device.type != "cuda":
@@ -468,11 +469,12 @@ class ContinuousRunner:
                 sampling: StepSampling | None, cached: list[int] | None = None,
                 prompt_logprobs: list[tuple[int, int]] = ()) -> Launched:
         """One packed prefill of several rows' new tokens: writes their K/V to `writes` (one
-        slot per token, in order). With `pad_prefills`, the packed tokens are followed by a
-        row of padding up to `prefill_length` of their count (token 0 at positions 0.., write
-        slots -1, the padding row slot's table): the row's GEMMs then meet few shapes, and
-        every op a row's results go through is its own tokens' (the attention keeps to each
-        row, everything else is per token). Then each sampler j draws a token from the
+        slot per token, in order). From the fixed tensors (modes "static" and "graph", up to
+        `prefill_tokens`), or launched op by op with `pad_prefills`, the packed tokens are
+        followed by a row of padding up to `prefill_length` of their count (token 0 at
+        positions 0.., write slots -1, the padding row slot's table): a graph per length, or
+        GEMMs that meet few shapes; every op a row's results go through is its own tokens'
+        (the attention keeps to each row, everything else is per token). Then each sampler j draws a token from the
         logits of the last position of row `sample_from[j]` (several samplers may share one
         row: a prompt's n samples) under `sampling` (one entry per sampler) and stores it in
         last_tok at row slot `sample_slots[j]`. cached: per row, how many tokens before

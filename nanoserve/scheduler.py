@@ -87,8 +87,9 @@ MAX_UNREAD = 2  # operations queued on the device ahead of the host
 # ones fill in behind them. A row's result does not depend on its place in the step.
 ORDER_LONGEST_FIRST = True
 # A running batch takes new rows in groups, not row by row: each admission is one packed
-# prefill launched op by op from the host (~100 kernel launches for 16 layers), which costs
-# the host more than a captured decode step costs the device. It admits once 1/ADMIT_SHARE
+# prefill, whose host and device time (a graph replay up to 8,192 tokens on a GPU, else
+# ~10 launches a layer) each row would otherwise pay alone. (These values were measured
+# with prefills launched op by op, before the prefill graphs.) It admits once 1/ADMIT_SHARE
 # of its row slots are free (8 of 256) and it ran ADMIT_WAIT_STEPS decode steps since its
 # last admission, or at once when 1/ADMIT_FULL_SHARE are free (64 of 256). Rows that end
 # slowly (long outputs: about one every other step) join 8 at a time, as soon as 8 slots
