@@ -25,9 +25,10 @@ positions, K/V slots [T]; row starts, row slots, context lengths [B + 1]; and th
 kernel's work table, whose grid depends on T alone) and writes its final hidden states into
 one shared [T_max, d] buffer; in "graph" mode that forward is one CUDA graph per
 `prefill_length` value and kind (rows within their own tokens, or after cached blocks
-through their block tables), so a prefill costs the host one input copy and one replay
-instead of ~10 launches a layer. The LM head, sampling and prompt logprobs run after it,
-uncaptured (they depend on the rows). Longer prefills run eagerly.
+through their block tables), captured the first time that length and kind run, so a
+prefill costs the host one input copy and one replay instead of ~10 launches a layer. The
+LM head, sampling and prompt logprobs run after it, uncaptured (they depend on the rows).
+Longer prefills run eagerly.
 
 Decode step for n rows, run at the smallest bucket b >= n (buckets 1, 2, 4, 8, then
 multiples of 16 up to max_batch_size): inputs are fixed views [b] of one device buffer
@@ -176,6 +177,9 @@ class ContinuousRunner:
         self._pf_buf = self._pf_hidden = None  # made by _prefill_buffers (graph: in the capture)
         self._pf_graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (T, paged)
         self._side: torch.cuda.Stream | None = None  # where graphs are captured
+        self._mempool = None  # the graphs' memory pool (mode "graph")
+        self._pf_failed: set[tuple[int, bool]] = set()  # prefill graphs that did not fit
+        self.prefill_replays = 0  # prefills run as a replayed graph
         self.capture_s = 0.0
         self.graph_bytes = 0
         self.capture_error: str | None = None  # why the graphs were not captured, if so
@@ -226,9 +230,8 @@ class ContinuousRunner:
         return tuple(self._inputs[i, :b] for i in range(4))
 
     def _capture_all(self) -> None:
-        """One graph per decode bucket and per fixed prefill length and kind, largest
-        first, all in one memory pool; each warmed up on a side stream first. The
-        padding-only inputs store nothing and read block 0.
+        """One graph per decode bucket, largest first, in one memory pool; each warmed up
+        on a side stream first. The padding-only inputs store nothing and read block 0.
 
         Memory: the graphs live outside the KV pool, in what the pool left free (LLM's
         `kv_cache_fraction`); their size is logged. If they do not fit there (or a capture
@@ -253,47 +256,42 @@ class ContinuousRunner:
         self.capture_s = time.perf_counter() - t0
         self.graph_bytes = max(0, torch.cuda.memory_reserved(self.device) - before)
         free, _ = torch.cuda.mem_get_info(self.device)
-        log.info("captured %d decode-step graphs (batch %d..%d) and %d prefill graphs (up to "
-                 "%d tokens) in %.1f s: %.0f MiB outside the KV pool, %.0f MiB of the device "
-                 "left free", len(self._graphs), min(self.buckets), max(self.buckets),
-                 len(self._pf_graphs), self.prefill_tokens, self.capture_s,
-                 self.graph_bytes / 2**20, free / 2**20)
+        log.info("captured %d decode-step graphs (batch %d..%d) in %.1f s: %.0f MiB outside "
+                 "the KV pool, %.0f MiB of the device left free (prefills up to %d tokens are "
+                 "captured as their lengths are met)", len(self._graphs), min(self.buckets),
+                 max(self.buckets), self.capture_s, self.graph_bytes / 2**20, free / 2**20,
+                 self.prefill_tokens)
 
     def _capture_buckets(self) -> None:
-        """The decode steps' graphs, largest bucket first, then the fixed prefills', longest
-        first (a single row of T tokens, storing nothing), all in one memory pool."""
-        mempool = torch.cuda.graph_pool_handle()
+        """The decode steps' graphs, largest bucket first, in one memory pool (the fixed
+        prefills' graphs join it as their lengths are met: `_prefill_fixed`)."""
+        self._mempool = torch.cuda.graph_pool_handle()
         self._prefill_buffers()
         for b in sorted(self.buckets, reverse=True):
             views = self._views(b)
-            self._graph_out[b], self._graphs[b] = self._capture(mempool, self._forward, *views)
-        for T in reversed(prefill_lengths(self.prefill_tokens)):
-            for cached in (False, True):
-                if cached and T > self.width * self.pool.block_size:
-                    continue  # (the padding row could not attend through its table: eager)
-                self._stage_prefill(T, cached, [[0] * T], [-1] * T, [0], [self.pad], [], [])
-                self._pf_graphs[T, cached] = self._capture(mempool, self._prefill_forward, T,
-                                                           cached)[1]
+            self._graph_out[b], self._graphs[b] = self._capture(self._forward, *views)
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()  # the warm-ups' memory (the graphs keep their pool)
 
-    def _capture(self, mempool, fn, *args) -> tuple[object, torch.cuda.CUDAGraph]:
-        """fn(*args) run once on a side stream (warm-up), then captured there: (its result,
-        the graph). What `torch.cuda.graph` does, without its device sync and emptied caches
-        before each capture (~35 ms a graph here: the warm-ups' memory freed, then allocated
-        again); `_capture_all` empties them once."""
+    def _capture(self, fn, *args, warm: bool = True) -> tuple[object, torch.cuda.CUDAGraph]:
+        """fn(*args) run once on a side stream (warm: a warm-up), then captured there into
+        the runner's memory pool: (its result, the graph). What `torch.cuda.graph` does,
+        without its device sync and emptied caches before each capture (the warm-ups' memory
+        freed, then allocated again); `_capture_buckets` empties them once."""
         if self._side is None:
             self._side = torch.cuda.Stream(self.device)
         side = self._side
         side.wait_stream(torch.cuda.current_stream())
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(side), warnings.catch_warnings():
-            fn(*args)
+            if warm:
+                fn(*args)
             # An allocation that fails before the first kernel leaves an empty graph,
             # which torch reports as a capture on the wrong stream; the failure itself
             # is what `_capture_all` reports. A captured forward is never empty.
             warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
-            graph.capture_begin(pool=mempool)
+            # thread_local: another thread's CUDA calls (none of ours) cannot spoil it
+            graph.capture_begin(pool=self._mempool, capture_error_mode="thread_local")
             try:
                 out = fn(*args)
             finally:
@@ -320,9 +318,9 @@ class ContinuousRunner:
                     failure, free / 2**20, advice)
 
     def capture_summary(self) -> dict:
-        """How this runner's steps run: step mode, decode-step and prefill graphs captured,
-        their memory (MiB) and capture time (s), and why they were not captured (None when
-        they were or when none were asked for)."""
+        """How this runner's steps run: step mode, decode-step graphs and prefill graphs
+        captured so far, the decode graphs' memory (MiB) and capture time (s), and why they
+        were not captured (None when they were or when none were asked for)."""
         return {"step_mode": self.mode, "graphs": len(self._graphs),
                 "prefill_graphs": len(self._pf_graphs),
                 "graph_mib": round(self.graph_bytes / 2**20, 1),
@@ -566,11 +564,31 @@ class ContinuousRunner:
         graph = self._pf_graphs.get((T, paged))
         if graph is not None:
             graph.replay()
+            self.prefill_replays += 1
         else:
             self._prefill_forward(T, paged)
+            if self.mode == "graph" and (T, paged) not in self._pf_failed:
+                self._capture_prefill(T, paged)
         S = len(sample_from)
         last, idx = self._pf_buf[start:start + 2 * S].split([S, S])
         return self._pf_hidden[:T][None], self._prefill_views(T, paged)[0], cu, last, idx
+
+    def _capture_prefill(self, T: int, paged: bool) -> None:
+        """Capture the fixed prefill of T tokens and kind `paged`, just run uncaptured (its
+        warm-up: its kernels are compiled, its shapes met), for the next prefills of that
+        length and kind. The capture records launches and runs nothing: the inputs staged
+        for the run just queued stay as they are. Lengths are captured as they are met, so
+        a small job pays for few (about 30 ms of host each, against ~10 s for all 112 at
+        load). A capture that fails (the memory the KV pool left is short) leaves that
+        length and kind uncaptured, with a warning, and the run goes on."""
+        try:
+            self._pf_graphs[T, paged] = self._capture(self._prefill_forward, T, paged,
+                                                      warm=False)[1]
+        except (torch.OutOfMemoryError, RuntimeError) as exc:
+            self._pf_failed.add((T, paged))
+            log.warning("the prefill graph of %d tokens was not captured (%s): such prefills "
+                        "run uncaptured, which costs the host more; the tokens are the same",
+                        T, (str(exc).strip().splitlines() or [type(exc).__name__])[0])
 
     def _work_size(self, T: int, paged: bool) -> tuple[int, int]:
         """(the work table's entries, the kernel's block of queries) for a fixed prefill of

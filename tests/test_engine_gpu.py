@@ -137,13 +137,13 @@ def test_continuous_batching_on_the_gpu_equals_each_row_alone(tiny_model_dir):
     for num_blocks, max_batch in ((256, 8), (8, 24)):
         pool = KVPool(CacheShape.of(config), num_blocks, 16, torch.float32, "cuda")
         runner = ContinuousRunner(model, pool, max_batch, "graph")
-        assert len(runner._graphs) == len(runner.buckets)
-        # prefill graphs per padded length the pool can hold (256 blocks: 4,096 tokens),
-        # within the rows' own tokens, and after cached blocks up to what a table holds (256)
-        assert sorted(runner._pf_graphs) == [(T, paged) for T in prefill_lengths(16 * num_blocks)
-                                             for paged in (False, True) if T <= 256 or not paged]
+        assert len(runner._graphs) == len(runner.buckets) and not runner._pf_graphs
+        assert runner.prefill_tokens == 16 * num_blocks  # what the pool holds
         outs, stats = generate_continuous(model, prompts, params, (2,), pool,
                                           max_batch_size=max_batch, runner=runner)
+        # each prefill length met was captured at its first prefill and replayed after
+        assert runner._pf_graphs and runner.prefill_replays > 0
+        assert {T for T, _ in runner._pf_graphs} <= set(prefill_lengths(runner.prefill_tokens))
         for prompt, p, out in zip(prompts, params, outs):
             (want,), _ = generate_batch(model, [prompt], [p], (2,))
             assert (out.token_ids, out.finish_reason) == (want.token_ids, want.finish_reason)
@@ -205,7 +205,7 @@ def test_graphs_that_do_not_fit_fall_back_to_uncaptured_steps(tiny_model_dir, ca
         if runner.capture_error is None:
             assert summary["step_mode"] == "graph"
             assert summary["graphs"] == len(runner.buckets)
-            assert summary["prefill_graphs"] == len(runner._pf_graphs) > 0
+            assert summary["prefill_graphs"] == 0  # captured as their lengths are met
         else:
             assert summary == {"step_mode": "static", "graphs": 0, "prefill_graphs": 0,
                                "graph_mib": 0.0, "capture_s": 0.0,
@@ -216,6 +216,48 @@ def test_graphs_that_do_not_fit_fall_back_to_uncaptured_steps(tiny_model_dir, ca
         assert run(runner) == want, margin
         del runner
     assert 0 in fell_back and (1 << 30) not in fell_back
+
+
+def test_a_prefill_graph_that_fails_leaves_its_prefills_uncaptured(tiny_model_dir, caplog,
+                                                                   monkeypatch):
+    """A prefill graph whose capture fails (here the capture raises out of memory, as when
+    the memory the KV pool left is short mid-run: a real shortage cannot be made to fall
+    on one capture) leaves that length uncaptured with a warning; the other lengths are
+    captured and replayed, and every row gets the uncaptured runner's tokens."""
+    import logging
+
+    from nanoserve.cache import CacheShape, KVPool
+    from nanoserve.model_runner import ContinuousRunner
+    from nanoserve.sampling import SamplingParams
+    from nanoserve.scheduler import generate_continuous
+
+    config, sd = load_checkpoint(tiny_model_dir)
+    model = build_model(config, sd, torch.float32, "cuda")
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 128) for _ in range(rng.randint(1, 120))] for _ in range(30)]
+    params = [SamplingParams(max_tokens=rng.randint(1, 20), ignore_eos=True) for _ in range(30)]
+    pool = KVPool(CacheShape.of(config), 256, 16, torch.float32, "cuda")
+
+    def run(runner):
+        outs, _ = generate_continuous(model, prompts, params, (2,), pool, max_batch_size=8,
+                                      runner=runner)
+        return [o.token_ids for o in outs]
+
+    want = run(ContinuousRunner(model, pool, 8, "static"))
+    runner = ContinuousRunner(model, pool, 8, "graph")
+    real = runner._capture
+
+    def capture(fn, *args, **kwargs):
+        if fn == runner._prefill_forward and args[0] == 64:
+            raise torch.OutOfMemoryError("CUDA out of memory (in the test)")
+        return real(fn, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "_capture", capture)
+    with caplog.at_level(logging.WARNING, logger="nanoserve.model_runner"):
+        assert run(runner) == want
+    assert (64, False) in runner._pf_failed and (64, False) not in runner._pf_graphs
+    assert runner._pf_graphs and runner.prefill_replays > 0
+    assert "prefill graph of 64 tokens was not captured (CUDA out of memory" in caplog.text
 
 
 def test_output_controls_through_captured_continuous_steps(tmp_path):
