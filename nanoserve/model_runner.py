@@ -238,6 +238,7 @@ class ContinuousRunner:
         fails), the runner drops them and runs the same step uncaptured ("static": the same
         tokens, launched one by one), with a warning that says how to leave room."""
         t0 = time.perf_counter()
+        torch.cuda.empty_cache()  # (the capture ends by emptying it: the same base before)
         before = torch.cuda.memory_reserved(self.device)
         self._inputs[0].fill_(self.pad)
         self._inputs[1].zero_()

@@ -255,7 +255,8 @@ def test_a_prefill_graph_that_fails_leaves_its_prefills_uncaptured(tiny_model_di
     monkeypatch.setattr(runner, "_capture", capture)
     with caplog.at_level(logging.WARNING, logger="nanoserve.model_runner"):
         assert run(runner) == want
-    assert (64, False) in runner._pf_failed and (64, False) not in runner._pf_graphs
+    failed = {key for key in runner._pf_failed if key[0] == 64}  # (the pool's prefix cache
+    assert failed and not failed & set(runner._pf_graphs)  # serves this run: either kind)
     assert runner._pf_graphs and runner.prefill_replays > 0
     assert "prefill graph of 64 tokens was not captured (CUDA out of memory" in caplog.text
 
