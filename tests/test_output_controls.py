@@ -508,3 +508,42 @@ def test_constrained_rows_preempted_keep_their_tokens(tmp_path):
                              grammars=llm.grammars)[0][0]
         assert (out.token_ids, out.finish_reason) == (exp.token_ids, exp.finish_reason)
     assert pool.allocator.num_free == pool.num_blocks
+
+
+def test_abort_with_masks_on_the_grammar_thread_frees_everything(tmp_path):
+    """A continuous batch stopped while a steered step's masks are on the grammar thread
+    (its sampling not yet queued): `abort` waits for the fill, drops every row and frees
+    every block; the same scheduler then runs new rows to their tokens alone."""
+    from nanoserve.cache import CacheShape, KVPool
+    from nanoserve.llm import LLM
+    from nanoserve.model_runner import ContinuousRunner
+    from nanoserve.scheduler import ContinuousScheduler
+    from nanoserve.testing import save_tiny_byte_llama
+
+    llm = LLM(str(save_tiny_byte_llama(tmp_path / "m")), dtype="float32", scheduler="static",
+              kv_cache_bytes=16 << 20)
+    tok = llm.tokenizer
+    pool = KVPool(CacheShape.of(llm.config), 64, 4, torch.float32, llm.device)
+    runner = ContinuousRunner(llm.model, pool, 4, "eager")
+    sched = ContinuousScheduler(llm.model, pool, runner, llm.eos_token_ids, tok, 4,
+                                grammars=llm.grammars)
+    params = [SamplingParams(max_tokens=12, structured_outputs=StructuredOutputs(
+        regex="[a-z]{2,8} [0-9]{1,4}"))] * 3
+    prompts = [tok.encode(f"row {i}:", add_special_tokens=False) for i in range(3)]
+    sched.add(prompts, params)
+    for _ in range(50):
+        sched.step()
+        if sched._pending is not None:
+            break
+    assert sched._pending is not None  # a fill in flight
+    sched.abort()
+    assert sched._pending is None and not sched.has_work
+    assert pool.allocator.num_free == pool.num_blocks
+    got = []
+    sched.add(prompts[:2], params[:2], on_done=got.extend)
+    sched.run()
+    for prompt, p, out in zip(prompts, params, got):
+        exp = generate_batch(llm.model, [prompt], [p], llm.eos_token_ids, None, tok,
+                             grammars=llm.grammars)[0][0]
+        assert out.token_ids == exp.token_ids
+    assert pool.allocator.num_free == pool.num_blocks
