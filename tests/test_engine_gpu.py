@@ -234,30 +234,35 @@ def test_a_prefill_graph_that_fails_leaves_its_prefills_uncaptured(tiny_model_di
     config, sd = load_checkpoint(tiny_model_dir)
     model = build_model(config, sd, torch.float32, "cuda")
     rng = random.Random(11)
-    prompts = [[rng.randrange(3, 128) for _ in range(rng.randint(1, 120))] for _ in range(30)]
+    # two running rows: each later prefill is one row, of 64 tokens padded (a short prompt)
+    # or 128 (a long one), so both lengths come back again and again
+    prompts = [[rng.randrange(3, 128) for _ in range(rng.randint(*(1, 60) if i % 2 else (65, 120)))]
+               for i in range(30)]
     params = [SamplingParams(max_tokens=rng.randint(1, 20), ignore_eos=True) for _ in range(30)]
-    pool = KVPool(CacheShape.of(config), 256, 16, torch.float32, "cuda")
 
-    def run(runner):
-        outs, _ = generate_continuous(model, prompts, params, (2,), pool, max_batch_size=8,
+    def run(mode):  # a pool each: no prefix cache carried from one run to the other
+        pool = KVPool(CacheShape.of(config), 256, 16, torch.float32, "cuda")
+        runner = ContinuousRunner(model, pool, 2, mode)
+        if mode == "graph":
+            real = runner._capture
+
+            def capture(fn, *args, **kwargs):
+                if fn == runner._prefill_forward and args[0] == 64:
+                    raise torch.OutOfMemoryError("CUDA out of memory (in the test)")
+                return real(fn, *args, **kwargs)
+
+            monkeypatch.setattr(runner, "_capture", capture)
+        outs, _ = generate_continuous(model, prompts, params, (2,), pool, max_batch_size=2,
                                       runner=runner)
-        return [o.token_ids for o in outs]
+        assert pool.allocator.num_free == 256
+        return [o.token_ids for o in outs], runner
 
-    want = run(ContinuousRunner(model, pool, 8, "static"))
-    runner = ContinuousRunner(model, pool, 8, "graph")
-    real = runner._capture
-
-    def capture(fn, *args, **kwargs):
-        if fn == runner._prefill_forward and args[0] == 64:
-            raise torch.OutOfMemoryError("CUDA out of memory (in the test)")
-        return real(fn, *args, **kwargs)
-
-    monkeypatch.setattr(runner, "_capture", capture)
+    want, _ = run("static")
     with caplog.at_level(logging.WARNING, logger="nanoserve.model_runner"):
-        assert run(runner) == want
-    failed = {key for key in runner._pf_failed if key[0] == 64}  # (the pool's prefix cache
-    assert failed and not failed & set(runner._pf_graphs)  # serves this run: either kind)
-    assert runner._pf_graphs and runner.prefill_replays > 0
+        got, runner = run("graph")
+    assert got == want
+    assert (64, False) in runner._pf_failed and (64, False) not in runner._pf_graphs
+    assert (128, False) in runner._pf_graphs and runner.prefill_replays > 0
     assert "prefill graph of 64 tokens was not captured (CUDA out of memory" in caplog.text
 
 
