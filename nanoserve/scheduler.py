@@ -32,11 +32,9 @@ A row that stops on length is never stepped past its last token.
 
 Output controls (`nanoserve.step_sampling`, shared with the static batches): a decode step
 holding a row with a structured output queues its forward, then reads the older operations
-(the rows' previous tokens) while that forward runs, and hands the rows' bitmasks to the
-grammar thread (xgrammar's fill releases the GIL), which fills them from the matchers while
-this thread admits rows and prepares the next step; the masked sampling is queued before
-any other device work (`_flush`: before the next prefill or forward, or a read), and that
-step is read at the next iteration, once the next forward is queued. The graph boundary is at the logits: rows without a
+(the rows' previous tokens) while that forward runs, fills the rows' bitmasks from their
+matchers, and queues the masked sampling; that step is read at the next iteration, once
+the next forward is queued. The graph boundary is at the logits: rows without a
 constraint keep the captured step's argmax. A row's `n` samples are admitted
 together: the prompt is prefilled once, samples 1..n-1 fork its block table (full blocks
 shared, the partly filled last block copied) and draw their first tokens from the same
@@ -57,10 +55,8 @@ finishes.
 
 from __future__ import annotations
 
-import threading
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import chain
 from time import perf_counter
 
@@ -107,27 +103,6 @@ ADMIT_WAIT_STEPS = 4
 
 def _blocks(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
-
-
-_grammar_thread: ThreadPoolExecutor | None = None  # one per process, made at first use
-
-
-def fill_in_background(sampling: StepSampling, out) -> Future:
-    """`sampling.fill(out)` on the grammar thread, returned once that thread holds the GIL
-    and is entering xgrammar's fill (which releases it): a thread woken while this one runs
-    Python would otherwise wait for the interpreter's switch interval (5 ms) to start."""
-    global _grammar_thread
-    if _grammar_thread is None:
-        _grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="nanoserve-grammar")
-    started = threading.Event()
-
-    def work() -> None:
-        started.set()
-        sampling.fill(out)
-
-    future = _grammar_thread.submit(work)
-    started.wait()
-    return future
 
 
 class _Group:
@@ -214,10 +189,6 @@ class ContinuousScheduler:
         self.free_slots = list(range(runner.max_batch_size - 1, -1, -1))
         self.stats = BatchStats()
         self.steps_since_admit = 0  # decode steps launched since the last admission
-        # A steered step whose masks the grammar thread fills while this thread prepares
-        # the next step: (its op, the fill). Its sampling is queued by `_flush`, before any
-        # other device work (a prefill may reuse the slots of rows that step still holds).
-        self._pending: tuple[_Op, Future] | None = None
 
     # --- the public surface -----------------------------------------------------------------
 
@@ -266,9 +237,6 @@ class ContinuousScheduler:
         """Drop every row, waiting or running, and free their blocks (after the device has
         finished what was queued, so nothing still writes into them)."""
         try:
-            if self._pending is not None:  # the grammar thread is done with its buffers
-                pending, self._pending = self._pending, None
-                pending[1].exception()
             self.runner.sync()
         finally:
             for r in self.running:
@@ -276,17 +244,6 @@ class ContinuousScheduler:
             self.running.clear()
             self.waiting.clear()
             self.unread.clear()
-
-    def _flush(self) -> None:
-        """Queue the pending steered step's sampling, once its masks are filled."""
-        if self._pending is None:
-            return
-        (op, future), self._pending = self._pending, None
-        t = perf_counter()
-        future.result()
-        t = self._tick("fill_wait", t)
-        self.runner.finish_decode(op.launched, op.sampling)
-        self._tick("sample_launch", t)
 
     def _tick(self, key: str, t0: float) -> float:
         """Add the host seconds since t0 to the runner's profile under `key` (profile on)."""
@@ -422,7 +379,6 @@ class ContinuousScheduler:
                 sample_from.append(i)
         self.running += rows + [c for r in rows for c in r.forks]
         placed = rows + [c for r in rows for c in r.forks]
-        self._flush()  # a pending step's sampling writes row slots these rows may now hold
         self.runner.set_block_tables([r.slot for r in placed], [r.table.blocks for r in placed])
         recomputed = [r for r in rows if r.seq.output_ids]
         if recomputed:
@@ -492,37 +448,26 @@ class ContinuousScheduler:
         if self.runner.profile:
             self.runner.host_s["steps"] = self.runner.host_s.get("steps", 0) + 1
         t = self._tick("decode_prep", t0)
-        self._flush()  # the previous steered step's sampling: its tokens are this one's input
-        t = perf_counter()
         op = self.runner.decode([r.slot for r in rows], positions, writes, new_blocks,
                                 sampling, defer=constrained)
         t = self._tick("decode_launch", t)
-        pending = None
         if constrained:  # the masks need every earlier token: read while the forward runs
             while self.unread:
                 self._read(self.unread.popleft())
             t = perf_counter()
             sampling = StepSampling.of([r.seq for r in rows], counters, self.words, fill=False)
-            if sampling.masked:  # filled on the grammar thread while the next step is prepared
-                out = self.runner.mask_rows(op.ring, len(sampling.masked), sampling.words)
-                pending = fill_in_background(sampling, out)
-                self._tick("sampling_of", t)
-            else:
-                t = self._tick("sampling_of", t)
-                self.runner.finish_decode(op, sampling)
-                self._tick("sample_launch", t)
+            t = self._tick("sampling_of", t)
+            self.runner.finish_decode(op, sampling)
+            self._tick("sample_launch", t)
         for r in rows:
             r.launched += 1
         self.stats.decode_row_steps += len(rows)
         self.unread.append(_Op(op, rows, sampling))
-        if pending is not None:
-            self._pending = (self.unread[-1], pending)
         return constrained
 
     # --- results -----------------------------------------------------------------------------
 
     def _read(self, op: _Op) -> None:
-        self._flush()  # (only the newest op can be pending)
         t = perf_counter()
         tokens = self.runner.read(op.launched)
         t = self._tick("read", t)
