@@ -85,8 +85,8 @@ PREFILL_GRAPH_TOKENS = 8192
 def prefill_length(n: int) -> int:
     """The tokens a packed prefill of n runs at when padded: n rounded up to a multiple of 64
     (n <= 1,024), 128 (<= 4,096) or 256 (about 2% more tokens at the usual 4,000-8,000): 56
-    lengths up to 8,192, each a captured prefill graph of each kind (~35 ms of capture a
-    graph). Uncaptured, few shapes matter too: cuBLAS picks a GEMM's kernel on the host for
+    lengths up to 8,192, each a prefill graph of each kind once met (mode "graph").
+    Uncaptured, few shapes matter too: cuBLAS picks a GEMM's kernel on the host for
     each new shape, 0.34 ms a call at a new row count against 0.03 ms at one it has met (an
     H200, the 1B shape's q/k/v projection), and a prefill of the 1B shape makes 64 such
     calls."""
@@ -473,13 +473,14 @@ class ContinuousRunner:
         followed by a row of padding up to `prefill_length` of their count (token 0 at
         positions 0.., write slots -1, the padding row slot's table): a graph per length, or
         GEMMs that meet few shapes; every op a row's results go through is its own tokens'
-        (the attention keeps to each row, everything else is per token). Then each sampler j draws a token from the
-        logits of the last position of row `sample_from[j]` (several samplers may share one
-        row: a prompt's n samples) under `sampling` (one entry per sampler) and stores it in
-        last_tok at row slot `sample_slots[j]`. cached: per row, how many tokens before
-        `tokens` its block table already holds (the prefix cache's blocks): those rows' new
-        tokens sit at positions cached.. and attend to the cached context through their
-        block tables (set beforehand; `slots` are the rows' row slots).
+        (the attention keeps to each row, everything else is per token). Then each sampler
+        j draws a token from the logits of the last position of row `sample_from[j]`
+        (several samplers may share one row: a prompt's n samples) under `sampling` (one
+        entry per sampler) and stores it in last_tok at row slot `sample_slots[j]`.
+        cached: per row, how many tokens before `tokens` its block table already holds (the
+        prefix cache's blocks): those rows' new tokens sit at positions cached.. and attend
+        to the cached context through their block tables (set beforehand; `slots` are the
+        rows' row slots).
         prompt_logprobs: (row, k) for rows whose new tokens are their whole prompt and that
         want its logprobs (read back in `Launched.prompt`)."""
         end = self._mark("prefill")
@@ -579,9 +580,9 @@ class ContinuousRunner:
         warm-up: its kernels are compiled, its shapes met), for the next prefills of that
         length and kind. The capture records launches and runs nothing: the inputs staged
         for the run just queued stay as they are. Lengths are captured as they are met, so
-        a small job pays for few (about 30 ms of host each, against ~10 s for all 112 at
-        load). A capture that fails (the memory the KV pool left is short) leaves that
-        length and kind uncaptured, with a warning, and the run goes on."""
+        a small job pays for few (all 112 at load took the 1B shape's engine 9.4 s more to
+        load on an H200). A capture that fails (the memory the KV pool left is short) leaves
+        that length and kind uncaptured, with a warning, and the run goes on."""
         try:
             self._pf_graphs[T, paged] = self._capture(self._prefill_forward, T, paged,
                                                       warm=False)[1]
