@@ -35,7 +35,7 @@ import torch
 from kernels._triton import HAS_TRITON, interpret_requested, next_power_of_2, tl, triton
 from kernels.kv_quant import check_kv_scales, dequantize_reference, is_fp8
 from kernels.online_softmax import online_softmax_step
-from kernels.prefill_attention import check_prompt_lengths
+from kernels.prefill_attention import check_prompt_lengths, prefill_program
 
 # Decided when this module is imported, like Triton's own choice in `@triton.jit` below.
 INTERPRETED = HAS_TRITON and interpret_requested()
@@ -201,14 +201,9 @@ def _paged_prefill_kernel(
     WORK: tl.constexpr,  # grid (P, Hkv) over a work table, else (blocks, Hkv, B)
 ):
     kv_head = tl.program_id(1)
-    if WORK:
-        row = tl.load(work_ptr + tl.program_id(0))
-        m_block = tl.load(work_ptr + work_size + tl.program_id(0))
-        if row < 0:
-            return
-    else:
-        m_block = tl.program_id(0)
-        row = tl.program_id(2)
+    row, m_block = prefill_program(work_ptr, work_size, WORK)
+    if row < 0:
+        return
     q_start = tl.load(cu_seqlens_q_ptr + row)
     q_len = tl.load(cu_seqlens_q_ptr + row + 1) - q_start
     m0 = m_block * BLOCK_M

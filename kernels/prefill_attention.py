@@ -140,6 +140,19 @@ def prefill_attention_reference(
 
 
 @triton.jit
+def prefill_program(work_ptr, work_size, WORK: tl.constexpr):
+    """(row, block of queries) of this program: from the work table with WORK (row -1:
+    none), else from the grid (blocks, heads, rows). Shared by both prefill kernels."""
+    if WORK:
+        row = tl.load(work_ptr + tl.program_id(0))
+        m_block = tl.load(work_ptr + work_size + tl.program_id(0))
+    else:
+        row = tl.program_id(2)
+        m_block = tl.program_id(0)
+    return row, m_block
+
+
+@triton.jit
 def _prefill_kernel(
     q_ptr,  # [N, Hq, D]
     k_ptr,  # [N, Hkv, D]
@@ -171,14 +184,9 @@ def _prefill_kernel(
     WORK: tl.constexpr,  # grid (P, Hq) over a work table, else (query blocks, Hq, B)
 ):
     head = tl.program_id(1)
-    if WORK:
-        seq = tl.load(work_ptr + tl.program_id(0))
-        m_block = tl.load(work_ptr + work_size + tl.program_id(0))
-        if seq < 0:
-            return
-    else:
-        m_block = tl.program_id(0)
-        seq = tl.program_id(2)
+    seq, m_block = prefill_program(work_ptr, work_size, WORK)
+    if seq < 0:
+        return
     seq_start = tl.load(cu_seqlens_ptr + seq)
     seq_len = tl.load(cu_seqlens_ptr + seq + 1) - seq_start
     m0 = m_block * BLOCK_M
