@@ -35,7 +35,7 @@ import torch
 from kernels._triton import HAS_TRITON, interpret_requested, next_power_of_2, tl, triton
 from kernels.kv_quant import check_kv_scales, dequantize_reference, is_fp8
 from kernels.online_softmax import online_softmax_step
-from kernels.prefill_attention import check_prompt_lengths, prefill_program
+from kernels.prefill_attention import check_prompt_lengths, check_work, prefill_program
 
 # Decided when this module is imported, like Triton's own choice in `@triton.jit` below.
 INTERPRETED = HAS_TRITON and interpret_requested()
@@ -301,9 +301,7 @@ def paged_prefill_attention(
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     batch = cu_seqlens_q.shape[0] - 1
     if work is not None:
-        if work.dim() != 2 or work.shape[0] != 2 or work.dtype != torch.int32 \
-                or not work.is_contiguous() or work.device != q.device:
-            raise ValueError("work must be a contiguous [2, P] int32 tensor on q's device")
+        check_work(work, q)
         if num_tokens == 0 or batch == 0 or work.shape[1] == 0:
             return out
     elif num_tokens == 0 or batch == 0 or max_seqlen_q <= 0:

@@ -58,6 +58,13 @@ def prefill_work(lengths: list[int], size: int, block_m: int = PREFILL_BLOCK_M) 
     return out
 
 
+def check_work(work: torch.Tensor, q: torch.Tensor) -> None:
+    """A work table must be a contiguous [2, P] int32 tensor on q's device (ValueError)."""
+    if work.dim() != 2 or work.shape[0] != 2 or work.dtype != torch.int32 \
+            or not work.is_contiguous() or work.device != q.device:
+        raise ValueError("work must be a contiguous [2, P] int32 tensor on q's device")
+
+
 def check_prefill_args(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor
 ) -> None:
@@ -262,9 +269,7 @@ def prefill_attention(
     if work is not None:
         if block_m not in (None, PREFILL_BLOCK_M):
             raise ValueError(f"a work table is built for block_m={PREFILL_BLOCK_M}")
-        if work.dim() != 2 or work.shape[0] != 2 or work.dtype != torch.int32 \
-                or not work.is_contiguous() or work.device != q.device:
-            raise ValueError("work must be a contiguous [2, P] int32 tensor on q's device")
+        check_work(work, q)
         if num_tokens == 0 or num_seqs == 0 or work.shape[1] == 0:
             return out
         block_m = PREFILL_BLOCK_M
@@ -301,5 +306,5 @@ def prefill_attention(
     return out
 
 
-__all__ = ["PREFILL_BLOCK_M", "check_prefill_args", "prefill_attention",
+__all__ = ["PREFILL_BLOCK_M", "check_prefill_args", "check_work", "prefill_attention",
            "prefill_attention_reference", "prefill_work", "prefill_work_size"]

@@ -691,6 +691,14 @@ def test_prefill_work_lists_each_query_block_once_furthest_first():
         prefill_work(lens, prefill_work_size(sum(lens), len(lens)))
     with pytest.raises(ValueError, match="do not fit"):
         prefill_work([PREFILL_BLOCK_M + 1] * 3, 5)
+    from kernels.prefill_attention import check_work
+
+    q = torch.zeros(4, 2, 8)
+    check_work(torch.from_numpy(work), q)
+    for bad in (torch.from_numpy(work).long(), torch.from_numpy(work)[:, ::2],
+                torch.zeros(3, 4, dtype=torch.int32)):
+        with pytest.raises(ValueError, match="contiguous \\[2, P\\] int32"):
+            check_work(bad, q)
 
 
 @pytest.mark.parametrize("group,dtype,window", [(1, torch.float32, None), (4, torch.float16, None),
