@@ -487,9 +487,7 @@ def ready_line(infos: list[dict[str, Any]]) -> str:
         captured = [i for i in infos if (i.get("steps") or {}).get("graphs")]
         if captured:
             s = captured[0]["steps"]
-            prefills = (f" and prefills as {s['prefill_graphs']}" if s.get("prefill_graphs")
-                        else "")
-            parts.append(f"decode steps as {s['graphs']} CUDA graphs{prefills} a worker "
+            parts.append(f"decode steps as {s['graphs']} CUDA graphs a worker "
                          f"({s['graph_mib']:,.0f} MiB, captured in {s['capture_s']:.1f} s)")
         failed = [i["steps"]["capture_error"] for i in infos
                   if (i.get("steps") or {}).get("capture_error")]

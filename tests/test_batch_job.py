@@ -373,14 +373,14 @@ def test_ready_line_says_batching_steps_and_pool(smollm2_llm):
     assert ready_line([info]) == (f"nanoserve: 1 worker(s) ready: continuous batching of up "
                                   f"to {smollm2_llm.max_batch_size} rows; "
                                   f"KV pool {tokens:,} tokens a worker")
-    steps = {"step_mode": "graph", "graphs": 20, "prefill_graphs": 104, "graph_mib": 1206.4,
-             "capture_s": 3.94, "capture_error": None}
+    steps = {"step_mode": "graph", "graphs": 20, "graph_mib": 1206.4, "capture_s": 3.94,
+             "capture_error": None}
     ok = dict(info, scheduler="continuous", steps=steps)
-    failed = dict(ok, steps=dict(steps, step_mode="static", graphs=0, prefill_graphs=0,
-                                 graph_mib=0.0, capture_s=0.0, capture_error="out of memory"))
+    failed = dict(ok, steps=dict(steps, step_mode="static", graphs=0, graph_mib=0.0,
+                                 capture_s=0.0, capture_error="out of memory"))
     assert ready_line([ok, failed]) == (
         f"nanoserve: 2 worker(s) ready: continuous batching of up to "
-        f"{smollm2_llm.max_batch_size} rows; decode steps as 20 CUDA graphs and prefills as "
-        "104 a worker (1,206 MiB, captured in 3.9 s); CUDA graphs not captured on 1 of 2 "
-        "worker(s) (out of memory): their decode steps run uncaptured, slower; "
+        f"{smollm2_llm.max_batch_size} rows; decode steps as 20 CUDA graphs a "
+        "worker (1,206 MiB, captured in 3.9 s); CUDA graphs not captured on 1 of 2 worker(s) "
+        "(out of memory): their decode steps run uncaptured, slower; "
         f"KV pool {tokens:,} tokens a worker")
