@@ -17,12 +17,12 @@ The target (>= 70% of copy bandwidth at batch >= 8 and context >= 1024) is judge
 
 Then: prefill kernel time against its reference, and the KV store kernel.
 `--fp8-kv` runs only the decode kernel over a bfloat16 cache against the same cache in FP8
-(e4m3, scales 0.5 / 2.0; `kernels/kv_quant.py`): time, bandwidth on the bytes each reads,
+(e4m3, scales 0.5 / 2.0; `nanoserve_kernels/kv_quant.py`): time, bandwidth on the bytes each reads,
 and the speedup (about a minute); `--head-dim 128` the 8B shape's heads; `--fp8-sweep`
 adds the FP8 kernel at forced tilings (tokens per step, warps, stages) against bfloat16.
 `--sweep` adds a tuning sweep of the decode kernel (program order, tile size, warps, stages,
 splits) and the host cost of one call;
-`default_tiling` and `choose_num_splits` in `kernels/paged_attention.py` encode its findings.
+`default_tiling` and `choose_num_splits` in `nanoserve_kernels/paged_attention.py` encode its findings.
 
 Run from the repository root: `python benchmarks/kernels.py` or `python -m benchmarks.kernels`.
 """
@@ -140,7 +140,7 @@ def run_decode(copy_bw: float) -> list[dict]:
 
 
 def decode_row(batch: int, ctx: int, copy_bw: float) -> dict:
-    from kernels.paged_attention import (
+    from nanoserve_kernels.paged_attention import (
         choose_num_splits,
         default_tiling,
         paged_decode_attention,
@@ -245,8 +245,8 @@ def run_decode_fp8(copy_bw: float) -> None:
 def fp8_tiling_sweep(batch: int, ctx: int, copy_bw: float) -> None:
     """The FP8 cache's decode kernel at forced tilings (tokens per step, warps, stages)
     against the bfloat16 cache's at its defaults: an FP8 step holds half the bytes."""
-    from kernels.kv_quant import quantize_reference
-    from kernels.paged_attention import paged_decode_attention
+    from nanoserve_kernels.kv_quant import quantize_reference
+    from nanoserve_kernels.paged_attention import paged_decode_attention
 
     q, k_cache, v_cache, tables, lens = decode_case(batch, ctx)
     k8, v8 = quantize_reference(k_cache, 0.5), quantize_reference(v_cache, 2.0)
@@ -275,8 +275,11 @@ def fp8_tiling_sweep(batch: int, ctx: int, copy_bw: float) -> None:
 
 
 def fp8_decode_row(batch: int, ctx: int, copy_bw: float) -> str:
-    from kernels.kv_quant import quantize_reference
-    from kernels.paged_attention import paged_decode_attention, paged_decode_attention_reference
+    from nanoserve_kernels.kv_quant import quantize_reference
+    from nanoserve_kernels.paged_attention import (
+        paged_decode_attention,
+        paged_decode_attention_reference,
+    )
 
     q, k_cache, v_cache, tables, lens = decode_case(batch, ctx)
     k8, v8 = quantize_reference(k_cache, 0.5), quantize_reference(v_cache, 2.0)
@@ -331,7 +334,10 @@ def sweep_shape(batch: int, ctx: int, copy_bw: float, show: int = 8) -> None:
     """Every (order, splits, block_n, warps, stages) of the sweep for one shape, timed per
     call in a GRAPH_CALLS-call graph over distinct cache copies (the engine's regime), best
     first; a configuration whose output is off the reference by more than 2e-2 is dropped."""
-    from kernels.paged_attention import paged_decode_attention, paged_decode_attention_reference
+    from nanoserve_kernels.paged_attention import (
+        paged_decode_attention,
+        paged_decode_attention_reference,
+    )
 
     q, k_cache, v_cache, tables, lens = decode_case(batch, ctx)
     nbytes = decode_bytes(batch, ctx)
@@ -376,7 +382,7 @@ def sweep_shape(batch: int, ctx: int, copy_bw: float, show: int = 8) -> None:
 
 def host_overhead(calls: int = 2000) -> None:
     """Host microseconds per decode call and per piece of it (no device sync inside the loop)."""
-    from kernels.paged_attention import check_decode_args, paged_decode_attention
+    from nanoserve_kernels.paged_attention import check_decode_args, paged_decode_attention
 
     q, k_cache, v_cache, tables, lens = decode_case(1, 128)
 
@@ -413,7 +419,7 @@ def host_overhead(calls: int = 2000) -> None:
 
 
 def run_prefill() -> list[dict]:
-    from kernels.prefill_attention import prefill_attention, prefill_attention_reference
+    from nanoserve_kernels.prefill_attention import prefill_attention, prefill_attention_reference
 
     rows = []
     for num_prompts in (4, 16):
@@ -457,7 +463,7 @@ def run_prefill() -> list[dict]:
 
 
 def run_store(copy_bw: float) -> dict:
-    from kernels.kv_store import store_kv, store_kv_reference
+    from nanoserve_kernels.kv_store import store_kv, store_kv_reference
 
     n, num_blocks = 16384, 4096
     k = torch.randn((n, HKV, HEAD_DIM), device="cuda", dtype=DTYPE)

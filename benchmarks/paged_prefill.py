@@ -64,8 +64,11 @@ def case(num_rows: int, seed: int = 0):
 
 
 def run(rows_list=(16, 64, 256)) -> None:
-    from kernels.paged_prefill import paged_prefill_attention, paged_prefill_attention_reference
-    from kernels.prefill_attention import prefill_attention
+    from nanoserve_kernels.paged_prefill import (
+        paged_prefill_attention,
+        paged_prefill_attention_reference,
+    )
+    from nanoserve_kernels.prefill_attention import prefill_attention
 
     print("| rows | new tokens | kernel us | TFLOP/s | reference us | whole-prompt prefill us "
           "| max abs err |")  # fmt: skip
@@ -84,7 +87,7 @@ def run(rows_list=(16, 64, 256)) -> None:
 
 
 def sweep(num_rows: int = 64) -> None:
-    from kernels.paged_prefill import paged_prefill_attention
+    from nanoserve_kernels.paged_prefill import paged_prefill_attention
 
     args, _, flops = case(num_rows)
     results = []

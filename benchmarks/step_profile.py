@@ -163,7 +163,7 @@ def attention_balance(batch: int, splits=(None,), lo: int = 200, hi: int = 2048,
     """Rows in their given order and longest first (default split choice), then longest
     first at each forced split count in `splits`."""
     from benchmarks.kernels import bench_ms, graphed_calls
-    from kernels.paged_attention import paged_decode_attention
+    from nanoserve_kernels.paged_attention import paged_decode_attention
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
     hq, hkv, d, block = 32, 8, 64, 16

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import backend as kernel_backend
+from nanoserve_kernels import backend as kernel_backend
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class AttentionMetadata:
     # row [1, N] in row-major order (`as_packed`); None: the step's input has its own shape.
     packed_from: torch.Tensor | None = None
     # A packed prefill's work table for the prefill kernel that runs (the ragged one, or the
-    # paged one after cached blocks: [2, P] int32, `kernels.prefill_attention.prefill_work`
+    # paged one after cached blocks: [2, P] int32, `nanoserve_kernels.prefill_attention.prefill_work`
     # for that kernel's block_m): its grid then depends on P alone, which is what lets a
     # CUDA graph serve every packing of one token count. None: the usual grid.
     work: torch.Tensor | None = None

@@ -5,7 +5,7 @@ Pool layout, per layer: `k[layer], v[layer]: [num_blocks, block_size, Hkv, D]`; 
 flat view `[num_slots, Hkv, D]` is indexed by slot = block * block_size + offset.
 The pool's dtype is the model's, or float8 e4m3 (an FP8 KV cache: one byte per element, so
 twice the tokens of a bfloat16 pool in the same memory), stored as x / scale with one K
-scale and one V scale per layer (`KVPool.k_scales`, `v_scales`; `kernels.kv_quant`). Every
+scale and one V scale per layer (`KVPool.k_scales`, `v_scales`; `nanoserve_kernels.kv_quant`). Every
 store and read of the pool passes its layer's scales (`KVPool.scales(layer)`).
 
 Lessons kept as invariants (see the design notes):
@@ -27,8 +27,6 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import backend as kernel_backend
-from kernels.kv_quant import check_kv_scales, is_fp8
 from nanoserve.block_manager import (
     BlockAllocator,
     BlockTable,
@@ -37,6 +35,8 @@ from nanoserve.block_manager import (
     reserve_one_each,
 )
 from nanoserve.config import ModelConfig
+from nanoserve_kernels import backend as kernel_backend
+from nanoserve_kernels.kv_quant import check_kv_scales, is_fp8
 
 
 @dataclass(frozen=True)

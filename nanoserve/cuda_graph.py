@@ -35,10 +35,10 @@ import os
 
 import torch
 
-from kernels import backend as kernel_backend
 from nanoserve.attention import AttentionMetadata
 from nanoserve.cache import BatchedPagedKVCache
 from nanoserve.model import LlamaForCausalLM
+from nanoserve_kernels import backend as kernel_backend
 
 log = logging.getLogger(__name__)
 

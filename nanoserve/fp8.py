@@ -29,13 +29,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import backend as kernel_backend
-from kernels.fp8_quant import quantize_rows as quantize_rows_triton
-from kernels.fp8_quant import quantize_rows_reference
 from nanoserve.config import ModelConfig
 from nanoserve.errors import ModelError
 from nanoserve.model import FP8Out, LlamaForCausalLM, QuantizedRows, ScaledRows, build_model
 from nanoserve.quantization import Fp8Scheme, check_online
+from nanoserve_kernels import backend as kernel_backend
+from nanoserve_kernels.fp8_quant import quantize_rows as quantize_rows_triton
+from nanoserve_kernels.fp8_quant import quantize_rows_reference
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -101,7 +101,7 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | No
 def quantize_rows(x: torch.Tensor, ub: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic per-token activation quantization: x [M, K] -> (e4m3 [M, K], float32
     scale [M, 1]); a row's amax is capped at `ub` (fbgemm's activation_scale_ub), values
-    beyond it saturate. One Triton launch on a GPU (kernels/fp8_quant.py), else its
+    beyond it saturate. One Triton launch on a GPU (nanoserve_kernels/fp8_quant.py), else its
     PyTorch reference."""
     if kernel_backend.use_triton(x.device):
         return quantize_rows_triton(x, ub)
@@ -129,7 +129,7 @@ class Fp8Linear(nn.Module):
     cuBLAS picks its kernels for that by the shape, up to 2.2x faster at decode sizes than
     its row-wise-scaled one, a 128 x 128 tile at every size; summed as `FAST_ACCUM` says);
     its raw output (bfloat16 on a GPU, x's dtype on the CPU) is then scaled per row and
-    column (kernels/scaled_rows.py): by one kernel here, or, with `keep_scales`
+    column (nanoserve_kernels/scaled_rows.py): by one kernel here, or, with `keep_scales`
     (`nanoserve.model._project`), by the kernel that reads the output next, which gets
     `ScaledRows`. Either way y is ((raw * x_scale) * weight_scale) rounded to x's dtype,
     the same bits.

@@ -5,7 +5,7 @@ cache, its per-layer scales.
 - "fp8" (or "fp8_e4m3"): float8 e4m3, one byte per element, so the pool holds twice the
   tokens of a bfloat16 one in the same memory. Keys and values are stored as x / scale
   and read as entry * scale, with one K scale and one V scale per layer
-  (`kernels/kv_quant.py`). It needs a CUDA GPU of compute capability 8.9 or newer (Ada,
+  (`nanoserve_kernels/kv_quant.py`). It needs a CUDA GPU of compute capability 8.9 or newer (Ada,
   Hopper, Blackwell): Triton has no e4m3 conversions before that. On the CPU it is refused:
   torch converts e4m3 to float32 at about 11 ns an element on the CPU, as much again as the
   decode read's gather costs, so an FP8 pool there would only trade speed for memory.
@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from kernels.kv_quant import FP8_DTYPE
 from nanoserve.errors import ModelError, NanoserveError
+from nanoserve_kernels.kv_quant import FP8_DTYPE
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 MIN_FP8_CAPABILITY = (8, 9)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from kernels.kv_quant import is_fp8
 from nanoserve.cache import CacheShape, KVPool
 from nanoserve.config import ModelConfig
 from nanoserve.cuda_graph import MIN_DECODE_STEPS, graphs_wanted
@@ -27,6 +26,7 @@ from nanoserve.sequence import SequenceOutput as Completion
 from nanoserve.structured import GrammarCache
 from nanoserve.tokenizer import Tokenizer
 from nanoserve.weights import load_checkpoint
+from nanoserve_kernels.kv_quant import is_fp8
 
 __all__ = ["LLM", "SCHEDULERS", "Completion", "resolve_device", "resolve_dtype"]
 

@@ -5,7 +5,7 @@ top-p and a structured output's mask (vLLM's default, "raw" logprobs), so they d
 model, not the sampler. A token's rank is 1 + the number of tokens with a strictly higher
 logit (so a higher logprob, counted before rounding: the argmax has rank 1). Only the rows
 that ask are computed: their logits rows are reduced to `[rows, 2 + 2k]` float32 (logprob,
-rank, k top ids, k top logprobs; on a GPU by `kernels.logprobs`, which reads the logits
+rank, k top ids, k top logprobs; on a GPU by `nanoserve_kernels.logprobs`, which reads the logits
 once), and that small tensor is what reaches the host: no `[rows, vocab]` tensor is kept,
 and the host waits for it with the step's tokens, not per row.
 
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels import backend as kernel_backend
+from nanoserve_kernels import backend as kernel_backend
 
 PROMPT_CHUNK = 256  # prompt positions whose logits exist at once
 
@@ -45,7 +45,7 @@ class TokenLogprob:
 def logprob_rows(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
     """logits [m, V] (any float dtype), tokens [m] int64 -> [m, 2 + 2k] float32 on the same
     device: the token's logprob, its rank, then the k top ids and their logprobs. On a GPU
-    one Triton kernel reads the logits once (`kernels.logprobs`); elsewhere its reference."""
+    one Triton kernel reads the logits once (`nanoserve_kernels.logprobs`); elsewhere its reference."""
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     return kernel_backend.logprob_rows(logits, tokens.contiguous(), k)

@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import backend as kernel_backend
 from nanoserve.attention import AttentionMetadata, gqa_attention
 from nanoserve.config import ModelConfig
+from nanoserve_kernels import backend as kernel_backend
 
 
 class QuantizedRows:
@@ -41,7 +41,7 @@ class QuantizedRows:
 
 class ScaledRows:
     """An FP8 projection's output before its scales (`nanoserve.fp8.Fp8Linear` asked with
-    `keep_scales`), for the kernel after it to apply them as it reads (kernels/scaled_rows.py:
+    `keep_scales`), for the kernel after it to apply them as it reads (nanoserve_kernels/scaled_rows.py:
     value = raw * row_scale * col_scale): raw [M, N] in `dtype`, row_scale [M, 1], col_scale
     [1, N] float32; `shape`: the output's own ([..., N], M the product of the leading sides).
     Read by the residual add (`RMSNorm.add_forward`) and silu-and-mul's FP8 form."""
@@ -85,7 +85,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | QuantizedRows:
         # Normalise in float32, cast back, then scale: the order transformers uses (one
-        # Triton kernel on a GPU, kernels/rmsnorm.py).
+        # Triton kernel on a GPU, nanoserve_kernels/rmsnorm.py).
         if self.fp8_out is not None:
             q, scale = kernel_backend.rms_norm_fp8(x, self.weight, self.eps, self.fp8_out.ub)
             return QuantizedRows(q, scale, x.shape, x.dtype)
@@ -120,7 +120,7 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [B, T, H, D] (its head dimension contiguous); cos/sin [B, T, D] -> [B, T, H, D]
-    contiguous, in one kernel on a GPU (kernels/rotary.py)."""
+    contiguous, in one kernel on a GPU (nanoserve_kernels/rotary.py)."""
     B, T, H, D = x.shape
     out = kernel_backend.rotary(x.reshape(B * T, H, D), cos.reshape(B * T, D),
                                 sin.reshape(B * T, D))

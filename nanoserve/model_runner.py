@@ -58,9 +58,6 @@ from itertools import chain
 import numpy as np
 import torch
 
-from kernels import backend as kernel_backend
-from kernels.paged_prefill import default_block_m
-from kernels.prefill_attention import PREFILL_BLOCK_M, prefill_work, prefill_work_size
 from nanoserve.attention import AttentionMetadata
 from nanoserve.cache import KVPool
 from nanoserve.logprobs import prompt_logprob_rows
@@ -68,6 +65,9 @@ from nanoserve.model import LlamaForCausalLM
 from nanoserve.sampling import MAX_LOGPROBS
 from nanoserve.step_cache import StepCache
 from nanoserve.step_sampling import StepSampling, sample_step
+from nanoserve_kernels import backend as kernel_backend
+from nanoserve_kernels.paged_prefill import default_block_m
+from nanoserve_kernels.prefill_attention import PREFILL_BLOCK_M, prefill_work, prefill_work_size
 
 log = logging.getLogger(__name__)
 

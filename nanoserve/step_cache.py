@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels import backend as kernel_backend
 from nanoserve.cache import KVPool
+from nanoserve_kernels import backend as kernel_backend
 
 # The decode read cuts each row's own context into the step's partitions (a captured step
 # meets rows of every length; partitions sized for the longest possible row would leave

@@ -6,7 +6,7 @@ before each of its tokens is sampled, its `RowMatcher` (the grammar's state afte
 tokens so far) fills one row of a token bitmask on the host, `int32 [rows, ceil(V/32)]`
 (bit j of word i allows token 32*i + j); the bitmask is copied to the logits' device and
 disallowed tokens' logits become -inf there, before temperature, top-k/top-p and the draw
-(a greedy row: the argmax among its allowed tokens, `kernels/argmax.py`). The sampled token
+(a greedy row: the argmax among its allowed tokens, `nanoserve_kernels/argmax.py`). The sampled token
 advances the matcher (`Sequence.append`). A matcher that accepts one of the model's EOS
 tokens has terminated: the row ends with finish_reason 'stop'. A row cut by max_tokens
 first ends with 'length', and its text may not parse. A row whose grammar allows no token
@@ -375,7 +375,7 @@ def fill_bitmasks(matchers: list[RowMatcher], bitmask: torch.Tensor) -> None:
 def allowed_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     """The bool mask [n, vocab] of a bitmask [n, ceil(vocab/32)] int32 (bit j of word w:
     token 32 w + j), on the bitmask's device."""
-    from kernels.argmax import allowed_mask
+    from nanoserve_kernels.argmax import allowed_mask
 
     return allowed_mask(bitmask, vocab)
 
@@ -389,8 +389,8 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
 def masked_argmax(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """Each row's argmax among its allowed tokens: [n] int64, -1 for a row that allows none.
     logits [n, V] stay unchanged (a half-precision row's argmax is its float32's, as the
-    unmasked argmax). One Triton launch pair on a GPU (`kernels.argmax`)."""
-    from kernels.backend import masked_argmax as _masked_argmax
+    unmasked argmax). One Triton launch pair on a GPU (`nanoserve_kernels.argmax`)."""
+    from nanoserve_kernels.backend import masked_argmax as _masked_argmax
 
     return _masked_argmax(logits, bitmask)
 

@@ -1,7 +1,7 @@
-"""The CPU's attention (`kernels.cpu_attention`, what the engine runs on the CPU) against the
+"""The CPU's attention (`nanoserve_kernels.cpu_attention`, what the engine runs on the CPU) against the
 references it replaces there: random pools, block tables, context lengths, packed prompts of
 mixed lengths (padded together, and one by one past the padding bound), GQA groups, windows
-and dtypes; and which one `kernels.backend` picks."""
+and dtypes; and which one `nanoserve_kernels.backend` picks."""
 
 from __future__ import annotations
 
@@ -10,15 +10,15 @@ import random
 import pytest
 import torch
 
-from kernels import backend
-from kernels.cpu_attention import (
+from nanoserve_kernels import backend
+from nanoserve_kernels.cpu_attention import (
     decode_attention_cpu,
     paged_prefill_attention_cpu,
     prefill_attention_cpu,
 )
-from kernels.paged_attention import paged_decode_attention_reference
-from kernels.paged_prefill import paged_prefill_attention_reference
-from kernels.prefill_attention import prefill_attention_reference
+from nanoserve_kernels.paged_attention import paged_decode_attention_reference
+from nanoserve_kernels.paged_prefill import paged_prefill_attention_reference
+from nanoserve_kernels.prefill_attention import prefill_attention_reference
 
 TOLERANCE = {torch.float32: 2e-6, torch.float64: 1e-12, torch.bfloat16: 1e-2}
 

@@ -101,8 +101,8 @@ def test_fp8_linear_on_the_gpu_equals_its_reference_math():
 def test_fp8_linear_keeps_its_scales_for_the_kernel_after_it():
     """With keep_scales the projection returns its raw output and scales (`ScaledRows`); the
     scales applied by `scale_rows` (kernel and reference alike) give its plain output's bits."""
-    from kernels.scaled_rows import scale_rows, scale_rows_reference
     from nanoserve.model import ScaledRows
+    from nanoserve_kernels.scaled_rows import scale_rows, scale_rows_reference
 
     g = torch.Generator(device="cuda").manual_seed(1)
     q, s = quantize_per_channel(torch.randn(4096, 14336, device="cuda", generator=g))
@@ -124,8 +124,8 @@ def test_fp8_linear_keeps_its_scales_for_the_kernel_after_it():
 
 @pytest.mark.parametrize("ub", [None, 0.5])
 def test_quantize_rows_kernel_equals_its_reference(ub):
-    from kernels.fp8_quant import quantize_rows as kernel
-    from kernels.fp8_quant import quantize_rows_reference
+    from nanoserve_kernels.fp8_quant import quantize_rows as kernel
+    from nanoserve_kernels.fp8_quant import quantize_rows_reference
 
     g = torch.Generator(device="cuda").manual_seed(0)
     for m, k in ((1, 64), (7, 4096), (256, 14336), (3, 28672)):
@@ -162,8 +162,8 @@ def test_fused_fp8_outputs_equal_the_unfused_kernels(ub):
     """RMSNorm (with and without the residual add) and silu-and-mul quantizing their own
     output give the codes and scales of the plain kernel followed by `quantize_rows`, bit
     for bit, at the 8B shape's sides (hidden 4096, intermediate 14336) and batch sizes."""
-    from kernels.activation import silu_and_mul, silu_and_mul_fp8
-    from kernels.rmsnorm import add_rms_norm, add_rms_norm_fp8, rms_norm, rms_norm_fp8
+    from nanoserve_kernels.activation import silu_and_mul, silu_and_mul_fp8
+    from nanoserve_kernels.rmsnorm import add_rms_norm, add_rms_norm_fp8, rms_norm, rms_norm_fp8
 
     def same(a, b):
         return all(torch.equal(x.float(), y.float()) for x, y in zip(a, b))
@@ -177,7 +177,7 @@ def test_fused_fp8_outputs_equal_the_unfused_kernels(ub):
         assert same(rms_norm_fp8(x, w, 1e-5, ub), quantize_rows(rms_norm(x, w, 1e-5), ub))
         h, y = add_rms_norm(x, r, w, 1e-5)
         assert same(add_rms_norm_fp8(x, r, w, 1e-5, ub), (h, *quantize_rows(y, ub)))
-        for form in ("split", "row"):  # both forms of silu-and-mul's (kernels/activation.py)
+        for form in ("split", "row"):  # both forms of silu-and-mul's (nanoserve_kernels/activation.py)
             assert same(silu_and_mul_fp8(gu, ub, form=form), quantize_rows(silu_and_mul(gu), ub))
     wide = torch.randn(3, 2 * 28672, generator=g, device="cuda", dtype=torch.bfloat16) * 3
     for form in ("split", "row"):  # the 70B side: "row" in two passes
@@ -189,9 +189,9 @@ def test_kernels_applying_fp8_scales_equal_scale_rows_first(ub):
     """The residual adds (plain and quantizing) and silu-and-mul's FP8 form, given an FP8
     projection's raw output and scales, equal `scale_rows` then the kernel, bit for bit; and
     `scale_rows` equals its reference: at the 8B and 70B sides and decode and prefill rows."""
-    from kernels.activation import silu_and_mul_fp8
-    from kernels.rmsnorm import add_rms_norm, add_rms_norm_fp8
-    from kernels.scaled_rows import scale_rows, scale_rows_reference
+    from nanoserve_kernels.activation import silu_and_mul_fp8
+    from nanoserve_kernels.rmsnorm import add_rms_norm, add_rms_norm_fp8
+    from nanoserve_kernels.scaled_rows import scale_rows, scale_rows_reference
 
     def same(a, b):
         return all(torch.equal(x.float(), y.float()) for x, y in zip(a, b))

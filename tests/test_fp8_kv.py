@@ -22,15 +22,15 @@ import random
 import pytest
 import torch
 
-from kernels.cpu_attention import decode_attention_cpu
-from kernels.kv_quant import E4M3_MAX, FP8_DTYPE, dequantize_reference, quantize_reference
-from kernels.kv_store import store_kv_reference
-from kernels.paged_attention import paged_decode_attention_reference
-from kernels.paged_prefill import paged_prefill_attention_reference
 from nanoserve.cache import BatchedPagedKVCache, CacheShape, KVPool
 from nanoserve.errors import ModelError, NanoserveError
 from nanoserve.sampling import SamplingParams
 from nanoserve.scheduler import generate_continuous
+from nanoserve_kernels.cpu_attention import decode_attention_cpu
+from nanoserve_kernels.kv_quant import E4M3_MAX, FP8_DTYPE, dequantize_reference, quantize_reference
+from nanoserve_kernels.kv_store import store_kv_reference
+from nanoserve_kernels.paged_attention import paged_decode_attention_reference
+from nanoserve_kernels.paged_prefill import paged_prefill_attention_reference
 
 ULP_HALF = 2.0**-4  # e4m3: 3 mantissa bits, so rounding is within 2^-4 of the value
 SUBNORMAL_HALF = 2.0**-10  # below 2^-6 the spacing is 2^-9

@@ -37,17 +37,17 @@ if not torch.cuda.is_available():
 if torch.cuda.get_device_capability() < (8, 9):
     pytest.skip("FP8 needs compute capability 8.9 or newer", allow_module_level=True)
 
-from kernels.kv_quant import FP8_DTYPE, quantize_reference  # noqa: E402
-from kernels.kv_store import store_kv, store_kv_reference  # noqa: E402
-from kernels.paged_attention import (  # noqa: E402
+from nanoserve_kernels.kv_quant import FP8_DTYPE, quantize_reference  # noqa: E402
+from nanoserve_kernels.kv_store import store_kv, store_kv_reference  # noqa: E402
+from nanoserve_kernels.paged_attention import (  # noqa: E402
     paged_decode_attention,
     paged_decode_attention_reference,
 )
-from kernels.paged_prefill import (  # noqa: E402
+from nanoserve_kernels.paged_prefill import (  # noqa: E402
     paged_prefill_attention,
     paged_prefill_attention_reference,
 )
-from kernels.rotary_store import rotary_store, rotary_store_reference  # noqa: E402
+from nanoserve_kernels.rotary_store import rotary_store, rotary_store_reference  # noqa: E402
 
 DEVICE = "cuda"
 SCALES = [(1.0, 1.0), (0.37, 2.5)]

@@ -1,4 +1,4 @@
-"""kernels/fp8_quant.py on the CPU: the reference against independent math (each value the
+"""nanoserve_kernels/fp8_quant.py on the CPU: the reference against independent math (each value the
 nearest e4m3 value to x / scale, scale = the row's max / 448), and the Triton kernel against
 the reference under Triton's interpreter, in a child process (TRITON_INTERPRET must be set
 before Triton is imported; see tests/test_kernels.py). The interpreter's own float -> e4m3
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.fp8_quant import FP8, quantize_rows_reference
+from nanoserve_kernels.fp8_quant import FP8, quantize_rows_reference
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -57,7 +57,7 @@ def test_bfloat16_input_gives_float32_scales():
 
 CHILD = textwrap.dedent("""
     import torch
-    from kernels.fp8_quant import quantize_rows, quantize_rows_reference
+    from nanoserve_kernels.fp8_quant import quantize_rows, quantize_rows_reference
     g = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
         for k, ub in ((64, None), (1500, None), (2100, 0.5)):

@@ -31,7 +31,7 @@ def test_the_engine_on_a_cpu_only_machine_imports_no_triton():
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA GPU is present: the engine imports Triton here")
-    code = ("import sys, nanoserve.llm, kernels\n"
+    code = ("import sys, nanoserve.llm, nanoserve_kernels as kernels\n"
             "assert not kernels.use_triton('cpu')\n"
             "print('triton' in sys.modules)\n")
     env = {k: v for k, v in os.environ.items()

@@ -30,10 +30,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.kv_store import store_kv_reference
-from kernels.paged_attention import paged_decode_attention_reference
-from kernels.paged_prefill import paged_prefill_attention_reference
-from kernels.prefill_attention import prefill_attention_reference
+from nanoserve_kernels.kv_store import store_kv_reference
+from nanoserve_kernels.paged_attention import paged_decode_attention_reference
+from nanoserve_kernels.paged_prefill import paged_prefill_attention_reference
+from nanoserve_kernels.prefill_attention import prefill_attention_reference
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = {  # (atol, rtol) of a kernel against the reference, by input dtype
@@ -287,7 +287,7 @@ def test_paged_prefill_reference_ignores_padding_and_unused_slots():
 
 
 def test_paged_prefill_dispatch_on_cpu_equals_the_reference(monkeypatch):
-    import kernels
+    import nanoserve_kernels as kernels
 
     monkeypatch.delenv("NANOSERVE_TRITON_INTERPRET", raising=False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -295,7 +295,7 @@ def test_paged_prefill_dispatch_on_cpu_equals_the_reference(monkeypatch):
         seed=25, cached_lens=[9, 0], new_lens=[3, 4], num_kv_heads=1, group=2, head_dim=8,
         block_size=4, dtype=torch.float32,
     )  # fmt: skip
-    # the CPU's fused path (kernels.cpu_attention), equal to the reference up to rounding
+    # the CPU's fused path (nanoserve_kernels.cpu_attention), equal to the reference up to rounding
     torch.testing.assert_close(
         kernels.paged_prefill_attention(*args, 4, 0.5),
         paged_prefill_attention_reference(*args, 4, 0.5),
@@ -411,7 +411,7 @@ def test_store_kv_reference_writes_each_slot_and_skips_negative_ones():
 
 
 def test_backend_uses_references_on_cpu_by_default(monkeypatch):
-    import kernels
+    import nanoserve_kernels as kernels
 
     monkeypatch.delenv("NANOSERVE_TRITON_INTERPRET", raising=False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -421,7 +421,7 @@ def test_backend_uses_references_on_cpu_by_default(monkeypatch):
         seed=7, context_lens=[3, 17], num_kv_heads=1, group=3, head_dim=16, block_size=16,
         dtype=torch.float32,
     )  # fmt: skip
-    # the CPU's fused path (kernels.cpu_attention), equal to the reference up to rounding
+    # the CPU's fused path (nanoserve_kernels.cpu_attention), equal to the reference up to rounding
     torch.testing.assert_close(
         kernels.decode_attention(q, k_cache, v_cache, tables, lens, 0.5),
         paged_decode_attention_reference(q, k_cache, v_cache, tables, lens, 0.5),
@@ -431,8 +431,8 @@ def test_backend_uses_references_on_cpu_by_default(monkeypatch):
 
 
 _INTERPRETER_SWITCH_SCRIPT = """
-import torch, kernels
-from kernels.paged_attention import paged_decode_attention_reference
+import torch, nanoserve_kernels as kernels
+from nanoserve_kernels.paged_attention import paged_decode_attention_reference
 assert kernels.use_triton("cpu"), "NANOSERVE_TRITON_INTERPRET=1 did not select the kernels"
 g = torch.Generator().manual_seed(0)
 kc, vc = torch.randn(4, 16, 2, 64, generator=g), torch.randn(4, 16, 2, 64, generator=g)
@@ -463,19 +463,21 @@ def test_nanoserve_triton_interpret_switches_cpu_to_the_kernels():
     assert "triton-interpreter-ok" in result.stdout
 
 
-# --- our `kernels` package and transformers' probe for the hub `kernels` distribution -------
+# --- our kernels package beside transformers' `kernels` dependency ---------------------------
 
 
-def test_transformers_does_not_take_our_package_for_hub_kernels():
-    """The package index has an unrelated `kernels` distribution that transformers probes
-    for (`is_kernels_available`). Our top-level `kernels` is importable, so the probe finds
-    it; it must still answer False (the version it reads is nanoserve's, outside the
-    window transformers accepts), and transformers' Llama must build and run."""
+def test_transformers_runs_beside_our_kernels_package():
+    """transformers (from 5.25) depends on a distribution named `kernels` and imports it when
+    it is installed. Ours is `nanoserve_kernels`, so the name `kernels` is never ours (it is
+    that distribution, or nothing) and transformers' Llama builds and runs."""
+    import importlib.util
+
     pytest.importorskip("transformers")
     from transformers import LlamaConfig, LlamaForCausalLM
-    from transformers.utils.import_utils import is_kernels_available
 
-    assert is_kernels_available() is False
+    spec = importlib.util.find_spec("kernels")
+    ours = Path(__file__).resolve().parents[1]
+    assert spec is None or Path(spec.origin or "").resolve().parent.parent != ours
     config = LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
@@ -496,7 +498,7 @@ def _kernels_interpreted() -> bool:
         import triton.language as tl
     except ImportError:
         return False
-    from kernels import paged_attention
+    from nanoserve_kernels import paged_attention
 
     return paged_attention.INTERPRETED and type(tl.max).__name__ == "InterpretedFunction"
 
@@ -529,18 +531,18 @@ def interp():
     """The kernel modules, defined for the interpreter (only inside the child run)."""
     if not _kernels_interpreted():
         pytest.skip("run by test_kernels_under_the_triton_interpreter in a child process")
-    from kernels import kv_store, paged_attention, paged_prefill
+    from nanoserve_kernels import kv_store, paged_attention, paged_prefill
 
     return {
         "paged_attention": paged_attention,
         "paged_prefill": paged_prefill,
-        "prefill_attention": sys.modules["kernels.prefill_attention"],
+        "prefill_attention": sys.modules["nanoserve_kernels.prefill_attention"],
         "kv_store": kv_store,
     }
 
 
 def test_interp_backend_selects_the_kernels(interp):
-    import kernels
+    import nanoserve_kernels as kernels
 
     assert kernels.use_triton("cpu")
     (q, k_cache, v_cache, tables, lens), _ = make_decode_case(
@@ -675,7 +677,7 @@ def test_interp_prefill_kernel_matches_reference(interp, group, head_dim, dtype,
 
 
 def test_prefill_work_lists_each_query_block_once_furthest_first():
-    from kernels.prefill_attention import PREFILL_BLOCK_M, prefill_work, prefill_work_size
+    from nanoserve_kernels.prefill_attention import PREFILL_BLOCK_M, prefill_work, prefill_work_size
 
     lengths = [1, 0, 2 * PREFILL_BLOCK_M, 3 * PREFILL_BLOCK_M + 5, 7]
     size = prefill_work_size(sum(lengths), len(lengths))
@@ -691,7 +693,7 @@ def test_prefill_work_lists_each_query_block_once_furthest_first():
         prefill_work(lens, prefill_work_size(sum(lens), len(lens)))
     with pytest.raises(ValueError, match="do not fit"):
         prefill_work([PREFILL_BLOCK_M + 1] * 3, 5)
-    from kernels.prefill_attention import check_work
+    from nanoserve_kernels.prefill_attention import check_work
 
     q = torch.zeros(4, 2, 8)
     check_work(torch.from_numpy(work), q)
@@ -819,7 +821,7 @@ def test_rms_norm_reference_is_transformers_order():
     the input's dtype, then scaled by the weight in that dtype."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from kernels.rmsnorm import rms_norm_reference
+    from nanoserve_kernels.rmsnorm import rms_norm_reference
 
     g = torch.Generator().manual_seed(3)
     for dtype in (torch.float32, torch.bfloat16):
@@ -830,8 +832,8 @@ def test_rms_norm_reference_is_transformers_order():
 
 
 def test_interp_rms_norm_and_silu_and_mul_match_references(interp):
-    from kernels.activation import silu_and_mul, silu_and_mul_reference
-    from kernels.rmsnorm import rms_norm, rms_norm_reference
+    from nanoserve_kernels.activation import silu_and_mul, silu_and_mul_reference
+    from nanoserve_kernels.rmsnorm import rms_norm, rms_norm_reference
 
     g = torch.Generator().manual_seed(4)
     for d in (64, 96):  # a power of two and not
@@ -877,7 +879,7 @@ def test_interp_paged_prefill_kernel_matches_reference(
     )
     torch.testing.assert_close(dirty, out, atol=0, rtol=0)
     if block_m is None and dtype == torch.float32:  # over a work table: the same bits
-        from kernels.prefill_attention import prefill_work, prefill_work_size
+        from nanoserve_kernels.prefill_attention import prefill_work, prefill_work_size
 
         bm = paged_prefill.default_block_m(group)
         work = torch.from_numpy(prefill_work(new, prefill_work_size(sum(new), 8, bm), bm))
@@ -889,7 +891,7 @@ def test_interp_paged_prefill_kernel_matches_reference(
 def test_interp_paged_prefill_dispatch_and_strided_queries(interp):
     """The backend's switch picks the kernel under the interpreter; q may be a view into a
     wider projection output."""
-    import kernels
+    import nanoserve_kernels as kernels
 
     (q, k_cache, v_cache, tables, cu, lens), _, _ = make_paged_prefill_case(
         seed=31, cached_lens=[20, 0], new_lens=[12, 5], num_kv_heads=2, group=2, head_dim=64,
@@ -910,8 +912,8 @@ def test_rotary_and_add_rms_norm_references_are_the_plain_forms():
     followed by the norm, in float32 and bfloat16."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    from kernels.rmsnorm import add_rms_norm_reference, rms_norm_reference
-    from kernels.rotary import rotary_reference
+    from nanoserve_kernels.rmsnorm import add_rms_norm_reference, rms_norm_reference
+    from nanoserve_kernels.rotary import rotary_reference
 
     g = torch.Generator().manual_seed(6)
     for dtype in (torch.float32, torch.bfloat16):
@@ -929,8 +931,8 @@ def test_rotary_and_add_rms_norm_references_are_the_plain_forms():
 
 
 def test_interp_rotary_and_add_rms_norm_match_references(interp):
-    from kernels.rmsnorm import add_rms_norm, add_rms_norm_reference
-    from kernels.rotary import rotary, rotary_reference
+    from nanoserve_kernels.rmsnorm import add_rms_norm, add_rms_norm_reference
+    from nanoserve_kernels.rotary import rotary, rotary_reference
 
     g = torch.Generator().manual_seed(7)
     qkv = torch.randn(6, 7, 32, generator=g)  # [N, H + 2 Hkv, D]: rotate a strided slice
@@ -944,9 +946,9 @@ def test_interp_rotary_and_add_rms_norm_match_references(interp):
 
 
 def test_fp8_output_references_are_the_plain_forms_quantized():
-    from kernels.activation import silu_and_mul_fp8_reference, silu_and_mul_reference
-    from kernels.fp8_quant import quantize_rows_reference
-    from kernels.rmsnorm import (
+    from nanoserve_kernels.activation import silu_and_mul_fp8_reference, silu_and_mul_reference
+    from nanoserve_kernels.fp8_quant import quantize_rows_reference
+    from nanoserve_kernels.rmsnorm import (
         add_rms_norm_fp8_reference,
         add_rms_norm_reference,
         rms_norm_fp8_reference,
@@ -976,9 +978,9 @@ def test_interp_fp8_output_kernels_equal_the_kernels_unfused(interp, dtype):
     `quantize_rows`) quantizes: equal codes and scales, with and without an amax cap;
     rows of 96 (not a power of two) and gate/up rows of 2 x 1,300 (two blocks, one partial);
     silu-and-mul's FP8 form in both its forms (one program a row, and blocks of a row)."""
-    from kernels.activation import silu_and_mul, silu_and_mul_fp8
-    from kernels.fp8_quant import quantize_rows
-    from kernels.rmsnorm import add_rms_norm, add_rms_norm_fp8, rms_norm, rms_norm_fp8
+    from nanoserve_kernels.activation import silu_and_mul, silu_and_mul_fp8
+    from nanoserve_kernels.fp8_quant import quantize_rows
+    from nanoserve_kernels.rmsnorm import add_rms_norm, add_rms_norm_fp8, rms_norm, rms_norm_fp8
 
     def same(a, b):
         return all(torch.equal(x.float(), y.float()) for x, y in zip(a, b))
@@ -1012,9 +1014,9 @@ def _scaled_case(g, m, n, dtype):
 def test_scaled_references_read_x_as_scale_rows_gives_it():
     """The residual adds and silu-and-mul's FP8 form given x raw with its scales compute what
     they compute on `scale_rows_reference` of it; which is the products in float32, in order."""
-    from kernels.activation import silu_and_mul_fp8_reference
-    from kernels.rmsnorm import add_rms_norm_fp8_reference, add_rms_norm_reference
-    from kernels.scaled_rows import scale_rows_reference
+    from nanoserve_kernels.activation import silu_and_mul_fp8_reference
+    from nanoserve_kernels.rmsnorm import add_rms_norm_fp8_reference, add_rms_norm_reference
+    from nanoserve_kernels.scaled_rows import scale_rows_reference
 
     g = torch.Generator().manual_seed(10)
     for dtype in (torch.float32, torch.bfloat16):
@@ -1044,9 +1046,9 @@ def test_interp_scaled_kernels_equal_scale_rows_then_the_plain_kernels(interp, d
     kernel on its output (rows of 96, not a power of two; gate/up rows of 2 x 1,300, one
     pass, and of 2 x 16,400, wider than one pass holds: a pass for the maximum, one to
     quantize)."""
-    from kernels.activation import silu_and_mul_fp8
-    from kernels.rmsnorm import add_rms_norm, add_rms_norm_fp8
-    from kernels.scaled_rows import scale_rows, scale_rows_reference
+    from nanoserve_kernels.activation import silu_and_mul_fp8
+    from nanoserve_kernels.rmsnorm import add_rms_norm, add_rms_norm_fp8
+    from nanoserve_kernels.scaled_rows import scale_rows, scale_rows_reference
 
     def same(a, b):
         return all(torch.equal(x.float(), y.float()) for x, y in zip(a, b))
@@ -1082,8 +1084,8 @@ def _rotary_store_case(g, n=6, hq=4, hkv=2, d=32, num_blocks=5, block=4):
 
 
 def test_rotary_store_reference_is_rotary_then_store():
-    from kernels.rotary import rotary_reference
-    from kernels.rotary_store import rotary_store_reference
+    from nanoserve_kernels.rotary import rotary_reference
+    from nanoserve_kernels.rotary_store import rotary_store_reference
 
     g = torch.Generator().manual_seed(3)
     qkv, cos, sin, kc, vc, slots = _rotary_store_case(g)
@@ -1098,7 +1100,7 @@ def test_rotary_store_reference_is_rotary_then_store():
 
 
 def test_interp_rotary_store_matches_reference(interp):
-    from kernels.rotary_store import rotary_store, rotary_store_reference
+    from nanoserve_kernels.rotary_store import rotary_store, rotary_store_reference
 
     g = torch.Generator().manual_seed(5)
     qkv, cos, sin, kc, vc, slots = _rotary_store_case(g)
@@ -1124,7 +1126,7 @@ def _argmax_cases(g):
 
 
 def test_argmax_scatter_reference_rules():
-    from kernels.argmax import argmax_scatter_reference
+    from nanoserve_kernels.argmax import argmax_scatter_reference
 
     x = _argmax_cases(torch.Generator().manual_seed(0))
     last = torch.full((10,), -1, dtype=torch.int64)
@@ -1135,7 +1137,7 @@ def test_argmax_scatter_reference_rules():
 
 
 def test_interp_argmax_scatter_matches_reference(interp):
-    from kernels.argmax import argmax_scatter, argmax_scatter_reference
+    from nanoserve_kernels.argmax import argmax_scatter, argmax_scatter_reference
 
     x = _argmax_cases(torch.Generator().manual_seed(0))
     slots = torch.tensor([9, 0, 3, 4, 5, 6, 1])
@@ -1169,7 +1171,7 @@ def _masked_argmax_cases(g):
 
 
 def test_masked_argmax_reference_rules():
-    from kernels.argmax import masked_argmax_reference
+    from nanoserve_kernels.argmax import masked_argmax_reference
 
     x, bm = _masked_argmax_cases(torch.Generator().manual_seed(0))
     tokens = masked_argmax_reference(x, bm)
@@ -1181,7 +1183,7 @@ def test_masked_argmax_reference_rules():
 
 
 def test_interp_masked_argmax_matches_reference(interp):
-    from kernels.argmax import masked_argmax, masked_argmax_reference
+    from nanoserve_kernels.argmax import masked_argmax, masked_argmax_reference
 
     x, bm = _masked_argmax_cases(torch.Generator().manual_seed(0))
     for dtype in (torch.float32, torch.bfloat16):
@@ -1191,7 +1193,7 @@ def test_interp_masked_argmax_matches_reference(interp):
         masked_argmax(x, bm[:, :200])
 
 
-# --- logprobs of a step's tokens (kernels/logprobs.py) ----------------------------------------
+# --- logprobs of a step's tokens (nanoserve_kernels/logprobs.py) ----------------------------------------
 
 
 def _logprob_cases(g, dtype):
@@ -1222,7 +1224,7 @@ def _assert_same_logprob_rows(got, want, x, k):
 
 
 def test_logprob_rows_reference_rules():
-    from kernels.logprobs import logprob_rows_reference
+    from nanoserve_kernels.logprobs import logprob_rows_reference
 
     x, tokens = _logprob_cases(torch.Generator().manual_seed(3), torch.float32)
     out = logprob_rows_reference(x, tokens, 3)
@@ -1235,7 +1237,7 @@ def test_logprob_rows_reference_rules():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_interp_logprob_rows_matches_reference(interp, dtype):
-    from kernels.logprobs import logprob_rows, logprob_rows_reference
+    from nanoserve_kernels.logprobs import logprob_rows, logprob_rows_reference
 
     x, tokens = _logprob_cases(torch.Generator().manual_seed(3), dtype)
     for k in (0, 1, 5, 20):
@@ -1246,9 +1248,9 @@ def test_interp_logprob_rows_matches_reference(interp, dtype):
         logprob_rows(x, tokens, 21)
 
 
-# --- FP8 KV cache: float8 e4m3 pools with per-layer scales (kernels/kv_quant.py) ---------------
+# --- FP8 KV cache: float8 e4m3 pools with per-layer scales (nanoserve_kernels/kv_quant.py) ---------------
 # The interpreter loads float8 exactly, but its own float32 -> float8 cast rounds wrongly; the
-# kernels round to the e4m3 grid themselves before casting (see kernels/kv_quant.py), so the
+# kernels round to the e4m3 grid themselves before casting (see nanoserve_kernels/kv_quant.py), so the
 # stores below are held to torch's conversion bit for bit. Attention over an FP8 pool is held
 # to the reference over the same pool within the float tolerances above: the kernels' casts
 # from e4m3 are exact and folding the scales into the softmax scale and the output only
@@ -1259,7 +1261,7 @@ FP8_SCALES = [(1.0, 1.0), (0.37, 2.5)]  # (k_scale, v_scale): unit, and neither 
 
 def _fp8_pool(cache: torch.Tensor, scale: float) -> torch.Tensor:
     """A float cache quantized into an FP8 one (values up to 6x past 448 * scale: clamped)."""
-    from kernels.kv_quant import quantize_reference
+    from nanoserve_kernels.kv_quant import quantize_reference
 
     return quantize_reference(cache * 150.0 * scale, scale)
 
@@ -1318,7 +1320,7 @@ def test_interp_fp8_store_kv_kernel_matches_reference(interp, src_dtype, k_scale
 
 
 def test_interp_fp8_rotary_store_matches_reference(interp):
-    from kernels.rotary_store import rotary_store, rotary_store_reference
+    from nanoserve_kernels.rotary_store import rotary_store, rotary_store_reference
 
     g = torch.Generator().manual_seed(5)
     qkv, cos, sin, kc, vc, slots = _rotary_store_case(g)
@@ -1389,7 +1391,7 @@ def test_interp_fp8_paged_prefill_kernel_matches_reference(
 
 
 def test_interp_fp8_backend_dispatches_the_kernels(interp):
-    import kernels.backend as backend
+    import nanoserve_kernels.backend as backend
 
     (q, k_cache, v_cache, tables, lens), _ = make_decode_case(
         seed=9, context_lens=[7, 30], num_kv_heads=2, group=2, head_dim=64, block_size=16,

@@ -7,7 +7,7 @@ accepts code the GPU compiler refuses (a variable whose block shape changes insi
 records its arguments; each recorded launch is then compiled ahead of time, through
 PTX to a cubin with the ptxas Triton ships, for compute capability 9.0. Nothing runs.
 
-On a machine without a GPU the engine does not import Triton (`kernels/_triton.py`), so the
+On a machine without a GPU the engine does not import Triton (`nanoserve_kernels/_triton.py`), so the
 kernels are not defined for it in the test run's process: there these tests run in a child
 pytest with `NANOSERVE_TRITON_IMPORT=1` (`test_kernels_compile_in_a_child_process`).
 """
@@ -25,7 +25,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from kernels._triton import HAS_TRITON, IMPORT_ENV  # noqa: E402
+from nanoserve_kernels._triton import HAS_TRITON, IMPORT_ENV  # noqa: E402
 
 needs_kernels = pytest.mark.skipif(
     not HAS_TRITON, reason="run by test_kernels_compile_in_a_child_process (Triton imported)")
@@ -75,16 +75,16 @@ def _compile(fn: JITFunction, args: tuple, kwargs: dict) -> None:
 
 
 def _wrapper_calls(dtype: torch.dtype):
-    from kernels.activation import silu_and_mul
-    from kernels.argmax import argmax_scatter
-    from kernels.kv_store import store_kv
-    from kernels.logprobs import logprob_rows
-    from kernels.paged_attention import paged_decode_attention
-    from kernels.paged_prefill import paged_prefill_attention
-    from kernels.prefill_attention import prefill_attention, prefill_work
-    from kernels.rmsnorm import add_rms_norm, rms_norm
-    from kernels.rotary import rotary
-    from kernels.rotary_store import rotary_store
+    from nanoserve_kernels.activation import silu_and_mul
+    from nanoserve_kernels.argmax import argmax_scatter
+    from nanoserve_kernels.kv_store import store_kv
+    from nanoserve_kernels.logprobs import logprob_rows
+    from nanoserve_kernels.paged_attention import paged_decode_attention
+    from nanoserve_kernels.paged_prefill import paged_prefill_attention
+    from nanoserve_kernels.prefill_attention import prefill_attention, prefill_work
+    from nanoserve_kernels.rmsnorm import add_rms_norm, rms_norm
+    from nanoserve_kernels.rotary import rotary
+    from nanoserve_kernels.rotary_store import rotary_store
 
     g = torch.Generator().manual_seed(0)
     hq, hkv, d, block, num_blocks = 8, 2, 64, 16, 12
@@ -147,10 +147,10 @@ def test_every_kernel_compiles_for_hopper(monkeypatch, dtype):
 
 def _fp8_wrapper_calls(dtype: torch.dtype):
     """The kernels that read or write an FP8 (e4m3) KV pool, with scales."""
-    from kernels.kv_store import store_kv
-    from kernels.paged_attention import paged_decode_attention
-    from kernels.paged_prefill import paged_prefill_attention
-    from kernels.rotary_store import rotary_store
+    from nanoserve_kernels.kv_store import store_kv
+    from nanoserve_kernels.paged_attention import paged_decode_attention
+    from nanoserve_kernels.paged_prefill import paged_prefill_attention
+    from nanoserve_kernels.rotary_store import rotary_store
 
     g = torch.Generator().manual_seed(0)
     hq, hkv, d, block, num_blocks = 8, 2, 64, 16, 12
@@ -187,11 +187,11 @@ def test_fp8_kv_kernels_compile_for_hopper(monkeypatch, dtype):
 
 def _fp8_activation_calls(dtype: torch.dtype):
     """The kernels around an FP8 projection: those quantizing their output for it, and those
-    applying its output's scales (`kernels.scaled_rows`)."""
-    from kernels.activation import silu_and_mul_fp8
-    from kernels.fp8_quant import quantize_rows
-    from kernels.rmsnorm import add_rms_norm, add_rms_norm_fp8, rms_norm_fp8
-    from kernels.scaled_rows import scale_rows
+    applying its output's scales (`nanoserve_kernels.scaled_rows`)."""
+    from nanoserve_kernels.activation import silu_and_mul_fp8
+    from nanoserve_kernels.fp8_quant import quantize_rows
+    from nanoserve_kernels.rmsnorm import add_rms_norm, add_rms_norm_fp8, rms_norm_fp8
+    from nanoserve_kernels.scaled_rows import scale_rows
 
     g = torch.Generator().manual_seed(0)
 

@@ -22,19 +22,19 @@ pytest.importorskip("triton")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-from kernels import decode_attention, paged_prefill_attention, use_triton  # noqa: E402
-from kernels.kv_store import store_kv, store_kv_reference  # noqa: E402
-from kernels.paged_attention import (  # noqa: E402
+from nanoserve_kernels import decode_attention, paged_prefill_attention, use_triton  # noqa: E402
+from nanoserve_kernels.kv_store import store_kv, store_kv_reference  # noqa: E402
+from nanoserve_kernels.paged_attention import (  # noqa: E402
     paged_decode_attention,
     paged_decode_attention_reference,
 )
-from kernels.paged_prefill import (  # noqa: E402
+from nanoserve_kernels.paged_prefill import (  # noqa: E402
     paged_prefill_attention as paged_prefill_kernel,
 )
-from kernels.paged_prefill import (  # noqa: E402
+from nanoserve_kernels.paged_prefill import (  # noqa: E402
     paged_prefill_attention_reference,
 )
-from kernels.prefill_attention import (  # noqa: E402
+from nanoserve_kernels.prefill_attention import (  # noqa: E402
     prefill_attention,
     prefill_attention_reference,
     prefill_work,
@@ -217,8 +217,8 @@ def test_store_kv_kernel_matches_reference(num_kv_heads, head_dim, block_size):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_rms_norm_and_silu_and_mul_kernels_match_references(dtype):
-    from kernels.activation import silu_and_mul, silu_and_mul_reference
-    from kernels.rmsnorm import rms_norm, rms_norm_reference
+    from nanoserve_kernels.activation import silu_and_mul, silu_and_mul_reference
+    from nanoserve_kernels.rmsnorm import rms_norm, rms_norm_reference
 
     g = torch.Generator(device="cuda").manual_seed(5)
     for d in (576, 2048):
@@ -381,8 +381,8 @@ def test_prefill_kernel_window_matches_reference(window, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_rotary_and_add_rms_norm_kernels_match_references(dtype):
-    from kernels.rmsnorm import add_rms_norm, add_rms_norm_reference
-    from kernels.rotary import rotary, rotary_reference
+    from nanoserve_kernels.rmsnorm import add_rms_norm, add_rms_norm_reference
+    from nanoserve_kernels.rotary import rotary, rotary_reference
 
     g = torch.Generator(device="cuda").manual_seed(8)
     for heads, d in ((40, 64), (12, 128)):  # the fused q|k heads of the 1B shape; 128-wide
@@ -406,8 +406,8 @@ def test_rotary_and_add_rms_norm_kernels_match_references(dtype):
 def test_rotary_store_equals_the_rotary_and_store_kernels(dtype):
     """The fused kernel rounds where the two kernels it replaces round: bit for bit in
     bf16; in float32 within the FMA contractions each compiled kernel may choose."""
-    from kernels.rotary import rotary
-    from kernels.rotary_store import rotary_store
+    from nanoserve_kernels.rotary import rotary
+    from nanoserve_kernels.rotary_store import rotary_store
 
     g = torch.Generator(device="cuda").manual_seed(9)
     for hq, hkv, d in ((32, 8, 64), (12, 2, 128)):
@@ -433,7 +433,7 @@ def test_rotary_store_equals_the_rotary_and_store_kernels(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_argmax_scatter_equals_torch_argmax(dtype):
-    from kernels.argmax import argmax_scatter
+    from nanoserve_kernels.argmax import argmax_scatter
 
     g = torch.Generator(device="cuda").manual_seed(10)
     for b, V in ((1, 128256), (7, 9000), (256, 128256), (33, 32000)):
@@ -455,7 +455,7 @@ def test_masked_argmax_equals_reference(dtype):
     """The engine's shapes (up to 256 rows over real vocabularies): random bitmasks, sparse
     ones (a few allowed tokens, as inside a JSON string's end), a row allowing nothing (-1)
     and one allowing everything, against the torch reference on the same device."""
-    from kernels.argmax import masked_argmax, masked_argmax_reference
+    from nanoserve_kernels.argmax import masked_argmax, masked_argmax_reference
 
     g = torch.Generator(device="cuda").manual_seed(12)
     for b, V in ((1, 49152), (7, 9000), (256, 49152), (64, 128256)):
@@ -479,7 +479,7 @@ def test_logprob_rows_kernel_equals_reference(dtype):
     """The engine's shapes: up to 256 rows over real vocabularies, k from 0 to 20; each
     token's logprob and rank, and the top k (any order among equal values: bf16 logits
     tie often), against log_softmax, gather and topk."""
-    from kernels.logprobs import logprob_rows, logprob_rows_reference
+    from nanoserve_kernels.logprobs import logprob_rows, logprob_rows_reference
 
     g = torch.Generator(device="cuda").manual_seed(11)
     for m, V in ((1, 128256), (256, 128256), (256, 49152), (13, 32000)):

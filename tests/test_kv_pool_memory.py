@@ -8,8 +8,8 @@ import os
 
 import torch
 
-from kernels.kv_store import store_kv_reference
 from nanoserve.cache import CacheShape, KVPool
+from nanoserve_kernels.kv_store import store_kv_reference
 
 
 def resident_bytes() -> int:

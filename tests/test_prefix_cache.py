@@ -339,8 +339,8 @@ def test_rows_sharing_cached_blocks_attend_like_dense_prefill():
     import torch
     import torch.nn.functional as F
 
-    from kernels.kv_store import store_kv_reference
-    from kernels.paged_prefill import paged_prefill_attention_reference
+    from nanoserve_kernels.kv_store import store_kv_reference
+    from nanoserve_kernels.paged_prefill import paged_prefill_attention_reference
 
     bs, hkv, group, dim = 4, 2, 2, 8
     gen = torch.Generator().manual_seed(0)

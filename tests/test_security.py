@@ -25,7 +25,7 @@ from nanoserve.sampling import SamplingParams
 from nanoserve_cli import main as nanoserve_main
 
 REPO = Path(__file__).resolve().parents[1]
-PRODUCT_PACKAGES = ("nanoserve", "kernels", "ray_jobs")
+PRODUCT_PACKAGES = ("nanoserve", "nanoserve_kernels", "ray_jobs")
 MAX_TOKENS = 3
 
 

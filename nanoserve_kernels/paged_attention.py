@@ -8,11 +8,11 @@ Query head h reads KV head `h // (Hq // Hkv)` (grouped-query attention, GQA).
 With a sliding `window` W (optional, default none) row i's query, at position
 `context_lens[i] - 1`, sees only its last W tokens: positions `context_lens[i] - W ..
 context_lens[i] - 1` (transformers' `sliding_window` semantics); W >= the context is no window.
-The cache holds q's dtype, or float8 e4m3 (an FP8 KV cache, `kernels.kv_quant`) read as
+The cache holds q's dtype, or float8 e4m3 (an FP8 KV cache, `nanoserve_kernels.kv_quant`) read as
 `float32(entry) * k_scale` (keys) and `* v_scale` (values).
 
 Two implementations with one signature (the CPU engine runs
-`kernels.cpu_attention.decode_attention_cpu`, equal to the reference up to rounding):
+`nanoserve_kernels.cpu_attention.decode_attention_cpu`, equal to the reference up to rounding):
 - `paged_decode_attention_reference`: PyTorch, the oracle. It gathers every row over a
   `[B, max_ctx]` rectangle (so padding slots are real, in-range reads) and masks positions
   `>= context_lens[i]` to -inf before a float32 softmax.
@@ -44,9 +44,9 @@ import functools
 
 import torch
 
-from kernels._triton import HAS_TRITON, interpret_requested, next_power_of_2, tl, triton
-from kernels.kv_quant import check_kv_scales, dequantize_reference, is_fp8
-from kernels.online_softmax import online_softmax_step, online_softmax_update
+from nanoserve_kernels._triton import HAS_TRITON, interpret_requested, next_power_of_2, tl, triton
+from nanoserve_kernels.kv_quant import check_kv_scales, dequantize_reference, is_fp8
+from nanoserve_kernels.online_softmax import online_softmax_step, online_softmax_update
 
 # Decided when this module is imported, like Triton's own choice in `@triton.jit` below.
 INTERPRETED = HAS_TRITON and interpret_requested()

@@ -29,10 +29,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.kv_quant import is_fp8
-from kernels.paged_attention import check_context_lens, check_decode_args, check_window
-from kernels.paged_prefill import check_paged_prefill_args, check_row_lengths
-from kernels.prefill_attention import check_prefill_args, check_prompt_lengths
+from nanoserve_kernels.kv_quant import is_fp8
+from nanoserve_kernels.paged_attention import check_context_lens, check_decode_args, check_window
+from nanoserve_kernels.paged_prefill import check_paged_prefill_args, check_row_lengths
+from nanoserve_kernels.prefill_attention import check_prefill_args, check_prompt_lengths
 
 MAX_PADDING = 4  # padded (query, key) pairs per real pair above which rows run one by one
 
@@ -89,7 +89,7 @@ def decode_attention_cpu(
     scale: float,
     *,
     window: int | None = None,  # sliding window: the last `window` tokens only
-    k_scale: float = 1.0,  # an FP8 pool's per-layer scales (kernels.kv_quant)
+    k_scale: float = 1.0,  # an FP8 pool's per-layer scales (nanoserve_kernels.kv_quant)
     v_scale: float = 1.0,
 ) -> torch.Tensor:  # [B, Hq, D], dtype of q
     """`paged_decode_attention_reference`'s result through one fused attention call."""
@@ -155,7 +155,7 @@ def paged_prefill_attention_cpu(
     context_lens: torch.Tensor,  # [B] int32: cached + new tokens
     max_seqlen_q: int,
     scale: float,
-    k_scale: float = 1.0,  # an FP8 pool's per-layer scales (kernels.kv_quant)
+    k_scale: float = 1.0,  # an FP8 pool's per-layer scales (nanoserve_kernels.kv_quant)
     v_scale: float = 1.0,
 ) -> torch.Tensor:  # [N, Hq, D]
     """`paged_prefill_attention_reference`'s result: new token i of a row with n new tokens

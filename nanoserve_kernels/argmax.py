@@ -31,7 +31,7 @@ import sys
 
 import torch
 
-from kernels._triton import HAS_TRITON, next_power_of_2, tl, triton
+from nanoserve_kernels._triton import HAS_TRITON, next_power_of_2, tl, triton
 
 CHUNK = 4096  # logits per program of the first launch
 

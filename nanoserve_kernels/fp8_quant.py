@@ -10,14 +10,14 @@ saturation, as torch's cast does: the kernel equals the reference bit for bit.
 - `quantize_rows_reference`: PyTorch, the oracle (a few kernels on a GPU: 14-17 us a call).
 - `quantize_rows`: Triton, one program per row: a pass for the maximum, a pass to quantize.
 - `row_scale`, `quantize_to_fp8`, `store_row_fp8`: the same steps as Triton functions, for
-  kernels that quantize the row they compute (kernels/rmsnorm.py, kernels/activation.py).
+  kernels that quantize the row they compute (nanoserve_kernels/rmsnorm.py, nanoserve_kernels/activation.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels._triton import HAS_TRITON, tl, triton
+from nanoserve_kernels._triton import HAS_TRITON, tl, triton
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0

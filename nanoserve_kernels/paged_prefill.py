@@ -5,11 +5,11 @@ Row b brings `q_len = cu_seqlens_q[b + 1] - cu_seqlens_q[b]` new tokens, packed 
 token axis of `q [N_new, Hq, D]`. Its context, `context_lens[b]` tokens (cached + new), lives
 in the layer's pool `k_cache, v_cache [num_blocks, block_size, Hkv, D]`: token t in block
 `block_tables[b, t // block_size]` at offset `t % block_size`. The caller has already stored
-the new tokens' keys and values there (`kernels.kv_store`). With `cached = context_lens[b] -
+the new tokens' keys and values there (`nanoserve_kernels.kv_store`). With `cached = context_lens[b] -
 q_len`, new token j sits at absolute position `cached + j` and attends to context tokens
 `0 .. cached + j` (causal). Query head h reads KV head `h // (Hq // Hkv)` (GQA). The cache
 holds q's dtype, or float8 e4m3 read as `float32(entry) * k_scale` / `* v_scale` (an FP8 KV
-cache, `kernels.kv_quant`; the kernel folds the scales as `kernels.paged_attention` does).
+cache, `nanoserve_kernels.kv_quant`; the kernel folds the scales as `nanoserve_kernels.paged_attention` does).
 
     row b's context:  [ cached tokens (shared blocks) | new tokens 0 .. q_len-1 ]
     new token j sees: [ 0 ...................................... cached + j ]
@@ -21,10 +21,10 @@ Two implementations with one signature:
 - `paged_prefill_attention`: Triton. One program per (block of new tokens, KV head, row) serves
   those tokens for all the query heads sharing that KV head (tokens x heads are the rows of
   one tile, as in the paged decode kernel), walks the row's context block by block up to the
-  tile's last position, and keeps an online softmax in float32 (`kernels.online_softmax`).
-  A work table (`kernels.prefill_attention.prefill_work`) may list the (row, block) pairs
+  tile's last position, and keeps an online softmax in float32 (`nanoserve_kernels.online_softmax`).
+  A work table (`nanoserve_kernels.prefill_attention.prefill_work`) may list the (row, block) pairs
   instead, so the grid depends on the table's size alone (a captured prefill).
-With no cached tokens (context_lens == q_len) both equal `kernels.prefill_attention` over the
+With no cached tokens (context_lens == q_len) both equal `nanoserve_kernels.prefill_attention` over the
 same tokens.
 """
 
@@ -32,10 +32,10 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import HAS_TRITON, interpret_requested, next_power_of_2, tl, triton
-from kernels.kv_quant import check_kv_scales, dequantize_reference, is_fp8
-from kernels.online_softmax import online_softmax_step
-from kernels.prefill_attention import check_prompt_lengths, check_work, prefill_program
+from nanoserve_kernels._triton import HAS_TRITON, interpret_requested, next_power_of_2, tl, triton
+from nanoserve_kernels.kv_quant import check_kv_scales, dequantize_reference, is_fp8
+from nanoserve_kernels.online_softmax import online_softmax_step
+from nanoserve_kernels.prefill_attention import check_prompt_lengths, check_work, prefill_program
 
 # Decided when this module is imported, like Triton's own choice in `@triton.jit` below.
 INTERPRETED = HAS_TRITON and interpret_requested()
@@ -287,7 +287,7 @@ def paged_prefill_attention(
     than the row's blocks reads whatever its padding entries point to. `block_m` (new tokens
     per program), `block_n` (context tokens per step), `num_warps` and `num_stages` are
     tuning knobs. `work`: a work table built for this block_m
-    (`kernels.prefill_attention.prefill_work`; default block_m: `default_block_m(group)`),
+    (`nanoserve_kernels.prefill_attention.prefill_work`; default block_m: `default_block_m(group)`),
     the grid then (P, Hkv) whatever the rows' lengths (max_seqlen_q unused).
     """
     if not HAS_TRITON:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import HAS_TRITON, next_power_of_2, tl, triton
+from nanoserve_kernels._triton import HAS_TRITON, next_power_of_2, tl, triton
 
 
 def rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ silu is computed in float32 and rounded to x's dtype before the product, as
 - `silu_and_mul_reference`: PyTorch, the oracle.
 - `silu_and_mul`: Triton, one program per (row, column block).
 - `silu_and_mul_fp8(x, ub)` -> (q, scale): the product quantized per row to float8 e4m3,
-  as `kernels.fp8_quant.quantize_rows` quantizes it (the input of an FP8 down projection).
+  as `nanoserve_kernels.fp8_quant.quantize_rows` quantizes it (the input of an FP8 down projection).
   Two forms, the same bits: "row", one launch, one program per row (the whole row in
   registers when I <= 16,384, the 8B shape's 14,336, else a pass for the maximum and one
   to quantize, the product computed again); "split", two launches over (row, column block)
@@ -19,7 +19,7 @@ silu is computed in float32 and rounded to x's dtype before the product, as
   shape on an H200 (7.7 against 12.4 us at 1 row, 17.0 against 22.6 at 256). "row" stays
   as the split form's independent twin in the tests. `silu_and_mul_fp8_reference`: the two
   references composed. `x_scales=(row_scale, col_scale)` (keyword): x is an FP8 gate/up projection's
-  output before its scales (kernels/scaled_rows.py), applied as x is read.
+  output before its scales (nanoserve_kernels/scaled_rows.py), applied as x is read.
 """
 
 from __future__ import annotations
@@ -27,15 +27,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import HAS_TRITON, next_power_of_2, tl, triton
-from kernels.fp8_quant import (
+from nanoserve_kernels._triton import HAS_TRITON, next_power_of_2, tl, triton
+from nanoserve_kernels.fp8_quant import (
     FP8,
     quantize_rows_reference,
     quantize_to_fp8,
     row_scale,
     store_row_fp8,
 )
-from kernels.scaled_rows import check_scales, load_scaled, scale_rows_reference
+from nanoserve_kernels.scaled_rows import check_scales, load_scaled, scale_rows_reference
 
 _BLOCK = 1024
 _ONE_PASS_MAX = 16384  # the widest row silu_and_mul_fp8 keeps in registers

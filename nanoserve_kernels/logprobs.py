@@ -14,14 +14,14 @@ among equal values the order is unspecified (as `torch.topk`'s).
   CHUNK logits) write their chunk's max, sum of exp(x - max), count of logits above the
   chosen one, and their chunk's k largest (taken one at a time: max, then masked out); one
   program per row merges the chunks (the log-sum-exp, the rank, the k largest of the
-  candidates) and writes the row. The engine calls it through `kernels.backend`.
+  candidates) and writes the row. The engine calls it through `nanoserve_kernels.backend`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels._triton import HAS_TRITON, next_power_of_2, tl, triton
+from nanoserve_kernels._triton import HAS_TRITON, next_power_of_2, tl, triton
 
 CHUNK = 4096  # logits per program of the first launch
 MAX_K = 20

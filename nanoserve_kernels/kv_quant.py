@@ -28,7 +28,7 @@ import struct
 
 import torch
 
-from kernels._triton import tl, triton
+from nanoserve_kernels._triton import tl, triton
 
 FP8_DTYPE = torch.float8_e4m3fn
 E4M3_MAX = 448.0

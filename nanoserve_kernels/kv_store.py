@@ -4,7 +4,7 @@ Token n's key/value head rows `k[n], v[n] [Hkv, D]` go to slot `slot_mapping[n]`
 layer's pool `k_cache, v_cache [num_blocks, block_size, Hkv, D]`, i.e. block
 `slot // block_size`, offset `slot % block_size`. A negative slot means "do not store"
 (padding tokens). Values are cast to the cache's dtype; an FP8 cache (float8 e4m3) stores
-them quantized by the layer's `k_scale` / `v_scale` (`kernels.kv_quant`: x / scale, clamped
+them quantized by the layer's `k_scale` / `v_scale` (`nanoserve_kernels.kv_quant`: x / scale, clamped
 to +-448, rounded to nearest-even). Both functions work in place.
 
 - `store_kv_reference`: PyTorch `index_copy_` into the flat `[num_slots, Hkv, D]` view.
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import HAS_TRITON, next_power_of_2, tl, triton
-from kernels.kv_quant import (
+from nanoserve_kernels._triton import HAS_TRITON, next_power_of_2, tl, triton
+from nanoserve_kernels.kv_quant import (
     check_kv_scales,
     inverse_scale,
     is_fp8,

@@ -5,21 +5,21 @@ The engine calls only `decode_attention`, `prefill_attention`, `paged_prefill_at
 last three's `_fp8` forms, their output quantized per row for an FP8 projection),
 `argmax_scatter`, `masked_argmax`, `logprob_rows` and `scale_rows` from here. The residual
 adds and silu-and-mul's `_fp8` form also take `x_scales`: x is then an FP8 projection's
-output before its scales (`kernels.scaled_rows`), applied as x is read.
+output before its scales (`nanoserve_kernels.scaled_rows`), applied as x is read.
 `use_triton(device)` is the rule (`NANOSERVE_KERNELS=reference` forces the references
 everywhere, for side-by-side checks of the two paths):
 - CUDA: the Triton kernels whenever Triton is installed;
 - CPU: the references, unless the environment asks for Triton's interpreter
   (`NANOSERVE_TRITON_INTERPRET=1` or `TRITON_INTERPRET=1`) *and* the kernels were defined
-  under it, which needs `TRITON_INTERPRET=1` before `kernels` is first imported (importing
-  `kernels` sets it when `NANOSERVE_TRITON_INTERPRET=1` is set);
+  under it, which needs `TRITON_INTERPRET=1` before `nanoserve_kernels` is first imported (importing
+  `nanoserve_kernels` sets it when `NANOSERVE_TRITON_INTERPRET=1` is set);
 - anything else: the references.
 The attention dispatchers on the CPU (no interpreter, references not forced) run
-`kernels.cpu_attention`: the references' results in one fused attention call per layer.
+`nanoserve_kernels.cpu_attention`: the references' results in one fused attention call per layer.
 
 Every function that reads or writes the paged pool takes the layer's `k_scale` and
 `v_scale` (keyword, default 1.0): an FP8 pool (float8 e4m3) stores x / scale and is read as
-entry * scale, in the kernels and in the references alike (`kernels.kv_quant`).
+entry * scale, in the kernels and in the references alike (`nanoserve_kernels.kv_quant`).
 """
 
 from __future__ import annotations
@@ -28,47 +28,47 @@ import os
 
 import torch
 
-from kernels import paged_attention
-from kernels._triton import HAS_TRITON, interpret_requested
-from kernels.activation import silu_and_mul as _silu_and_mul_triton
-from kernels.activation import silu_and_mul_fp8 as _silu_and_mul_fp8_triton
-from kernels.activation import silu_and_mul_fp8_reference, silu_and_mul_reference
-from kernels.argmax import argmax_scatter as _argmax_scatter_triton
-from kernels.argmax import argmax_scatter_reference, masked_argmax_reference
-from kernels.argmax import masked_argmax as _masked_argmax_triton
-from kernels.cpu_attention import (
+from nanoserve_kernels import paged_attention
+from nanoserve_kernels._triton import HAS_TRITON, interpret_requested
+from nanoserve_kernels.activation import silu_and_mul as _silu_and_mul_triton
+from nanoserve_kernels.activation import silu_and_mul_fp8 as _silu_and_mul_fp8_triton
+from nanoserve_kernels.activation import silu_and_mul_fp8_reference, silu_and_mul_reference
+from nanoserve_kernels.argmax import argmax_scatter as _argmax_scatter_triton
+from nanoserve_kernels.argmax import argmax_scatter_reference, masked_argmax_reference
+from nanoserve_kernels.argmax import masked_argmax as _masked_argmax_triton
+from nanoserve_kernels.cpu_attention import (
     decode_attention_cpu,
     paged_prefill_attention_cpu,
     prefill_attention_cpu,
 )
-from kernels.kv_store import store_kv as _store_kv_triton
-from kernels.kv_store import store_kv_reference
-from kernels.logprobs import logprob_rows as _logprob_rows_triton
-from kernels.logprobs import logprob_rows_reference
-from kernels.paged_attention import (
+from nanoserve_kernels.kv_store import store_kv as _store_kv_triton
+from nanoserve_kernels.kv_store import store_kv_reference
+from nanoserve_kernels.logprobs import logprob_rows as _logprob_rows_triton
+from nanoserve_kernels.logprobs import logprob_rows_reference
+from nanoserve_kernels.paged_attention import (
     paged_decode_attention,
     paged_decode_attention_reference,
 )
-from kernels.paged_prefill import paged_prefill_attention as _paged_prefill_triton
-from kernels.paged_prefill import paged_prefill_attention_reference
-from kernels.prefill_attention import prefill_attention as _prefill_attention_triton
-from kernels.prefill_attention import prefill_attention_reference
-from kernels.rmsnorm import add_rms_norm as _add_rms_norm_triton
-from kernels.rmsnorm import add_rms_norm_fp8 as _add_rms_norm_fp8_triton
-from kernels.rmsnorm import (
+from nanoserve_kernels.paged_prefill import paged_prefill_attention as _paged_prefill_triton
+from nanoserve_kernels.paged_prefill import paged_prefill_attention_reference
+from nanoserve_kernels.prefill_attention import prefill_attention as _prefill_attention_triton
+from nanoserve_kernels.prefill_attention import prefill_attention_reference
+from nanoserve_kernels.rmsnorm import add_rms_norm as _add_rms_norm_triton
+from nanoserve_kernels.rmsnorm import add_rms_norm_fp8 as _add_rms_norm_fp8_triton
+from nanoserve_kernels.rmsnorm import (
     add_rms_norm_fp8_reference,
     add_rms_norm_reference,
     rms_norm_fp8_reference,
     rms_norm_reference,
 )
-from kernels.rmsnorm import rms_norm as _rms_norm_triton
-from kernels.rmsnorm import rms_norm_fp8 as _rms_norm_fp8_triton
-from kernels.rotary import rotary as _rotary_triton
-from kernels.rotary import rotary_reference
-from kernels.rotary_store import rotary_store as _rotary_store_triton
-from kernels.rotary_store import rotary_store_reference
-from kernels.scaled_rows import scale_rows as _scale_rows_triton
-from kernels.scaled_rows import scale_rows_reference
+from nanoserve_kernels.rmsnorm import rms_norm as _rms_norm_triton
+from nanoserve_kernels.rmsnorm import rms_norm_fp8 as _rms_norm_fp8_triton
+from nanoserve_kernels.rotary import rotary as _rotary_triton
+from nanoserve_kernels.rotary import rotary_reference
+from nanoserve_kernels.rotary_store import rotary_store as _rotary_store_triton
+from nanoserve_kernels.rotary_store import rotary_store_reference
+from nanoserve_kernels.scaled_rows import scale_rows as _scale_rows_triton
+from nanoserve_kernels.scaled_rows import scale_rows_reference
 
 _TRUE = ("1", "true", "yes", "on")
 
@@ -136,7 +136,7 @@ def prefill_attention(
     scale: float,
     *,
     window: int | None = None,  # sliding window: keys i-window+1..i; None: all
-    work: torch.Tensor | None = None,  # [2, P] int32 (kernels.prefill_attention.prefill_work)
+    work: torch.Tensor | None = None,  # [2, P] int32 (nanoserve_kernels.prefill_attention.prefill_work)
 ) -> torch.Tensor:  # [N, Hq, D]
     """Causal attention within each packed prompt. `work`: the Triton kernel's work table
     (a grid that does not depend on the prompts' lengths); the other forms need none."""
@@ -269,7 +269,7 @@ def argmax_scatter(logits: torch.Tensor, slots: torch.Tensor,
 
 def masked_argmax(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """Each row's argmax among the tokens its bitmask [b, ceil(V/32)] int32 allows, -1 where
-    it allows none; logits [b, V] -> [b] int64 (`kernels.argmax`)."""
+    it allows none; logits [b, V] -> [b] int64 (`nanoserve_kernels.argmax`)."""
     if use_triton(logits.device):
         return _masked_argmax_triton(logits, bitmask)
     return masked_argmax_reference(logits, bitmask)
@@ -277,7 +277,7 @@ def masked_argmax(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
 
 def logprob_rows(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
     """logits [m, V], tokens [m] int64 -> [m, 2 + 2k] float32: each token's logprob, its
-    rank, the k top ids and their logprobs (`kernels.logprobs`)."""
+    rank, the k top ids and their logprobs (`nanoserve_kernels.logprobs`)."""
     if use_triton(logits.device):
         return _logprob_rows_triton(logits, tokens, k)
     return logprob_rows_reference(logits, tokens, k)

@@ -1,17 +1,17 @@
 """A decode step's rotary embedding of queries and keys, fused with the store of its keys
-and values into the paged cache: one launch per layer where `kernels/rotary.py` and
-`kernels/kv_store.py` take two, and the rotated keys never round-trip through memory.
+and values into the paged cache: one launch per layer where `nanoserve_kernels/rotary.py` and
+`nanoserve_kernels/kv_store.py` take two, and the rotated keys never round-trip through memory.
 
 Input: qkv [N, Hq + 2 Hkv, D], the fused q/k/v projection of N tokens (heads q | k | v,
 head dimension contiguous, any token and head strides); cos/sin [N, D]; slot_mapping [N]
 int64 (a slot < 0 stores nothing: the padding rows of a bucketed step); the layer's caches
 [num_blocks, block_size, Hkv, D]. Output: q [N, Hq, D] rotated, contiguous. In place:
 rotated k and plain v at each token's slot, cast to the cache's dtype (an FP8 cache:
-quantized by k_scale / v_scale after rounding to q's dtype, as `kernels.kv_store` does).
+quantized by k_scale / v_scale after rounding to q's dtype, as `nanoserve_kernels.kv_store` does).
 
 - `rotary_store_reference`: `rotary_reference` on q and k, then `store_kv_reference`.
 - `rotary_store`: Triton, one program per token over all its heads. Each output is
-  computed in float32 and rounded once, as `kernels/rotary.py` does, so in half precision
+  computed in float32 and rounded once, as `nanoserve_kernels/rotary.py` does, so in half precision
   its values equal the rotary kernel's followed by the store kernel's, bit for bit (in
   float32, up to where the compiler contracts a product and a sum into one FMA).
 """
@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import HAS_TRITON, next_power_of_2, tl, triton
-from kernels.kv_quant import inverse_scale, is_fp8, quantize_e4m3
-from kernels.kv_store import check_store_args, store_kv_reference
-from kernels.rotary import check_rotary_args, rotary_reference
+from nanoserve_kernels._triton import HAS_TRITON, next_power_of_2, tl, triton
+from nanoserve_kernels.kv_quant import inverse_scale, is_fp8, quantize_e4m3
+from nanoserve_kernels.kv_store import check_store_args, store_kv_reference
+from nanoserve_kernels.rotary import check_rotary_args, rotary_reference
 
 
 def _split(qkv: torch.Tensor, num_q_heads: int) -> tuple[torch.Tensor, ...]:

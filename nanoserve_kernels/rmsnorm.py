@@ -12,11 +12,11 @@ once, as a torch product of two bf16 tensors is).
   next norm in one launch: h = x + residual (rounded to the dtype, as a torch add is), then
   y = the RMSNorm of h; `add_rms_norm_reference` is its PyTorch form.
 - `x_scales=(row_scale, col_scale)` (keyword, both add forms): x is an FP8 projection's
-  output before its scales (kernels/scaled_rows.py), applied here as x is read: x =
+  output before its scales (nanoserve_kernels/scaled_rows.py), applied here as x is read: x =
   `scale_rows_reference(x, *x_scales, residual.dtype)`.
 - `rms_norm_fp8(x, weight, eps, ub)` -> (q, scale) and `add_rms_norm_fp8(x, residual,
   weight, eps, ub)` -> (h, q, scale): the same, y quantized per row to float8 e4m3 in the
-  same launch, exactly as `kernels.fp8_quant.quantize_rows` quantizes y (what an FP8
+  same launch, exactly as `nanoserve_kernels.fp8_quant.quantize_rows` quantizes y (what an FP8
   projection after the norm needs: no launch of its own, no y written and read back).
   `*_fp8_reference`: the two references composed.
 """
@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import HAS_TRITON, next_power_of_2, tl, triton
-from kernels.fp8_quant import FP8, quantize_rows_reference, store_row_fp8
-from kernels.scaled_rows import check_scales, load_scaled, scale_rows_reference
+from nanoserve_kernels._triton import HAS_TRITON, next_power_of_2, tl, triton
+from nanoserve_kernels.fp8_quant import FP8, quantize_rows_reference, store_row_fp8
+from nanoserve_kernels.scaled_rows import check_scales, load_scaled, scale_rows_reference
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

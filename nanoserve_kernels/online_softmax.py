@@ -10,12 +10,12 @@ queries, one tile of scores s = q·kᵀ·scale (hidden keys at -inf) updates
 After the last tile the output is acc / l, and m + log2(l) is the log-sum-exp (what the
 split-K combine needs). A row that has seen only hidden keys keeps m = -inf and l = 0.
 
-Decorated when this module is imported, like the kernels that call it (see kernels/_triton.py).
+Decorated when this module is imported, like the kernels that call it (see nanoserve_kernels/_triton.py).
 """
 
 from __future__ import annotations
 
-from kernels._triton import tl, triton
+from nanoserve_kernels._triton import tl, triton
 
 
 @triton.jit

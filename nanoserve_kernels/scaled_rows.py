@@ -15,15 +15,15 @@ them, so every form below gives the same y bit for bit.
 - `scale_rows_reference(raw, row_scale, col_scale, dtype)`: PyTorch, the oracle.
 - `scale_rows(...)`: Triton, one program per (row, column block), for an output whose next
   kernel does not apply the scales itself (the q/k/v projection's).
-- `load_scaled(...)`: the step inside another kernel (kernels/rmsnorm.py's residual add,
-  kernels/activation.py's silu-and-mul), as float32 values of y.
+- `load_scaled(...)`: the step inside another kernel (nanoserve_kernels/rmsnorm.py's residual add,
+  nanoserve_kernels/activation.py's silu-and-mul), as float32 values of y.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels._triton import HAS_TRITON, tl, triton
+from nanoserve_kernels._triton import HAS_TRITON, tl, triton
 
 _BLOCK = 1024
 
