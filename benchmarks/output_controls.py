@@ -88,7 +88,7 @@ def timed(llm, prompts, params) -> dict:
 
         prof = cProfile.Profile()
         outs = prof.runcall(llm.generate, prompts, params)
-        pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(40)
     else:
         outs = llm.generate(prompts, params)
     torch.cuda.synchronize()

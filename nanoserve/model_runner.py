@@ -151,6 +151,9 @@ class ContinuousRunner:
         pin = dev.type == "cuda"
         self._stage = torch.zeros(RING, 4, B, dtype=torch.long, pin_memory=pin)
         self._bt_stage = torch.zeros(RING, 3, B, dtype=torch.long, pin_memory=pin)
+        # numpy views of the staging buffers: the host writes a step's lists through them
+        # (a tenth of what torch.tensor from lists and slice assignments cost per step)
+        self._stage_np, self._bt_stage_np = self._stage.numpy(), self._bt_stage.numpy()
         self._out = torch.zeros(RING, B, dtype=torch.long, pin_memory=pin)
         # Logprob rows of an operation's sampled tokens (`nanoserve.logprobs.logprob_rows`).
         self._lp_out = torch.zeros(RING, B, 2 + 2 * MAX_LOGPROBS, pin_memory=pin)
@@ -158,6 +161,10 @@ class ContinuousRunner:
         # copied into one fixed device buffer before the step's sampling (made at first use).
         self._bm_host: torch.Tensor | None = None  # [RING, B, words] int32
         self._bm_dev: torch.Tensor | None = None  # [B, words] int32
+        # The greedy masked sampling's graphs per bucket (mode "graph": `_masked_step`).
+        self._mask_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._mask_out: dict[int, torch.Tensor] = {}  # their tokens [b]
+        self._mask_failed: set[int] = set()
         self._done = [torch.cuda.Event() if pin else None for _ in range(RING)]
         self._used = [False] * RING
         self._next = 0
@@ -180,6 +187,7 @@ class ContinuousRunner:
         self._mempool = None  # the graphs' memory pool (mode "graph")
         self._pf_failed: set[tuple[int, bool]] = set()  # prefill graphs that did not fit
         self.prefill_replays = 0  # prefills run as a replayed graph
+        self.masked_steps = 0  # decode steps sampled by `_masked_step`
         self.capture_s = 0.0
         self.graph_bytes = 0
         self.capture_error: str | None = None  # why the graphs were not captured, if so
@@ -305,6 +313,8 @@ class ContinuousRunner:
         self._graphs.clear()
         self._graph_out.clear()
         self._pf_graphs.clear()
+        self._mask_graphs.clear()
+        self._mask_out.clear()
         self.prefill_tokens, self._pf_buf, self._pf_hidden = 0, None, None  # eager prefills
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
@@ -324,6 +334,7 @@ class ContinuousRunner:
         were not captured (None when they were or when none were asked for)."""
         return {"step_mode": self.mode, "graphs": len(self._graphs),
                 "prefill_graphs": len(self._pf_graphs),
+                "mask_graphs": len(self._mask_graphs),
                 "graph_mib": round(self.graph_bytes / 2**20, 1),
                 "capture_s": round(self.capture_s, 2), "capture_error": self.capture_error}
 
@@ -364,6 +375,8 @@ class ContinuousRunner:
             B = self.max_batch_size
             self._bm_host = torch.empty(RING, B, words, dtype=torch.int32, pin_memory=pin)
             self._bm_dev = torch.empty(B, words, dtype=torch.int32, device=self.device)
+            self._mask_graphs.clear()  # they read the buffer they were captured with
+            self._mask_out.clear()
         if m > self._bm_host.shape[1]:  # a prefill's samplers past max_batch_size: not a step
             raise ValueError(f"{m} constrained rows in one operation")
         return self._bm_host[k]
@@ -439,11 +452,11 @@ class ContinuousRunner:
         if width > self.width:
             raise ValueError(f"a row holds {width} blocks; the step's tables have {self.width}")
         # [rows + 1, width]: the row slots, then the tables (only as wide as the widest)
-        host = torch.zeros(len(slots) + 1, max(width, len(slots)), dtype=torch.long)
-        host[0, :len(slots)] = torch.tensor(slots, dtype=torch.long)
+        host = np.zeros((len(slots) + 1, max(width, len(slots))), dtype=np.int64)
+        host[0, :len(slots)] = slots
         for i, t in enumerate(tables, 1):
-            host[i, :len(t)] = torch.tensor(t, dtype=torch.long)
-        dev = self._upload(host)
+            host[i, :len(t)] = t
+        dev = self._upload(torch.from_numpy(host))
         idx = dev[0, :len(slots)]
         self.block_tables.index_fill_(0, idx, 0)
         self.block_tables[:, :width].index_copy_(0, idx, dev[1:, :width].to(torch.int32))
@@ -667,25 +680,26 @@ class ContinuousRunner:
         end = self._mark("decode")
         if new_blocks:
             self._update_tables(k, new_blocks)
-        ctx = [p + 1 for p in positions]
         if self.mode == "eager":
+            ctx = [p + 1 for p in positions]
             inputs = torch.tensor([slots, positions, writes, ctx], dtype=torch.long)
             inputs = inputs.to(self.device, non_blocking=True)
             logits, tokens = self._forward(*inputs)
-            where = inputs[0]
+            where, b = inputs[0], n
         else:
             b = next(x for x in self.buckets if x >= n)
-            stage = self._stage[k]
-            stage[:4, :n] = torch.tensor([slots, positions, writes, ctx])
+            stage = self._stage_np[k]  # [4, B]: slots, positions, writes, context lengths
+            stage[0, :n], stage[1, :n], stage[2, :n] = slots, positions, writes
+            np.add(stage[1, :n], 1, out=stage[3, :n])
             stage[0, n:b], stage[1, n:b], stage[2, n:b], stage[3, n:b] = self.pad, 0, -1, 1
-            self._inputs[:, :b].copy_(stage[:, :b], non_blocking=True)
+            self._inputs[:, :b].copy_(self._stage[k, :, :b], non_blocking=True)
             if self.mode == "graph":
                 self._graphs[b].replay()
                 logits, tokens = self._graph_out[b]
             else:
                 logits, tokens = self._forward(*self._views(b))
             where = self._inputs[0, :n]
-        op = Launched(k, n, pending=(logits, tokens, where, end))
+        op = Launched(k, n, pending=(logits, tokens, where, end, b))
         if not defer:
             self.finish_decode(op, sampling)
         return op
@@ -693,22 +707,63 @@ class ContinuousRunner:
     def finish_decode(self, op: Launched, sampling: StepSampling | None) -> None:
         """Queue a decode step's sampling (when not all greedy and plain) and the copies of
         its results. The step's logits must still be in place: no step queued since."""
-        logits, tokens, where, end = op.pending
+        logits, tokens, where, end, b = op.pending
         op.pending = None
         lp = None
         if sampling is not None and not sampling.trivial:
-            self._masks(op.ring, sampling)
-            tokens, lp = sample_step(logits[:op.n], sampling, tokens[:op.n])
-            self.last_tok.index_copy_(0, where, _as_input(tokens, sampling))
+            if self.mode != "eager" and sampling.greedy_masked:
+                tokens = self._masked_step(op.ring, b, sampling)
+            else:
+                self._masks(op.ring, sampling)
+                tokens, lp = sample_step(logits[:op.n], sampling, tokens[:op.n])
+                self.last_tok.index_copy_(0, where, _as_input(tokens, sampling))
         self._finish(op.ring, tokens, op.n, end, lp, op=op)
+
+    def _masked_step(self, k: int, b: int, sampling: StepSampling) -> torch.Tensor:
+        """A fixed-tensor decode step's sampling when every row takes its argmax among its
+        allowed tokens (`StepSampling.greedy_masked`): one bitmask row per step row, filled
+        on the host into ring entry k's rows (`StepSampling.fill_rows`) and copied into the
+        fixed device rows, then `_masked_forward` over bucket b: in mode "graph" one CUDA
+        graph per bucket, captured the first time the bucket needs it (a host copy and a
+        replay instead of the sampling's launches). Returns the tokens [b] on the device
+        (-1: a row whose grammar allows nothing; rows past the step's are padding)."""
+        self.masked_steps += 1
+        t = time.perf_counter()
+        host = sampling.fill_rows(self.mask_rows(k, b, sampling.words))
+        t = self._host_time("mask_fill", t)
+        self._bm_dev[:host.shape[0]].copy_(host, non_blocking=True)
+        self._host_time("mask_copy", t)
+        graph = self._mask_graphs.get(b)
+        if graph is not None:
+            graph.replay()
+            return self._mask_out[b]
+        tokens = self._masked_forward(b)
+        if self.mode == "graph" and b not in self._mask_failed:
+            try:  # the run above was its warm-up; the capture runs nothing
+                self._mask_out[b], self._mask_graphs[b] = self._capture(
+                    self._masked_forward, b, warm=False)
+            except (torch.OutOfMemoryError, RuntimeError) as exc:
+                self._mask_failed.add(b)
+                log.warning("the masked sampling of %d rows was not captured (%s): it runs "
+                            "uncaptured; the tokens are the same", b,
+                            (str(exc).strip().splitlines() or [type(exc).__name__])[0])
+        return tokens
+
+    def _masked_forward(self, b: int) -> torch.Tensor:
+        """Bucket b's greedy masked sampling over the fixed tensors (what its graph holds):
+        each row's argmax among the tokens its row of the fixed bitmask allows, from the
+        shared logits; written to last_tok at the step's row slots (-1 as 0, a valid input:
+        that row ends when read). Returns the tokens [b]."""
+        tokens = kernel_backend.masked_argmax(self._logits[:b], self._bm_dev[:b])  # [b]
+        self.last_tok.index_copy_(0, self._inputs[0, :b], tokens.clamp_min(0))
+        return tokens
 
     def _update_tables(self, k: int, new_blocks: list[tuple[int, int, int]]) -> None:
         u = len(new_blocks)
-        stage = self._bt_stage[k]
-        if u > stage.shape[1]:  # more rows than max_batch_size gained blocks: not a step
+        if u > self._bt_stage.shape[2]:  # more rows than max_batch_size gained blocks: not a step
             raise ValueError(f"{u} block-table updates in one step")
-        stage[:, :u] = torch.tensor(new_blocks, dtype=torch.long).T
-        upd = stage[:, :u].to(self.device, non_blocking=True)
+        self._bt_stage_np[k][:, :u] = np.array(new_blocks, dtype=np.int64).T
+        upd = self._bt_stage[k, :, :u].to(self.device, non_blocking=True)
         self.block_tables[upd[0], upd[1]] = upd[2].to(torch.int32)
 
 

@@ -34,8 +34,11 @@ Output controls (`nanoserve.step_sampling`, shared with the static batches): a d
 holding a row with a structured output queues its forward, then reads the older operations
 (the rows' previous tokens) while that forward runs, fills the rows' bitmasks from their
 matchers, and queues the masked sampling; that step is read at the next iteration, once
-the next forward is queued. The graph boundary is at the logits: rows without a
-constraint keep the captured step's argmax. A row's `n` samples are admitted
+the next forward is queued. The graph boundary is at the logits: in a step whose rows all
+take their argmax and want no logprobs, every row takes the masked argmax (an unconstrained
+row's mask allows every token: the same token as the captured argmax), itself one CUDA graph
+per bucket (`ContinuousRunner._masked_step`); otherwise rows without a constraint keep the
+captured step's argmax. A row's `n` samples are admitted
 together: the prompt is prefilled once, samples 1..n-1 fork its block table (full blocks
 shared, the partly filled last block copied) and draw their first tokens from the same
 logits with their own keys. Samples that did not fit that admission run later as rows of
@@ -441,9 +444,9 @@ class ContinuousScheduler:
                 r.sent_blocks = len(r.table.blocks)
         counters = [r.launched for r in rows]
         constrained = any(r.seq.constrained for r in rows)
-        plain = all(r.seq.params.greedy and r.seq.logprobs is None for r in rows)
         sampling = None
-        if not constrained and not plain:
+        if not constrained and not all(r.seq.params.greedy and r.seq.logprobs is None
+                                       for r in rows):
             sampling = StepSampling.of([r.seq for r in rows], counters)
         if self.runner.profile:
             self.runner.host_s["steps"] = self.runner.host_s.get("steps", 0) + 1
@@ -476,14 +479,17 @@ class ContinuousScheduler:
             values = op.launched.logprobs.numpy().copy()  # the ring's buffer is reused
             lps = dict(zip(op.sampling.logprob_rows, values))
         self._set_prompt_logprobs(op)  # a prefill's rows that asked for them
-        live = [j for j, r in enumerate(op.rows) if not r.seq.finished and r.table is not None]
+        live = [(j, r.seq) for j, r in enumerate(op.rows)
+                if r.seq.finish_reason is None and r.table is not None]
         self.stats.finished_row_steps += len(op.rows) - len(live)
-        steered = [j for j in live if op.rows[j].seq.constrained and tokens[j] >= 0]
-        accepted = dict(zip(steered, accept_tokens([op.rows[j].seq.matcher for j in steered],
-                                                   [tokens[j] for j in steered]))) if steered else {}
+        accepted = {}
+        if op.sampling is not None and op.sampling.masked:  # (else no row is steered)
+            steered = [j for j, seq in live if seq.constrained and tokens[j] >= 0]
+            accepted = dict(zip(steered, accept_tokens([op.rows[j].seq.matcher for j in steered],
+                                                       [tokens[j] for j in steered])))
         t = self._tick("accept", t)
-        for j in live:
-            op.rows[j].seq.append(tokens[j], lps.get(j), accepted.get(j))
+        for j, seq in live:
+            seq.append(tokens[j], lps.get(j), accepted.get(j))
         t = self._tick("append", t)
         finished = [r for r in self.running if r.seq.finished]
         if finished:

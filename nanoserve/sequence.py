@@ -105,7 +105,7 @@ class Sequence:
         advanced the matcher by this token (a batch of rows at once), with this result.
         token -1: the row's grammar allowed no token (the masked argmax or draw found its
         bitmask empty): the row ends (`cannot_continue`), nothing appended."""
-        if self.finished:
+        if self.finish_reason is not None:
             raise RuntimeError("a finished sequence takes no tokens")
         if token < 0 and self.matcher is not None:
             self.cannot_continue()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from nanoserve.logprobs import logprob_rows
@@ -70,6 +71,26 @@ class StepSampling:
         fill_bitmasks([s.matcher for s in self.steered], bitmask)
         self.bitmask = bitmask
         return bitmask
+
+    def fill_rows(self, out: torch.Tensor) -> torch.Tensor:
+        """Fill one bitmask row per step row into out[:len(params)] (host int32, [>= rows,
+        words]): the masked rows' at their own indexes, every other row all-allowed (its
+        masked argmax is its argmax: the same kernel, the same first index among equals).
+        Returns that view; `bitmask` stays unset. For a greedy step without logprobs that
+        takes every row's masked argmax (the runner's fixed masked step)."""
+        n = len(self.params)
+        rows = out[:n]
+        if len(self.masked) < n:
+            free = np.ones(n, dtype=bool)
+            free[list(self.masked)] = False
+            rows.numpy()[free] = -1
+        fill_bitmasks([s.matcher for s in self.steered], rows, list(self.masked))
+        return rows
+
+    @property
+    def greedy_masked(self) -> bool:
+        """Every row takes its argmax among its allowed tokens, and none wants logprobs."""
+        return bool(self.masked) and self.all_greedy and not self.logprob_rows
 
     @property
     def trivial(self) -> bool:

@@ -336,11 +336,12 @@ def _filler():
 
 def accept_tokens(matchers: list[RowMatcher], tokens: list[int]) -> list[bool]:
     """Advance each matcher by its token, all in one call; whether each was allowed."""
-    if len(matchers) == 1:
-        return [matchers[0].accept(tokens[0])]
-    ok = _batch_accept([m._m for m in matchers], [int(t) for t in tokens])
+    if len(matchers) <= 1:
+        return [matchers[0].accept(tokens[0])] if matchers else []
+    tokens = [int(t) for t in tokens]
+    ok = _batch_accept([m._m for m in matchers], tokens)
     for m, t in zip(matchers, tokens):
-        if int(t) in m.stop_ids:  # only a stop token ends a grammar
+        if t in m.stop_ids:  # only a stop token ends a grammar
             m.terminated = bool(m._m.is_terminated())
     return ok
 
@@ -361,15 +362,17 @@ def _batch_accept(matchers: list, tokens: list[int]) -> list[bool]:
     return [bool(result[i]) for i in range(len(result))]
 
 
-def fill_bitmasks(matchers: list[RowMatcher], bitmask: torch.Tensor) -> None:
-    """Row j of `bitmask` <- the allowed next tokens of matchers[j], for all rows at once on
-    xgrammar's thread pool (it releases the GIL); rows of `bitmask` past the matchers are
-    left alone. A row that allows no token is found on the device, by the masked argmax or
-    draw (`nanoserve.sampling.sample_next`: token -1), not here."""
+def fill_bitmasks(matchers: list[RowMatcher], bitmask: torch.Tensor,
+                  rows: list[int] | None = None) -> None:
+    """Row rows[j] (default: j) of `bitmask` <- the allowed next tokens of matchers[j], for
+    all rows at once on xgrammar's thread pool; other rows of `bitmask` are left alone. (The
+    call holds the GIL: no Python runs beside it.) A row that allows no token is found on
+    the device, by the masked argmax or draw (`nanoserve.sampling.sample_next`: token -1),
+    not here."""
     if len(matchers) == 1:
-        matchers[0].fill(bitmask, 0)
+        matchers[0].fill(bitmask, 0 if rows is None else rows[0])
     else:
-        _filler().batch_fill_next_token_bitmask([m._m for m in matchers], bitmask)
+        _filler().batch_fill_next_token_bitmask([m._m for m in matchers], bitmask, rows)
 
 
 def allowed_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -208,7 +208,7 @@ def test_graphs_that_do_not_fit_fall_back_to_uncaptured_steps(tiny_model_dir, ca
             assert summary["prefill_graphs"] == 0  # captured as their lengths are met
         else:
             assert summary == {"step_mode": "static", "graphs": 0, "prefill_graphs": 0,
-                               "graph_mib": 0.0, "capture_s": 0.0,
+                               "mask_graphs": 0, "graph_mib": 0.0, "capture_s": 0.0,
                                "capture_error": "out of memory"}
             assert "not captured (out of memory" in caplog.text
             assert "kv_cache_fraction" in caplog.text
@@ -275,3 +275,16 @@ def test_output_controls_through_captured_continuous_steps(tmp_path):
     from nanoserve.testing import save_tiny_byte_llama
 
     mixed_controls_equal_rows_alone("cuda", "graph", save_tiny_byte_llama(tmp_path / "m"))
+
+
+def test_greedy_constrained_rows_through_the_captured_masked_step(tmp_path):
+    """float32 on the GPU: greedy constrained and plain rows in captured continuous steps:
+    the masked sampling is its own graph per bucket (captured at its first use), and every
+    row equals itself alone through the static path."""
+    from test_output_controls import greedy_constrained_equal_rows_alone
+
+    from nanoserve.testing import save_tiny_byte_llama
+
+    runner = greedy_constrained_equal_rows_alone("cuda", "graph",
+                                                 save_tiny_byte_llama(tmp_path / "m"))
+    assert runner.capture_summary()["mask_graphs"] > 0

@@ -202,8 +202,17 @@ def test_a_grammar_that_allows_no_token_ends_its_row_with_an_error(smollm2_llm):
     cont, fixed = (generate_continuous(llm.model, prompts, params, llm.eos_token_ids, llm.pool,
                                        tok, grammars=grammars, step_mode=mode)[0]
                    for mode in ("eager", "static"))
+    # every row greedy: the fixed-tensor step's masked sampling (one bitmask row per row)
+    from nanoserve.model_runner import ContinuousRunner
+
+    greedy = [p if p.greedy else SamplingParams(max_tokens=8, structured_outputs=p.structured_outputs)
+              for p in params]
+    runner = ContinuousRunner(llm.model, llm.pool, 4, "static")
+    masked = generate_continuous(llm.model, prompts, greedy, llm.eos_token_ids, llm.pool, tok,
+                                 runner=runner, grammars=grammars)[0]
+    assert runner.masked_steps > 0
     check_integrity(llm.pool.allocator, [])
-    for outs in (static, cont, fixed):
+    for outs in (static, cont, fixed, masked):
         assert [o.finish_reason for o in outs[:3]] == ["error"] * 3
         assert all("allows no next token" in o.error for o in outs[:3]) and outs[0].token_ids == []
         assert re.fullmatch(r"a{1,2}", outs[1].text) and re.fullmatch(r"b{1,2}", outs[2].text)
@@ -470,6 +479,49 @@ def mixed_controls_equal_rows_alone(device: str, mode: str, folder) -> None:
     assert re.fullmatch("[a-c]{2,5}!", outs[5].text)
     assert {outs[7].text, outs[8].text} <= {"left", "right"}
     assert pool.allocator.num_free == pool.num_blocks
+
+
+def greedy_constrained_equal_rows_alone(device: str, mode: str, folder):
+    """Greedy rows only, most of them constrained (a JSON schema, a regex, a choice) and some
+    plain, in one continuous batch with fewer row slots than rows: the steps that hold a
+    constrained row take the fixed-tensor masked sampling (`ContinuousRunner._masked_step`:
+    one bitmask row per step row, a plain or finished row's all-allowed), and each row
+    equals itself run alone through the static path. Returns the runner."""
+    from nanoserve.cache import CacheShape, KVPool
+    from nanoserve.llm import LLM
+    from nanoserve.model_runner import ContinuousRunner
+
+    llm = LLM(str(folder), device=device, dtype="float32", scheduler="static",
+              kv_cache_bytes=16 << 20)
+    tok = llm.tokenizer
+    small = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0,
+                                                    "maximum": 99},
+                                              "b": {"enum": ["x", "yy"]}},
+             "required": ["a", "b"], "additionalProperties": False}
+    kinds = [StructuredOutputs(json=small), StructuredOutputs(regex="[a-c]{2,5}!"), None,
+             StructuredOutputs(choice=("left", "right")), None]
+    params = [SamplingParams(max_tokens=10 + 3 * (i % 4), structured_outputs=kinds[i % 5])
+              for i in range(11)]
+    prompts = [tok.encode(f"row {i}: " + "word " * (i % 4), add_special_tokens=False)
+               for i in range(11)]
+    pool = KVPool(CacheShape.of(llm.config), 64, 4, torch.float32, device)
+    runner = ContinuousRunner(llm.model, pool, 4, mode)  # fewer slots than rows: they queue
+    outs, _ = generate_continuous(llm.model, prompts, params, llm.eos_token_ids, pool, tok,
+                                  max_batch_size=4, runner=runner, grammars=llm.grammars)
+    for prompt, p, got in zip(prompts, params, outs, strict=True):
+        exp = generate_batch(llm.model, [prompt], [p], llm.eos_token_ids, None, tok,
+                             grammars=llm.grammars)[0][0]
+        assert (got.token_ids, got.finish_reason) == (exp.token_ids, exp.finish_reason)
+    assert runner.masked_steps > 0
+    assert re.fullmatch("[a-c]{2,5}!", outs[1].text) and outs[3].text in ("left", "right")
+    assert pool.allocator.num_free == pool.num_blocks
+    return runner
+
+
+def test_greedy_constrained_rows_through_the_fixed_masked_step(tmp_path):
+    from nanoserve.testing import save_tiny_byte_llama
+
+    greedy_constrained_equal_rows_alone("cpu", "static", save_tiny_byte_llama(tmp_path / "m"))
 
 
 def test_mixed_controls_through_the_fixed_tensor_step(tmp_path):
