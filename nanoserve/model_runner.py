@@ -65,6 +65,7 @@ from nanoserve.model import LlamaForCausalLM
 from nanoserve.sampling import MAX_LOGPROBS
 from nanoserve.step_cache import StepCache
 from nanoserve.step_sampling import StepSampling, sample_step
+from nanoserve.structured import FillThread
 from nanoserve_kernels import backend as kernel_backend
 from nanoserve_kernels.paged_prefill import default_block_m
 from nanoserve_kernels.prefill_attention import PREFILL_BLOCK_M, prefill_work, prefill_work_size
@@ -118,7 +119,8 @@ class Launched:
     n: int  # tokens it produced (rows that sample; all rows of a decode step)
     logprobs: torch.Tensor | None = None  # [m, 2 + 2k] float32, host
     prompt: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (row, [len-1, ..])
-    pending: tuple | None = None  # a deferred decode's (logits, argmax tokens, n)
+    pending: tuple | None = None  # a deferred decode's (logits, argmax tokens, slots, end, b)
+    masks: torch.Tensor | None = None  # its bitmask rows, being filled (`begin_sampling`)
 
 
 class ContinuousRunner:
@@ -165,6 +167,10 @@ class ContinuousRunner:
         self._mask_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._mask_out: dict[int, torch.Tensor] = {}  # their tokens [b]
         self._mask_failed: set[int] = set()
+        self._fill_thread: FillThread | None = None  # made at first use
+        # Fill a greedy masked step's bitmask on that thread, beside the host's Python (else
+        # inline, when the sampling is queued: the same tokens).
+        self.fill_in_thread = True
         self._done = [torch.cuda.Event() if pin else None for _ in range(RING)]
         self._used = [False] * RING
         self._next = 0
@@ -704,6 +710,32 @@ class ContinuousRunner:
             self.finish_decode(op, sampling)
         return op
 
+    def begin_sampling(self, op: Launched, sampling: StepSampling | None) -> None:
+        """Start the part of a deferred decode step's sampling that can run beside the host's
+        Python: for a greedy masked step of the fixed tensors (`_masked_step`), filling its
+        bitmask rows on the fill thread (xgrammar lets go of the GIL). `finish_decode`
+        completes it, and must come before any other operation is queued; in between the
+        caller must not advance a matcher of the step's rows."""
+        if (self.mode == "eager" or sampling is None or not sampling.greedy_masked
+                or not self.fill_in_thread):
+            return
+        if self._fill_thread is None:
+            self._fill_thread = FillThread()
+        t = time.perf_counter()
+        op.masks = sampling.fill_rows(self.mask_rows(op.ring, op.pending[4], sampling.words),
+                                      self._fill_thread)
+        self._host_time("mask_start", t)
+
+    def drop_sampling(self, op: Launched) -> None:
+        """Give up a begun sampling (the run is being aborted): wait for its fill, if any,
+        to let go of the buffers; its error, if any, is dropped."""
+        if op.masks is not None and self._fill_thread is not None:
+            try:
+                self._fill_thread.wait()
+            except Exception:  # noqa: BLE001 - the run is aborting for another reason
+                pass
+        op.masks = op.pending = None
+
     def finish_decode(self, op: Launched, sampling: StepSampling | None) -> None:
         """Queue a decode step's sampling (when not all greedy and plain) and the copies of
         its results. The step's logits must still be in place: no step queued since."""
@@ -712,24 +744,31 @@ class ContinuousRunner:
         lp = None
         if sampling is not None and not sampling.trivial:
             if self.mode != "eager" and sampling.greedy_masked:
-                tokens = self._masked_step(op.ring, b, sampling)
+                tokens = self._masked_step(op.ring, b, sampling, op.masks)
+                op.masks = None
             else:
                 self._masks(op.ring, sampling)
                 tokens, lp = sample_step(logits[:op.n], sampling, tokens[:op.n])
                 self.last_tok.index_copy_(0, where, _as_input(tokens, sampling))
         self._finish(op.ring, tokens, op.n, end, lp, op=op)
 
-    def _masked_step(self, k: int, b: int, sampling: StepSampling) -> torch.Tensor:
+    def _masked_step(self, k: int, b: int, sampling: StepSampling,
+                     filling: torch.Tensor | None = None) -> torch.Tensor:
         """A fixed-tensor decode step's sampling when every row takes its argmax among its
         allowed tokens (`StepSampling.greedy_masked`): one bitmask row per step row, filled
         on the host into ring entry k's rows (`StepSampling.fill_rows`) and copied into the
         fixed device rows, then `_masked_forward` over bucket b: in mode "graph" one CUDA
         graph per bucket, captured the first time the bucket needs it (a host copy and a
-        replay instead of the sampling's launches). Returns the tokens [b] on the device
+        replay instead of the sampling's launches). filling: the rows `begin_sampling` is
+        filling on the fill thread (waited for here). Returns the tokens [b] on the device
         (-1: a row whose grammar allows nothing; rows past the step's are padding)."""
         self.masked_steps += 1
         t = time.perf_counter()
-        host = sampling.fill_rows(self.mask_rows(k, b, sampling.words))
+        if filling is None:
+            host = sampling.fill_rows(self.mask_rows(k, b, sampling.words))
+        else:
+            self._fill_thread.wait()
+            host = filling
         t = self._host_time("mask_fill", t)
         self._bm_dev[:host.shape[0]].copy_(host, non_blocking=True)
         self._host_time("mask_copy", t)

@@ -32,13 +32,17 @@ A row that stops on length is never stepped past its last token.
 
 Output controls (`nanoserve.step_sampling`, shared with the static batches): a decode step
 holding a row with a structured output queues its forward, then reads the older operations
-(the rows' previous tokens) while that forward runs, fills the rows' bitmasks from their
-matchers, and queues the masked sampling; that step is read at the next iteration, once
-the next forward is queued. The graph boundary is at the logits: in a step whose rows all
-take their argmax and want no logprobs, every row takes the masked argmax (an unconstrained
-row's mask allows every token: the same token as the captured argmax), itself one CUDA graph
-per bucket (`ContinuousRunner._masked_step`); otherwise rows without a constraint keep the
-captured step's argmax. A row's `n` samples are admitted
+(the rows' previous tokens: their matchers advance) while that forward runs, and begins its
+sampling: the rows' bitmasks are filled from their matchers, on the runner's fill thread
+when the step is greedy (xgrammar lets go of the GIL, so the host admits rows and prepares
+the next step beside it). The sampling is queued (`_complete`) before anything else goes to
+the device or a result is read: before the next prefill (so a row slot freed since is not
+written after its new row's prefill) and the next forward. The step is read at the next
+iteration, once the next forward is queued. The graph boundary is at the logits: in a step
+whose rows all take their argmax and want no logprobs, every row takes the masked argmax (an
+unconstrained row's mask allows every token: the same token as the captured argmax), itself
+one CUDA graph per bucket (`ContinuousRunner._masked_step`); otherwise rows without a
+constraint keep the captured step's argmax. A row's `n` samples are admitted
 together: the prompt is prefilled once, samples 1..n-1 fork its block table (full blocks
 shared, the partly filled last block copied) and draw their first tokens from the same
 logits with their own keys. Samples that did not fit that admission run later as rows of
@@ -192,6 +196,10 @@ class ContinuousScheduler:
         self.free_slots = list(range(runner.max_batch_size - 1, -1, -1))
         self.stats = BatchStats()
         self.steps_since_admit = 0  # decode steps launched since the last admission
+        # A steered decode step whose sampling has begun (its masks filling on the runner's
+        # fill thread while this host admits and prepares the next step) but is not queued:
+        # `_complete` queues it before anything else reaches the device or reads a result.
+        self._pending: _Op | None = None
 
     # --- the public surface -----------------------------------------------------------------
 
@@ -240,6 +248,9 @@ class ContinuousScheduler:
         """Drop every row, waiting or running, and free their blocks (after the device has
         finished what was queued, so nothing still writes into them)."""
         try:
+            if self._pending is not None:
+                self.runner.drop_sampling(self._pending.launched)
+                self._pending = None
             self.runner.sync()
         finally:
             for r in self.running:
@@ -247,6 +258,14 @@ class ContinuousScheduler:
             self.running.clear()
             self.waiting.clear()
             self.unread.clear()
+
+    def _complete(self) -> None:
+        """Queue the pending steered step's sampling (waiting for its masks), if any."""
+        if self._pending is not None:
+            t = perf_counter()
+            op, self._pending = self._pending, None
+            self.runner.finish_decode(op.launched, op.sampling)
+            self._tick("sample_finish", t)
 
     def _tick(self, key: str, t0: float) -> float:
         """Add the host seconds since t0 to the runner's profile under `key` (profile on)."""
@@ -351,6 +370,7 @@ class ContinuousScheduler:
     def _prefill(self, admitted: list[_Row]) -> None:
         """Prefill the admitted rows packed; the samples forked from one of them take its
         table (`BlockTable.fork`) and sample their first tokens from its last logits."""
+        self._complete()  # (and the row slots freed since are free on the device too)
         alloc = self.pool.allocator
         forked = {id(c) for r in admitted for c in r.forks}
         rows = [r for r in admitted if id(r) not in forked]
@@ -451,26 +471,43 @@ class ContinuousScheduler:
         if self.runner.profile:
             self.runner.host_s["steps"] = self.runner.host_s.get("steps", 0) + 1
         t = self._tick("decode_prep", t0)
+        self._complete()
         op = self.runner.decode([r.slot for r in rows], positions, writes, new_blocks,
                                 sampling, defer=constrained)
         t = self._tick("decode_launch", t)
         if constrained:  # the masks need every earlier token: read while the forward runs
-            while self.unread:
+            while len(self.unread) > 1:
                 self._read(self.unread.popleft())
+            # The last one's matchers advance first; its stop rules run while the masks fill
+            # (a row they end is masked for nothing: its token is dropped).
+            last = self.unread.popleft() if self.unread else None
+            taken = self._take(last) if last is not None else None
             t = perf_counter()
             sampling = StepSampling.of([r.seq for r in rows], counters, self.words, fill=False)
             t = self._tick("sampling_of", t)
-            self.runner.finish_decode(op, sampling)
+            self.runner.begin_sampling(op, sampling)  # queued by `_complete`
             self._tick("sample_launch", t)
+            if last is not None:
+                self._apply(last, taken)
         for r in rows:
             r.launched += 1
         self.stats.decode_row_steps += len(rows)
         self.unread.append(_Op(op, rows, sampling))
+        if constrained:
+            self._pending = self.unread[-1]
         return constrained
 
     # --- results -----------------------------------------------------------------------------
 
     def _read(self, op: _Op) -> None:
+        self._apply(op, self._take(op))
+
+    def _take(self, op: _Op) -> tuple:
+        """The first half of reading an operation: its tokens (waiting for it), logprobs and
+        prompt logprobs, and its steered rows' matchers advanced by their tokens. Returns
+        what `_apply` needs: (tokens, logprob rows by row, live rows (index, sequence),
+        accepted by row). Every older operation must have been applied."""
+        self._complete()
         t = perf_counter()
         tokens = self.runner.read(op.launched)
         t = self._tick("read", t)
@@ -487,7 +524,14 @@ class ContinuousScheduler:
             steered = [j for j, seq in live if seq.constrained and tokens[j] >= 0]
             accepted = dict(zip(steered, accept_tokens([op.rows[j].seq.matcher for j in steered],
                                                        [tokens[j] for j in steered])))
-        t = self._tick("accept", t)
+        self._tick("accept", t)
+        return tokens, lps, live, accepted
+
+    def _apply(self, op: _Op, taken: tuple) -> None:
+        """The second half: the stop rules on each live row's token, and rows that finished
+        leave (their blocks and row slot go back)."""
+        t = perf_counter()
+        tokens, lps, live, accepted = taken
         for j, seq in live:
             seq.append(tokens[j], lps.get(j), accepted.get(j))
         t = self._tick("append", t)

@@ -22,7 +22,7 @@ import torch
 from nanoserve.logprobs import logprob_rows
 from nanoserve.sampling import SamplingParams, sample_next
 from nanoserve.sequence import Sequence
-from nanoserve.structured import allocate_bitmask, fill_bitmasks
+from nanoserve.structured import FillThread, allocate_bitmask, fill_bitmasks
 
 
 @dataclass
@@ -72,19 +72,24 @@ class StepSampling:
         self.bitmask = bitmask
         return bitmask
 
-    def fill_rows(self, out: torch.Tensor) -> torch.Tensor:
+    def fill_rows(self, out: torch.Tensor, thread: FillThread | None = None) -> torch.Tensor:
         """Fill one bitmask row per step row into out[:len(params)] (host int32, [>= rows,
         words]): the masked rows' at their own indexes, every other row all-allowed (its
         masked argmax is its argmax: the same kernel, the same first index among equals).
         Returns that view; `bitmask` stays unset. For a greedy step without logprobs that
-        takes every row's masked argmax (the runner's fixed masked step)."""
+        takes every row's masked argmax (the runner's fixed masked step). thread: the
+        matchers' rows are filled there (the caller `wait`s for it before reading them)."""
         n = len(self.params)
         rows = out[:n]
         if len(self.masked) < n:
             free = np.ones(n, dtype=bool)
             free[list(self.masked)] = False
             rows.numpy()[free] = -1
-        fill_bitmasks([s.matcher for s in self.steered], rows, list(self.masked))
+        matchers = [s.matcher for s in self.steered]
+        if thread is None:
+            fill_bitmasks(matchers, rows, list(self.masked))
+        else:
+            thread.start(matchers, rows, list(self.masked))
         return rows
 
     @property

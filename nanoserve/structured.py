@@ -375,6 +375,55 @@ def fill_bitmasks(matchers: list[RowMatcher], bitmask: torch.Tensor,
         _filler().batch_fill_next_token_bitmask([m._m for m in matchers], bitmask, rows)
 
 
+class FillThread:
+    """`fill_bitmasks` on a thread of its own, so the host's Python work runs beside it:
+    xgrammar releases the GIL while it fills. `start` hands a fill over and returns once the
+    thread has taken it; `wait` returns when it is done (raising what it raised). One fill
+    at a time; the caller must not touch the matchers' state or the bitmask rows in
+    between (reading them is fine: the fill does not advance a matcher)."""
+
+    def __init__(self) -> None:
+        self._job: tuple | None = None
+        self._error: BaseException | None = None
+        self._go, self._taken, self._done = threading.Event(), threading.Event(), threading.Event()
+        self._done.set()
+        self._thread = threading.Thread(target=self._run, name="nanoserve-mask-fill",
+                                        daemon=True)
+        self._thread.start()
+
+    def start(self, matchers: list[RowMatcher], bitmask: torch.Tensor,
+              rows: list[int] | None = None) -> None:
+        if not self._done.is_set():
+            raise RuntimeError("a mask fill is already running")
+        self._job, self._error = (matchers, bitmask, rows), None
+        self._done.clear()
+        self._taken.clear()
+        self._go.set()
+        self._taken.wait()  # (this thread lets go of the GIL here, so the fill starts now)
+
+    def wait(self) -> None:
+        self._done.wait()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    @property
+    def busy(self) -> bool:
+        return not self._done.is_set()
+
+    def _run(self) -> None:
+        while True:
+            self._go.wait()
+            self._go.clear()
+            job, self._job = self._job, None
+            self._taken.set()
+            try:
+                fill_bitmasks(*job)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller by `wait`
+                self._error = exc
+            self._done.set()
+
+
 def allowed_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     """The bool mask [n, vocab] of a bitmask [n, ceil(vocab/32)] int32 (bit j of word w:
     token 32 w + j), on the bitmask's device."""
@@ -398,6 +447,6 @@ def masked_argmax(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     return _masked_argmax(logits, bitmask)
 
 
-__all__ = ["GrammarCache", "RowMatcher", "StructuredOutputs", "allocate_bitmask",
+__all__ = ["FillThread", "GrammarCache", "RowMatcher", "StructuredOutputs", "allocate_bitmask",
            "accept_tokens", "allowed_tokens", "apply_bitmask", "fill_bitmasks",
            "masked_argmax", "structured_from_request"]
