@@ -113,14 +113,14 @@ class Sequence:
         self.output_ids.append(token)
         if self.logprobs is not None and logprob is not None:
             self.logprobs.append(logprob)
-        if self.matcher is not None and not self.matcher.terminated:
-            if accepted is None:
+        if self.matcher is not None:
+            if accepted is None and not self.matcher.terminated:
                 accepted = self.matcher.accept(token)
-            if not accepted:
+            if accepted is False:
                 self.error = f"token {token} does not follow the structured output's grammar"
                 self.finish_reason = "error"
                 return
-            if self.matcher.terminated:
+            if self.matcher.terminated:  # (by this token: a terminated grammar ended its row)
                 self.finish_reason = "stop"
                 return
         if token in self._stop_ids:

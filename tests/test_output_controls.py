@@ -132,6 +132,24 @@ def test_an_unconstrained_row_in_a_constrained_batch_gets_its_tokens_alone(smoll
     assert mixed[1].token_ids == alone[0].token_ids
 
 
+def test_a_terminated_grammar_ends_its_row_even_with_ignore_eos(smollm2_llm):
+    """`ignore_eos` keeps a row going past EOS, but a grammar that accepted its stop token is
+    done: the row ends there with 'stop' (nothing unconstrained follows), alone or batched."""
+    llm = smollm2_llm
+    choices = ("yes", "no", "maybe")
+    params = [SamplingParams(max_tokens=16, ignore_eos=True,
+                             structured_outputs=StructuredOutputs(choice=choices)),
+              SamplingParams(max_tokens=24, ignore_eos=True, structured_outputs=StructuredOutputs(
+                  regex=r"[0-9]{4}-[0-9]{2}-[0-9]{2}"))]
+    prompts = [_chat(llm, "Is the sky blue?"), _chat(llm, "What is today's date?")]
+    for outs in [*_both(llm, prompts, params), *_both(llm, prompts[:1], params[:1])]:
+        assert outs[0].text in choices and outs[0].finish_reason == "stop"
+        assert outs[0].token_ids[-1] in llm.eos_token_ids
+    for outs in _both(llm, prompts, params):
+        assert re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", outs[1].text)
+        assert outs[1].finish_reason == "stop"
+
+
 def test_a_row_cut_by_max_tokens_ends_with_length(smollm2_llm):
     llm = smollm2_llm
     params = [SamplingParams(max_tokens=3, structured_outputs=StructuredOutputs(
