@@ -674,18 +674,29 @@ class ContinuousRunner:
 
     def decode(self, slots: list[int], positions: list[int], writes: list[int],
                new_blocks: list[tuple[int, int, int]], sampling: StepSampling | None,
-               defer: bool = False) -> Launched:
+               defer: bool = False, before=None) -> Launched:
         """One decode step for n rows: row slots, the position of each row's input token,
         the slot its K/V go to (reserved by the caller), and the block-table entries that
         changed since the last step as (row slot, index, block). sampling: per row (None:
         all greedy, nothing but the step's argmax). defer: queue the forward only; the
         caller queues the sampling with `finish_decode` (a structured output's masks need
-        the rows' previous tokens, read while this forward runs) before any other step."""
+        the rows' previous tokens, read while this forward runs) before any other step.
+        before: called once the step's inputs are staged on the host and its block-table
+        entries queued, before the rest of the step is (what must come first: the previous
+        step's deferred sampling, whose masks may still be filling)."""
         n = len(slots)
         k = self._take_ring()
-        end = self._mark("decode")
         if new_blocks:
             self._update_tables(k, new_blocks)
+        if self.mode != "eager":
+            b = next(x for x in self.buckets if x >= n)
+            stage = self._stage_np[k]  # [4, B]: slots, positions, writes, context lengths
+            stage[0, :n], stage[1, :n], stage[2, :n] = slots, positions, writes
+            np.add(stage[1, :n], 1, out=stage[3, :n])
+            stage[0, n:b], stage[1, n:b], stage[2, n:b], stage[3, n:b] = self.pad, 0, -1, 1
+        if before is not None:
+            before()
+        end = self._mark("decode")
         if self.mode == "eager":
             ctx = [p + 1 for p in positions]
             inputs = torch.tensor([slots, positions, writes, ctx], dtype=torch.long)
@@ -693,11 +704,6 @@ class ContinuousRunner:
             logits, tokens = self._forward(*inputs)
             where, b = inputs[0], n
         else:
-            b = next(x for x in self.buckets if x >= n)
-            stage = self._stage_np[k]  # [4, B]: slots, positions, writes, context lengths
-            stage[0, :n], stage[1, :n], stage[2, :n] = slots, positions, writes
-            np.add(stage[1, :n], 1, out=stage[3, :n])
-            stage[0, n:b], stage[1, n:b], stage[2, n:b], stage[3, n:b] = self.pad, 0, -1, 1
             self._inputs[:, :b].copy_(self._stage[k, :, :b], non_blocking=True)
             if self.mode == "graph":
                 self._graphs[b].replay()

@@ -471,9 +471,8 @@ class ContinuousScheduler:
         if self.runner.profile:
             self.runner.host_s["steps"] = self.runner.host_s.get("steps", 0) + 1
         t = self._tick("decode_prep", t0)
-        self._complete()
         op = self.runner.decode([r.slot for r in rows], positions, writes, new_blocks,
-                                sampling, defer=constrained)
+                                sampling, defer=constrained, before=self._complete)
         t = self._tick("decode_launch", t)
         if constrained:  # the masks need every earlier token: read while the forward runs
             while len(self.unread) > 1:
