@@ -38,7 +38,10 @@ tables, the model, the LM head, argmax, scatter into last_tok) is one CUDA graph
 bucket ("graph"), or the same code run eagerly over the same tensors ("static"), or run
 over freshly made tensors of exactly n rows with no padding ("eager", the plain path the
 other two are held to). Rows that sample (temperature > 0) draw after the step, on the
-device, and overwrite their argmax in last_tok. The graphs of all buckets write their
+device, and overwrite their argmax in last_tok. A structured output's greedy step takes
+every row's masked argmax after it instead, from a fixed bitmask buffer: one more graph
+per bucket, captured at its first use (`_masked_step`), its masks filled on the host by
+a fill thread while the host prepares the next step (`begin_sampling`). The graphs of all buckets write their
 logits into one shared buffer; graphs that do not fit in the memory the KV pool left are
 dropped at load, and the steps run "static" (see `_capture_all`).
 
