@@ -444,24 +444,34 @@ def test_n_samples_in_a_pool_too_small_to_fork_them_all_at_once(tiny_model):
 # --- every control at once, through the continuous runner's fixed-tensor step --------------
 
 
-def mixed_controls_equal_rows_alone(device: str, mode: str, folder) -> None:
-    """Constrained, logprob, n-sample, sampled and plain rows in one continuous batch (rows
-    joining and leaving; `mode` "static" runs the captured step's code uncaptured, "graph"
-    captures it) each equal the row run alone through the static path on the same model:
-    tokens, finish reasons and logprobs. Every block comes back."""
+_SMALL_SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0,
+                                                        "maximum": 99},
+                                                  "b": {"enum": ["x", "yy"]}},
+                 "required": ["a", "b"], "additionalProperties": False}
+
+
+def _small_engine(folder, device: str, mode: str):
+    """The model in `folder` (float32), a 64-block pool and a runner in `mode` with 4 row
+    slots (fewer than the tests' rows: they queue)."""
     from nanoserve.cache import CacheShape, KVPool
     from nanoserve.llm import LLM
     from nanoserve.model_runner import ContinuousRunner
 
     llm = LLM(str(folder), device=device, dtype="float32", scheduler="static",
               kv_cache_bytes=16 << 20)
+    pool = KVPool(CacheShape.of(llm.config), 64, 4, torch.float32, device)
+    return llm, pool, ContinuousRunner(llm.model, pool, 4, mode)
+
+
+def mixed_controls_equal_rows_alone(device: str, mode: str, folder) -> None:
+    """Constrained, logprob, n-sample, sampled and plain rows in one continuous batch (rows
+    joining and leaving; `mode` "static" runs the captured step's code uncaptured, "graph"
+    captures it) each equal the row run alone through the static path on the same model:
+    tokens, finish reasons and logprobs. Every block comes back."""
+    llm, pool, runner = _small_engine(folder, device, mode)
     tok = llm.tokenizer
-    small = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0,
-                                                    "maximum": 99},
-                                              "b": {"enum": ["x", "yy"]}},
-             "required": ["a", "b"], "additionalProperties": False}
     rows = [
-        ("alpha", SamplingParams(max_tokens=30, structured_outputs=StructuredOutputs(json=small))),
+        ("alpha", SamplingParams(max_tokens=30, structured_outputs=StructuredOutputs(json=_SMALL_SCHEMA))),
         ("beta", SamplingParams(max_tokens=12, logprobs=3)),
         ("gamma", SamplingParams(max_tokens=10, temperature=0.9, seed=4, n=3, logprobs=2)),
         ("delta", SamplingParams(max_tokens=8, structured_outputs=StructuredOutputs(
@@ -473,8 +483,6 @@ def mixed_controls_equal_rows_alone(device: str, mode: str, folder) -> None:
     ]
     prompts = [tok.encode(t, add_special_tokens=False) for t, _ in rows]
     params = [p for _, p in rows]
-    pool = KVPool(CacheShape.of(llm.config), 64, 4, torch.float32, device)
-    runner = ContinuousRunner(llm.model, pool, 4, mode)  # fewer slots than rows: they queue
     outs, _ = generate_continuous(llm.model, prompts, params, llm.eos_token_ids, pool, tok,
                                   max_batch_size=4, runner=runner, grammars=llm.grammars)
     want = []
@@ -505,25 +513,14 @@ def greedy_constrained_equal_rows_alone(device: str, mode: str, folder):
     constrained row take the fixed-tensor masked sampling (`ContinuousRunner._masked_step`:
     one bitmask row per step row, a plain or finished row's all-allowed), and each row
     equals itself run alone through the static path. Returns the runner."""
-    from nanoserve.cache import CacheShape, KVPool
-    from nanoserve.llm import LLM
-    from nanoserve.model_runner import ContinuousRunner
-
-    llm = LLM(str(folder), device=device, dtype="float32", scheduler="static",
-              kv_cache_bytes=16 << 20)
+    llm, pool, runner = _small_engine(folder, device, mode)
     tok = llm.tokenizer
-    small = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0,
-                                                    "maximum": 99},
-                                              "b": {"enum": ["x", "yy"]}},
-             "required": ["a", "b"], "additionalProperties": False}
-    kinds = [StructuredOutputs(json=small), StructuredOutputs(regex="[a-c]{2,5}!"), None,
+    kinds = [StructuredOutputs(json=_SMALL_SCHEMA), StructuredOutputs(regex="[a-c]{2,5}!"), None,
              StructuredOutputs(choice=("left", "right")), None]
     params = [SamplingParams(max_tokens=10 + 3 * (i % 4), structured_outputs=kinds[i % 5])
               for i in range(11)]
     prompts = [tok.encode(f"row {i}: " + "word " * (i % 4), add_special_tokens=False)
                for i in range(11)]
-    pool = KVPool(CacheShape.of(llm.config), 64, 4, torch.float32, device)
-    runner = ContinuousRunner(llm.model, pool, 4, mode)  # fewer slots than rows: they queue
     outs, _ = generate_continuous(llm.model, prompts, params, llm.eos_token_ids, pool, tok,
                                   max_batch_size=4, runner=runner, grammars=llm.grammars)
     for prompt, p, got in zip(prompts, params, outs, strict=True):
