@@ -41,9 +41,10 @@ other two are held to). Rows that sample (temperature > 0) draw after the step, 
 device, and overwrite their argmax in last_tok. A structured output's greedy step takes
 every row's masked argmax after it instead, from a fixed bitmask buffer: one more graph
 per bucket, captured at its first use (`_masked_step`), its masks filled on the host by
-a fill thread while the host prepares the next step (`begin_sampling`). The graphs of all buckets write their
-logits into one shared buffer; graphs that do not fit in the memory the KV pool left are
-dropped at load, and the steps run "static" (see `_capture_all`).
+a fill thread while the host prepares the next step (`begin_sampling`). The graphs of
+all buckets write their logits into one shared buffer; graphs that do not fit in the
+memory the KV pool left are dropped at load, and the steps run "static" (see
+`_capture_all`).
 
 Staging and result buffers form a ring of RING entries; an operation (a prefill or a
 step) takes the next entry, and the host waits for the entry's previous use to have
