@@ -237,6 +237,30 @@ def test_a_grammar_that_allows_no_token_ends_its_row_with_an_error(smollm2_llm):
         assert outs[3].token_ids == alone.token_ids
 
 
+def test_the_fill_thread_fills_as_inline_and_hands_back_its_errors(smollm2_llm):
+    """`FillThread` writes the rows it is given exactly as `fill_bitmasks` does inline (the
+    other rows left alone), raises a failed fill's error from `wait`, and goes on after
+    it."""
+    from nanoserve.structured import FillThread, allocate_bitmask, fill_bitmasks
+
+    grammars = smollm2_llm.grammars
+    matchers = [grammars.matcher(StructuredOutputs(regex="[a-c]+!")),
+                grammars.matcher(StructuredOutputs(choice=("left", "right"))),
+                grammars.matcher(StructuredOutputs(json_object=True))]
+    inline = allocate_bitmask(5, grammars.words)
+    fill_bitmasks(matchers, inline, [0, 2, 4])
+    thread = FillThread()
+    for _ in range(2):
+        out = allocate_bitmask(5, grammars.words)
+        thread.start(matchers, out, [0, 2, 4])
+        assert thread.wait() is None
+        assert torch.equal(out, inline)
+        assert (out[1] == -1).all() and (out[3] == -1).all() and not (out[0] == -1).all()
+        thread.start(matchers, torch.zeros(5, grammars.words), [0, 2, 4])  # not int32
+        with pytest.raises(RuntimeError):
+            thread.wait()
+
+
 def test_batch_accept_reads_xgrammars_answers(smollm2_llm):
     """`accept_tokens` (xgrammar's core call, its result read at once when every token was
     accepted) gives, step after step, the accepted flags, terminations and next masks of
