@@ -365,10 +365,10 @@ def _batch_accept(matchers: list, tokens: list[int]) -> list[bool]:
 def fill_bitmasks(matchers: list[RowMatcher], bitmask: torch.Tensor,
                   rows: list[int] | None = None) -> None:
     """Row rows[j] (default: j) of `bitmask` <- the allowed next tokens of matchers[j], for
-    all rows at once on xgrammar's thread pool; other rows of `bitmask` are left alone. (The
-    call holds the GIL: no Python runs beside it.) A row that allows no token is found on
-    the device, by the masked argmax or draw (`nanoserve.sampling.sample_next`: token -1),
-    not here."""
+    all rows at once on xgrammar's thread pool; other rows of `bitmask` are left alone.
+    (xgrammar lets go of the GIL while it fills: `FillThread` runs this beside the host's
+    Python.) A row that allows no token is found on the device, by the masked argmax or
+    draw (`nanoserve.sampling.sample_next`: token -1), not here."""
     if len(matchers) == 1:
         matchers[0].fill(bitmask, 0 if rows is None else rows[0])
     else:
@@ -406,10 +406,6 @@ class FillThread:
         if self._error is not None:
             error, self._error = self._error, None
             raise error
-
-    @property
-    def busy(self) -> bool:
-        return not self._done.is_set()
 
     def _run(self) -> None:
         while True:
