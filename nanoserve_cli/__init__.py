@@ -1,7 +1,7 @@
 """The `nanoserve` command: `generate` and `fetch-model` (the engine, `nanoserve.cli`) and
 `batch` (the Ray job, `ray_jobs.cli`), `embed` (the embedding job, `ray_jobs.embed_cli`).
 
-The command line is the top layer: kernels <- nanoserve (engine) <- ray_jobs (job) <-
+The command line is the top layer: nanoserve_kernels <- nanoserve (engine) <- ray_jobs (job) <-
 nanoserve_cli. It imports both below it; nothing imports it. `python -m nanoserve_cli ARGS`
 is `nanoserve ARGS`.
 """
