@@ -486,14 +486,14 @@ class ContinuousScheduler:
             t = self._tick("sampling_of", t)
             self.runner.begin_sampling(op, sampling)  # queued by `_complete`
             self._tick("sample_launch", t)
-            if last is not None:
-                self._apply(last, taken)
         for r in rows:
             r.launched += 1
         self.stats.decode_row_steps += len(rows)
         self.unread.append(_Op(op, rows, sampling))
         if constrained:
-            self._pending = self.unread[-1]
+            self._pending = self.unread[-1]  # (before anything can raise: `abort` waits for it)
+            if last is not None:
+                self._apply(last, taken)
         return constrained
 
     # --- results -----------------------------------------------------------------------------
