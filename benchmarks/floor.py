@@ -1,0 +1,200 @@
+"""The serial floor of nano-vllm's workload on one GPU: a lower bound on the time of any engine
+that runs a step's kernels one after another, built from parts measured on this GPU in the
+same call.
+
+Workload: `benchmarks.gpu_job.make_workload` (256 rows, prompts and outputs uniform in
+[100, 1024], seed 0), every row admitted at once (the engine's batch holds all 256). The
+prefill gives each row its first token; a row of n output tokens then runs in decode steps
+1 .. n-1, and at step s it reads its whole context (prompt + s tokens) in every layer.
+
+    floor = prefill GEMMs + sum over decode steps of
+            (layers x the four projections' GEMMs + LM head) at that step's rows
+            + that step's K/V bytes / the GPU's read bandwidth
+
+Measured here: the four projections of one layer (q/k/v, o, gate/up, down) and the LM head
+per row count, each as calls inside one CUDA graph over weights of their own (read from
+HBM, not L2), by cuBLAS (`F.linear`) in bf16 or `torch._scaled_mm` in FP8 (one scale per
+tensor, fast accumulation: as `nanoserve.fp8.Fp8Linear` runs them), interpolated between
+the measured row counts; the prefill's projections at 8,192 rows a call; the read
+bandwidth as the best of a sum and a copy over 4 GiB. Left out, so the floor is below what
+any such engine can reach: the norms, rotary, SwiGLU, sampling, the attention's own
+compute and latency, the prefill's attention and LM head, and all host time. A faster
+engine has to overlap kernels (memory-bound attention beside compute-bound GEMMs).
+
+    python3 -m benchmarks.floor [--shape 8b|1b] [--kinds bf16 fp8] [--rows 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from benchmarks.common import markdown_table
+from benchmarks.gpu_job import LLAMA_1B, LLAMA_8B
+from benchmarks.vs_vllm import nanovllm_workload
+
+SHAPES = {"1b": LLAMA_1B, "8b": LLAMA_8B}
+DECODE_ROWS = (1, 8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+PREFILL_ROWS = 8192
+
+
+@dataclass(frozen=True)
+class Floor:
+    prefill_s: float
+    gemm_s: float  # decode steps: projections and LM head
+    kv_s: float  # decode steps: K/V reads
+    kv_bytes: float
+    steps: int
+
+    @property
+    def total_s(self) -> float:
+        return self.prefill_s + self.gemm_s + self.kv_s
+
+
+def serial_floor(prompt_lens: Sequence[int], output_lens: Sequence[int], kv_bytes_per_token: float,
+                 step_gemm_s: Callable[[int], float], read_bytes_per_s: float,
+                 prefill_s: float) -> Floor:
+    """The floor of the workload above. kv_bytes_per_token: K and V of one token over all
+    layers; step_gemm_s(rows): a decode step's GEMMs (all layers and the LM head), seconds."""
+    p = np.asarray(prompt_lens, dtype=np.int64)
+    n = np.asarray(output_lens, dtype=np.int64)
+    gemm = kv_bytes = 0.0
+    steps = 0
+    for s in range(1, int(n.max(initial=0))):
+        running = n > s
+        rows = int(running.sum())
+        if rows == 0:
+            break
+        steps += 1
+        gemm += step_gemm_s(rows)
+        kv_bytes += float((p[running] + s).sum()) * kv_bytes_per_token
+    return Floor(prefill_s, gemm, kv_bytes / read_bytes_per_s, kv_bytes, steps)
+
+
+def _graph_time_s(fn: Callable[[], None], calls: int, replays: int = 7) -> float:
+    """Seconds per call of fn (calls of it captured in one CUDA graph; median replay)."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fn()  # cuBLAS picks and allocates its workspace outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / calls)
+    return float(np.median(times))
+
+
+class _Gemms:
+    """Weights of one layer's four projections (and of the LM head), `copies` of each, so
+    that consecutive calls read HBM; `time_s(name, rows)` per call."""
+
+    def __init__(self, config: dict, kind: str, copies: int = 6) -> None:
+        h, i = config["hidden_size"], config["intermediate_size"]
+        d = config.get("head_dim") or h // config["num_attention_heads"]
+        qkv = (config["num_attention_heads"] + 2 * config["num_key_value_heads"]) * d
+        self.shapes = {"qkv": (qkv, h), "o": (h, config["num_attention_heads"] * d),
+                       "gate_up": (2 * i, h), "down": (h, i),
+                       "lm_head": (config["vocab_size"], h)}
+        self.kind, self.copies = kind, copies
+        self.unit = torch.ones((), device="cuda")
+
+    def time_s(self, name: str, rows: int) -> float:
+        n, k = self.shapes[name]
+        copies = 2 if name == "lm_head" or rows > 1024 else self.copies
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        if self.kind == "fp8" and name != "lm_head":  # the LM head stays bf16
+            from nanoserve.fp8 import FAST_ACCUM
+
+            ws = [w.to(torch.float8_e4m3fn) for w in ws]
+            xq = x.to(torch.float8_e4m3fn)
+            calls = [lambda w=w: torch._scaled_mm(xq, w.t(), scale_a=self.unit,
+                                                  scale_b=self.unit, out_dtype=torch.bfloat16,
+                                                  use_fast_accum=FAST_ACCUM) for w in ws]
+        else:
+            calls = [lambda w=w: F.linear(x, w) for w in ws]
+        seconds = _graph_time_s(lambda: [c() for c in calls], 1) / copies
+        del ws
+        torch.cuda.empty_cache()
+        return seconds
+
+
+def read_bandwidth() -> tuple[float, float]:
+    """(bytes/s of a sum over 4 GiB, bytes/s read by a copy of 2 GiB)."""
+    big = torch.ones(2**31, device="cuda", dtype=torch.bfloat16)
+    summed = 4 * 2**30 / _graph_time_s(lambda: big.sum(dtype=torch.float32), 4)
+    src = torch.ones(2**30, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    copied = 2 * 2**30 / _graph_time_s(lambda: dst.copy_(src), 4)
+    return summed, copied
+
+
+def measure(config: dict, kind: str, prompt_lens, output_lens) -> tuple[Floor, dict]:
+    gemms = _Gemms(config, kind)
+    layers = config["num_hidden_layers"]
+    layer_names = ("qkv", "o", "gate_up", "down")
+    per_rows = {r: layers * sum(gemms.time_s(g, r) for g in layer_names)
+                + gemms.time_s("lm_head", r) for r in DECODE_ROWS}
+    xs = np.array(DECODE_ROWS, dtype=np.float64)
+    ys = np.array([per_rows[r] for r in DECODE_ROWS])
+    prefill_token_s = layers * sum(gemms.time_s(g, PREFILL_ROWS) for g in layer_names) / PREFILL_ROWS
+    flops_per_token = 2 * layers * sum(n * k for g, (n, k) in gemms.shapes.items() if g != "lm_head")
+    summed, copied = read_bandwidth()
+    bw = max(summed, copied)
+    d = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    kv_bytes_per_token = layers * 2 * config["num_key_value_heads"] * d * 2  # bf16 K and V
+    floor = serial_floor(prompt_lens, output_lens, kv_bytes_per_token,
+                         lambda r: float(np.interp(r, xs, ys)), bw,
+                         prefill_token_s * sum(prompt_lens))
+    facts = {"per_rows": per_rows, "prefill_tflops": flops_per_token / prefill_token_s / 1e12,
+             "sum_bw": summed, "copy_bw": copied}
+    return floor, facts
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="8b")
+    ap.add_argument("--kinds", nargs="+", choices=["bf16", "fp8"], default=["bf16", "fp8"])
+    ap.add_argument("--rows", type=int, default=256)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks.floor measures a GPU: no CUDA device here")
+    config = SHAPES[args.shape]
+    prompts, output_lens = nanovllm_workload(args.rows, config["vocab_size"])
+    prompt_lens = [len(p) for p in prompts]
+    out_tokens = sum(output_lens)
+    print(f"{args.shape} shape, {args.rows} rows: {sum(prompt_lens):,} prompt tokens, "
+          f"{out_tokens:,} output tokens")
+    rows = []
+    for kind in args.kinds:
+        floor, facts = measure(config, kind, prompt_lens, output_lens)
+        print(f"\n{kind}: a decode step's GEMMs (all layers + LM head), us, by rows: "
+              + ", ".join(f"{r}: {s * 1e6:,.0f}" for r, s in facts["per_rows"].items()))
+        print(f"{kind}: prefill projections at {PREFILL_ROWS:,} rows: "
+              f"{facts['prefill_tflops']:,.0f} TFLOP/s; read bandwidth: sum "
+              f"{facts['sum_bw'] / 1e12:.2f} TB/s, copy {facts['copy_bw'] / 1e12:.2f} TB/s")
+        rows.append([kind, f"{floor.prefill_s:.2f}", f"{floor.gemm_s:.2f}",
+                     f"{floor.kv_bytes / 1e12:.1f}", f"{floor.kv_s:.2f}", str(floor.steps),
+                     f"{floor.total_s:.2f}", f"{out_tokens / floor.total_s:,.0f}"])
+    print()
+    print(markdown_table(["weights", "prefill GEMMs s", "decode GEMMs s", "K/V read TB",
+                          "K/V read s", "decode steps", "floor s", "output tok/s at the floor"],
+                         rows))
+
+
+if __name__ == "__main__":
+    main()
