@@ -10,7 +10,8 @@ its max_tokens tokens, checked on both sides):
   uniform in [8, 32]; seed 0; rows in the drawn order (not grouped by system prompt).
 
     python3 -m benchmarks.vs_vllm [--shape 1b|8b] [--workloads nanovllm,shared]
-        [--sides nanoserve,vllm] [--out DIR] [--vllm-site /tmp/vsite] [--smoke]
+        [--sides nanoserve,vllm] [--quantization fp8] [--out DIR] [--vllm-site /tmp/vsite]
+        [--smoke]
 
 Each side builds one engine with prefix caching on and runs every workload on it: first an
 untimed warm-up with the workload's own lengths and sharing pattern but other tokens (each
@@ -23,7 +24,9 @@ max_model_len=4096)`); it exits and leaves the GPU whole for nanoserve, in this 
 (`LLM(..., scheduler="continuous", enable_prefix_caching=True)`). Prints one table: wall
 time, output tok/s and nanoserve's rate over vLLM's, plus nanoserve's phases (device
 prefill and decode, idle, host) and on `shared` its prefix hit rate and prefill tokens;
-writes the results to DIR/vs_vllm_<shape>.json (with --out, the random model folder is
+`--quantization fp8`: both sides quantize the same bf16 checkpoint's projections to FP8 at
+load (`LLM(quantization="fp8")` in each engine; the LM head stays bf16 in both). Results go
+to DIR/vs_vllm_<shape>[_fp8].json (with --out, the random model folder is
 kept there and reused by later runs).
 
 --smoke: a 2-layer, narrow model (vocabulary 8,192) on the CPU, a few short rows, nanoserve
@@ -146,7 +149,8 @@ def model_folder(folder: Path, device: str, config: dict) -> Path:
 # --- nanoserve, in this process ----------------------------------------------------------------
 
 
-def run_nanoserve(model_dir: Path, workloads: dict, device: str, vocab: int) -> dict:
+def run_nanoserve(model_dir: Path, workloads: dict, device: str, vocab: int,
+                  quantization: str | None = None) -> dict:
     import torch
 
     from nanoserve.llm import LLM
@@ -154,7 +158,8 @@ def run_nanoserve(model_dir: Path, workloads: dict, device: str, vocab: int) -> 
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     t = time.perf_counter()
-    llm = LLM(str(model_dir), device=device, scheduler="continuous", enable_prefix_caching=True)
+    llm = LLM(str(model_dir), device=device, scheduler="continuous", enable_prefix_caching=True,
+              quantization=quantization)
     sync()
     side = {"load_s": time.perf_counter() - t, "kv_pool_tokens": llm.pool.num_tokens,
             "max_batch_size": llm.max_batch_size, "workloads": {}}
@@ -230,6 +235,7 @@ def run_vllm(model_dir: Path, workloads: dict, work: Path, args) -> tuple[dict |
     spec = {"model": str(model_dir), "vocab": args.vocab,
             "max_model_len": max(4096, -(-need // 256) * 256),
             "gpu_memory_utilization": args.gpu_memory_utilization,
+            "quantization": args.quantization,
             "workloads": {n: {"prompts": p, "max_tokens": m} for n, (p, m) in workloads.items()}}
     spec_path, result_path = work / "vllm_workload.json", work / "vllm_result.json"
     spec_path.write_text(json.dumps(spec))
@@ -276,7 +282,7 @@ def vllm_child(spec_path: Path, result_path: Path) -> None:
     t = time.perf_counter()
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, enable_prefix_caching=True,
               gpu_memory_utilization=spec["gpu_memory_utilization"],
-              max_model_len=spec["max_model_len"])
+              max_model_len=spec["max_model_len"], quantization=spec.get("quantization"))
     result = {"vllm_version": vllm.__version__, "load_s": time.perf_counter() - t,
               "max_model_len": spec["max_model_len"], "workloads": {}}
     try:  # what vLLM chose by default, for the record
@@ -355,6 +361,8 @@ def main() -> None:
                          "(default: a new temporary folder)")
     ap.add_argument("--vllm-site", default="/tmp/vsite",
                     help="the vLLM child's whole PYTHONPATH (a `pip install --target` folder)")
+    ap.add_argument("--quantization", choices=["fp8"], default=None,
+                    help="both sides: FP8 projections quantized at load (default: bf16)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="vLLM's")
     ap.add_argument("--vllm-timeout", type=float, default=1500,
                     help="seconds before the vLLM child is killed")
@@ -401,7 +409,8 @@ def main() -> None:
         print(f"{n}: {len(p)} rows, {sum(map(len, p))} prompt tokens, {sum(m)} output tokens",
               flush=True)
 
-    results: dict = {"shape": args.shape, "smoke": args.smoke, "device": device,
+    results: dict = {"shape": args.shape, "quantization": args.quantization,
+                     "smoke": args.smoke, "device": device,
                      "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
                      "torch": torch.__version__, "model": str(model_dir), "sides": {}}
     error = ""
@@ -411,9 +420,12 @@ def main() -> None:
             results["vllm_error"] = error
             print(error, flush=True)
     if "nanoserve" in sides:
-        results["sides"]["nanoserve"] = run_nanoserve(model_dir, workloads, device, args.vocab)
-    print_table(args.shape, names, results["sides"])
-    path = work / f"vs_vllm_{args.shape}{'_smoke' if args.smoke else ''}.json"
+        results["sides"]["nanoserve"] = run_nanoserve(model_dir, workloads, device, args.vocab,
+                                                      args.quantization)
+    label = args.shape + (f" {args.quantization}" if args.quantization else "")
+    print_table(label, names, results["sides"])
+    suffix = (f"_{args.quantization}" if args.quantization else "") + ("_smoke" if args.smoke else "")
+    path = work / f"vs_vllm_{args.shape}{suffix}.json"
     path.write_text(json.dumps(results, indent=2))
     print(f"results: {path}", flush=True)
 

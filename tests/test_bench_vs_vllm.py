@@ -90,13 +90,14 @@ def test_vllm_child_plumbing_with_a_stand_in(tmp_path):
     prompts, max_tokens, _ = shared_workload(5, systems=2, system_len=(3, 5), own_len=(1, 2),
                                              out_len=(2, 3))
     args = Namespace(vocab=VOCAB, gpu_memory_utilization=0.9, vllm_site=str(site),
-                     vllm_timeout=120)
+                     vllm_timeout=120, quantization="fp8")
     result, error = run_vllm(tmp_path / "model", {"shared": (prompts, max_tokens)}, tmp_path, args)
     assert error == "", error
     assert result["workloads"]["shared"]["output_tokens"] == sum(max_tokens)
     kw = json.loads((site / "vllm" / "kw.json").read_text())
     assert kw["skip_tokenizer_init"] and kw["enable_prefix_caching"]
     assert kw["max_model_len"] == 4096 and kw["model"] == str(tmp_path / "model")
+    assert kw["quantization"] == "fp8"  # --quantization reaches vLLM's LLM
     assert kw["PYTHONPATH"] == str(site)
     assert str(REPO) not in kw["path"] and str(REPO / "benchmarks") not in kw["path"]
 
