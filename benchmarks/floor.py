@@ -21,7 +21,13 @@ any such engine can reach: the norms, rotary, SwiGLU, sampling, the attention's 
 compute and latency, the prefill's attention and LM head, and all host time. A faster
 engine has to overlap kernels (memory-bound attention beside compute-bound GEMMs).
 
+The roofline rows put the GPU's datasheet peaks in place of the measured GEMMs: a step's
+projections and LM head take max(their weights' bytes / the read bandwidth, their FLOPs /
+the peak), the prefill its FLOPs / the peak (--peak-tflops: H200 dense bf16 989 and FP8
+1,979 TFLOP/s by default; the LM head at the bf16 peak in both); the K/V reads as above.
+
     python3 -m benchmarks.floor [--shape 8b|1b] [--kinds bf16 fp8] [--rows 256]
+        [--peak-tflops BF16 FP8]
 """
 
 from __future__ import annotations
@@ -97,17 +103,21 @@ def _graph_time_s(fn: Callable[[], None], calls: int, replays: int = 7) -> float
     return float(np.median(times))
 
 
+def gemm_shapes(config: dict) -> dict[str, tuple[int, int]]:
+    """[out, in] of a layer's four projections (q/k/v and gate/up fused) and of the LM head."""
+    h, i = config["hidden_size"], config["intermediate_size"]
+    d = config.get("head_dim") or h // config["num_attention_heads"]
+    qkv = (config["num_attention_heads"] + 2 * config["num_key_value_heads"]) * d
+    return {"qkv": (qkv, h), "o": (h, config["num_attention_heads"] * d), "gate_up": (2 * i, h),
+            "down": (h, i), "lm_head": (config["vocab_size"], h)}
+
+
 class _Gemms:
     """Weights of one layer's four projections (and of the LM head), `copies` of each, so
     that consecutive calls read HBM; `time_s(name, rows)` per call."""
 
     def __init__(self, config: dict, kind: str, copies: int = 6) -> None:
-        h, i = config["hidden_size"], config["intermediate_size"]
-        d = config.get("head_dim") or h // config["num_attention_heads"]
-        qkv = (config["num_attention_heads"] + 2 * config["num_key_value_heads"]) * d
-        self.shapes = {"qkv": (qkv, h), "o": (h, config["num_attention_heads"] * d),
-                       "gate_up": (2 * i, h), "down": (h, i),
-                       "lm_head": (config["vocab_size"], h)}
+        self.shapes = gemm_shapes(config)
         self.kind, self.copies = kind, copies
         self.unit = torch.ones((), device="cuda")
 
@@ -142,6 +152,29 @@ def read_bandwidth() -> tuple[float, float]:
     return summed, copied
 
 
+def roofline_floor(config: dict, kind: str, prompt_lens, output_lens, read_bytes_per_s: float,
+                   peak_flops: dict[str, float]) -> Floor:
+    """The floor with every GEMM at max(weight bytes / bandwidth, FLOPs / peak)."""
+    shapes = gemm_shapes(config)
+    layers = config["num_hidden_layers"]
+    proj = layers * sum(n * k for g, (n, k) in shapes.items() if g != "lm_head")  # params
+    head = shapes["lm_head"][0] * shapes["lm_head"][1]
+    proj_bytes = proj * (1 if kind == "fp8" else 2)
+
+    def step_s(rows: int) -> float:
+        flops_s = 2 * rows * (proj / peak_flops[kind] + head / peak_flops["bf16"])
+        return max((proj_bytes + 2 * head) / read_bytes_per_s, flops_s)
+
+    return serial_floor(prompt_lens, output_lens, _kv_bytes_per_token(config), step_s,
+                        read_bytes_per_s, 2 * proj * sum(prompt_lens) / peak_flops[kind])
+
+
+def _kv_bytes_per_token(config: dict) -> int:
+    """K and V of one token over all layers, bf16."""
+    d = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * d * 2
+
+
 def measure(config: dict, kind: str, prompt_lens, output_lens) -> tuple[Floor, dict]:
     gemms = _Gemms(config, kind)
     layers = config["num_hidden_layers"]
@@ -154,9 +187,7 @@ def measure(config: dict, kind: str, prompt_lens, output_lens) -> tuple[Floor, d
     flops_per_token = 2 * layers * sum(n * k for g, (n, k) in gemms.shapes.items() if g != "lm_head")
     summed, copied = read_bandwidth()
     bw = max(summed, copied)
-    d = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    kv_bytes_per_token = layers * 2 * config["num_key_value_heads"] * d * 2  # bf16 K and V
-    floor = serial_floor(prompt_lens, output_lens, kv_bytes_per_token,
+    floor = serial_floor(prompt_lens, output_lens, _kv_bytes_per_token(config),
                          lambda r: float(np.interp(r, xs, ys)), bw,
                          prefill_token_s * sum(prompt_lens))
     facts = {"per_rows": per_rows, "prefill_tflops": flops_per_token / prefill_token_s / 1e12,
@@ -170,7 +201,10 @@ def main() -> None:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="8b")
     ap.add_argument("--kinds", nargs="+", choices=["bf16", "fp8"], default=["bf16", "fp8"])
     ap.add_argument("--rows", type=int, default=256)
+    ap.add_argument("--peak-tflops", type=float, nargs=2, default=[989.0, 1979.0],
+                    metavar=("BF16", "FP8"), help="the roofline rows' dense peaks")
     args = ap.parse_args()
+    peaks = {"bf16": args.peak_tflops[0] * 1e12, "fp8": args.peak_tflops[1] * 1e12}
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.floor measures a GPU: no CUDA device here")
     config = SHAPES[args.shape]
@@ -187,11 +221,14 @@ def main() -> None:
         print(f"{kind}: prefill projections at {PREFILL_ROWS:,} rows: "
               f"{facts['prefill_tflops']:,.0f} TFLOP/s; read bandwidth: sum "
               f"{facts['sum_bw'] / 1e12:.2f} TB/s, copy {facts['copy_bw'] / 1e12:.2f} TB/s")
-        rows.append([kind, f"{floor.prefill_s:.2f}", f"{floor.gemm_s:.2f}",
-                     f"{floor.kv_bytes / 1e12:.1f}", f"{floor.kv_s:.2f}", str(floor.steps),
-                     f"{floor.total_s:.2f}", f"{out_tokens / floor.total_s:,.0f}"])
+        roof = roofline_floor(config, kind, prompt_lens, output_lens,
+                              max(facts["sum_bw"], facts["copy_bw"]), peaks)
+        for label, f in ((kind, floor), (f"{kind} roofline", roof)):
+            rows.append([label, f"{f.prefill_s:.2f}", f"{f.gemm_s:.2f}",
+                         f"{f.kv_bytes / 1e12:.1f}", f"{f.kv_s:.2f}", str(f.steps),
+                         f"{f.total_s:.2f}", f"{out_tokens / f.total_s:,.0f}"])
     print()
-    print(markdown_table(["weights", "prefill GEMMs s", "decode GEMMs s", "K/V read TB",
+    print(markdown_table(["floor", "prefill GEMMs s", "decode GEMMs s", "K/V read TB",
                           "K/V read s", "decode steps", "floor s", "output tok/s at the floor"],
                          rows))
 

@@ -21,3 +21,24 @@ def test_serial_floor_counts_each_decode_step_and_its_contexts():
 def test_serial_floor_of_prefill_only_rows_is_the_prefill():
     floor = serial_floor([4, 4], [1, 1], 1.0, lambda rows: 1.0, 1.0, prefill_s=2.0)
     assert (floor.steps, floor.gemm_s, floor.kv_s, floor.total_s) == (0, 0.0, 0.0, 2.0)
+
+
+def test_roofline_floor_takes_the_slower_of_the_weights_read_and_the_flops():
+    from benchmarks.floor import roofline_floor
+
+    # 1 layer, hidden 4, 2 heads of 2 (1 KV head), intermediate 8, vocabulary 10:
+    # q/k/v 8x4, o 4x4, gate/up 16x4, down 4x8 = 144 parameters; LM head 40.
+    config = {"hidden_size": 4, "intermediate_size": 8, "num_attention_heads": 2,
+              "num_key_value_heads": 1, "head_dim": 2, "num_hidden_layers": 1, "vocab_size": 10}
+    peaks = {"bf16": 1000.0, "fp8": 2000.0}
+    # prompts 3 and 4 tokens; outputs 2 and 3: step 1 has 2 rows (contexts 4, 5), step 2 one (6)
+    f = roofline_floor(config, "fp8", [3, 4], [2, 3], read_bytes_per_s=100.0, peak_flops=peaks)
+    weights_s = (144 * 1 + 40 * 2) / 100.0  # 2.24 s: FP8 projections, bf16 LM head
+    flops_2_rows = 2 * 2 * (144 / 2000.0 + 40 / 1000.0)  # 0.448 s
+    assert flops_2_rows < weights_s
+    assert f.gemm_s == pytest.approx(2 * weights_s)
+    assert f.prefill_s == pytest.approx(2 * 144 * 7 / 2000.0)
+    assert f.kv_bytes == pytest.approx((4 + 5 + 6) * 1 * 2 * 1 * 2 * 2)  # layers x K,V x heads x d x 2 B
+    # with a slow enough peak the FLOPs decide
+    slow = roofline_floor(config, "bf16", [3, 4], [2, 3], 100.0, {"bf16": 10.0, "fp8": 10.0})
+    assert slow.gemm_s == pytest.approx(2 * 2 * (144 + 40) / 10.0 + 2 * 1 * (144 + 40) / 10.0)
