@@ -1,6 +1,6 @@
 """The serial floor of nano-vllm's workload on one GPU: a lower bound on the time of any engine
-that runs a step's kernels one after another, built from parts measured on this GPU in the
-same call.
+that runs a step's kernels one after another with cuBLAS's GEMMs, built from parts measured
+on this GPU in the same call.
 
 Workload: `benchmarks.gpu_job.make_workload` (256 rows, prompts and outputs uniform in
 [100, 1024], seed 0), every row admitted at once (the engine's batch holds all 256). The
@@ -16,7 +16,7 @@ per row count, each as calls inside one CUDA graph over weights of their own (re
 HBM, not L2), by cuBLAS (`F.linear`) in bf16 or `torch._scaled_mm` in FP8 (one scale per
 tensor, fast accumulation: as `nanoserve.fp8.Fp8Linear` runs them), interpolated between
 the measured row counts; the prefill's projections at 8,192 rows a call; the read
-bandwidth as the best of a sum and a copy over 4 GiB. Left out, so the floor is below what
+bandwidth as the better of a sum over 4 GiB and the reads of a 2 GiB copy. Left out, so the floor is below what
 any such engine can reach: the norms, rotary, SwiGLU, sampling, the attention's own
 compute and latency, the prefill's attention and LM head, and all host time. A faster
 engine has to overlap kernels (memory-bound attention beside compute-bound GEMMs).
@@ -26,7 +26,7 @@ projections and LM head take max(their weights' bytes / the read bandwidth, thei
 the peak), the prefill its FLOPs / the peak (--peak-tflops: H200 dense bf16 989 and FP8
 1,979 TFLOP/s by default; the LM head at the bf16 peak in both); the K/V reads as above.
 
-    python3 -m benchmarks.floor [--shape 8b|1b] [--kinds bf16 fp8] [--rows 256]
+    python3 -m benchmarks.floor [--shape 8b|1b] [--kinds bf16 fp8] [--rows 1..256]
         [--peak-tflops BF16 FP8]
 """
 
@@ -200,10 +200,13 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="8b")
     ap.add_argument("--kinds", nargs="+", choices=["bf16", "fp8"], default=["bf16", "fp8"])
-    ap.add_argument("--rows", type=int, default=256)
+    ap.add_argument("--rows", type=int, default=256,
+                    help="1 to 256: the rows run as one batch (the largest step measured)")
     ap.add_argument("--peak-tflops", type=float, nargs=2, default=[989.0, 1979.0],
                     metavar=("BF16", "FP8"), help="the roofline rows' dense peaks")
     args = ap.parse_args()
+    if not 1 <= args.rows <= DECODE_ROWS[-1]:
+        ap.error(f"--rows must be 1 to {DECODE_ROWS[-1]}, got {args.rows}")
     peaks = {"bf16": args.peak_tflops[0] * 1e12, "fp8": args.peak_tflops[1] * 1e12}
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.floor measures a GPU: no CUDA device here")
