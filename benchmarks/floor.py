@@ -16,7 +16,7 @@ per row count, each as calls inside one CUDA graph over weights of their own (re
 HBM, not L2), by cuBLAS (`F.linear`) in bf16 or `torch._scaled_mm` in FP8 (one scale per
 tensor, fast accumulation: as `nanoserve.fp8.Fp8Linear` runs them), interpolated between
 the measured row counts; the prefill's projections at 8,192 rows a call; the read
-bandwidth as the better of a sum over 4 GiB and the reads of a 2 GiB copy. Left out, so the floor is below what
+bandwidth as a sum's over 4 GiB. Left out, so the floor is below what
 any such engine can reach: the norms, rotary, SwiGLU, sampling, the attention's own
 compute and latency, the prefill's attention and LM head, and all host time. A faster
 engine has to overlap kernels (memory-bound attention beside compute-bound GEMMs).
@@ -103,62 +103,76 @@ def _graph_time_s(fn: Callable[[], None], calls: int, replays: int = 7) -> float
     return float(np.median(times))
 
 
+LAYER_GEMMS = ("qkv", "o", "gate_up", "down")
+
+
+def _head_dim(config: dict) -> int:
+    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
+
 def gemm_shapes(config: dict) -> dict[str, tuple[int, int]]:
     """[out, in] of a layer's four projections (q/k/v and gate/up fused) and of the LM head."""
     h, i = config["hidden_size"], config["intermediate_size"]
-    d = config.get("head_dim") or h // config["num_attention_heads"]
+    d = _head_dim(config)
     qkv = (config["num_attention_heads"] + 2 * config["num_key_value_heads"]) * d
     return {"qkv": (qkv, h), "o": (h, config["num_attention_heads"] * d), "gate_up": (2 * i, h),
             "down": (h, i), "lm_head": (config["vocab_size"], h)}
 
 
+def projection_params(config: dict) -> int:
+    """Parameters of all layers' projections (the LM head not counted)."""
+    shapes = gemm_shapes(config)
+    return config["num_hidden_layers"] * sum(n * k for n, k in map(shapes.get, LAYER_GEMMS))
+
+
 class _Gemms:
-    """Weights of one layer's four projections (and of the LM head), `copies` of each, so
-    that consecutive calls read HBM; `time_s(name, rows)` per call."""
+    """Weights of one layer's four projections (and of the LM head), made once each,
+    `copies` of each so that consecutive calls read HBM; `time_s(name, rows)` per call."""
 
     def __init__(self, config: dict, kind: str, copies: int = 6) -> None:
         self.shapes = gemm_shapes(config)
         self.kind, self.copies = kind, copies
         self.unit = torch.ones((), device="cuda")
+        self.weights: dict[str, list[torch.Tensor]] = {}
+
+    def _weights(self, name: str) -> list[torch.Tensor]:
+        if name not in self.weights:
+            n, k = self.shapes[name]
+            dtype = torch.float8_e4m3fn if self._fp8(name) else torch.bfloat16
+            self.weights[name] = [
+                (torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02).to(dtype)
+                for _ in range(2 if name == "lm_head" else self.copies)]
+        return self.weights[name]
+
+    def _fp8(self, name: str) -> bool:
+        return self.kind == "fp8" and name != "lm_head"  # the LM head stays bf16
 
     def time_s(self, name: str, rows: int) -> float:
-        n, k = self.shapes[name]
-        copies = 2 if name == "lm_head" or rows > 1024 else self.copies
-        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
-        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-        if self.kind == "fp8" and name != "lm_head":  # the LM head stays bf16
+        ws = self._weights(name)
+        x = torch.randn(rows, self.shapes[name][1], device="cuda", dtype=torch.bfloat16)
+        if self._fp8(name):
             from nanoserve.fp8 import FAST_ACCUM
 
-            ws = [w.to(torch.float8_e4m3fn) for w in ws]
             xq = x.to(torch.float8_e4m3fn)
             calls = [lambda w=w: torch._scaled_mm(xq, w.t(), scale_a=self.unit,
                                                   scale_b=self.unit, out_dtype=torch.bfloat16,
                                                   use_fast_accum=FAST_ACCUM) for w in ws]
         else:
             calls = [lambda w=w: F.linear(x, w) for w in ws]
-        seconds = _graph_time_s(lambda: [c() for c in calls], 1) / copies
-        del ws
-        torch.cuda.empty_cache()
-        return seconds
+        return _graph_time_s(lambda: [c() for c in calls], 1) / len(ws)
 
 
-def read_bandwidth() -> tuple[float, float]:
-    """(bytes/s of a sum over 4 GiB, bytes/s read by a copy of 2 GiB)."""
+def read_bandwidth() -> float:
+    """Bytes/s of a sum over 4 GiB."""
     big = torch.ones(2**31, device="cuda", dtype=torch.bfloat16)
-    summed = 4 * 2**30 / _graph_time_s(lambda: big.sum(dtype=torch.float32), 4)
-    src = torch.ones(2**30, device="cuda", dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    copied = 2 * 2**30 / _graph_time_s(lambda: dst.copy_(src), 4)
-    return summed, copied
+    return 4 * 2**30 / _graph_time_s(lambda: big.sum(dtype=torch.float32), 4)
 
 
 def roofline_floor(config: dict, kind: str, prompt_lens, output_lens, read_bytes_per_s: float,
                    peak_flops: dict[str, float]) -> Floor:
     """The floor with every GEMM at max(weight bytes / bandwidth, FLOPs / peak)."""
-    shapes = gemm_shapes(config)
-    layers = config["num_hidden_layers"]
-    proj = layers * sum(n * k for g, (n, k) in shapes.items() if g != "lm_head")  # params
-    head = shapes["lm_head"][0] * shapes["lm_head"][1]
+    proj = projection_params(config)
+    head = config["vocab_size"] * config["hidden_size"]
     proj_bytes = proj * (1 if kind == "fp8" else 2)
 
     def step_s(rows: int) -> float:
@@ -171,27 +185,25 @@ def roofline_floor(config: dict, kind: str, prompt_lens, output_lens, read_bytes
 
 def _kv_bytes_per_token(config: dict) -> int:
     """K and V of one token over all layers, bf16."""
-    d = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    return config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * d * 2
+    return config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * _head_dim(config) * 2
 
 
 def measure(config: dict, kind: str, prompt_lens, output_lens) -> tuple[Floor, dict]:
     gemms = _Gemms(config, kind)
     layers = config["num_hidden_layers"]
-    layer_names = ("qkv", "o", "gate_up", "down")
-    per_rows = {r: layers * sum(gemms.time_s(g, r) for g in layer_names)
+    per_rows = {r: layers * sum(gemms.time_s(g, r) for g in LAYER_GEMMS)
                 + gemms.time_s("lm_head", r) for r in DECODE_ROWS}
     xs = np.array(DECODE_ROWS, dtype=np.float64)
     ys = np.array([per_rows[r] for r in DECODE_ROWS])
-    prefill_token_s = layers * sum(gemms.time_s(g, PREFILL_ROWS) for g in layer_names) / PREFILL_ROWS
-    flops_per_token = 2 * layers * sum(n * k for g, (n, k) in gemms.shapes.items() if g != "lm_head")
-    summed, copied = read_bandwidth()
-    bw = max(summed, copied)
+    prefill_token_s = layers * sum(gemms.time_s(g, PREFILL_ROWS) for g in LAYER_GEMMS) / PREFILL_ROWS
+    del gemms
+    torch.cuda.empty_cache()
+    bw = read_bandwidth()
     floor = serial_floor(prompt_lens, output_lens, _kv_bytes_per_token(config),
                          lambda r: float(np.interp(r, xs, ys)), bw,
                          prefill_token_s * sum(prompt_lens))
-    facts = {"per_rows": per_rows, "prefill_tflops": flops_per_token / prefill_token_s / 1e12,
-             "sum_bw": summed, "copy_bw": copied}
+    facts = {"per_rows": per_rows, "read_bw": bw,
+             "prefill_tflops": 2 * projection_params(config) / prefill_token_s / 1e12}
     return floor, facts
 
 
@@ -222,10 +234,9 @@ def main() -> None:
         print(f"\n{kind}: a decode step's GEMMs (all layers + LM head), us, by rows: "
               + ", ".join(f"{r}: {s * 1e6:,.0f}" for r, s in facts["per_rows"].items()))
         print(f"{kind}: prefill projections at {PREFILL_ROWS:,} rows: "
-              f"{facts['prefill_tflops']:,.0f} TFLOP/s; read bandwidth: sum "
-              f"{facts['sum_bw'] / 1e12:.2f} TB/s, copy {facts['copy_bw'] / 1e12:.2f} TB/s")
-        roof = roofline_floor(config, kind, prompt_lens, output_lens,
-                              max(facts["sum_bw"], facts["copy_bw"]), peaks)
+              f"{facts['prefill_tflops']:,.0f} TFLOP/s; read bandwidth "
+              f"{facts['read_bw'] / 1e12:.2f} TB/s")
+        roof = roofline_floor(config, kind, prompt_lens, output_lens, facts["read_bw"], peaks)
         for label, f in ((kind, floor), (f"{kind} roofline", roof)):
             rows.append([label, f"{f.prefill_s:.2f}", f"{f.gemm_s:.2f}",
                          f"{f.kv_bytes / 1e12:.1f}", f"{f.kv_s:.2f}", str(f.steps),

@@ -386,6 +386,8 @@ def main() -> None:
             ap.error(f"unknown side {s!r}; choose from {', '.join(SIDES)}")
     if args.smoke and "vllm" in sides:
         ap.error("--smoke runs nanoserve alone (on the CPU)")
+    if args.smoke and args.quantization:
+        ap.error("--smoke runs on the CPU, which has no FP8 compute: leave out --quantization")
 
     import torch
 
