@@ -15,6 +15,10 @@ exception; the loop goes on with later submissions. `submit(..., alone=True)` ru
 group by itself: it starts once nothing else runs, and nothing else is admitted until it
 ends, so its failure is its own (how a caller isolates a bad row).
 
+Counters (`counters()`, read from any thread): how long the loop has been up, how long its
+engine had rows (queued or running: `busy_s`), and the scheduler's decode steps and the rows
+in them over the loop's life, so a caller can tell a full engine from a starved one.
+
 Invariant: only the loop's thread touches the scheduler, the runner and the pool; while a
 loop runs over an `LLM`, that LLM's own `generate` must not be called (it would drive the
 same runner and pool from another thread).
@@ -23,11 +27,13 @@ same runner and pool from another thread).
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future
 
 import torch
 
+from nanoserve.generate import BatchStats
 from nanoserve.sampling import SamplingParams
 from nanoserve.scheduler import ContinuousScheduler
 from nanoserve.sequence import SequenceOutput
@@ -44,6 +50,10 @@ class EngineLoop:
         self._live: list[Future] = []  # futures of groups in the scheduler
         self._alone = False  # an alone group is in the scheduler
         self._closed = False
+        self._started = time.perf_counter()
+        self._busy_s = 0.0  # closed stretches of time with rows in the scheduler
+        self._busy_since: float | None = None  # start of the open stretch, if any
+        self._past = BatchStats()  # the counts of schedulers replaced after a failure
         self.sched = self._new_scheduler()
         self._thread = threading.Thread(target=self._run, name="nanoserve-engine", daemon=True)
         self._thread.start()
@@ -65,6 +75,20 @@ class EngineLoop:
             self._inbox.append((prompts, params, future, alone))
             self._cv.notify()
         return future
+
+    def counters(self) -> dict[str, float]:
+        """`up_s` (since the loop started), `busy_s` (of which its engine had rows), the
+        decode steps and rows in them (`decode_steps`, `decode_row_steps`) and the rows sent
+        back to the queue for room (`preemptions`), over the loop's life."""
+        now = time.perf_counter()
+        since = self._busy_since
+        stats = BatchStats()
+        stats.add(self._past)
+        stats.add(self.sched.stats)
+        return {"up_s": now - self._started,
+                "busy_s": self._busy_s + (now - since if since is not None else 0.0),
+                "decode_steps": stats.decode_steps, "decode_row_steps": stats.decode_row_steps,
+                "preemptions": stats.preemptions}
 
     def close(self) -> None:
         with self._cv:
@@ -91,6 +115,9 @@ class EngineLoop:
         with torch.inference_mode():
             while True:
                 with self._cv:
+                    if not self.sched.has_work and self._busy_since is not None:
+                        self._busy_s += time.perf_counter() - self._busy_since
+                        self._busy_since = None
                     while not self._closed and not self.sched.has_work and not self._inbox:
                         self._cv.wait()
                     if self._closed and not self.sched.has_work:
@@ -100,12 +127,15 @@ class EngineLoop:
                     self._add(prompts, params, future, alone)
                 if not self.sched.has_work:
                     continue
+                if self._busy_since is None:
+                    self._busy_since = time.perf_counter()
                 try:
                     self.sched.step()
                 except BaseException as exc:  # noqa: BLE001 - handed to every waiting caller
                     self.sched.abort()
                     failed, self._live = self._live, []
                     self._alone = False
+                    self._past.add(self.sched.stats)
                     self.sched = self._new_scheduler()
                     for f in failed:
                         if not f.done():

@@ -35,6 +35,7 @@ class BatchStats:
     prefill_slots: int = 0  # rows x longest prompt: the padded rectangle
     prefill_real_tokens: int = 0  # what the rows actually hold
     decode_row_steps: int = 0  # rows x decode steps
+    decode_steps: int = 0  # decode steps: decode_row_steps / decode_steps = rows a step
     finished_row_steps: int = 0  # of those, steps run for rows that had already finished
     preemptions: int = 0  # rows sent back to the queue for room (continuous batching only)
     cached_tokens: int = 0  # prompt tokens served from the prefix cache, not prefilled
@@ -55,7 +56,7 @@ class BatchStats:
 
     def add(self, other: BatchStats) -> None:
         for f in ("num_rows", "prefill_slots", "prefill_real_tokens", "decode_row_steps",
-                  "finished_row_steps", "preemptions", "cached_tokens"):
+                  "decode_steps", "finished_row_steps", "preemptions", "cached_tokens"):
             setattr(self, f, getattr(self, f) + getattr(other, f))
 
 
@@ -207,6 +208,7 @@ def generate_batch(model: LlamaForCausalLM, prompts: list[list[int]], params: li
             _decode_pipelined(step, seqs, stats, max_steps - 1)
         while not all(s.finished for s in seqs):
             stats.decode_row_steps += B
+            stats.decode_steps += 1
             stats.finished_row_steps += sum(s.finished for s in seqs)
             if step is not None:
                 _append(seqs, step([_last(s) for s in seqs]), _words(grammars))
@@ -324,6 +326,7 @@ def _decode_pipelined(step: DecodeStep, seqs: list[Sequence], stats: BatchStats,
             return  # every step read: the rows have finished (max_decode_steps bounds them)
         tokens = step.read_tokens()
         stats.decode_row_steps += B
+        stats.decode_steps += 1
         stats.finished_row_steps += sum(s.finished for s in seqs)
         for s, t in zip(seqs, tokens):
             if not s.finished:

@@ -8,6 +8,8 @@ GPU and on the CPU), or in static batches that fit that pool.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from nanoserve.cache import CacheShape, KVPool
@@ -99,6 +101,7 @@ class LLM:
             raise NanoserveError(f"decode_step must be one of {', '.join(DECODE_STEP_MODES)}, "
                                  f"got {decode_step!r}")
         self.decode_step = decode_step
+        t0 = time.perf_counter()
         self.model_path = resolve_model(model)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
@@ -114,6 +117,7 @@ class LLM:
             del state_dict
         else:
             raise NanoserveError(f"load_format must be auto or dummy, got {load_format!r}")
+        t1 = time.perf_counter()
         self.tokenizer = Tokenizer.from_path(self.model_path)
         self.config = config
         if any(config.attention_window(i) is not None for i in range(config.num_hidden_layers)):
@@ -134,8 +138,10 @@ class LLM:
         scales = (None, None)
         if is_fp8(self.kv_cache_dtype):  # the checkpoint's scales, else 1.0
             scales = read_kv_scales(self.model_path, config.num_hidden_layers)[:2]
+        t2 = time.perf_counter()
         self.pool = KVPool.for_memory(CacheShape.of(config), kv_cache_bytes, block_size,
                                       self.kv_cache_dtype, self.device, *scales)
+        t3 = time.perf_counter()
         self.last_stats = BatchStats()
         if scheduler == "auto":
             self.scheduler = "continuous"  # on the CPU too: rows leave as they finish
@@ -143,6 +149,9 @@ class LLM:
         if self.scheduler == "continuous":
             self.runner = ContinuousRunner(self.model, self.pool, max_batch_size,
                                            continuous_step_mode(decode_step, self.device))
+        # Seconds each part of the load took (what a job's fixed cost is made of).
+        self.load_timings = {"weights_s": t1 - t0, "tokenizer_s": t2 - t1, "kv_pool_s": t3 - t2,
+                             "runner_s": time.perf_counter() - t3}
 
     @property
     def max_context(self) -> int:

@@ -489,6 +489,7 @@ class ContinuousScheduler:
         for r in rows:
             r.launched += 1
         self.stats.decode_row_steps += len(rows)
+        self.stats.decode_steps += 1
         self.unread.append(_Op(op, rows, sampling))
         if constrained:
             self._pending = self.unread[-1]  # (before anything can raise: `abort` waits for it)

@@ -9,12 +9,13 @@ Order of work (every job-level check comes before any model loads on a worker):
 4. start (or join) Ray and one `BatchWorker` actor per GPU (one CPU worker without GPUs),
    when the first batch needs a worker (a rerun with nothing left to compute starts none);
 5. stream the rows: tokenize a chunk at a time, cut them into batches (`batching`), send
-   each batch's token ids to the least-loaded worker (at most `max_in_flight_per_worker`
-   batches queued per worker), and write each finished batch as one Parquet part at once;
+   each batch's token ids to the least-loaded worker (each worker holds as many batches as
+   keep its engine full: `ray_jobs.pool.hold_limits`), and write each finished batch as one
+   Parquet part at once;
 6. when every batch is written, mark the folder complete (`_SUCCESS`).
 
 Memory stays flat: the driver holds one input chunk, one batching window, and the rows of
-the batches in flight (at most `max_in_flight_per_worker` per worker, plus retries); the
+the batches in flight (a few times each engine's running rows per worker, plus retries); the
 manifest records done batch ids, never per-row data. Output rows are grouped by batch
 (sorted by prompt length within a window, longest first), not in input order: join on `id`.
 
@@ -42,6 +43,7 @@ Nothing lost, nothing duplicated (see `_JobRun` for the bookkeeping):
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 import time
 from collections import deque
@@ -86,6 +88,7 @@ from ray_jobs.report import ReportLog, piece_record, report_data, write_report
 from ray_jobs.storage import OutputDir, is_uri
 from ray_jobs.timeline import PHASES, Timeline
 from ray_jobs.worker import (
+    ENGINE_KEY,
     OOM_KEY,
     PREFILL_SLOTS_KEY,
     PREFILL_TOKENS_KEY,
@@ -140,6 +143,8 @@ class JobSummary:
               if self.prefix_hit_rate is not None else []),
             f"batches: {self.num_batches} on {len(self.workers)} worker(s); output: {self.output_dir}",
         ]
+        if (busy := busy_line(self.workers)) is not None:
+            lines.append(busy)
         if self.worker_restarts or self.device_oom_errors:
             lines.append(f"recovered: {self.worker_restarts} worker restart(s), "
                          f"{self.device_oom_errors} device out-of-memory error(s)")
@@ -152,6 +157,23 @@ class JobSummary:
             lines.append("time: " + ", ".join(f"{PHASES[k]} {v:.1f} s"
                                               for k, v in self.timings.items()))
         return "\n".join(lines)
+
+
+def busy_line(workers: tuple[WorkerReport, ...]) -> str | None:
+    """How full the workers' engines were: the share of their time up that they had rows,
+    and the rows a decode step ran on average against the most they run (None when no
+    worker answered with its counters)."""
+    up = [w for w in workers if w.busy_fraction is not None]
+    if not up:
+        return None
+    line = f"engines: busy {sum(w.busy_s for w in up) / sum(w.up_s for w in up):.0%} of their time"
+    if len(up) > 1:
+        line += " (" + ", ".join(f"worker {w.index} {w.busy_fraction:.0%}" for w in up) + ")"
+    steps = sum(w.decode_steps for w in up)
+    if steps:
+        line += (f"; {sum(w.decode_row_steps for w in up) / steps:.0f} rows a decode step on "
+                 f"average, of at most {max(w.max_rows for w in up)}")
+    return line
 
 
 def run_batch_job(input: str | Path, output_dir: str | Path, **options: Any) -> JobSummary:
@@ -288,6 +310,11 @@ class _Piece:
         equal, to the same worker, whose prefix cache then already holds them."""
         return tuple(self.pending.batch.rows[self.rows[0]].prompt_token_ids[:PREFIX_KEY_TOKENS])
 
+    def samples(self) -> int:
+        """The rows it asks of the engine: each row's n samples."""
+        rows = self.pending.batch.rows
+        return sum(rows[i].n for i in self.rows)
+
     def requests(self) -> list[GenerationRequest]:
         rows = self.pending.batch.rows
         return [GenerationRequest(rows[i].prompt_token_ids, rows[i].params) for i in self.rows]
@@ -363,8 +390,8 @@ class _JobRun:
                         dynamic_ncols=True, desc="nanoserve batch")
 
     def execute(self, batches: Iterator[Batch]) -> None:
-        """Hold at most `max_in_flight_per_worker` pieces per live worker plus the queue;
-        take the next batch from `batches` only when the queue is empty and a slot is free."""
+        """Hold what each live worker may take (`hold_limits`) plus the queue; take the next
+        batch from `batches` only when the queue is empty and a worker has room."""
         source = iter(batches)
         more = True
         try:
@@ -391,15 +418,14 @@ class _JobRun:
         """Whether a new batch could be sent now (before the pool starts: yes)."""
         if self.pool is None:
             return True
-        return self.pool.pick(False, self.opts.max_in_flight_per_worker) is not None
+        return self.pool.pick(False) is not None
 
     def _worker_for(self, piece: _Piece) -> int | None:
         """The worker `piece` goes to now, or None while none can take it. Starts the pool
         when the first piece is ready to go."""
         if self.pool is None:
             self.pool = self.start_pool()
-        return self.pool.pick(piece.suspect, self.opts.max_in_flight_per_worker,
-                              piece.prefix())
+        return self.pool.pick(piece.suspect, piece.prefix())
 
     def _admit(self, batch: Batch) -> None:
         """Skip a batch an earlier run wrote (unless it is to be retried), write an error
@@ -419,6 +445,7 @@ class _JobRun:
         worker = self.pool.workers[index]
         ref = worker.handle.run_batch.remote(piece.requests())
         worker.in_flight += 1
+        worker.rows_in_flight += piece.samples()
         worker.holds_suspect = piece.suspect
         worker.last_prefix = piece.prefix()
         self.sent += 1
@@ -445,6 +472,7 @@ class _JobRun:
         sent = self.in_flight.pop(ref)
         worker = self.pool.workers[sent.worker]
         worker.in_flight -= 1
+        worker.rows_in_flight -= sent.piece.samples()
         if sent.piece.suspect:
             worker.holds_suspect = False
         return sent
@@ -460,6 +488,10 @@ class _JobRun:
                                  for i in piece.rows])
             return
         meta = value.schema.metadata or {}
+        if ENGINE_KEY in meta:  # the actor's counters so far (its answers come in any order)
+            counters = json.loads(meta[ENGINE_KEY])
+            if counters.get("up_s", 0) >= worker.engine.get("up_s", 0):
+                worker.engine = counters
         self.padded_slots += int(meta.get(PREFILL_SLOTS_KEY, 0))
         self.padded_real += int(meta.get(PREFILL_TOKENS_KEY, 0))
         answered = _per_row(value.to_pylist(), [rows[i].n for i in piece.rows])

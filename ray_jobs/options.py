@@ -61,13 +61,14 @@ class JobOptions:
     kv_cache_fraction: float = 0.5  # of a GPU's free memory, for the KV pool
     kv_cache_bytes: int | None = None  # the KV pool's exact size per worker (else the above)
     kv_cache_dtype: str = "auto"  # the model's dtype, or "fp8" (e4m3, sm_89+ GPUs)
-    # each worker's engine: the most rows decoding at once (LLM's max_batch_size); the rows
-    # a worker holds are also bounded by batch_size x max_in_flight_per_worker
+    # each worker's engine: the most rows decoding at once (LLM's max_batch_size); a worker
+    # holds a few times that many rows (`ray_jobs.pool.hold_limits`)
     max_running_rows: int = 256
     scheduler: str = "auto"  # each worker's engine: continuous (nanoserve.llm.LLM)
     prefix_caching: bool = True  # engines reuse the KV blocks of shared prompt prefixes
     chunk_rows: int = DEFAULT_CHUNK_ROWS  # rows read and tokenized at a time
-    max_in_flight_per_worker: int = 2
+    # batches a worker holds at once; None: as many as keep its engine full (`hold_limits`)
+    max_in_flight_per_worker: int | None = None
     worker_start_timeout_s: float = 600.0  # for an actor to be placed and load the model
     max_deaths_in_a_row: int = 8  # worker deaths with no batch finished between them
     progress: bool = True  # a tqdm bar on stderr
@@ -111,6 +112,9 @@ class JobOptions:
             raise NanoserveError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; choose "
                                  f"{', '.join(KV_CACHE_DTYPES)}")
         check_positive_int(self.max_running_rows, "max_running_rows")
+        check_positive_int(self.batch_size, "batch_size")
+        if self.max_in_flight_per_worker is not None:
+            check_positive_int(self.max_in_flight_per_worker, "max_in_flight_per_worker")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise NanoserveError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
         if self.worker_start_timeout_s <= 0:

@@ -2,6 +2,14 @@
 they are started and replaced, which one takes the next piece of work, and what each did
 (`WorkerReport`).
 
+How much work a worker holds (`hold_limits`) follows its engine, not a count of batches: a
+continuous engine is sent batches until it holds HOLD_FACTOR times the rows it runs at once.
+A batch comes back only when its longest row ends, so about half the rows of the batches a
+worker holds have finished while their batch waits for its last; three times the engine's
+running rows keeps it full, with a queue to refill it as rows end, whatever the batch size.
+A static engine (one batch at a time) and an embedding worker hold two batches. A user's
+`max_in_flight_per_worker` overrides this, with a warning when it would starve the engine.
+
 The pool never lets Ray restart an actor or retry a task behind the driver's back
 (max_restarts=0, max_task_retries=0): the driver alone decides what runs again.
 
@@ -32,6 +40,49 @@ if TYPE_CHECKING:
     from ray_jobs.timeline import Timeline
 
 
+HOLD_FACTOR = 3  # a continuous engine's worker holds this many times its running rows
+MAX_ACTOR_THREADS = 256  # calls one actor runs at once (each a thread waiting on its engine)
+
+
+def actor_threads(opts: JobOptions) -> int:
+    """Calls an actor runs at once (Ray's max_concurrency): the batches it may hold."""
+    if opts.max_in_flight_per_worker is not None:
+        return max(1, opts.max_in_flight_per_worker)
+    return min(MAX_ACTOR_THREADS,
+               max(2, -(-HOLD_FACTOR * opts.max_running_rows // opts.batch_size) + 1))
+
+
+def hold_limits(info: dict[str, Any], opts: JobOptions) -> tuple[int, int | None]:
+    """(batches, rows) a worker whose actor answered `info` may hold at once (rows None: no
+    bound but the batches'); see the module docstring."""
+    if opts.max_in_flight_per_worker is not None:
+        return max(1, opts.max_in_flight_per_worker), None
+    if info.get("scheduler") == "continuous" and info.get("max_rows"):
+        return actor_threads(opts), HOLD_FACTOR * int(info["max_rows"])
+    return 2, None
+
+
+def starve_warning(opts: JobOptions) -> str | None:
+    """One line when the options let a worker hold fewer rows than keep a continuous engine
+    full (HOLD_FACTOR times its running rows: a batch waits for its longest row)."""
+    if opts.scheduler == "static":
+        return None
+    held = opts.batch_size * actor_threads(opts)
+    if held >= HOLD_FACTOR * opts.max_running_rows:
+        return None
+    if opts.max_in_flight_per_worker is not None:
+        why = (f"batch_size {opts.batch_size} x max_in_flight_per_worker "
+               f"{opts.max_in_flight_per_worker}")
+        fix = "leave max_in_flight_per_worker unset (it is then sized from the engine)"
+    else:
+        why = f"batch_size {opts.batch_size} x {MAX_ACTOR_THREADS} batches at most"
+        fix = "raise --batch-size"
+    return (f"nanoserve: warning: {why} = {held} rows a worker, fewer than the "
+            f"{HOLD_FACTOR} x {opts.max_running_rows} that keep its engine full (it runs "
+            f"{opts.max_running_rows} at once, and a batch waits for its longest row): the "
+            f"engine will run part empty; {fix}")
+
+
 @dataclass(frozen=True)
 class WorkerReport:
     index: int
@@ -45,6 +96,25 @@ class WorkerReport:
     last_result_s: float | None = None  # seconds from the job's start to its last result
     result_s: tuple[float, ...] = ()  # seconds from the job's start to each of its results
     node_id: str = ""  # the Ray node its (last) actor ran on
+    # Its engines' counters (`BatchWorker.engine_counters`), summed over its actors: seconds
+    # up (from the model loaded to its last answer) and busy (the engine had rows), decode
+    # steps and the rows in them; max_rows: the most rows its engine runs at once.
+    up_s: float = 0.0
+    busy_s: float = 0.0
+    decode_steps: int = 0
+    decode_row_steps: int = 0
+    max_rows: int = 0
+    load_s: dict[str, float] = field(default_factory=dict)  # its first actor's start, by part
+
+    @property
+    def busy_fraction(self) -> float | None:
+        """Time its engine had rows / time it was up (None before any answer)."""
+        return self.busy_s / self.up_s if self.up_s > 0 else None
+
+    @property
+    def rows_per_step(self) -> float | None:
+        """Rows its engine decoded a step, on average (None: no decode step counted)."""
+        return self.decode_row_steps / self.decode_steps if self.decode_steps else None
 
 
 class RayBatchWorker(BatchWorker):
@@ -68,11 +138,17 @@ class RayBatchWorker(BatchWorker):
         return {**super().info(), "node_id": ray.get_runtime_context().get_node_id()}
 
 
+ENGINE_COUNTERS = ("up_s", "busy_s", "decode_steps", "decode_row_steps")
+
+
 @dataclass
 class WorkerSlot:
     handle: Any  # its actor (None until its first actor has loaded the model)
     info: dict[str, Any]  # its actor's info() ({} until then)
-    in_flight: int = 0
+    in_flight: int = 0  # pieces sent and not answered
+    rows_in_flight: int = 0  # their samples
+    max_pieces: int = 2  # `hold_limits`, set when its actor has loaded
+    max_rows: int | None = None
     batches: int = 0  # pieces of batches this slot generated (a whole batch is one piece)
     rows: int = 0
     restarts: int = 0  # times its actor died (mid-batch or while loading) and was replaced
@@ -82,6 +158,22 @@ class WorkerSlot:
     alive: bool = True
     holds_suspect: bool = False  # running a suspect piece, which it runs alone
     last_prefix: tuple[int, ...] = ()  # the leading tokens of the last piece sent to it
+    engine: dict[str, float] = field(default_factory=dict)  # its actor's latest counters
+    engine_past: dict[str, float] = field(default_factory=dict)  # its dead actors' last ones
+
+    def can_take(self) -> bool:
+        """Whether it holds fewer pieces and rows than `hold_limits` allow."""
+        return self.in_flight < self.max_pieces and (
+            self.max_rows is None or self.rows_in_flight < self.max_rows)
+
+    def engine_total(self, key: str) -> float:
+        return self.engine.get(key, 0) + self.engine_past.get(key, 0)
+
+    def new_actor(self) -> None:
+        """Its actor was replaced: fold the dead one's counters into the past."""
+        for k in ENGINE_COUNTERS:
+            self.engine_past[k] = self.engine_total(k)
+        self.engine = {}
 
 
 @dataclass
@@ -130,7 +222,10 @@ class WorkerPool:
     `pending` until its model is loaded, and joins the pool then; it holds no work before."""
 
     def __init__(self, actor_cls: Any, kwargs: dict[str, Any], timeout_s: float,
-                 timeline: Timeline, max_load_deaths: int = 8) -> None:
+                 timeline: Timeline, max_load_deaths: int = 8,
+                 opts: JobOptions | None = None) -> None:
+        """`opts`: what `hold_limits` reads (None: two batches a worker)."""
+        self.opts = opts
         self.actor_cls = actor_cls
         self.kwargs = kwargs
         self.timeout_s = timeout_s
@@ -185,12 +280,12 @@ class WorkerPool:
         fault_env = {k: v for k, v in os.environ.items() if k.startswith(FAULT_ENV_PREFIX)}
         if fault_env:  # testing hooks (see ray_jobs.worker), forwarded to the actors
             actor_options["runtime_env"] = {"env_vars": fault_env}
-        # Threaded actor: a worker holds up to max_in_flight_per_worker batches at once, so
-        # its engine (continuous scheduler) admits the next batch's rows as the current
-        # batch's rows finish. A static engine still runs one batch at a time (a lock).
+        # Threaded actor: a worker holds several batches at once (`hold_limits`), so its
+        # engine (continuous scheduler) admits the next batches' rows as rows finish. A
+        # static engine still runs one batch at a time (a lock).
         actor_cls = ray.remote(actor or RayBatchWorker).options(
-            max_restarts=0, max_task_retries=0,
-            max_concurrency=max(1, opts.max_in_flight_per_worker), **actor_options)
+            max_restarts=0, max_task_retries=0, max_concurrency=actor_threads(opts),
+            **actor_options)
         kwargs = {"model": opts.model, "dtype": opts.dtype,
                   "kv_cache_fraction": opts.kv_cache_fraction,
                   "kv_cache_bytes": opts.kv_cache_bytes, "num_threads": num_threads,
@@ -200,7 +295,9 @@ class WorkerPool:
                   **({"quantization": opts.quantization} if opts.quantization else {}),
                   **(actor_kwargs or {})}
         pool = cls(actor_cls, kwargs, opts.worker_start_timeout_s, timeline,
-                   opts.max_deaths_in_a_row)
+                   opts.max_deaths_in_a_row, opts)
+        if actor is None and (warning := starve_warning(opts)) is not None:
+            log(warning)
         if opts.progress:
             where = f"{num_gpus} GPU(s)" if num_gpus else "CPU"
             log(f"nanoserve: starting {count} worker(s) on {where}, loading {opts.model}")
@@ -290,13 +387,17 @@ class WorkerPool:
             raise ModelError(f"a worker could not load the model: {info['load_error']}")
         now = self.timeline.now()
         node = str(info.get("node_id", "?"))[:12]
+        pieces, rows = hold_limits(info, self.opts) if self.opts is not None else (2, None)
         if entry.slot is None:
-            self.workers.append(WorkerSlot(entry.handle, info, ready_s=now))
+            self.workers.append(WorkerSlot(entry.handle, info, ready_s=now, max_pieces=pieces,
+                                           max_rows=rows))
             log(f"nanoserve: worker {len(self.workers) - 1} joined on node {node} (GPU ids "
                 f"{info.get('gpu_ids')}); {self.num_alive()} worker(s) now")
             return None
         worker = self.workers[entry.slot]
+        worker.new_actor()
         worker.handle, worker.info, worker.alive = entry.handle, info, True
+        worker.max_pieces, worker.max_rows = pieces, rows
         if worker.ready_s is None:
             worker.ready_s = now
         if entry.deaths:
@@ -392,9 +493,9 @@ class WorkerPool:
         if again is not None:
             self.pending.append(again)
 
-    def pick(self, alone: bool, limit: int, prefix: tuple[int, ...] = ()) -> int | None:
+    def pick(self, alone: bool, prefix: tuple[int, ...] = ()) -> int | None:
         """The live worker with the fewest pieces in flight that can take one more: `alone`,
-        an idle one; else one holding fewer than `limit` pieces and no suspect. Ties go to
+        an idle one; else one below its `hold_limits` holding no suspect. Ties go to
         the worker whose last piece began with the same `prefix` tokens (its prefix cache
         likely holds them), then to the lowest index. None if none can now;
         NanoserveError when none is alive (`none_left`)."""
@@ -405,7 +506,7 @@ class WorkerPool:
             free = [i for i in alive if self.workers[i].in_flight == 0]
         else:
             free = [i for i in alive
-                    if self.workers[i].in_flight < limit and not self.workers[i].holds_suspect]
+                    if self.workers[i].can_take() and not self.workers[i].holds_suspect]
         return min(free, key=lambda i: (self.workers[i].in_flight,
                                         not prefix or self.workers[i].last_prefix != prefix,
                                         i)) if free else None
@@ -426,7 +527,12 @@ class WorkerPool:
         return tuple(WorkerReport(i, tuple(w.info.get("gpu_ids", ())), w.info.get("device", "?"),
                                   w.info.get("host", "?"), w.batches, w.rows, w.restarts,
                                   w.ready_s, w.last_result_s, tuple(w.result_s),
-                                  w.info.get("node_id", ""))
+                                  w.info.get("node_id", ""),
+                                  up_s=w.engine_total("up_s"), busy_s=w.engine_total("busy_s"),
+                                  decode_steps=int(w.engine_total("decode_steps")),
+                                  decode_row_steps=int(w.engine_total("decode_row_steps")),
+                                  max_rows=int(w.info.get("max_rows") or 0),
+                                  load_s=dict(w.info.get("load_s") or {}))
                      for i, w in enumerate(self.workers))
 
     def shutdown(self) -> None:
@@ -506,5 +612,6 @@ def log(message: str) -> None:
     tqdm.write(message, file=sys.stderr)
 
 
-__all__ = ["RayBatchWorker", "WorkerPool", "WorkerReport", "WorkerSlot", "death_reason",
-           "died_while_loading", "first_line", "log", "ready_line"]
+__all__ = ["HOLD_FACTOR", "RayBatchWorker", "WorkerPool", "WorkerReport", "WorkerSlot",
+           "actor_threads", "death_reason", "died_while_loading", "first_line", "hold_limits",
+           "log", "ready_line", "starve_warning"]

@@ -300,6 +300,7 @@ def render_html(data: dict[str, Any]) -> str:
     ]
     if t["prefix_cache_hit_rate"] is not None:
         sections.append(_section("Prefix-cache hit rate", _plot_cache(data)))
+    sections.append(_section("Workers", _workers_table(data["workers"])))
     sections.append(_section("Error rows by cause", _plot_errors(data)))
     sections.append(_section("Phases", _plot_phases(data) + _table(
         [(PHASES.get(k, k), f"{v:.2f} s") for k, v in data["phases"].items()])))
@@ -340,6 +341,24 @@ _CSS = ("body{font-family:sans-serif;margin:2em auto;max-width:60em;color:#222;b
         "table{border-collapse:collapse}th,td{text-align:left;padding:.15em .8em;"
         "border-bottom:1px solid #ddd;font-size:.9em}td{font-family:monospace}"
         "section{margin-top:1.5em}svg{max-width:100%;height:auto}")
+
+
+def _workers_table(workers: list[dict[str, Any]]) -> str:
+    """One row per worker: where it ran, what it did, and how full its engine was (busy:
+    the share of its time up that its engine had rows; rows a decode step, on average)."""
+    head = ("worker", "device", "host", "batches", "rows", "restarts", "ready at", "engine busy",
+            "rows a decode step")
+    body = []
+    for w in workers:
+        busy = f"{w['busy_s'] / w['up_s']:.0%}" if w.get("up_s") else "-"
+        per_step = (f"{w['decode_row_steps'] / w['decode_steps']:.1f} of {w['max_rows']}"
+                    if w.get("decode_steps") else "-")
+        ready = f"{w['ready_s']:.1f} s" if w.get("ready_s") is not None else "-"
+        cells = (w["index"], w["device"], w["host"], w["batches"], w["rows"], w["restarts"],
+                 ready, busy, per_step)
+        body.append("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in cells) + "</tr>")
+    return ("<table><tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr>" + "".join(body)
+            + "</table>")
 
 
 def _section(title: str, body: str) -> str:

@@ -17,8 +17,10 @@ and bad constraints are handled in three layers, none of which fails the batch:
 - a batch that still fails as a whole is run row by row, so one bad row becomes one
   `error` row.
 The table's schema metadata carries the engine's prefill counts (padding waste), its decode
-row-steps and those spent on finished rows (early-finish waste), and how many device
-out-of-memory errors the model's forward raised (`OOM_KEY`), so the driver can report them.
+row-steps and those spent on finished rows (early-finish waste), how many device
+out-of-memory errors the model's forward raised (`OOM_KEY`), and the engine's counters so
+far (`ENGINE_KEY`: how long it was up and busy, its decode steps and their rows), so the
+driver can report them and a starved engine shows.
 
 Testing hooks (fault injection; environment variables read by the worker process, which
 the driver forwards to its actors; never set them in production):
@@ -41,6 +43,7 @@ the driver forwards to its actors; never set them in production):
 from __future__ import annotations
 
 import functools
+import json
 import os
 import signal
 import socket
@@ -62,6 +65,7 @@ DECODE_ROW_STEPS_KEY = b"nanoserve.decode_row_steps"  # rows x decode steps, sum
 FINISHED_ROW_STEPS_KEY = b"nanoserve.finished_row_steps"  # of those, spent on finished rows
 # Prompt tokens served from the prefix cache; present only when the engine has one.
 PROMPT_TOKENS_CACHED_KEY = b"nanoserve.prompt_tokens_cached"
+ENGINE_KEY = b"nanoserve.engine"  # JSON: `BatchWorker.engine_counters()` at the answer
 
 FAULT_ENV_PREFIX = "NANOSERVE_FAULT_"
 FAULT_KILL_ON_TEXT = "NANOSERVE_FAULT_KILL_ON_TEXT"
@@ -105,10 +109,12 @@ class BatchWorker:
         or "continuous" (see `nanoserve.llm.LLM`); `quantization`: "fp8" or None (see there);
         `max_batch_size`: the most rows the engine decodes at once."""
         _fault_hold_load_while_file()
+        t0 = time.perf_counter()
         import torch
 
         from nanoserve.llm import LLM
 
+        imports_s = time.perf_counter() - t0
         _fault_on_load()
         if num_threads is not None:
             torch.set_num_threads(max(1, min(num_threads, os.cpu_count() or 1)))
@@ -118,6 +124,7 @@ class BatchWorker:
                   quantization=quantization, kv_cache_dtype=kv_cache_dtype,
                   max_batch_size=max_batch_size)
         self._attach(llm)
+        self.load_timings = {"imports_s": imports_s, **getattr(llm, "load_timings", {})}
 
     @classmethod
     def from_llm(cls, llm: Any) -> BatchWorker:
@@ -128,6 +135,10 @@ class BatchWorker:
 
     def _attach(self, llm: Any) -> None:
         self.llm = llm
+        self.load_timings: dict[str, float] = {}
+        self._ready = time.perf_counter()
+        self._static_busy_s = 0.0  # static engine: seconds inside `LLM.generate`
+        self._static_steps = [0, 0]  # static engine: decode steps, rows in them
         self._ooms = _watch_model(llm.model)
         # Continuous scheduler: one running batch across calls (the actor takes two batches
         # at once, and the second's rows join as the first's finish). Static: one call at a
@@ -144,17 +155,31 @@ class BatchWorker:
         """torch.OutOfMemoryError raised by the model's forward, over the model's life."""
         return self._ooms[0]
 
+    def engine_counters(self) -> dict[str, float]:
+        """Since the engine was ready: `up_s`, `busy_s` (of which it had rows to run),
+        `decode_steps` and `decode_row_steps` (rows a step = their ratio), `preemptions`,
+        and `max_rows`, the most rows it runs at once."""
+        if self._loop is not None:
+            counters = self._loop.counters()
+        else:
+            counters = {"up_s": time.perf_counter() - self._ready, "busy_s": self._static_busy_s,
+                        "decode_steps": self._static_steps[0],
+                        "decode_row_steps": self._static_steps[1], "preemptions": 0}
+        return {**counters, "max_rows": getattr(self.llm, "max_batch_size", 0)}
+
     def info(self) -> dict[str, Any]:
         """Where this worker runs: Ray's GPU ids, the torch device, the host and process,
-        the KV pool's size in blocks, the engine's scheduler, the most rows it runs at once
-        and (continuous) how its decode steps run (`ContinuousRunner.capture_summary`)."""
+        the KV pool's size in blocks, the engine's scheduler, the most rows it runs at once,
+        (continuous) how its decode steps run (`ContinuousRunner.capture_summary`), and how
+        long each part of its start took (`load_s`: imports, weights, KV pool, ...)."""
         runner = getattr(self.llm, "runner", None)
         return {"gpu_ids": ray_gpu_ids(), "device": str(self.llm.device),
                 "host": socket.gethostname(), "pid": os.getpid(),
                 "kv_blocks": self.llm.pool.num_blocks, "block_size": self.llm.pool.block_size,
                 "scheduler": getattr(self.llm, "scheduler", "static"),
                 "max_rows": getattr(self.llm, "max_batch_size", None),
-                "steps": runner.capture_summary() if runner is not None else None}
+                "steps": runner.capture_summary() if runner is not None else None,
+                "load_s": {k: round(v, 3) for k, v in self.load_timings.items()}}
 
     def gpu_ids(self) -> list:
         return ray_gpu_ids()
@@ -188,7 +213,8 @@ class BatchWorker:
         meta = {
             PREFILL_SLOTS_KEY: str(slots).encode(), PREFILL_TOKENS_KEY: str(real).encode(),
             OOM_KEY: str(ooms[0]).encode(),
-            DECODE_ROW_STEPS_KEY: str(steps).encode(), FINISHED_ROW_STEPS_KEY: str(idle).encode()}
+            DECODE_ROW_STEPS_KEY: str(steps).encode(), FINISHED_ROW_STEPS_KEY: str(idle).encode(),
+            ENGINE_KEY: json.dumps(self.engine_counters()).encode()}
         if getattr(self.llm, "enable_prefix_caching", False):
             cached = sum(getattr(s, "cached_tokens", 0) for s in stats if s is not None)
             meta[PROMPT_TOKENS_CACHED_KEY] = str(cached).encode()
@@ -216,11 +242,18 @@ class BatchWorker:
             return done, BatchStats(num_rows=len(prompts), prefill_slots=n, prefill_real_tokens=n,
                                     decode_row_steps=sum(len(c.token_ids) - 1 for c in done),
                                     cached_tokens=cached)
-        with self._engine_lock:  # the two in-flight batches of a static engine take turns
+        with self._engine_lock:  # the in-flight batches of a static engine take turns
             before = self.oom_errors
+            t = time.perf_counter()
             try:
-                return self.llm.generate(prompts, params), getattr(self.llm, "last_stats", None)
+                done = self.llm.generate(prompts, params)
+                stats = getattr(self.llm, "last_stats", None)
+                if stats is not None:
+                    self._static_steps[0] += stats.decode_steps
+                    self._static_steps[1] += stats.decode_row_steps
+                return done, stats
             finally:
+                self._static_busy_s += time.perf_counter() - t
                 ooms[0] += self.oom_errors - before
 
     def _cannot_run(self, r: GenerationRequest) -> list[dict[str, Any]] | None:

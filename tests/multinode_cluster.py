@@ -83,8 +83,10 @@ class Scenario:
         self.record: dict = {"nodes": {}}
 
     def run(self, **options) -> None:
+        # Two batches held a worker (the scenarios count them), not the engine-sized depth.
         options = {"model": MODEL, "max_tokens": MAX_TOKENS, "batch_size": 2,
-                   "kv_cache_bytes": 32 << 20, "progress": False, **options}
+                   "max_in_flight_per_worker": 2, "kv_cache_bytes": 32 << 20,
+                   "progress": False, **options}
         err = io.StringIO()
         try:
             with contextlib.redirect_stderr(err):

@@ -15,26 +15,38 @@ A, B = (1, 2, 3), (4, 5, 6)
 def pool_of(loads, prefixes):
     pool = WorkerPool(None, {}, 1.0, Timeline(0.0))
     for load, prefix in zip(loads, prefixes):
-        pool.workers.append(WorkerSlot(None, {}, in_flight=load, last_prefix=prefix))
+        pool.workers.append(WorkerSlot(None, {}, in_flight=load, last_prefix=prefix,
+                                       max_pieces=2))
     return pool
 
 
 def test_equal_loads_prefer_the_worker_that_last_ran_the_prefix():
     pool = pool_of([1, 1, 1], [A, B, A])
-    assert pool.pick(False, 2, B) == 1
-    assert pool.pick(False, 2, A) == 0
-    assert pool.pick(False, 2, (9,)) == 0  # nobody has it: lowest index
-    assert pool.pick(False, 2, ()) == 0
+    assert pool.pick(False, B) == 1
+    assert pool.pick(False, A) == 0
+    assert pool.pick(False, (9,)) == 0  # nobody has it: lowest index
+    assert pool.pick(False, ()) == 0
 
 
 def test_affinity_never_outweighs_load_or_limits():
     pool = pool_of([1, 0], [A, B])
-    assert pool.pick(False, 2, A) == 1  # the idle worker, though worker 0 ran A
+    assert pool.pick(False, A) == 1  # the idle worker, though worker 0 ran A
     pool = pool_of([2, 1], [A, B])
-    assert pool.pick(False, 2, A) == 1  # worker 0 is full
-    assert pool.pick(True, 2, A) is None  # alone: only an idle worker
+    assert pool.pick(False, A) == 1  # worker 0 is full
+    assert pool.pick(True, A) is None  # alone: only an idle worker
     pool.workers[1].alive = False
-    assert pool.pick(False, 2, A) is None
+    assert pool.pick(False, A) is None
     pool.workers[0].alive = False
     with pytest.raises(NanoserveError, match="no worker is left"):
-        pool.pick(False, 2, A)
+        pool.pick(False, A)
+
+
+def test_a_worker_takes_pieces_until_its_rows_reach_its_limit():
+    pool = pool_of([3, 3], [A, B])
+    for w in pool.workers:
+        w.max_pieces, w.max_rows = 10, 100
+    pool.workers[0].rows_in_flight = 100  # its engine's share is held
+    pool.workers[1].rows_in_flight = 99
+    assert pool.pick(False, A) == 1
+    pool.workers[1].rows_in_flight = 100
+    assert pool.pick(False, A) is None
