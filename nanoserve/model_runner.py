@@ -199,6 +199,7 @@ class ContinuousRunner:
         self.prefill_replays = 0  # prefills run as a replayed graph
         self.masked_steps = 0  # decode steps sampled by `_masked_step`
         self.capture_s = 0.0
+        self.prefill_capture_s = 0.0  # host seconds spent capturing prefill graphs
         self.graph_bytes = 0
         self.capture_error: str | None = None  # why the graphs were not captured, if so
         # Phase timing (off unless `profile` is set): device time of each prefill and step
@@ -344,6 +345,7 @@ class ContinuousRunner:
         were not captured (None when they were or when none were asked for)."""
         return {"step_mode": self.mode, "graphs": len(self._graphs),
                 "prefill_graphs": len(self._pf_graphs),
+                "prefill_capture_s": round(self.prefill_capture_s, 2),
                 "mask_graphs": len(self._mask_graphs),
                 "graph_mib": round(self.graph_bytes / 2**20, 1),
                 "capture_s": round(self.capture_s, 2), "capture_error": self.capture_error}
@@ -598,6 +600,39 @@ class ContinuousRunner:
         last, idx = self._pf_buf[start:start + 2 * S].split([S, S])
         return self._pf_hidden[:T][None], self._prefill_views(T, paged)[0], cu, last, idx
 
+    def capture_prefills(self, max_tokens: int | None = None) -> int:
+        """Capture now, before any row runs, the fixed prefills of every length up to
+        `max_tokens` (default `prefill_tokens`) and both kinds not captured yet, each after
+        a warm-up run, so that no prefill of a run pays its capture. Each runs one row of
+        padding: it stores nothing, and the paged kind reads one block of the padding row's
+        table (block 0, in range). Returns how many were captured (mode "graph" only)."""
+        if self.mode != "graph" or not self.prefill_tokens:
+            return 0
+        t0 = time.perf_counter()
+        bs = self.pool.block_size
+        top = min(max_tokens or self.prefill_tokens, self.prefill_tokens,
+                  self.model.config.max_position_embeddings - bs)
+        done = 0
+        for T in prefill_lengths(top):
+            for paged in (False, True):
+                if (T, paged) in self._pf_graphs or (T, paged) in self._pf_failed:
+                    continue
+                if paged and T > (self.width - 1) * bs:
+                    continue
+                self._stage_prefill(T, paged, [[0] * T], [-1] * T, [bs if paged else 0],
+                                    [self.pad], [], [])
+                try:
+                    self._pf_graphs[T, paged] = self._capture(self._prefill_forward, T, paged)[1]
+                    done += 1
+                except (torch.OutOfMemoryError, RuntimeError) as exc:
+                    self._pf_failed.add((T, paged))
+                    log.warning("the prefill graph of %d tokens was not captured (%s): such "
+                                "prefills run uncaptured; the tokens are the same", T,
+                                (str(exc).strip().splitlines() or [type(exc).__name__])[0])
+        torch.cuda.synchronize(self.device)
+        self.prefill_capture_s += time.perf_counter() - t0
+        return done
+
     def _capture_prefill(self, T: int, paged: bool) -> None:
         """Capture the fixed prefill of T tokens and kind `paged`, just run uncaptured (its
         warm-up: its kernels are compiled, its shapes met), for the next prefills of that
@@ -606,6 +641,7 @@ class ContinuousRunner:
         a small job pays for few (all 112 at load took the 1B shape's engine 9.4 s more to
         load on an H200). A capture that fails (the memory the KV pool left is short) leaves
         that length and kind uncaptured, with a warning, and the run goes on."""
+        t0 = time.perf_counter()
         try:
             self._pf_graphs[T, paged] = self._capture(self._prefill_forward, T, paged,
                                                       warm=False)[1]
@@ -614,6 +650,7 @@ class ContinuousRunner:
             log.warning("the prefill graph of %d tokens was not captured (%s): such prefills "
                         "run uncaptured, which costs the host more; the tokens are the same",
                         T, (str(exc).strip().splitlines() or [type(exc).__name__])[0])
+        self.prefill_capture_s += time.perf_counter() - t0
 
     def _work_size(self, T: int, paged: bool) -> tuple[int, int]:
         """(the work table's entries, the kernel's block of queries) for a fixed prefill of

@@ -152,6 +152,38 @@ def test_continuous_batching_on_the_gpu_equals_each_row_alone(tiny_model_dir):
             assert stats.preemptions > 0
 
 
+def test_prefill_graphs_captured_at_load_give_each_row_its_tokens_alone(tiny_model_dir):
+    """`capture_prefills` before any row: every length and kind is captured on padding
+    alone (it writes nothing: the pool's blocks all stay free), the run captures nothing
+    more, replays them, and each row gets the tokens the static path gives it alone."""
+    from nanoserve.cache import CacheShape, KVPool
+    from nanoserve.generate import generate_batch
+    from nanoserve.model_runner import ContinuousRunner, prefill_lengths
+    from nanoserve.sampling import SamplingParams
+    from nanoserve.scheduler import generate_continuous
+
+    config, sd = load_checkpoint(tiny_model_dir)
+    model = build_model(config, sd, torch.float32, "cuda")
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 128) for _ in range(rng.randint(1, 60))] for _ in range(24)]
+    prompts += [prompts[0][:40] + [7, 8, 9]]  # a prefix-cache hit: the paged kind
+    params = [SamplingParams(max_tokens=rng.randint(1, 30), seed=i, ignore_eos=True)
+              for i in range(len(prompts))]
+    pool = KVPool(CacheShape.of(config), 64, 16, torch.float32, "cuda")
+    runner = ContinuousRunner(model, pool, 8, "graph")
+    captured = runner.capture_prefills()
+    lengths = prefill_lengths(runner.prefill_tokens)
+    assert captured == len(runner._pf_graphs) >= len(lengths)
+    assert pool.allocator.num_free == 64
+    before = dict(runner._pf_graphs)
+    outs, _ = generate_continuous(model, prompts, params, (2,), pool, max_batch_size=8,
+                                  runner=runner)
+    assert runner._pf_graphs == before and runner.prefill_replays > 0
+    for prompt, p, out in zip(prompts, params, outs):
+        (want,), _ = generate_batch(model, [prompt], [p], (2,))
+        assert out.token_ids == want.token_ids
+
+
 def test_graphs_that_do_not_fit_fall_back_to_uncaptured_steps(tiny_model_dir, caplog):
     """Capture under a memory cap (the allocator's limit set just above what it holds, plus
     a margin: none, one small segment, plenty): where the graphs do not fit, the runner drops
