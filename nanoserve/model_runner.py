@@ -603,24 +603,27 @@ class ContinuousRunner:
     def capture_prefills(self, max_tokens: int | None = None) -> int:
         """Capture now, before any row runs, the fixed prefills of every length up to
         `max_tokens` (default `prefill_tokens`) and both kinds not captured yet, each after
-        a warm-up run, so that no prefill of a run pays its capture. Each runs one row of
-        padding: it stores nothing, and the paged kind reads one block of the padding row's
-        table (block 0, in range). Returns how many were captured (mode "graph" only)."""
+        a warm-up run, so that no prefill of a run pays its capture. Each runs rows of
+        padding alone (each within the model's context): they store nothing, and the paged
+        kind's rows read one block of the padding row's table (block 0, in range). Returns
+        how many were captured (mode "graph" only)."""
         if self.mode != "graph" or not self.prefill_tokens:
             return 0
         t0 = time.perf_counter()
         bs = self.pool.block_size
-        top = min(max_tokens or self.prefill_tokens, self.prefill_tokens,
-                  self.model.config.max_position_embeddings - bs)
+        # the most tokens a padding row holds: within the context and its block table
+        row = min(self.model.config.max_position_embeddings, self.width * bs) - bs
         done = 0
-        for T in prefill_lengths(top):
+        for T in prefill_lengths(min(max_tokens or self.prefill_tokens, self.prefill_tokens)):
+            lens = [min(row, T - i) for i in range(0, T, row)]
             for paged in (False, True):
                 if (T, paged) in self._pf_graphs or (T, paged) in self._pf_failed:
                     continue
-                if paged and T > (self.width - 1) * bs:
+                if len(lens) >= self._pf_rows:
                     continue
-                self._stage_prefill(T, paged, [[0] * T], [-1] * T, [bs if paged else 0],
-                                    [self.pad], [], [])
+                self._stage_prefill(T, paged, [[0] * n for n in lens], [-1] * T,
+                                    [bs if paged else 0] * len(lens), [self.pad] * len(lens),
+                                    [], [])
                 try:
                     self._pf_graphs[T, paged] = self._capture(self._prefill_forward, T, paged)[1]
                     done += 1

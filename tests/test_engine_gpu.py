@@ -173,7 +173,7 @@ def test_prefill_graphs_captured_at_load_give_each_row_its_tokens_alone(tiny_mod
     runner = ContinuousRunner(model, pool, 8, "graph")
     captured = runner.capture_prefills()
     lengths = prefill_lengths(runner.prefill_tokens)
-    assert captured == len(runner._pf_graphs) >= len(lengths)
+    assert captured == len(runner._pf_graphs) == 2 * len(lengths)
     assert pool.allocator.num_free == 64
     before = dict(runner._pf_graphs)
     outs, _ = generate_continuous(model, prompts, params, (2,), pool, max_batch_size=8,
