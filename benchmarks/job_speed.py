@@ -11,10 +11,10 @@ Parts, in this order (`--parts`, default all), each printing its own table:
   generate phase alone (from the first batch sent to the last result), each against the
   engine's; its phases; its workers' start by part (imports, weights, KV pool, graphs), and
   how full their engines were (busy fraction, rows a decode step);
-- `first`: a fresh process loads the engine and runs `--first-rows` rows twice; the first
-  run's rate against the second's (one-time costs: graph captures, first shapes met);
+- `first`: a fresh process loads the engine and runs `--first-rows` rows twice, other token
+  ids each time; the first run's rate against the second's (one-time costs);
 - `ray`: Ray's own start in fresh processes (import, `start_local_ray`, one actor with a GPU
-  answering, stop), `--ray-repeats` times.
+  answering, stop), as the job starts it and in variants, `--ray-repeats` times.
 
 The fixed cost is everything before the first batch starts generating: the job's prepare,
 Ray and workers phases (`JobSummary.timings`).
@@ -49,7 +49,10 @@ temp = start_local_ray(**json.loads(sys.argv[1]))
 t2 = time.perf_counter()
 gpus = 1 if ray.cluster_resources().get("GPU") else 0
 @ray.remote(num_gpus=gpus, num_cpus=0 if gpus else 1)
-class Probe:
+class Probe:  # imports what the job's worker imports before it loads the model
+    def __init__(self):
+        import torch
+        from nanoserve.llm import LLM
     def pid(self):
         return os.getpid()
 ray.get(Probe.remote().pid.remote())
@@ -62,8 +65,9 @@ print(json.dumps({"import": t1 - t0, "start": t2 - t1, "actor": t3 - t2, "stop":
 
 # Ray's start as the job does it, and variants: (name, start_local_ray kwargs, environment)
 RAY_VARIANTS = [("as the job", {}, {}),
-                ("num_cpus=2", {"num_cpus": 2}, {}),
-                ("no prestarted workers", {}, {"RAY_prestart_worker_first_driver": "0"})]
+                ("workers preload torch", {}, {"RAY_preload_python_modules": "torch,numpy"}),
+                ("workers prestarted with the raylet, preload torch", {},
+                 {"RAY_preload_python_modules": "torch,numpy", "RAY_enable_worker_prestart": "1"})]
 
 
 def run_ray_part(repeats: int) -> list[dict]:
@@ -72,7 +76,8 @@ def run_ray_part(repeats: int) -> list[dict]:
         for name, kwargs, env in RAY_VARIANTS:
             p = subprocess.run([sys.executable, "-c", RAY_CHILD, json.dumps(kwargs)],
                                capture_output=True, text=True, check=False,
-                               env={**os.environ, "PYTHONPATH": str(Path.cwd()), **env})
+                               env={**os.environ, **env, "PYTHONPATH": os.pathsep.join(
+                                   [str(Path.cwd()), os.environ.get("PYTHONPATH", "")])})
             if p.returncode:
                 raise SystemExit(f"ray child failed: {p.stderr[-2000:]}")
             out.append({"run": f"{name} #{i + 1}", **json.loads(p.stdout.strip().splitlines()[-1])})
@@ -104,9 +109,9 @@ def engine_rate(model_dir: Path, prompts, max_tokens, device: str, warm: bool = 
     return {"wall_s": wall, "tokens": n, "tok_s": n / wall, "load_s": load}
 
 
-def first_run_child(model_dir: str, workload: str, rows: int, device: str,
-                    precapture: bool) -> dict:
-    """In this (fresh) process: load, then the first `rows` rows twice."""
+def first_run_child(model_dir: str, workload: str, rows: int, device: str) -> dict:
+    """In this (fresh) process: load (prefill graphs captured at load), then the first
+    `rows` rows twice, with other token ids each time (no prefix-cache hit)."""
     import pyarrow.parquet as pq
 
     from nanoserve.llm import LLM
@@ -118,37 +123,31 @@ def first_run_child(model_dir: str, workload: str, rows: int, device: str,
     t0 = time.perf_counter()
     llm = LLM(model_dir, device=device)
     load = time.perf_counter() - t0
-    captured, capture_s = 0, 0.0
-    if precapture and llm.runner is not None:
-        t1 = time.perf_counter()
-        captured = llm.runner.capture_prefills()
-        capture_s = time.perf_counter() - t1
+    runner = llm.runner
+    at_load = runner.capture_summary()["prefill_graphs"] if runner is not None else 0
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     runs = []
-    for _ in range(2):
-        before = llm.runner.prefill_capture_s if llm.runner is not None else 0.0
+    vocab = llm.config.vocab_size
+    for shift in (1, 2):
+        prompts = [[(x + shift) % vocab for x in p] for p in prompts]
+        before = runner.prefill_capture_s if runner is not None else 0.0
         t1 = time.perf_counter()
         outs = llm.generate(prompts, params)
         sync()
         wall = time.perf_counter() - t1
         runs.append({"wall_s": wall, "tok_s": sum(len(o.token_ids) for o in outs) / wall,
-                     "capture_s": (llm.runner.prefill_capture_s - before)
-                     if llm.runner is not None else 0.0})
-    return {"load_s": load, "load_parts": llm.load_timings, "precaptured": captured,
-            "precapture_s": capture_s, "runs": runs}
+                     "capture_s": (runner.prefill_capture_s - before) if runner else 0.0})
+    return {"load_s": load, "load_parts": llm.load_timings, "prefill_graphs": at_load,
+            "runs": runs}
 
 
-def run_first_part(model_dir: Path, workload: Path, rows: int, device: str) -> list[dict]:
-    out = []
-    for precapture in (False, True):
-        p = subprocess.run([sys.executable, "-m", "benchmarks.job_speed", "--child-first",
-                            str(model_dir), str(workload), str(rows), device,
-                            "1" if precapture else "0"], capture_output=True, text=True,
-                           check=False)
-        if p.returncode:
-            raise SystemExit(f"first-run child failed: {p.stderr[-3000:]}")
-        out.append({"precapture": precapture, **json.loads(p.stdout.strip().splitlines()[-1])})
-    return out
+def run_first_part(model_dir: Path, workload: Path, rows: int, device: str) -> dict:
+    p = subprocess.run([sys.executable, "-m", "benchmarks.job_speed", "--child-first",
+                        str(model_dir), str(workload), str(rows), device],
+                       capture_output=True, text=True, check=False)
+    if p.returncode:
+        raise SystemExit(f"first-run child failed: {p.stderr[-3000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
 
 
 def run_job_part(model_dir: Path, workload: Path, out_dir: Path) -> tuple[dict, object]:
@@ -170,11 +169,11 @@ def main() -> None:
                     choices=["engine", "job", "first", "ray"])
     ap.add_argument("--ray-repeats", type=int, default=3)
     ap.add_argument("--smoke", action="store_true", help="a 2-layer model on the CPU")
-    ap.add_argument("--child-first", nargs=5, help=argparse.SUPPRESS)
+    ap.add_argument("--child-first", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child_first:
-        model, workload, rows, device, pre = args.child_first
-        print(json.dumps(first_run_child(model, workload, int(rows), device, pre == "1")))
+        model, workload, rows, device = args.child_first
+        print(json.dumps(first_run_child(model, workload, int(rows), device)))
         return
     device, config, lo, hi = "cuda", LLAMA_1B, 100, 1024
     if args.smoke:
@@ -218,25 +217,20 @@ def main() -> None:
                   f"{w.rows_per_step or 0:.0f} rows a decode step of {w.max_rows}")
         print(s.format(), flush=True)
     if "first" in args.parts:
-        res = run_first_part(model_dir, work / "workload.parquet", args.first_rows, device)
-        rows = []
-        for r in res:
-            a, b = r["runs"]
-            rows.append([("prefill graphs captured at load" if r["precapture"] else
-                          "prefill graphs captured as met"),
-                         f"{r['load_s']:.2f}", f"{r['precapture_s']:.2f} ({r['precaptured']})",
-                         f"{a['tok_s']:,.0f}", f"{b['tok_s']:,.0f}", f"{a['tok_s'] / b['tok_s']:.3f}",
-                         f"{a['capture_s']:.2f} / {b['capture_s']:.2f}"])
+        r = run_first_part(model_dir, work / "workload.parquet", args.first_rows, device)
+        a, b = r["runs"]
         print(f"\nfresh process, {args.first_rows} rows twice:")
-        print(markdown_table(["prefills", "load s", "capture at load s (graphs)",
-                              "first tok/s", "second tok/s", "first / second",
-                              "captures in runs s"], rows))
-        for r in res:
-            print("load parts:", {k: round(v, 2) for k, v in r["load_parts"].items()})
+        print(markdown_table(
+            ["load s", "prefill graphs at load", "first tok/s", "second tok/s",
+             "first / second", "captures in the runs s"],
+            [[f"{r['load_s']:.2f}", r["prefill_graphs"], f"{a['tok_s']:,.0f}",
+              f"{b['tok_s']:,.0f}", f"{a['tok_s'] / b['tok_s']:.3f}",
+              f"{a['capture_s']:.2f} / {b['capture_s']:.2f}"]]))
+        print("load parts:", {k: round(v, 2) for k, v in r["load_parts"].items()})
     if "ray" in args.parts:
         res = run_ray_part(args.ray_repeats)
         print("\nRay alone (fresh process each):")
-        print(markdown_table(["run", "import s", "start s", "first actor s", "stop s"],
+        print(markdown_table(["run", "import s", "start s", "first actor (imports torch, nanoserve) s", "stop s"],
                              [[r["run"], f"{r['import']:.2f}", f"{r['start']:.2f}",
                                f"{r['actor']:.2f}", f"{r['stop']:.2f}"] for r in res]))
 

@@ -602,8 +602,10 @@ class ContinuousRunner:
 
     def capture_prefills(self, max_tokens: int | None = None) -> int:
         """Capture now, before any row runs, the fixed prefills of every length up to
-        `max_tokens` (default `prefill_tokens`) and both kinds not captured yet, each after
-        a warm-up run, so that no prefill of a run pays its capture. Each runs rows of
+        `max_tokens` (default `prefill_tokens`) and both kinds not captured yet, so that no
+        prefill of a run pays its capture. The first of each kind is warmed up by a run
+        first (its kernels compiled, cuBLAS set up on the capture stream); the others only
+        meet new GEMM shapes, which a capture may. Each runs rows of
         padding alone (each within the model's context): they store nothing, and the paged
         kind's rows read one block of the padding row's table (block 0, in range). Returns
         how many were captured (mode "graph" only)."""
@@ -614,6 +616,7 @@ class ContinuousRunner:
         # the most tokens a padding row holds: within the context and its block table
         row = min(self.model.config.max_position_embeddings, self.width * bs) - bs
         done = 0
+        warm = {False: True, True: True}  # per kind: its next capture runs a warm-up first
         for T in prefill_lengths(min(max_tokens or self.prefill_tokens, self.prefill_tokens)):
             lens = [min(row, T - i) for i in range(0, T, row)]
             for paged in (False, True):
@@ -625,7 +628,9 @@ class ContinuousRunner:
                                     [bs if paged else 0] * len(lens), [self.pad] * len(lens),
                                     [], [])
                 try:
-                    self._pf_graphs[T, paged] = self._capture(self._prefill_forward, T, paged)[1]
+                    self._pf_graphs[T, paged] = self._capture(self._prefill_forward, T, paged,
+                                                              warm=warm[paged])[1]
+                    warm[paged] = False
                     done += 1
                 except (torch.OutOfMemoryError, RuntimeError) as exc:
                     self._pf_failed.add((T, paged))

@@ -75,6 +75,17 @@ def cache_root() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "nanoserve"
 
 
+TRITON_CACHE_ENV = "TRITON_CACHE_DIR"
+
+
+def keep_kernels_with_models() -> None:
+    """Triton's compiled kernels go under the cache root (`<cache>/triton`) unless
+    TRITON_CACHE_DIR is set: kept with the models, so a second process on the machine (the
+    next job's worker) loads them instead of compiling again. Triton reads the variable
+    when it compiles, so this holds for kernels compiled after the call."""
+    os.environ.setdefault(TRITON_CACHE_ENV, str(cache_root() / "triton"))
+
+
 def default_model_path() -> Path:
     """Where the default model's `.gguf` file lives once fetched."""
     return cache_root() / "models" / DEFAULT_MODEL / Path(DEFAULT_MODEL_MEMBER).name

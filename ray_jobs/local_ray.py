@@ -70,7 +70,8 @@ OWNER_FILE = "nanoserve-owner"  # "<pid> <process start time>" of the driver tha
 OMP_WAIT_POLICY_ENV = "OMP_WAIT_POLICY"  # read by OpenMP when a process loads it
 
 
-def start_local_ray(num_cpus: int | None = None, num_gpus: int | None = None) -> str:
+def start_local_ray(num_cpus: int | None = None, num_gpus: int | None = None,
+                    object_store_memory: int | None = None) -> str:
     """Start a private single-machine Ray in this process and return its temp dir (the
     caller removes it after `ray.shutdown()`).
 
@@ -97,6 +98,7 @@ def start_local_ray(num_cpus: int | None = None, num_gpus: int | None = None) ->
     temp_dir = tempfile.mkdtemp(prefix=TEMP_PREFIX)
     Path(temp_dir, OWNER_FILE).write_text(_owner_line(os.getpid()))
     ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus,
+             object_store_memory=object_store_memory,
              _node_ip_address="127.0.0.1", include_dashboard=False, _temp_dir=temp_dir,
              logging_level=logging.WARNING)
     return temp_dir
