@@ -595,6 +595,9 @@ def ready_line(infos: list[dict[str, Any]]) -> str:
             s = captured[0]["steps"]
             parts.append(f"decode steps as {s['graphs']} CUDA graphs a worker "
                          f"({s['graph_mib']:,.0f} MiB, captured in {s['capture_s']:.1f} s)")
+            if s.get("prefill_graphs"):
+                parts.append(f"{s['prefill_graphs']} prefill graphs (captured in "
+                             f"{s.get('prefill_capture_s', 0):.1f} s)")
         failed = [i["steps"]["capture_error"] for i in infos
                   if (i.get("steps") or {}).get("capture_error")]
         if failed:

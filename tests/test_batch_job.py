@@ -374,7 +374,7 @@ def test_ready_line_says_batching_steps_and_pool(smollm2_llm):
                                   f"to {smollm2_llm.max_batch_size} rows; "
                                   f"KV pool {tokens:,} tokens a worker")
     steps = {"step_mode": "graph", "graphs": 20, "graph_mib": 1206.4, "capture_s": 3.94,
-             "capture_error": None}
+             "capture_error": None, "prefill_graphs": 0}
     ok = dict(info, scheduler="continuous", steps=steps)
     failed = dict(ok, steps=dict(steps, step_mode="static", graphs=0, graph_mib=0.0,
                                  capture_s=0.0, capture_error="out of memory"))
@@ -384,3 +384,6 @@ def test_ready_line_says_batching_steps_and_pool(smollm2_llm):
         "worker (1,206 MiB, captured in 3.9 s); CUDA graphs not captured on 1 of 2 worker(s) "
         "(out of memory): their decode steps run uncaptured, slower; "
         f"KV pool {tokens:,} tokens a worker")
+    with_prefills = dict(ok, steps=dict(steps, prefill_graphs=112, prefill_capture_s=2.04))
+    assert "captured in 3.9 s); 112 prefill graphs (captured in 2.0 s); KV pool" in ready_line(
+        [with_prefills])
