@@ -143,7 +143,7 @@ def demo_job(tree: Path, out: Path, cache: Path | None = None) -> dict:
                                  "-o", str(out), "--overwrite", "--max-tokens", "4"], cache)
     times = re.search(r"^time: (.*)$", text, re.M)
     job = re.search(r"^wall time: ([0-9.]+) s", text, re.M)
-    if times is None or job is None or not re.search(r"^rows: 35 \(0 error rows\)", text, re.M):
+    if times is None or job is None or not re.search(r"^rows: 35 \((0 error rows|.*error 0)\)", text, re.M):
         raise SystemExit(f"unexpected output of the demo job in {tree}:\n{text[-3000:]}")
     phases = {name: float(v) for name, v in re.findall(r"([A-Za-z ]+?) ([0-9.]+) s(?:,|$)",
                                                          times.group(1))}

@@ -6,7 +6,7 @@
 
 Rows need a `prompt`, `messages` or `prompt_token_ids` column (per-row `max_tokens`,
 `temperature`, `top_p`, `top_k`, `seed` columns override the defaults, as do `n`,
-`logprobs`, `prompt_logprobs` and structured outputs: see the README); each output row is
+`logprobs`, `prompt_logprobs` and structured outputs: see docs/guide.md); each output row is
 the input row plus `generated_text`, `generated_token_ids`, `num_input_tokens`,
 `num_generated_tokens`, `finish_reason` and `error` (bad rows are error rows), once per
 sample.

@@ -8,12 +8,80 @@ command line sits above the job, which sits above this engine, so nothing here i
 from __future__ import annotations
 
 import argparse
+import difflib
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 from nanoserve.errors import NanoserveError
 from nanoserve.model_store import DEFAULT_MODEL
+
+
+class SuggestingParser(argparse.ArgumentParser):
+    """argparse's parser, whose errors say what was probably meant: an unknown flag is
+    named with the closest known one (`--max-tokns`: did you mean `--max-tokens`?), and so
+    is an invalid choice (a subcommand, a `--scheduler` value). An unknown flag after a
+    subcommand is that subcommand's error, with its usage (argparse alone reports it at the
+    top level, with the top-level usage). Subparsers are of this class too."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._argv = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
+    def parse_args(self, args=None, namespace=None):
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            target = self
+            for action in self._actions:  # the subcommand the extras came with
+                if isinstance(action, argparse._SubParsersAction):
+                    target = action.choices.get(getattr(ns, action.dest, None), target)
+            target.error(f"unrecognized arguments: {' '.join(extras)}")
+        return ns
+
+    def error(self, message: str) -> NoReturn:
+        unknown = self._unknown_flags()
+        if message.startswith("unrecognized arguments: "):
+            message += self._flag_hint(message.split(": ", 1)[1].split())
+        elif unknown:  # e.g. the required arguments are missing: the flag is the likelier slip
+            message = (f"unrecognized arguments: {' '.join(unknown)}{self._flag_hint(unknown)}; "
+                       f"and {message}")
+        elif m := re.search(r"invalid choice: '?([^'\s]*)'? \(choose from (.*)\)", message):
+            choices = [c.strip().strip("'") for c in m.group(2).split(",")]
+            close = difflib.get_close_matches(m.group(1), choices, n=1, cutoff=0.6)
+            if close:
+                message += f" (did you mean '{close[0]}'?)"
+        super().error(message)
+
+    def _flags(self) -> list[str]:
+        return [o for a in self._actions for o in a.option_strings]
+
+    def _unknown_flags(self) -> list[str]:
+        if any(isinstance(a, argparse._SubParsersAction) for a in self._actions):
+            return []  # a subcommand's flags are its own parser's to judge
+        flags = self._flags()
+        out = []
+        for arg in getattr(self, "_argv", ()):
+            if arg == "--":
+                break
+            name = arg.split("=", 1)[0]
+            if (arg.startswith("-") and len(arg) > 1 and not re.fullmatch(r"-\d.*", arg)
+                    and name not in flags
+                    and not (name.startswith("--") and any(f.startswith(name) for f in flags))):
+                out.append(arg)
+        return out
+
+    def _flag_hint(self, args: list[str]) -> str:
+        """' (did you mean --x?)' for the first unknown flag with a close known one, else a
+        pointer to --help."""
+        flags = [f for f in self._flags() if f.startswith("--")]
+        for arg in args:
+            if arg.startswith("-"):
+                close = difflib.get_close_matches(arg.split("=", 1)[0], flags, n=1, cutoff=0.6)
+                if close:
+                    return f" (did you mean {close[0]}?)"
+        return f" (see '{self.prog} --help')"
 
 
 def _add_generate_parser(sub) -> None:

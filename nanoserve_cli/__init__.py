@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from nanoserve.cli import ENGINE_COMMANDS, add_engine_parsers, run_command
+from nanoserve.cli import ENGINE_COMMANDS, SuggestingParser, add_engine_parsers, run_command
 from ray_jobs.cli import add_batch_parser, run_batch_cli
 from ray_jobs.embed_cli import add_embed_parser, run_embed_cli
 
@@ -18,7 +18,7 @@ COMMANDS = {**ENGINE_COMMANDS, "batch": run_batch_cli, "embed": run_embed_cli}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = SuggestingParser(
         prog="nanoserve",
         description="Offline batch inference for Llama-architecture models on PyTorch, "
                     "Triton and Ray.")

@@ -21,7 +21,9 @@ from nanoserve.model_store import DEFAULT_MODEL
 DESCRIPTION = """\
 Generate a completion for every row of a Parquet or JSON Lines file (or a folder tree of
 them) on a Ray worker pool, and write the results as Parquet parts into OUTPUT_DIR. INPUT and
-OUTPUT_DIR may be local paths or object-store URIs (s3://bucket/prefix/, gs://...).
+OUTPUT_DIR may be local paths or object-store URIs (s3://bucket/prefix/, gs://...). A part
+holds its rows in input order; the parts are batches of rows sorted by prompt length, so
+sort by 'id' (positions when the input has none) or join on it for the input's order.
 
 Each row needs a prompt: a 'prompt' (text), 'messages' (chat, [{role, content}, ...],
 rendered with the model's chat template) or 'prompt_token_ids' column; a row uses the
@@ -227,10 +229,10 @@ def read_json_schema(path: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m ray_jobs.cli ARGS` is `nanoserve batch ARGS`."""
-    from nanoserve.cli import run_command
+    from nanoserve.cli import SuggestingParser, run_command
 
-    parser = argparse.ArgumentParser(prog="nanoserve batch", description=DESCRIPTION,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = SuggestingParser(prog="nanoserve batch", description=DESCRIPTION,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_arguments(parser)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     return run_command(run_batch_cli, args, resumable=True)

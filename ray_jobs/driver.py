@@ -16,15 +16,19 @@ Order of work (every job-level check comes before any model loads on a worker):
 
 Memory stays flat: the driver holds one input chunk, one batching window, and the rows of
 the batches in flight (a few times each engine's running rows per worker, plus retries); the
-manifest records done batch ids, never per-row data. Output rows are grouped by batch
-(sorted by prompt length within a window, longest first), not in input order: join on `id`.
+manifest records done batch ids, never per-row data. Batches are cut from a window of rows
+sorted by prompt length (longest first), so a part holds rows from across its window; within
+a part the rows are in input order (a row's samples together, by `sample_index`). For the
+whole input's order, sort by `id` when ids are positions, else join on `id`.
 
 A row asking for n samples gives n output rows, keyed on (`id`, `sample_index`), its input
 columns repeated: a worker answers one result row per sample, in order, and the driver
 regroups them per input row. A row that fails as a whole gives n error rows. Parts, resume
 and `--retry-errors` work per batch as before, so every (id, sample_index) is written
 exactly once. Counts: `JobSummary.rows` (and the manifest's `rows_done`, the report) count
-output rows; `input_rows` and `input_tokens` count each input row once.
+output rows; `input_rows` and `input_tokens` count each input row once. The summary counts
+output rows by `finish_reason` and warns when rows with a structured output ended by length
+(their text is cut, so it need not match the constraint).
 
 Nothing lost, nothing duplicated (see `_JobRun` for the bookkeeping):
 - a worker that dies is replaced and the batches it held run again; a batch that kills
@@ -46,7 +50,7 @@ import dataclasses
 import json
 import sys
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -129,12 +133,17 @@ class JobSummary:
     prefix_hit_rate: float | None = None
     nodes_lost: tuple[str, ...] = ()  # e.g. "node 3f2a9c1e07b4 (10.0.0.7, worker 1)"
     input_rows: int | None = None  # input rows answered by this run (None: = rows)
+    # Output rows of this run by finish_reason: stop, length and error always, in that order.
+    finish_reasons: dict[str, int] = field(default_factory=dict)
+    warnings: tuple[str, ...] = ()  # one line each, also printed on stderr by the job
 
     def format(self) -> str:
         samples = (f" for {self.input_rows} input rows"
                    if self.input_rows is not None and self.input_rows != self.rows else "")
+        reasons = (", ".join(f"{k} {v}" for k, v in self.finish_reasons.items())
+                   if self.finish_reasons else f"{self.error_rows} error rows")
         lines = [
-            f"rows: {self.rows}{samples} ({self.error_rows} error rows)"
+            f"rows: {self.rows}{samples} ({reasons})"
             + (f", {self.rows_resumed} done by an earlier run" if self.rows_resumed else ""),
             f"tokens: {self.input_tokens} input, {self.output_tokens} output",
             f"wall time: {self.wall_time_s:.1f} s, {self.output_tokens_per_s:.1f} output tokens/s",
@@ -156,6 +165,7 @@ class JobSummary:
         if self.timings:
             lines.append("time: " + ", ".join(f"{PHASES[k]} {v:.1f} s"
                                               for k, v in self.timings.items()))
+        lines += self.warnings
         return "\n".join(lines)
 
 
@@ -231,6 +241,8 @@ def run_batch_job(input: str | Path, output_dir: str | Path, **options: Any) -> 
         mark_complete(folder, manifest)
     timeline.mark("shutdown")
     summary = run.summary(timeline.marks["shutdown"])
+    for warning in summary.warnings:
+        log(warning)
     report_settings = {"options": dataclasses.asdict(opts), "model": settings["model"],
                        "input": settings["input"]}
     try:
@@ -327,6 +339,9 @@ class _Sent:
     seq: int  # order of sending: an actor runs its tasks in that order
 
 
+FINISH_REASONS = ("stop", "length", "error")  # always counted in the summary, in this order
+
+
 class _JobRun:
     """One pass over the batches: admit, submit, collect, write, record.
 
@@ -378,6 +393,9 @@ class _JobRun:
         self.deaths_in_a_row = 0
         self.rows = self.error_rows = self.rows_resumed = self.num_batches = 0
         self.input_rows = 0
+        self.finish_reasons: Counter = Counter()
+        self.cut_constrained: Counter = Counter()  # constrained rows ended by length, by max_tokens
+        self.results_back = 0  # answers (or deaths) of pieces collected
         self.input_tokens = self.output_tokens = 0
         self.padded_slots = self.padded_real = 0
         self.cached_tokens = self.cached_prompt_tokens = 0  # batches from prefix-caching engines
@@ -387,7 +405,9 @@ class _JobRun:
         self.timeline = timeline
         self.t0 = time.perf_counter()
         self.bar = tqdm(total=total_rows, unit="row", file=sys.stderr, disable=not opts.progress,
-                        dynamic_ncols=True, desc="nanoserve batch")
+                        dynamic_ncols=True, desc=self.BAR_DESCRIPTION)
+
+    BAR_DESCRIPTION = "nanoserve batch"
 
     def execute(self, batches: Iterator[Batch]) -> None:
         """Hold what each live worker may take (`hold_limits`) plus the queue; take the next
@@ -410,6 +430,8 @@ class _JobRun:
                 self._collect_one()
             self.timeline.mark("prepare")  # (marked already unless no worker was needed)
             if "first_batch" in self.timeline.marks:
+                if self.results_back == 1:  # the first result was the only one: one phase
+                    del self.timeline.marks["first_batch"]
                 self.timeline.mark("generate")
         finally:
             self.bar.close()
@@ -463,6 +485,7 @@ class _JobRun:
         sent = self._pop(ready[0])
         outcome, value = _fetch(ready[0])
         self.timeline.mark("first_batch")
+        self.results_back += 1
         if outcome == "died":
             self._worker_died(sent, value)
         else:
@@ -577,8 +600,11 @@ class _JobRun:
             self._write(pending.batch, pending.results)
 
     def _write(self, batch: Batch, results: list[list[dict[str, Any]]]) -> None:
-        """The one place a part is written (then recorded in the manifest)."""
-        table = self._assemble(batch, results)
+        """The one place a part is written (then recorded in the manifest), its rows in
+        input order (the digest keeps the batch's own order, by prompt length)."""
+        order = sorted(range(len(batch.rows)), key=lambda i: batch.rows[i].position)
+        in_order = dataclasses.replace(batch, rows=tuple(batch.rows[i] for i in order))
+        table = self._assemble(in_order, [results[i] for i in order])
         table = table.replace_schema_metadata({PART_DIGEST_KEY: batch.digest().encode()})
         self.folder.write_parquet(part_name(batch.batch_id), table)  # visible once complete
         self.manifest.record(batch.batch_id, table.num_rows)
@@ -605,11 +631,31 @@ class _JobRun:
         self.input_rows += n
         self.num_batches += 1
         self.error_rows += sum(res["finish_reason"] == "error" for res in flat)
+        self.finish_reasons.update(res["finish_reason"] for res in flat)
+        for row, samples in zip(batch.rows, results):
+            if row.params is not None and row.params.structured_outputs is not None:
+                cut = sum(res["finish_reason"] == "length" for res in samples)
+                if cut:
+                    self.cut_constrained[row.params.max_tokens] += cut
         self.input_tokens += sum(samples[0]["num_input_tokens"] or 0 for samples in results)
         self.output_tokens += sum(res["num_generated_tokens"] or 0 for res in flat)
         elapsed = max(time.perf_counter() - self.t0, 1e-9)
         self.bar.update(n)
-        self.bar.set_postfix_str(f"{self.output_tokens / elapsed:.1f} out tok/s", refresh=False)
+        self.bar.set_postfix_str(self._rates(elapsed), refresh=False)
+
+    def _rates(self, elapsed: float) -> str:
+        """The progress bar's rates after `elapsed` seconds."""
+        return f"{self.output_tokens / elapsed:.1f} out tok/s"
+
+    def _warnings(self) -> tuple[str, ...]:
+        cut = sum(self.cut_constrained.values())
+        if not cut:
+            return ()
+        low, high = min(self.cut_constrained), max(self.cut_constrained)
+        limit = f"max_tokens {low}" if low == high else f"max_tokens {low}-{high}"
+        return (f"warning: {cut} constrained row(s) ended by length ({limit}): their text is "
+                f"cut short and need not match its constraint (JSON schema, regex or choice); "
+                f"raise --max-tokens",)
 
     def summary(self, wall_time_s: float) -> JobSummary:
         waste = 1 - self.padded_real / self.padded_slots if self.padded_slots else 0.0
@@ -627,6 +673,8 @@ class _JobRun:
             device_oom_errors=self.oom_errors, timings=self.timeline.timings(),
             nodes_lost=self.pool.lost_nodes() if self.pool is not None else (),
             input_rows=self.input_rows,
+            finish_reasons={**{k: 0 for k in FINISH_REASONS}, **self.finish_reasons},
+            warnings=self._warnings(),
         )
 
 

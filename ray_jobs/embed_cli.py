@@ -101,10 +101,10 @@ def run_embed_cli(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m ray_jobs.embed_cli ARGS` is `nanoserve embed ARGS`."""
-    from nanoserve.cli import run_command
+    from nanoserve.cli import SuggestingParser, run_command
 
-    parser = argparse.ArgumentParser(prog="nanoserve embed", description=DESCRIPTION,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = SuggestingParser(prog="nanoserve embed", description=DESCRIPTION,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_arguments(parser)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     return run_command(run_embed_cli, args, resumable=True)

@@ -416,7 +416,6 @@ def run_embed_job(input: str | Path, output_dir: str | Path, **options: Any) -> 
         run.schema = schema
         run.embedding_dtype = settings.embedding_dtype
         run.input_fields = plan.passthrough_fields()
-        run.bar.set_description("nanoserve embed")
 
         def rows():
             position = 0
@@ -429,7 +428,8 @@ def run_embed_job(input: str | Path, output_dir: str | Path, **options: Any) -> 
     timeline.mark("shutdown")
     summary = run.summary(timeline.marks["shutdown"])
     summary = EmbedJobSummary(**{f.name: getattr(summary, f.name)
-                                 for f in dataclasses.fields(summary)},
+                                 for f in dataclasses.fields(EmbedJobSummary)
+                                 if hasattr(summary, f.name)},
                               truncated_rows=run.truncated_rows, dimensions=settings.dim)
     report_settings = {"options": dataclasses.asdict(opts), "model": job_settings["model"],
                        "input": job_settings["input"], "embed": job_settings["embed"]}
@@ -504,6 +504,11 @@ def _embed_job_run_class() -> type:
 
         truncated_rows = 0
         embedding_dtype = "float32"
+        BAR_DESCRIPTION = "nanoserve embed"
+
+        def _rates(self, elapsed: float) -> str:
+            return (f"{self.input_rows / elapsed:.1f} rows/s, "
+                    f"{self.input_tokens / elapsed:.1f} input tok/s")
 
         def _admit(self, batch: Any) -> None:
             from ray_jobs.driver import _Pending, _Piece

@@ -578,8 +578,8 @@ def _iter_jsonl(path: InputFile, chunk_rows: int, schema: pa.Schema | None,
             try:
                 row = json.loads(text)
             except json.JSONDecodeError as e:
-                raise InputError(f"{path}:{lineno}: not valid JSON ({e.msg}, column {e.colno})"
-                                 f"{_json_hint(path)}") from None
+                raise InputError(f"{path}:{lineno}: not valid JSON ({e.msg}, "
+                                 f"{_json_column(text, e.pos)}){_json_hint(path)}") from None
             if _SURROGATE_ESCAPE.search(text):
                 row, scrubbed = _scrub_surrogates(row)
                 if scrubbed:
@@ -629,6 +629,16 @@ def check_input_format(input_format: str, files: list[InputFile]) -> None:
     if input_format == "openai" and parquet:
         raise InputError(f"--input-format openai reads JSON Lines of OpenAI batch requests; "
                          f"{parquet[0]} is Parquet")
+
+
+def _json_column(line: str, pos: int) -> str:
+    """Where in its line a JSON error is: its 1-based column (in characters), or the end of
+    the line (json counts the line's newline, so an object cut short would say column 1
+    of the next line)."""
+    text = line.rstrip("\r\n")
+    if pos >= len(text):
+        return f"at the end of the line, column {len(text) + 1}"
+    return f"column {pos + 1}"
 
 
 def _json_hint(path: InputFile) -> str:

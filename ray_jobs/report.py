@@ -20,7 +20,8 @@ with the job's settings, phases and summary. What it shows:
   only when the worker's tables carry the optional metadata key
   `nanoserve.prompt_tokens_cached`;
 - error rows by cause (`error_cause`: the message up to its details);
-- the settings, the phases (`JobSummary.timings`) and the summary.
+- the settings, the phases (`JobSummary.timings`) and the summary (rows by finish reason,
+  and the summary's warnings above it: constrained rows cut by `max_tokens`).
 
 Plots are drawn by matplotlib (Agg, no pyplot state) as inline SVG: no script, no file or
 network fetch; each figure is cleared once drawn, and matplotlib is imported only when a
@@ -309,6 +310,9 @@ def render_html(data: dict[str, Any]) -> str:
         *([("input_rows", "input rows (n samples each give n rows)", s["input_rows"])]
           if s.get("input_rows") not in (None, s["rows"]) else []),
         ("error_rows", "error rows", s["error_rows"]),
+        *([("finish_reasons", "rows by finish reason",
+            ", ".join(f"{k} {v}" for k, v in s["finish_reasons"].items()))]
+          if s.get("finish_reasons") else []),
         ("rows_resumed", "rows done by an earlier run", s["rows_resumed"]),
         ("input_tokens", "input tokens", s["input_tokens"]),
         ("output_tokens", "output tokens", s["output_tokens"]),
@@ -322,6 +326,8 @@ def render_html(data: dict[str, Any]) -> str:
     ]
     rows = "".join(f'<tr><th>{html.escape(label)}</th><td data-key="{key}">'
                    f"{html.escape(str(value))}</td></tr>" for key, label, value in headline)
+    warnings = "".join(f'<p class="warning">{html.escape(w)}</p>'
+                       for w in s.get("warnings") or ())
     settings = _table(sorted(_flatten(data["settings"]).items()))
     payload = json.dumps(data).replace("</", "<\\/")
     return (
@@ -329,7 +335,7 @@ def render_html(data: dict[str, Any]) -> str:
         f"<title>nanoserve batch report: {html.escape(s['output_dir'])}</title>"
         f"<style>{_CSS}</style></head><body>"
         f"<h1>nanoserve batch</h1><p class=\"where\">{html.escape(s['output_dir'])}</p>"
-        f"<section><h2>Summary</h2><table>{rows}</table></section>"
+        f"<section><h2>Summary</h2>{warnings}<table>{rows}</table></section>"
         + "".join(sections)
         + f"<section><h2>Settings</h2>{settings}</section>"
         f'<script type="application/json" id="{REPORT_DATA_ID}">{payload}</script>'
@@ -340,7 +346,8 @@ _CSS = ("body{font-family:sans-serif;margin:2em auto;max-width:60em;color:#222;b
         "h1{margin-bottom:0}.where{color:#666;margin-top:.2em}"
         "table{border-collapse:collapse}th,td{text-align:left;padding:.15em .8em;"
         "border-bottom:1px solid #ddd;font-size:.9em}td{font-family:monospace}"
-        "section{margin-top:1.5em}svg{max-width:100%;height:auto}")
+        "section{margin-top:1.5em}svg{max-width:100%;height:auto}"
+        ".warning{color:#8a4b00;background:#fff4e0;padding:.4em .8em}")
 
 
 def _workers_table(workers: list[dict[str, Any]]) -> str:

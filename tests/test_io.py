@@ -53,6 +53,21 @@ def test_malformed_jsonl_line_names_file_and_line(tmp_path):
         scan_input(p)
 
 
+@pytest.mark.parametrize("line, where", [
+    ('{"id": 2, "prompt": "b"', "Expecting ',' delimiter, at the end of the line, column 24"),
+    ('{"id": 2 "prompt": "b"}', "Expecting ',' delimiter, column 10"),
+    ('{"id": 2, "prompt": "b"}}', "Extra data, column 25"),
+])
+def test_malformed_jsonl_line_names_the_column_in_its_line(tmp_path, line, where):
+    """The column of the fault in its own line (json alone counts the line's newline, and
+    puts a line cut short at column 1 of the next)."""
+    p = tmp_path / "in.jsonl"
+    p.write_text('{"id": 1, "prompt": "a"}\r\n' + line + "\r\n")
+    with pytest.raises(InputError) as e:
+        scan_input(p)
+    assert str(e.value) == f"{p}:2: not valid JSON ({where})"
+
+
 def test_jsonl_line_that_is_not_an_object_is_an_input_error(tmp_path):
     p = tmp_path / "in.jsonl"
     p.write_text('{"prompt": "a"}\n["b"]\n')

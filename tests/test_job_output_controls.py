@@ -205,7 +205,9 @@ def test_n_job_writes_one_row_per_id_and_sample(n_job):
     by_key = rows_by_key(out)
     assert set(by_key) == N_KEYS
     assert (summary.rows, summary.input_rows, summary.error_rows) == (10, 7, 5)
-    assert "rows: 10 for 7 input rows (5 error rows)" in summary.format()
+    assert re.search(r"^rows: 10 for 7 input rows \(stop \d+, length \d+, error 5\)$",
+                     summary.format(), re.M), summary.format()
+    assert sum(summary.finish_reasons.values()) == 10
     assert Manifest.load(out).rows_done == 10
     page = (out / REPORT_NAME).read_text()
     data = json.loads(re.search(r'id="nanoserve-report-data">(.*?)</script>', page,

@@ -1,0 +1,59 @@
+"""The command line's own errors: an unknown flag is its subcommand's error, with that
+subcommand's usage and the closest known flag; an invalid choice names the closest one."""
+
+from __future__ import annotations
+
+import pytest
+
+from nanoserve_cli import main as nanoserve_main
+from ray_jobs.cli import main as batch_main
+
+
+def error_of(main, argv, capsys) -> tuple[str, str]:
+    """(usage line, error line) of a command that argparse refuses (exit status 2)."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    return err.splitlines()[0], err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["batch", "in.jsonl", "-o", "out", "--bogus"],
+     "nanoserve batch: error: unrecognized arguments: --bogus (see 'nanoserve batch --help')"),
+    (["batch", "in.jsonl", "-o", "out", "--max-tokns", "8"],
+     "nanoserve batch: error: unrecognized arguments: --max-tokns 8 "
+     "(did you mean --max-tokens?)"),
+    (["batch", "--bogus"],
+     "nanoserve batch: error: unrecognized arguments: --bogus (see 'nanoserve batch --help'); "
+     "and the following arguments are required: input, -o/--output/--output-dir"),
+    (["batch", "in.jsonl", "-o", "out", "--schedular", "static"],
+     "nanoserve batch: error: unrecognized arguments: --schedular static "
+     "(did you mean --scheduler?)"),
+    (["embed", "in.jsonl", "-o", "out", "--dimension=8", "--polling", "mean"],
+     "nanoserve embed: error: unrecognized arguments: --polling mean (did you mean --pooling?)"),
+    (["generate", "--max-tokns", "3", "hi"],
+     "nanoserve generate: error: unrecognized arguments: --max-tokns "
+     "(did you mean --max-tokens?)"),
+])
+def test_unknown_flag_is_the_subcommands_error(argv, error, capsys):
+    usage, line = error_of(nanoserve_main, argv, capsys)
+    assert usage.startswith(f"usage: nanoserve {argv[0]} ")
+    assert line == error
+
+
+def test_invalid_choices_name_the_closest(capsys):
+    usage, line = error_of(nanoserve_main, ["btch", "in.jsonl"], capsys)
+    assert usage.startswith("usage: nanoserve ") and line.endswith("(did you mean 'batch'?)")
+    _, line = error_of(nanoserve_main, ["batch", "x", "-o", "y", "--scheduler", "contnuous"],
+                       capsys)
+    assert line.endswith("invalid choice: 'contnuous' (choose from 'auto', 'static', "
+                         "'continuous') (did you mean 'continuous'?)")
+
+
+def test_batch_module_alone_suggests_too(capsys):
+    """`python -m ray_jobs.cli` is `nanoserve batch`: the same errors."""
+    usage, line = error_of(batch_main, ["in.jsonl", "-o", "out", "--retry-erors"], capsys)
+    assert usage.startswith("usage: nanoserve batch ")
+    assert line == ("nanoserve batch: error: unrecognized arguments: --retry-erors "
+                    "(did you mean --retry-errors?)")

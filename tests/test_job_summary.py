@@ -1,0 +1,118 @@
+"""What a batch job tells its user: rows by finish reason, a warning for constrained rows cut
+by max_tokens (summary, stderr, report), parts in input order, phases named for what ran,
+and the embedding job's progress rates.
+
+One job on the tiny random model (default model's tokenizer): its JSON-schema rows cannot
+finish in 3-4 tokens, so they end by length."""
+
+from __future__ import annotations
+
+import json
+import re
+from types import SimpleNamespace
+
+import pyarrow.parquet as pq
+import pytest
+
+import ray_jobs.driver as driver
+from ray_jobs import run_batch_job
+from ray_jobs.manifest import REPORT_NAME
+
+KV_BYTES = 32 << 20
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}},
+          "required": ["name"], "additionalProperties": False}
+# Prompt lengths out of input order, so a batch sorted by length differs from input order.
+ROWS = [
+    {"prompt": "short", "guided_json": SCHEMA},
+    {"prompt": "a much longer prompt than the others, by a good many tokens",
+     "guided_json": SCHEMA, "max_tokens": 4},
+    {"prompt": ""},  # an error row
+    {"prompt": "a middling prompt of a few words"},
+    {"prompt": "tiny", "guided_regex": "[a-z]{30}"},
+    {"prompt": "another prompt of middling length here"},
+]
+
+
+@pytest.fixture(scope="module")
+def cut_job(tmp_path_factory, ray_session, tiny_job_model):
+    folder = tmp_path_factory.mktemp("cut-job")
+    path = folder / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    out = folder / "out"
+    summary = run_batch_job(path, out, model=str(tiny_job_model), max_tokens=3,
+                            batch_size=16, kv_cache_bytes=KV_BYTES, progress=False)
+    return summary, out
+
+
+def test_summary_counts_rows_by_finish_reason(cut_job):
+    summary, _ = cut_job
+    reasons = summary.finish_reasons
+    assert list(reasons)[:3] == ["stop", "length", "error"]
+    assert sum(reasons.values()) == summary.rows == 6
+    assert reasons["error"] == summary.error_rows == 1
+    assert reasons["length"] >= 3  # the constrained rows at least
+    first = summary.format().splitlines()[0]
+    assert first == (f"rows: 6 (stop {reasons['stop']}, length {reasons['length']}, "
+                     f"error 1)")
+
+
+def test_constrained_rows_cut_by_length_are_one_warning_line(cut_job):
+    summary, _ = cut_job
+    (warning,) = summary.warnings
+    assert warning.startswith("warning: 3 constrained row(s) ended by length "
+                              "(max_tokens 3-4): ")
+    assert "raise --max-tokens" in warning
+    assert summary.format().splitlines()[-1] == warning
+
+
+def test_report_shows_finish_reasons_and_the_warning(cut_job):
+    summary, out = cut_job
+    page = (out / REPORT_NAME).read_text()
+    reasons = ", ".join(f"{k} {v}" for k, v in summary.finish_reasons.items())
+    assert f'<td data-key="finish_reasons">{reasons}</td>' in page
+    assert '<p class="warning">warning: 3 constrained row(s)' in page
+    data = json.loads(re.search(r'id="nanoserve-report-data">(.*?)</script>', page,
+                                re.S).group(1).replace("<\\/", "</"))
+    assert data["summary"]["finish_reasons"] == summary.finish_reasons
+    assert data["summary"]["warnings"] == list(summary.warnings)
+
+
+def test_each_part_holds_its_rows_in_input_order(cut_job):
+    _, out = cut_job
+    parts = sorted(out.glob("part-*.parquet"))
+    assert len(parts) == 2  # the error row's batch, then the others
+    ids = [pq.read_table(p, columns=["id"])["id"].to_pylist() for p in parts]
+    assert ids == [[2], [0, 1, 3, 4, 5]]  # ids are positions; batched longest first
+
+
+def test_a_single_computed_batch_is_one_generate_phase(cut_job):
+    """The only result back is not a 'first batch' phase followed by 0 s of 'generate'."""
+    summary, _ = cut_job
+    assert list(summary.timings) == ["prepare", "ray", "workers", "generate", "shutdown"]
+    line = summary.format().splitlines()[-2]
+    assert line.startswith("time: ") and "first batch" not in line
+
+
+def test_warning_goes_to_stderr_too(tmp_path, ray_session, tiny_job_model, capfd):
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"prompt": "x", "guided_regex": "[a-z]{30}"}) + "\n")
+    summary = run_batch_job(path, tmp_path / "out", model=str(tiny_job_model), max_tokens=2,
+                            kv_cache_bytes=KV_BYTES, progress=False)
+    assert summary.finish_reasons == {"stop": 0, "length": 1, "error": 0}
+    err = capfd.readouterr().err
+    assert "warning: 1 constrained row(s) ended by length (max_tokens 2)" in err
+
+
+def test_no_warning_without_constrained_rows():
+    run = SimpleNamespace(cut_constrained={})
+    assert driver._JobRun._warnings(run) == ()
+
+
+def test_progress_rates_of_the_generation_and_embedding_jobs():
+    from ray_jobs.embed_job import _embed_job_run_class
+
+    run = SimpleNamespace(output_tokens=30, input_rows=10, input_tokens=250)
+    assert driver._JobRun._rates(run, 2.0) == "15.0 out tok/s"
+    embed = _embed_job_run_class()
+    assert embed._rates(run, 2.0) == "5.0 rows/s, 125.0 input tok/s"
+    assert embed.BAR_DESCRIPTION == "nanoserve embed"
