@@ -240,8 +240,8 @@ def test_graphs_that_do_not_fit_fall_back_to_uncaptured_steps(tiny_model_dir, ca
             assert summary["prefill_graphs"] == 0  # captured as their lengths are met
         else:
             assert summary == {"step_mode": "static", "graphs": 0, "prefill_graphs": 0,
-                               "mask_graphs": 0, "graph_mib": 0.0, "capture_s": 0.0,
-                               "capture_error": "out of memory"}
+                               "prefill_capture_s": 0.0, "mask_graphs": 0, "graph_mib": 0.0,
+                               "capture_s": 0.0, "capture_error": "out of memory"}
             assert "not captured (out of memory" in caplog.text
             assert "kv_cache_fraction" in caplog.text
             fell_back.append(margin)
