@@ -258,11 +258,13 @@ def test_fp8_pool_logits_stay_close_to_the_float_pools(attentive_model):
         assert diff.max() < 0.1 and diff.mean() < 0.02 and agree >= 0.9, (ks, vs, diff, agree)
 
 
+@pytest.mark.parametrize("k_scale,v_scale", [(1.0, 1.0), (0.25, 0.5)])
 @pytest.mark.parametrize("prefix_len", [0, 24])
-def test_continuous_batching_over_an_fp8_pool(attentive_model, prefix_len):
+def test_continuous_batching_over_an_fp8_pool(attentive_model, prefix_len, k_scale, v_scale):
     """Greedy rows (some sharing a 24-token prefix: prefix-cache hits over FP8 blocks)
-    through the continuous scheduler on an FP8 pool and on a float32 pool: at least 90% of
-    all tokens equal position by position; hits happen; every block comes back."""
+    through the continuous scheduler on an FP8 pool (unit scales, and K / V scales that are
+    not: every store and read must apply its layer's) and on a float32 pool: at least 90%
+    of all tokens equal position by position; hits happen; every block comes back."""
     rng = random.Random(prefix_len)
     prefix = [rng.randrange(3, 128) for _ in range(prefix_len)]
     prompts = [prefix + [rng.randrange(3, 128) for _ in range(rng.randint(1, 12))]
@@ -271,7 +273,10 @@ def test_continuous_batching_over_an_fp8_pool(attentive_model, prefix_len):
     shape = CacheShape.of(attentive_model.config)
     runs = {}
     for dtype in (torch.float32, FP8_DTYPE):
-        pool = KVPool(shape, 96, 8, dtype)
+        scales = ({} if dtype == torch.float32 else
+                  {"k_scales": [k_scale] * shape.num_layers,
+                   "v_scales": [v_scale] * shape.num_layers})
+        pool = KVPool(shape, 96, 8, dtype, **scales)
         runs[dtype] = generate_continuous(attentive_model, prompts, params, (), pool,
                                           max_batch_size=3)
         assert pool.allocator.num_free == pool.num_blocks
