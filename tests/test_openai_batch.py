@@ -197,6 +197,8 @@ def job_requests(chat_llm):
         req("unsupported", CHAT, {"messages": [{"role": "user", "content": "x"}],
                                   "tools": [{"type": "function", "function": {"name": "f"}}]}),
         req("comp-ids", COMP, {"prompt": [504, 2988, 314], "max_tokens": 3, "seed": 3}),
+        req("comp-logprobs", COMP, {"prompt": "The river", "max_tokens": 6, "seed": 4,
+                                    "logprobs": 2}),
         # no temperature: OpenAI samples at 1, so its two samples are two draws
         req("chat-default", CHAT, {"messages": [{"role": "user", "content": "Say hi."}],
                                    "max_tokens": 6, "n": 2, "seed": 7, "logprobs": True,
@@ -267,6 +269,7 @@ def test_output_lines_parse_as_openai_types_and_equal_the_engine(openai_job, cha
                                                                   chat_model):
     requests, _, out = openai_job
     by_id = {r["custom_id"]: r for r in requests}
+    longest_completion = 0  # tokens of the longest completion checked with logprobs
     for line in read_jsonl(out / OUTPUT_NAME):
         assert set(line) == {"id", "custom_id", "response", "error"} and line["error"] is None
         assert line["id"].startswith("batch_req_")
@@ -292,6 +295,7 @@ def test_output_lines_parse_as_openai_types_and_equal_the_engine(openai_job, cha
             else:
                 check_completion_logprobs(choice.logprobs, choice.text, want, p.logprobs,
                                           chat_llm)
+                longest_completion = max(longest_completion, len(want.token_ids))
         if request["body"].get("n", 1) > 1 and "temperature" not in request["body"]:
             texts = [c.message.content if chat else c.text for c in parsed.choices]
             assert len(set(texts)) == len(texts), texts  # draws at OpenAI's temperature 1
@@ -301,6 +305,7 @@ def test_output_lines_parse_as_openai_types_and_equal_the_engine(openai_job, cha
     stopped = next(line for line in read_jsonl(out / OUTPUT_NAME)
                    if line["custom_id"] == "comp-stop")
     assert stopped["response"]["body"]["choices"][0]["finish_reason"] == "stop"
+    assert longest_completion >= 3  # text_offset's rule met past its first token
 
 
 def token_bytes(tokenizer, token_id):
