@@ -9,6 +9,10 @@ process, the policies interleaved.
     python3 -m benchmarks.admission [--policies 32/32/0,32/4/4,4/4/0] [--repeats 2]
         [--workloads shared,nanovllm,many] [--profile] [--smoke]
 
+--smoke (a tiny model on the CPU) also checks the tokens: under every policy each row's
+greedy tokens equal the row's own run alone (a policy changes when rows join, never what
+they generate); a difference exits non-zero.
+
 A policy is ADMIT_SHARE/ADMIT_FULL_SHARE/ADMIT_WAIT_STEPS: 32/32/0 admits as soon as 8 of
 256 slots are free; 4/4/0 once 64 are.
 
@@ -56,6 +60,26 @@ def timed_run(llm, prompts, max_tokens, device: str) -> dict:
     ph = r.get("phases") or {"prefill_n": 0, "decode_n": 0, "host": {}}
     return {**r, "prefills": ph["prefill_n"], "decodes": ph["decode_n"],
             "busy_s": r.get("busy_s", 0.0), "admit_s": ph["host"].get("admit", 0.0)}
+
+
+def check_tokens(llm, workloads, policies, vocab: int, shift: int) -> None:
+    """Each workload's rows (greedy, ignore_eos) under every policy against each row run
+    alone: the same token ids, or SystemExit naming the first difference."""
+    from nanoserve.sampling import SamplingParams
+
+    for name, (prompts, max_tokens) in workloads.items():
+        prompts = warmup_of(prompts, vocab, shift)
+        params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens]
+        alone = [llm.generate([p], [sp])[0].token_ids for p, sp in zip(prompts, params)]
+        for policy in policies:
+            _set(policy)
+            got = [o.token_ids for o in llm.generate(prompts, params)]
+            bad = next((i for i, (a, b) in enumerate(zip(got, alone)) if a != b), None)
+            if bad is not None:
+                raise SystemExit(f"{name} policy {_name(policy)}: row {bad} gave {got[bad]}, "
+                                 f"alone {alone[bad]}")
+    print(f"tokens: under every policy each row equals itself run alone "
+          f"({sum(len(w[0]) for w in workloads.values())} rows)", flush=True)
 
 
 def main() -> None:
@@ -117,6 +141,9 @@ def main() -> None:
                       f"{r['decodes']} decode steps, device busy {r['busy_s']:.2f} s, host "
                       f"admission {r['admit_s']:.2f} s", flush=True)
     _set(default)
+    if args.smoke:
+        check_tokens(llm, workloads, policies, vocab, shift)
+        shift += 1
 
     print("\n| workload | policy | wall s | output tok/s | prefills "
           "| decode steps | device busy s | host admission s |")

@@ -145,17 +145,23 @@ def _BYTE_ORDER(char: str) -> int:
 
 def save_tiny_embedding(folder: str | Path, tokenizer_source: str | Path, *,
                         family: str = "qwen3", pooling: str | None = None,
-                        normalize: bool = True, max_seq_length: int | None = None) -> Path:
+                        normalize: bool = True, max_seq_length: int | None = None,
+                        closing_token: str | None = None) -> Path:
     """A tiny random headless checkpoint (transformers' `Qwen3Model`, `LlamaModel` or
     `MistralModel`: no LM head, tensors named without `model.`; hidden 64, 2 layers, GQA 4:2,
     seed 0, random norm weights) with the tokenizer of `tokenizer_source`. With `pooling`
     ('lasttoken', 'mean' or 'cls'), sentence-transformers' files too: `modules.json`
     (Transformer, Pooling, and Normalize when `normalize`), `1_Pooling/config.json` and,
-    with `max_seq_length`, `sentence_bert_config.json`."""
+    with `max_seq_length`, `sentence_bert_config.json`. With `closing_token` (a special
+    token of the vocabulary, e.g. '<|endoftext|>') the tokenizer appends it to every text,
+    as Qwen3-Embedding's does (a `TemplateProcessing` post-processor in tokenizer.json).
+    `tokenizer_config.json` names the fast tokenizer class and the pad (and closing) token,
+    so transformers' `AutoTokenizer` and sentence-transformers load the same files."""
     import json
 
     import torch
     import transformers
+    from tokenizers import processors
 
     from nanoserve.tokenizer import Tokenizer
 
@@ -175,7 +181,20 @@ def save_tiny_embedding(folder: str | Path, tokenizer_source: str | Path, *,
             if "norm" in name:
                 p.copy_(1 + 0.3 * torch.randn_like(p))
     model.save_pretrained(folder)
-    tok.backend.save(str(folder / "tokenizer.json"))
+    backend = tok.backend
+    pad = closing_token or "<|endoftext|>"
+    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "pad_token": pad,
+                        "model_max_length": cfg.max_position_embeddings}
+    if closing_token is not None:
+        token_id = backend.token_to_id(closing_token)
+        if token_id is None:
+            raise ValueError(f"{closing_token!r} is not a token of {tokenizer_source}")
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"$A:0 {closing_token}:0", pair=f"$A:0 $B:1 {closing_token}:1",
+            special_tokens=[(closing_token, token_id)])
+        tokenizer_config["eos_token"] = closing_token
+    backend.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     if pooling is not None:
         modules = [{"idx": 0, "name": "0", "path": "",
                     "type": "sentence_transformers.models.Transformer"},

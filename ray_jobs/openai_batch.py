@@ -12,7 +12,9 @@ the body's fields become the job's per-row columns:
   `logprobs` K;
 - both: `max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `n`, `stop`,
   `seed`, `response_format`, and vLLM's extras `top_k`, `ignore_eos`, `guided_json`,
-  `guided_regex`, `guided_choice`, `guided_grammar`;
+  `guided_regex`, `guided_choice`, `guided_grammar`; a body without `temperature` or
+  `top_p` gets OpenAI's defaults, 1 and 1 (`OPENAI_DEFAULTS`: it samples, where a plain
+  row without them takes the job's values, greedy by default);
 - accepted and not used: `model` (the response names the job's model), `user`,
   `metadata`, `store`, and `stream` false, `echo` false, `presence_penalty` /
   `frequency_penalty` 0, `logit_bias` empty; a field whose value is null is absent.
@@ -75,6 +77,9 @@ _COPIED = ("temperature", "top_p", "n", "seed", "response_format", "top_k", "ign
 _NEUTRAL = {"stream": (False,), "echo": (False,), "presence_penalty": (0,),
             "frequency_penalty": (0,), "logit_bias": ({},)}
 _IGNORED = ("model", "user", "metadata", "store")
+# What OpenAI's API takes for a field the request leaves out (its API reference: temperature
+# "Defaults to 1", top_p "Defaults to 1"); the job's own defaults apply to plain rows only.
+OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0}
 
 
 def is_request(row: Any) -> bool:
@@ -121,6 +126,8 @@ def _body_fields(row: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"unsupported body field(s) {_names(unsupported)} for {url} "
                          f"(nanoserve does not apply them; remove them to run the request)")
     out: dict[str, Any] = {k: body[k] for k in _COPIED if k in body}
+    for k, v in OPENAI_DEFAULTS.items():
+        out.setdefault(k, v)
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
     if limit is not None:
         out["max_tokens"] = limit

@@ -1,6 +1,8 @@
 """Embedding jobs (`run_batch_job(..., task="embed")`, ray_jobs/embed_job.py) and the Ray
 Data processor with task="embed", on the tests' local Ray (CPU). Oracle: transformers' base
-model over each row alone + the pooling its sentence-transformers files name."""
+model over each row alone + the pooling its sentence-transformers files name, on the ids
+of transformers' tokenizer cut to the limit (the model's tokenizer closes every text with
+`<|endoftext|>`, as Qwen3-Embedding's does, and a cut keeps it)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,6 @@ import torch
 
 from nanoserve.errors import InputError, NanoserveError
 from nanoserve.testing import save_tiny_embedding
-from nanoserve.tokenizer import Tokenizer
 from ray_jobs import run_batch_job
 
 LIMIT = 16
@@ -29,20 +30,20 @@ ROWS = [
 
 @pytest.fixture(scope="module")
 def embed_model(tmp_path_factory, smollm2_gguf_path):
-    """Last-token pooling, normalised (sentence-transformers' files)."""
+    """Last-token pooling, normalised (sentence-transformers' files), a closing token."""
     return save_tiny_embedding(tmp_path_factory.mktemp("embed-job"), smollm2_gguf_path,
-                               pooling="lasttoken")
+                               pooling="lasttoken", closing_token="<|endoftext|>")
 
 
 @pytest.fixture(scope="module")
 def hf_oracle(embed_model):
-    from transformers import AutoModel
+    from transformers import AutoModel, AutoTokenizer
 
     model = AutoModel.from_pretrained(embed_model, dtype=torch.float32).eval()
-    tok = Tokenizer.from_path(embed_model)
+    tok = AutoTokenizer.from_pretrained(embed_model)
 
     def vector(text: str, limit: int = LIMIT, dims: int | None = None) -> torch.Tensor:
-        ids = tok.encode(text)[:limit]
+        ids = tok(text, truncation=True, max_length=limit)["input_ids"]
         with torch.no_grad():
             v = model(torch.tensor([ids])).last_hidden_state[0, -1]
         v = v[:dims] if dims else v

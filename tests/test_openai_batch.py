@@ -4,13 +4,25 @@
 Oracles: the `openai` package's own response types (`ChatCompletion.model_validate`,
 `Completion.model_validate`) parse every output line; every custom_id is answered exactly
 once, in input order; usage equals the engine's token counts and the text equals
-`LLM.generate` on the same prompt with the same values (sample i of n: the request alone
-with seed + i); bad lines and unsupported body fields are error lines naming the problem;
-duplicate custom_ids are refused before Ray; a driver killed mid-job and run again gives
-the same files as an uninterrupted run. Model: the tiny random Llama with the default
-model's tokenizer and chat template.
-"""
+`LLM.generate` on the same prompt with the values OpenAI's API reference gives a request
+(a body without `temperature` / `top_p` samples at 1 / 1: `expected` states that rule, it
+does not ask nanoserve; sample i of n: the request alone with seed + i); every logprob
+field equals the engine's logprobs read the way OpenAI documents them (chat: each token's
+logprob, UTF-8 bytes and its top K with theirs; completions: `tokens`, `token_logprobs`, a
+`top_logprobs` dict of the K most likely tokens' text per token, `text_offset` each token's
+character offset in the generated text); bad lines and unsupported body fields are error
+lines naming the problem; duplicate custom_ids are refused before Ray; a driver killed
+mid-job and run again gives the same files as an uninterrupted run. Model: the tiny random
+Llama with the default model's tokenizer and chat template.
 
+What these tests catch (each is a mutation of `ray_jobs/openai_batch.py` in
+`tests/mutations.py`, run there to see it fail):
+- chat `top_logprobs` values not the engine's (e.g. all 0.0): the job test's top-K check;
+- completion `top_logprobs` dicts emptied: the same test's dict check;
+- `text_offset` all 0: the same test's offset rule;
+- a request without `temperature` run greedy (nanoserve's default, not OpenAI's 1):
+  `test_request_lines_are_recognised_and_mapped`, and the job test through `expected`.
+"""
 from __future__ import annotations
 
 import json
@@ -102,9 +114,12 @@ def test_request_lines_are_recognised_and_mapped():
                    "max_tokens": 7, "stop": ["\n"], "logprobs": 3,
                    "messages": [{"role": "user", "content": "Hi there"}]}
     row, why = flatten_request(req("b", COMP, {"prompt": [1, 2, 3], "logprobs": 2,
-                                               "echo": False, "max_tokens": 4}))
+                                               "echo": False, "max_tokens": 4,
+                                               "temperature": None}))
+    # OpenAI's API reference: temperature and top_p each "Defaults to 1" (a null is absent)
     assert why is None and row == {"id": "b", "url": COMP, "prompt_token_ids": [1, 2, 3],
-                                   "logprobs": 2, "max_tokens": 4}
+                                   "logprobs": 2, "max_tokens": 4, "temperature": 1.0,
+                                   "top_p": 1.0}
 
 
 @pytest.mark.parametrize("line, fragment", [
@@ -173,14 +188,21 @@ def job_requests(chat_llm):
             {"role": "user", "content": "Name a colour."}], "max_tokens": 5, "n": 2,
             "temperature": 0.8, "seed": 11, "logprobs": True, "top_logprobs": 2}),
         req("comp-stop", COMP, {"model": "gpt-3.5-turbo-instruct", "prompt": "Once upon a time",
-                                "max_tokens": 8, "stop": [stop], "logprobs": 1}),
+                                "max_tokens": 8, "stop": [stop], "logprobs": 3,
+                                "temperature": 0}),
         req("bad-url", "/v1/embeddings", {"model": "x", "input": "hi"}),
         req("chat-json", CHAT, {"messages": [{"role": "user", "content": [
             {"type": "text", "text": "Give a JSON object."}]}], "max_completion_tokens": 6,
-            "response_format": {"type": "json_object"}}),
+            "response_format": {"type": "json_object"}, "seed": 5}),
         req("unsupported", CHAT, {"messages": [{"role": "user", "content": "x"}],
                                   "tools": [{"type": "function", "function": {"name": "f"}}]}),
-        req("comp-ids", COMP, {"prompt": [504, 2988, 314], "max_tokens": 3}),
+        req("comp-ids", COMP, {"prompt": [504, 2988, 314], "max_tokens": 3, "seed": 3}),
+        req("comp-logprobs", COMP, {"prompt": "The river", "max_tokens": 6, "seed": 4,
+                                    "logprobs": 2}),
+        # no temperature: OpenAI samples at 1, so its two samples are two draws
+        req("chat-default", CHAT, {"messages": [{"role": "user", "content": "Say hi."}],
+                                   "max_tokens": 6, "n": 2, "seed": 7, "logprobs": True,
+                                   "top_logprobs": 3}),
         {"custom_id": "no-method", "url": CHAT, "body": {"messages": [
             {"role": "user", "content": "x"}]}},
         req("empty", COMP, {"prompt": "", "max_tokens": 3}),
@@ -188,13 +210,15 @@ def job_requests(chat_llm):
 
 
 def expected(chat_llm, request):
-    """(prompt ids, [SamplingParams per sample], chat?) of a request the job answers."""
+    """(prompt ids, [SamplingParams per sample], chat?) of a request the job answers. A
+    value the body leaves out is OpenAI's default (its API reference: temperature 1, top_p
+    1), except max_tokens: the job's --max-tokens (16 here), as the README says."""
     body = request["body"]
     tok = chat_llm.tokenizer
-    values = {"max_tokens": body.get("max_completion_tokens", body.get("max_tokens", 16))}
-    for k in ("temperature", "seed"):
-        if k in body:
-            values[k] = body[k]
+    values = {"max_tokens": body.get("max_completion_tokens", body.get("max_tokens", 16)),
+              "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0)}
+    if "seed" in body:
+        values["seed"] = body["seed"]
     if "stop" in body:
         values["stop"] = tuple(body["stop"])
     if "response_format" in body:
@@ -245,6 +269,7 @@ def test_output_lines_parse_as_openai_types_and_equal_the_engine(openai_job, cha
                                                                   chat_model):
     requests, _, out = openai_job
     by_id = {r["custom_id"]: r for r in requests}
+    longest_completion = 0  # tokens of the longest completion checked with logprobs
     for line in read_jsonl(out / OUTPUT_NAME):
         assert set(line) == {"id", "custom_id", "response", "error"} and line["error"] is None
         assert line["id"].startswith("batch_req_")
@@ -266,25 +291,70 @@ def test_output_lines_parse_as_openai_types_and_equal_the_engine(openai_job, cha
             if p.logprobs is None:
                 assert choice.logprobs is None
             elif chat:
-                content = choice.logprobs.content
-                assert [e.logprob for e in content] == pytest.approx(
-                    [e.logprob for e in want.logprobs], abs=1e-5)
-                assert all(len(e.top_logprobs) == p.logprobs for e in content)
-                assert [bytes(e.bytes).decode("utf-8", "replace") for e in content] == [
-                    chat_llm.tokenizer.decode([t], skip_special_tokens=False)
-                    for t in want.token_ids]
+                check_chat_logprobs(choice.logprobs.content, want, p.logprobs, chat_llm)
             else:
-                lp = choice.logprobs
-                assert lp.token_logprobs == pytest.approx([e.logprob for e in want.logprobs],
-                                                          abs=1e-5)
-                assert all(len(t) <= p.logprobs for t in lp.top_logprobs)
-                assert len(lp.tokens) == len(lp.text_offset) == len(want.token_ids)
+                check_completion_logprobs(choice.logprobs, choice.text, want, p.logprobs,
+                                          chat_llm)
+                longest_completion = max(longest_completion, len(want.token_ids))
+        if request["body"].get("n", 1) > 1 and "temperature" not in request["body"]:
+            texts = [c.message.content if chat else c.text for c in parsed.choices]
+            assert len(set(texts)) == len(texts), texts  # draws at OpenAI's temperature 1
         assert parsed.usage.prompt_tokens == len(ids)
         assert parsed.usage.completion_tokens == completion_tokens
         assert parsed.usage.total_tokens == len(ids) + completion_tokens
     stopped = next(line for line in read_jsonl(out / OUTPUT_NAME)
                    if line["custom_id"] == "comp-stop")
     assert stopped["response"]["body"]["choices"][0]["finish_reason"] == "stop"
+    assert longest_completion >= 3  # text_offset's rule met past its first token
+
+
+def token_bytes(tokenizer, token_id):
+    """A byte-level BPE token's bytes, from the `tokenizers` vocabulary and transformers'
+    own byte table (not nanoserve's)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    decoder = {c: b for b, c in bytes_to_unicode().items()}
+    return bytes(decoder[c] for c in tokenizer.backend.id_to_token(token_id))
+
+
+def check_chat_logprobs(content, want, k, llm):
+    """OpenAI's chat logprobs: one entry per generated token with its logprob and UTF-8
+    bytes, and `top_logprobs` the k most likely tokens there, most likely first, each with
+    its text, logprob and bytes: all the engine's."""
+    tok = llm.tokenizer
+    assert len(content) == len(want.logprobs) == len(want.token_ids)
+    for e, w, token_id in zip(content, want.logprobs, want.token_ids, strict=True):
+        assert e.logprob == pytest.approx(w.logprob, abs=1e-5)
+        assert e.token == tok.decode([token_id], skip_special_tokens=False)
+        assert bytes(e.bytes) == token_bytes(tok, token_id)
+        assert len(e.top_logprobs) == k == len(w.top)
+        for t, (top_id, top_lp) in zip(e.top_logprobs, w.top, strict=True):
+            assert t.token == tok.decode([top_id], skip_special_tokens=False)
+            assert t.logprob == pytest.approx(top_lp, abs=1e-5)
+            assert bytes(t.bytes) == token_bytes(tok, top_id)
+        lps = [t.logprob for t in e.top_logprobs]
+        assert lps == sorted(lps, reverse=True) and lps[0] <= 0.0
+
+
+def check_completion_logprobs(lp, text, want, k, llm):
+    """OpenAI's (legacy) completion logprobs: `tokens` each generated token's text,
+    `token_logprobs` theirs, `top_logprobs` one {text: logprob} dict of the k most likely
+    tokens per token (tokens with the same text share one key), `text_offset` each token's
+    character offset in the generated text (0, then the sum of the texts before it, as
+    vLLM writes it without echo)."""
+    tok = llm.tokenizer
+    texts = [tok.decode([t], skip_special_tokens=False) for t in want.token_ids]
+    assert lp.tokens == texts
+    assert "".join(texts).startswith(text)
+    assert lp.token_logprobs == pytest.approx([e.logprob for e in want.logprobs], abs=1e-5)
+    assert lp.text_offset == [sum(len(t) for t in texts[:i]) for i in range(len(texts))]
+    assert len(lp.top_logprobs) == len(want.logprobs)
+    for got, w in zip(lp.top_logprobs, want.logprobs, strict=True):
+        assert len(w.top) == k
+        pairs = [(tok.decode([t], skip_special_tokens=False), v) for t, v in w.top]
+        assert set(got) == {t for t, _ in pairs}
+        for t, v in got.items():
+            assert any(v == pytest.approx(u, abs=1e-5) for s, u in pairs if s == t), (t, v)
 
 
 def test_failed_requests_are_error_lines_naming_the_problem(openai_job):
@@ -356,8 +426,8 @@ def kill_group(pgid):
 
 def test_driver_killed_mid_job_resumes_to_the_same_files(tmp_path, ray_session, chat_model,
                                                          request):
-    requests = [req(f"q{i}", COMP if i % 3 else CHAT,
-                    {"prompt": f"Request {i} says {'ab' * (i % 5)}", "max_tokens": 2}
+    requests = [req(f"q{i}", COMP if i % 3 else CHAT,  # seeded: OpenAI's temperature 1
+                    {"prompt": f"Request {i} says {'ab' * (i % 5)}", "max_tokens": 2, "seed": i}
                     if i % 3 else {"messages": [{"role": "user", "content": f"Hi {i}"}],
                                    "max_tokens": 2, "n": 2, "temperature": 0.7, "seed": i})
                 for i in range(60)]
@@ -440,7 +510,7 @@ def s3():
 
 def test_s3_request_file_in_and_openai_files_out(s3, ray_session, chat_model, tmp_path):
     s3.create_bucket(Bucket="nanoserve-openai")
-    requests = [req(f"s{i}", COMP, {"prompt": f"Object {i} is", "max_tokens": 2})
+    requests = [req(f"s{i}", COMP, {"prompt": f"Object {i} is", "max_tokens": 2, "seed": i})
                 for i in range(5)]
     body = "".join(json.dumps(r) + "\n" for r in requests).encode()
     s3.put_object(Bucket="nanoserve-openai", Key="in/requests.jsonl", Body=body)
@@ -489,7 +559,7 @@ def test_default_model_json_schema_request_parses_and_equals_the_engine(
                        "json_schema": {"name": "place", "schema": schema, "strict": True}}
     messages = [{"role": "user", "content": "Where is the Eiffel Tower? Answer as JSON."}]
     path = write_jsonl(tmp_path / "requests.jsonl", [req("eiffel", CHAT, {
-        "model": "gpt-4o", "messages": messages, "max_tokens": 24,
+        "model": "gpt-4o", "messages": messages, "max_tokens": 24, "temperature": 0,
         "response_format": response_format})])
     run_batch_job(path, tmp_path / "out", model=str(smollm2_gguf_path), kv_cache_bytes=KV_BYTES,
                   progress=False)

@@ -543,7 +543,14 @@ def test_prefill_length_rounds_up_to_few_shapes():
     assert all(n <= g < n + 256 for n, g in zip(range(1, 9000), got))
     assert got == sorted(got) and prefill_length(1024) == 1024 and prefill_length(1025) == 1152
     assert prefill_length(4097) == 4352 and all(g % 64 == 0 for g in got)
-    assert len(set(got[:8192])) == 56  # shapes up to the default budget of 8,192 tokens
+    # the documented rule: n rounded up to a multiple of 64 up to 1,024 tokens, of 128 up to
+    # 4,096, of 256 beyond; so up to the default budget of 8,192 tokens the shapes are those
+    # multiples and no others (56 of them, the number the docs quote)
+    for n, g in zip(range(1, 9000), got):
+        step = 64 if n <= 1024 else 128 if n <= 4096 else 256
+        assert g % step == 0 and g - step < n <= g, (n, g)
+    assert set(got[:8192]) == (set(range(64, 1025, 64)) | set(range(1152, 4097, 128))
+                               | set(range(4352, 8193, 256)))
 
 
 def test_prefill_lengths_lists_each_padded_length_once():

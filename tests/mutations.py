@@ -1,0 +1,218 @@
+"""Mutation check: the tests named here must fail when the code they guard is broken.
+
+    python tests/mutations.py                # every mutation (GPU ones only on a GPU)
+    python tests/mutations.py --list         # the list, nothing run
+    python tests/mutations.py --only embed-plain-cut --baseline
+
+Each mutation replaces one exact piece of text in one file (found exactly once, else the
+list is stale and the script says so) in a fresh copy of the repository, then runs the
+test that is meant to catch it with pytest in that copy (its code first on PYTHONPATH,
+Ray's workers included). A mutation is caught when that test fails; it survives when the
+test passes. `--baseline` also runs each test on the unmutated copy first, which must
+pass (else the test, not the mutation, is broken). Mutations marked GPU run only where
+torch sees a CUDA device, and are reported as skipped elsewhere. Exit status: 0 when
+every mutation run was caught, 1 when one survived or a run went wrong.
+
+Not part of `pytest tests` (the file's name does not start with `test_`): it runs the
+named tests once per mutation and takes minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    file: str  # relative to the repository root
+    old: str  # exact text, found exactly once in `file`
+    new: str
+    test: str  # pytest node id, relative to the repository root
+    gpu: bool = False
+    why: str = ""
+
+
+MUTATIONS = [
+    # OpenAI Batch files (tests/test_openai_batch.py)
+    Mutation("openai-chat-top-logprobs-zero", "ray_jobs/openai_batch.py",
+             'top.append({"token": t_text, "logprob": t["logprob"], "bytes": t_raw})',
+             'top.append({"token": t_text, "logprob": 0.0, "bytes": t_raw})',
+             "tests/test_openai_batch.py::test_output_lines_parse_as_openai_types_and_equal_the_engine",
+             why="chat top_logprobs values not the engine's"),
+    Mutation("openai-completion-top-logprobs-empty", "ray_jobs/openai_batch.py",
+             '"top_logprobs": [{self.text(t["token_id"])[0]: t["logprob"]\n'
+             '                                  for t in e["top"] or ()} for e in entries],',
+             '"top_logprobs": [{} for e in entries],',
+             "tests/test_openai_batch.py::test_output_lines_parse_as_openai_types_and_equal_the_engine",
+             why="completion top_logprobs dicts emptied"),
+    Mutation("openai-text-offset-zero", "ray_jobs/openai_batch.py",
+             "offsets.append(at)", "offsets.append(0)",
+             "tests/test_openai_batch.py::test_output_lines_parse_as_openai_types_and_equal_the_engine",
+             why="every text_offset 0"),
+    Mutation("openai-default-temperature-greedy", "ray_jobs/openai_batch.py",
+             'OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0}', "OPENAI_DEFAULTS = {}",
+             "tests/test_openai_batch.py::test_request_lines_are_recognised_and_mapped",
+             why="a request without temperature runs greedy (nanoserve's default, not OpenAI's 1)"),
+    # embeddings (tests/test_embed.py)
+    Mutation("embed-plain-cut", "nanoserve/embed.py",
+             "        if suffix and ids[-len(suffix):] == suffix and len(suffix) < self.limit:\n"
+             "            return ids[:self.limit - len(suffix)] + suffix, True\n", "",
+             "tests/test_embed.py::test_truncation_keeps_the_closing_token",
+             why="truncation cuts the closing token off"),
+    Mutation("embed-mean-count", "nanoserve/embed.py",
+             "return sums / lens[:, None].float()", "return sums / (lens[:, None].float() + 1)",
+             "tests/test_embed.py::test_llm_embed_matches_transformers",
+             why="mean pooling divides by one token too many (hidden by L2 normalisation)"),
+    # the FP8 KV cache on the CPU (tests/test_fp8_kv.py)
+    Mutation("fp8-step-read-without-scales", "nanoserve/step_cache.py",
+             "even_splits=EVEN_SPLITS, **self.pool.scales(layer))", "even_splits=EVEN_SPLITS)",
+             "tests/test_fp8_kv.py::test_continuous_batching_over_an_fp8_pool",
+             why="a continuous decode step reads the FP8 pool without its layer's scales"),
+    # the continuous runner's padded prefill lengths (tests/test_scheduler.py)
+    Mutation("prefill-length-rule", "nanoserve/model_runner.py",
+             "step = 64 if n <= 1024 else 128 if n <= 4096 else 256",
+             "step = 64 if n <= 1024 else 128 if n <= 4096 else 256 if n <= 8192 else 128",
+             "tests/test_scheduler.py::test_prefill_length_rounds_up_to_few_shapes",
+             why="past 8,192 tokens lengths round to 128, not 256 (the 56 shapes below unchanged)"),
+    # GPU only: the FP8 KV cache's kernels (tests/test_fp8_kv_gpu.py)
+    Mutation("fp8-decode-drops-last-16", "nanoserve_kernels/paged_attention.py",
+             "end = tl.where(split == num_splits - 1, context_len, end)",
+             "end = tl.where(split == num_splits - 1,\n"
+             "                   tl.where(context_len > 512, context_len - 16, context_len), end)",
+             "tests/test_fp8_kv_gpu.py::test_fp8_decode_kernel_matches_reference", gpu=True,
+             why="the decode kernel leaves out the last 16 cached tokens of rows over 512"),
+    Mutation("fp8-decode-query-one-term", "nanoserve_kernels/paged_attention.py",
+             "lo = (rest / s_lo[:, None]).to(tl.float8e4nv)",
+             "lo = (rest * 0.0).to(tl.float8e4nv)",
+             "tests/test_fp8_kv_gpu.py::test_fp8_decode_kernel_matches_reference", gpu=True,
+             why="the FP8 products' query in one e4m3 term instead of two"),
+    # GPU only: FP8 GEMMs (tests/test_fp8_gpu.py)
+    Mutation("fp8-static-input-scale-off", "nanoserve/fp8.py",
+             "xq = _cast(x2 / self.input_scale)", "xq = _cast(x2 / (self.input_scale * 1.03))",
+             "tests/test_fp8_gpu.py::test_fp8_gemm_model_close_to_its_bf16_twin", gpu=True,
+             why="static-scale activations quantized 3% off the scale they are multiplied back by"),
+]
+
+_IGNORE = shutil.ignore_patterns(".git", ".venv", "__pycache__", ".pytest_cache", "*.egg-info",
+                                 "demo-output", ".ruff_cache", "build", "dist")
+
+
+def has_gpu() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def check_list(mutations: list[Mutation]) -> list[str]:
+    """Problems with the list itself: a text not found exactly once, a test file missing."""
+    problems = []
+    for m in mutations:
+        path = REPO / m.file
+        count = path.read_text().count(m.old) if path.is_file() else 0
+        if count != 1:
+            problems.append(f"{m.name}: its text is found {count} times in {m.file} (want 1)")
+        test_file = REPO / m.test.split("::")[0]
+        if not test_file.is_file():
+            problems.append(f"{m.name}: no test file {test_file.relative_to(REPO)}")
+    return problems
+
+
+def run_test(copy: Path, test: str, timeout: float) -> tuple[str, str]:
+    """('passed' | 'failed' | 'error', the run's last lines) of `test` in `copy`."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(copy)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
+    env.setdefault("RAY_AUTH_MODE", "disabled")
+    try:
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                               test], cwd=copy, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return "error", f"timed out after {timeout:.0f} s"
+    tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-6:])
+    summary = (proc.stdout.strip().splitlines() or [""])[-1]
+    if proc.returncode == 0 and re.search(r"\d+ passed", summary) and "skipped" not in summary:
+        return "passed", tail
+    if proc.returncode == 1 and re.search(r"\d+ failed", summary):
+        return "failed", tail
+    return "error", tail  # collection errors, no test run, skips only, pytest itself failing
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--list", action="store_true", help="print the mutations and stop")
+    ap.add_argument("--only", action="append", default=[], metavar="NAME",
+                    help="run this mutation (repeatable)")
+    ap.add_argument("--baseline", action="store_true",
+                    help="first run each test unmutated: it must pass")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds per test run")
+    args = ap.parse_args()
+
+    mutations = [m for m in MUTATIONS if not args.only or m.name in args.only]
+    unknown = set(args.only) - {m.name for m in MUTATIONS}
+    if unknown:
+        print(f"unknown mutation(s): {', '.join(sorted(unknown))}", file=sys.stderr)
+        return 2
+    if args.list:
+        for m in mutations:
+            print(f"{m.name}{' (GPU)' if m.gpu else ''}: {m.file}: {m.why}\n    -> {m.test}")
+        return 0
+    problems = check_list(mutations)
+    if problems:
+        print("the mutation list is stale:\n  " + "\n  ".join(problems), file=sys.stderr)
+        return 2
+
+    gpu = has_gpu()
+    results: list[tuple[Mutation, str, float]] = []
+    for m in mutations:
+        if m.gpu and not gpu:
+            results.append((m, "skipped (needs a GPU)", 0.0))
+            print(f"[skip] {m.name}: needs a GPU ({m.test})", flush=True)
+            continue
+        start = time.monotonic()
+        with tempfile.TemporaryDirectory(prefix="nanoserve-mutation-") as tmp:
+            copy = Path(tmp) / "repo"
+            shutil.copytree(REPO, copy, ignore=_IGNORE)
+            if args.baseline:
+                outcome, tail = run_test(copy, m.test, args.timeout)
+                if outcome != "passed":
+                    results.append((m, f"error: the unmutated test did not pass ({outcome})",
+                                    time.monotonic() - start))
+                    print(f"[error] {m.name}: unmutated {m.test}: {outcome}\n{tail}", flush=True)
+                    continue
+            path = copy / m.file
+            path.write_text(path.read_text().replace(m.old, m.new, 1))
+            outcome, tail = run_test(copy, m.test, args.timeout)
+        seconds = time.monotonic() - start
+        verdict = {"failed": "caught", "passed": "SURVIVED"}.get(outcome, f"error ({outcome})")
+        results.append((m, verdict, seconds))
+        print(f"[{verdict}] {m.name} ({seconds:.0f} s): {m.test}", flush=True)
+        if verdict != "caught":
+            print(tail, flush=True)
+
+    print("\n| mutation | file | test | result | s |\n|---|---|---|---|---|")
+    for m, verdict, seconds in results:
+        print(f"| {m.name} | {m.file} | {m.test.split('::')[-1]} | {verdict} | {seconds:.0f} |")
+    run = [v for _, v, _ in results if not v.startswith("skipped")]
+    caught = sum(v == "caught" for v in run)
+    skipped = len(results) - len(run)
+    print(f"\n{caught} of {len(run)} caught" + (f", {skipped} skipped (GPU)" if skipped else ""))
+    return 0 if caught == len(run) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
