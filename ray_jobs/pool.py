@@ -104,7 +104,7 @@ class WorkerReport:
     decode_steps: int = 0
     decode_row_steps: int = 0
     max_rows: int = 0
-    load_s: dict[str, float] = field(default_factory=dict)  # its first actor's start, by part
+    load_s: dict[str, float] = field(default_factory=dict)  # its (last) actor's start, by part
 
     @property
     def busy_fraction(self) -> float | None:
@@ -148,7 +148,7 @@ class WorkerSlot:
     in_flight: int = 0  # pieces sent and not answered
     rows_in_flight: int = 0  # their samples
     max_pieces: int = 2  # `hold_limits`, set when its actor has loaded
-    max_rows: int | None = None
+    max_rows_held: int | None = None
     batches: int = 0  # pieces of batches this slot generated (a whole batch is one piece)
     rows: int = 0
     restarts: int = 0  # times its actor died (mid-batch or while loading) and was replaced
@@ -164,7 +164,7 @@ class WorkerSlot:
     def can_take(self) -> bool:
         """Whether it holds fewer pieces and rows than `hold_limits` allow."""
         return self.in_flight < self.max_pieces and (
-            self.max_rows is None or self.rows_in_flight < self.max_rows)
+            self.max_rows_held is None or self.rows_in_flight < self.max_rows_held)
 
     def engine_total(self, key: str) -> float:
         return self.engine.get(key, 0) + self.engine_past.get(key, 0)
@@ -390,14 +390,14 @@ class WorkerPool:
         pieces, rows = hold_limits(info, self.opts) if self.opts is not None else (2, None)
         if entry.slot is None:
             self.workers.append(WorkerSlot(entry.handle, info, ready_s=now, max_pieces=pieces,
-                                           max_rows=rows))
+                                           max_rows_held=rows))
             log(f"nanoserve: worker {len(self.workers) - 1} joined on node {node} (GPU ids "
                 f"{info.get('gpu_ids')}); {self.num_alive()} worker(s) now")
             return None
         worker = self.workers[entry.slot]
         worker.new_actor()
         worker.handle, worker.info, worker.alive = entry.handle, info, True
-        worker.max_pieces, worker.max_rows = pieces, rows
+        worker.max_pieces, worker.max_rows_held = pieces, rows
         if worker.ready_s is None:
             worker.ready_s = now
         if entry.deaths:

@@ -44,7 +44,7 @@ def test_affinity_never_outweighs_load_or_limits():
 def test_a_worker_takes_pieces_until_its_rows_reach_its_limit():
     pool = pool_of([3, 3], [A, B])
     for w in pool.workers:
-        w.max_pieces, w.max_rows = 10, 100
+        w.max_pieces, w.max_rows_held = 10, 100
     pool.workers[0].rows_in_flight = 100  # its engine's share is held
     pool.workers[1].rows_in_flight = 99
     assert pool.pick(False, A) == 1
