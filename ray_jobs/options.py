@@ -112,7 +112,6 @@ class JobOptions:
             raise NanoserveError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; choose "
                                  f"{', '.join(KV_CACHE_DTYPES)}")
         check_positive_int(self.max_running_rows, "max_running_rows")
-        check_positive_int(self.batch_size, "batch_size")
         if self.max_in_flight_per_worker is not None:
             check_positive_int(self.max_in_flight_per_worker, "max_in_flight_per_worker")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:

@@ -49,7 +49,7 @@ def actor_threads(opts: JobOptions) -> int:
     if opts.max_in_flight_per_worker is not None:
         return max(1, opts.max_in_flight_per_worker)
     return min(MAX_ACTOR_THREADS,
-               max(2, -(-HOLD_FACTOR * opts.max_running_rows // opts.batch_size) + 1))
+               max(2, -(-HOLD_FACTOR * opts.max_running_rows // max(1, opts.batch_size)) + 1))
 
 
 def hold_limits(info: dict[str, Any], opts: JobOptions) -> tuple[int, int | None]:
