@@ -63,24 +63,21 @@ def hold_limits(info: dict[str, Any], opts: JobOptions) -> tuple[int, int | None
 
 
 def starve_warning(opts: JobOptions) -> str | None:
-    """One line when the options let a worker hold fewer rows than keep a continuous engine
-    full (HOLD_FACTOR times its running rows: a batch waits for its longest row)."""
-    if opts.scheduler == "static":
+    """One line when a user's `max_in_flight_per_worker` lets a worker hold fewer rows than
+    keep a continuous engine full (HOLD_FACTOR times its running rows: a batch waits for
+    its longest row). The depth sized from the engine does not starve it (short of batches
+    so small that MAX_ACTOR_THREADS of them hold fewer rows)."""
+    if opts.scheduler == "static" or opts.max_in_flight_per_worker is None:
         return None
-    held = opts.batch_size * actor_threads(opts)
+    held = opts.batch_size * opts.max_in_flight_per_worker
     if held >= HOLD_FACTOR * opts.max_running_rows:
         return None
-    if opts.max_in_flight_per_worker is not None:
-        why = (f"batch_size {opts.batch_size} x max_in_flight_per_worker "
-               f"{opts.max_in_flight_per_worker}")
-        fix = "leave max_in_flight_per_worker unset (it is then sized from the engine)"
-    else:
-        why = f"batch_size {opts.batch_size} x {MAX_ACTOR_THREADS} batches at most"
-        fix = "raise --batch-size"
-    return (f"nanoserve: warning: {why} = {held} rows a worker, fewer than the "
+    return (f"nanoserve: warning: batch_size {opts.batch_size} x max_in_flight_per_worker "
+            f"{opts.max_in_flight_per_worker} = {held} rows a worker, fewer than the "
             f"{HOLD_FACTOR} x {opts.max_running_rows} that keep its engine full (it runs "
             f"{opts.max_running_rows} at once, and a batch waits for its longest row): the "
-            f"engine will run part empty; {fix}")
+            f"engine will run part empty; leave max_in_flight_per_worker unset (it is then "
+            f"sized from the engine)")
 
 
 @dataclass(frozen=True)

@@ -158,8 +158,9 @@ def finished_job(ray_session, tiny_job_model, tmp_path_factory):
 
     folder = tmp_path_factory.mktemp("finished-job")
     path = write_prompts(folder / "in" / "in.jsonl", prompts_of(6))
+    # A fixed depth of 2 (not the engine-sized one), the bound this fixture checks.
     options = {"model": str(tiny_job_model), "max_tokens": MAX_TOKENS, "batch_size": 2,
-               "kv_cache_bytes": 32 << 20, "progress": False}
+               "kv_cache_bytes": 32 << 20, "progress": False, "max_in_flight_per_worker": 2}
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(driver._JobRun, "_submit", submit)
         run_batch_job(path, folder / "out", **options)
