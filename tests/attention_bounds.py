@@ -160,13 +160,19 @@ def paged_case(seed, lens, hkv, d, block, k_scale, v_scale):
     shape = (nb, block, hkv, d)
     k8 = quantize_reference(torch.randn(shape, generator=g) * 150 * k_scale, k_scale)
     v8 = quantize_reference(torch.randn(shape, generator=g) * 150 * v_scale, v_scale)
+    return g, k8, v8, random_tables(lens, nb, block, g), torch.tensor(lens, dtype=torch.int32)
+
+
+def random_tables(lens, nb: int, block: int, g: torch.Generator) -> torch.Tensor:
+    """Block tables [rows, width] int32 giving each row of `lens` tokens its own blocks of
+    the pool's `nb`, drawn at random, never block 0; unused entries 0."""
     order = (torch.randperm(nb - 1, generator=g) + 1).tolist()
     tables = torch.zeros((len(lens), max(math.ceil(n / block) for n in lens) + 1),
                          dtype=torch.int32)
     for row, n in enumerate(lens):
         mine, order = order[:math.ceil(n / block)], order[math.ceil(n / block):]
         tables[row, :len(mine)] = torch.tensor(mine, dtype=torch.int32)
-    return g, k8, v8, tables, torch.tensor(lens, dtype=torch.int32)
+    return tables
 
 
 def decode_case(group: int, head_dim: int, block_size: int, k_scale: float, v_scale: float):

@@ -79,12 +79,9 @@ def _decode_case(seed, lens, hkv=2, group=3, d=32, block=8, k_scale=0.05, v_scal
     k = torch.randn(shape, generator=g) * 60 * k_scale
     v = torch.randn(shape, generator=g) * 60 * v_scale
     q = torch.randn((len(lens), hkv * group, d), generator=g) / 40
-    order = (torch.randperm(nb - 1, generator=g) + 1).tolist()
-    tables = torch.zeros((len(lens), max(math.ceil(n / block) for n in lens) + 1),
-                         dtype=torch.int32)
-    for row, n in enumerate(lens):
-        mine, order = order[:math.ceil(n / block)], order[math.ceil(n / block):]
-        tables[row, :len(mine)] = torch.tensor(mine, dtype=torch.int32)
+    from attention_bounds import random_tables
+
+    tables = random_tables(lens, nb, block, g)
     k8, v8 = quantize_reference(k, k_scale), quantize_reference(v, v_scale)
     return q, k, v, k8, v8, tables, torch.tensor(lens, dtype=torch.int32)
 
