@@ -95,6 +95,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a row's whole text matches this regular expression")
     g.add_argument("--choice", action="append", default=[], metavar="TEXT",
                    help="a row's text is one of these (repeat the flag for each choice)")
+    p.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
+                   help='options for the chat template, e.g. \'{"enable_thinking": false}\' '
+                        "(a row's 'chat_template_kwargs' column updates them)")
     c = p.add_argument_group("columns")
     c.add_argument("--prompt-column", default=None, metavar="NAME",
                    help="the column holding the prompt (text, messages or token ids)")
@@ -193,7 +196,7 @@ def run_batch_cli(args: argparse.Namespace) -> int:
         overwrite=args.overwrite, retry_errors=args.retry_errors, scheduler=args.scheduler,
         prefix_caching=args.prefix_caching, n=args.n, logprobs=args.logprobs,
         prompt_logprobs=args.prompt_logprobs, json_schema=json_schema, regex=args.regex,
-        choice=tuple(args.choice),
+        choice=tuple(args.choice), chat_template_kwargs=args.chat_template_kwargs,
         prompt_column=args.prompt_column, id_column=args.id_column,
         input_format=args.input_format, output_format=args.output_format,
         progress=args.progress, kv_cache_fraction=args.kv_cache_fraction,

@@ -191,7 +191,8 @@ def run_batch_job(input: str | Path, output_dir: str | Path, **options: Any) -> 
     config, tokenizer = load_model_meta(model_path)
     eos = tuple(sorted(set(config.eos_token_ids) | set(tokenizer.eos_token_ids)))
     preparer = RowPreparer(plan, tokenizer, config.max_position_embeddings, config.vocab_size,
-                           opts.sampling_defaults(), eos_token_ids=eos)
+                           opts.sampling_defaults(), eos_token_ids=eos,
+                           chat_template_kwargs=opts.chat_template_kwargs)
     controls = output_controls(plan, opts.sampling_defaults())
     plan.output_schema(controls)  # an input column that clashes is refused here
     settings = _job_settings(opts, info, model_path, limits)
@@ -271,7 +272,9 @@ def _job_settings(opts: JobOptions, info: InputInfo, model_path: Path,
                      "window_rows": limits.window_rows},
         "columns": {"prompt_column": opts.prompt_column, "id_column": opts.id_column,
                     **({"input_format": opts.input_format}
-                       if opts.input_format != "auto" else {})},
+                       if opts.input_format != "auto" else {}),
+                    **({"chat_template_kwargs": opts.chat_template_kwargs}
+                       if opts.chat_template_kwargs else {})},
     }
 
 

@@ -68,7 +68,7 @@ _BOTH = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "st
          "response_format", "top_k", "ignore_eos", "guided_json", "guided_regex",
          "guided_choice", "guided_grammar", "model", "user", "metadata", "store", "stream",
          "presence_penalty", "frequency_penalty", "logit_bias"}
-_FIELDS = {CHAT_URL: _BOTH | {"messages", "logprobs", "top_logprobs"},
+_FIELDS = {CHAT_URL: _BOTH | {"messages", "logprobs", "top_logprobs", "chat_template_kwargs"},
            COMPLETIONS_URL: _BOTH | {"prompt", "logprobs", "echo"}}
 _COPIED = ("temperature", "top_p", "n", "seed", "response_format", "top_k", "ignore_eos",
            "guided_json", "guided_regex", "guided_choice", "guided_grammar")
@@ -132,6 +132,10 @@ def _body_fields(row: dict[str, Any]) -> dict[str, Any]:
         out["stop"] = stop
     if url == CHAT_URL:
         out["messages"] = _messages(body.get("messages"))
+        if "chat_template_kwargs" in body:  # JSON text: rows' objects differ in their keys
+            if not isinstance(body["chat_template_kwargs"], dict):
+                raise ValueError("body.chat_template_kwargs must be a JSON object")
+            out["chat_template_kwargs"] = json.dumps(body["chat_template_kwargs"])
         asked = body.get("logprobs", False)
         if not isinstance(asked, bool):
             raise ValueError("body.logprobs must be true or false for chat completions")

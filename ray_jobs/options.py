@@ -39,6 +39,9 @@ class JobOptions:
     json_schema: str | dict | None = None  # a JSON schema (JSON text, or a dict)
     regex: str | None = None  # the whole text matches it
     choice: tuple[str, ...] = ()  # the text is one of these
+    # chat-template options for every chat row (e.g. {"enable_thinking": false}), a dict or
+    # its JSON text, kept as JSON text; a row's `chat_template_kwargs` column updates them
+    chat_template_kwargs: str | dict | None = None
     dtype: str = "auto"  # bfloat16 on GPU, float32 on CPU
     quantization: str | None = None  # "fp8": projections quantized at load (GPU workers)
     # None: one per GPU of the cluster, 1 without GPUs; or "MIN-MAX" / "auto": GPU workers
@@ -95,6 +98,15 @@ class JobOptions:
         so = self.structured_outputs()
         if so is not None and so.problems():
             raise InputError(f"{asked[0]}: {so.problems()[0]}")
+        if self.chat_template_kwargs is not None:
+            from nanoserve.chat_template import template_kwargs
+
+            try:
+                kwargs = template_kwargs(self.chat_template_kwargs, "--chat-template-kwargs")
+            except ValueError as e:
+                raise InputError(str(e)) from None
+            object.__setattr__(self, "chat_template_kwargs",
+                               json.dumps(kwargs, ensure_ascii=False) if kwargs else None)
         if self.scheduler not in SCHEDULERS:
             raise NanoserveError(f"unknown scheduler {self.scheduler!r}; choose "
                                  f"{', '.join(SCHEDULERS)}")
