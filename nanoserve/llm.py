@@ -216,6 +216,17 @@ class LLM:
             add_special_tokens=False) for c in conversations]
         return self.generate(prompts, params)
 
+    def choice_scores(self, prompts: list[list[int]] | list[str],
+                      labels: list[str]) -> list[dict[str, float]]:
+        """One {label: probability} per prompt: the model's probability of each whole label
+        after the prompt, normalised over the labels (`nanoserve.choice_scores`). A prompt is
+        token ids or a text (encoded with the tokenizer's BOS rule). ValueError for an
+        empty label list or a label given twice."""
+        from nanoserve.choice_scores import choice_scores
+
+        prompts = [self.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+        return choice_scores(self, prompts, labels)
+
     def _max_new(self, prompt: list[int], p: SamplingParams) -> int:
         return max(1, min(p.max_tokens, self.max_context - len(prompt)))
 
