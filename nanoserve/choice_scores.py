@@ -96,3 +96,36 @@ def choice_scores(llm: Any, prompts: Sequence[Sequence[int]], labels: Sequence[s
                 for j in range(m)]
         result.append(dict(zip(labels, normalise(sums))))
     return result
+
+
+def expand_requests(tokenizer: Any, max_context: int, prompts: Sequence[Sequence[int]],
+                    params: Sequence[SamplingParams]
+                    ) -> tuple[list[list[int]], list[SamplingParams], list[list[list[int]] | None]]:
+    """Requests as the engine runs them: a request whose params ask for `choice_scores`
+    becomes one scoring sequence per label (`score_requests`), the others stay as they are.
+    Returns the engine's prompts and params, and per request its labels' token ids (None
+    for a request that generates). ValueError when a label does not fit the context."""
+    out_prompts: list[list[int]] = []
+    out_params: list[SamplingParams] = []
+    spans: list[list[list[int]] | None] = []
+    for prompt, p in zip(prompts, params, strict=True):
+        if not p.choice_scores:
+            out_prompts.append(list(prompt))
+            out_params.append(p)
+            spans.append(None)
+            continue
+        label_ids = label_token_ids(tokenizer, p.structured_outputs.choice)
+        for seq, sp in score_requests(prompt, label_ids, max_context):
+            out_prompts.append(seq)
+            out_params.append(sp)
+        spans.append(label_ids)
+    return out_prompts, out_params, spans
+
+
+def scored_result(labels: Sequence[str], label_ids: Sequence[Sequence[int]],
+                  outs: Sequence[Any]) -> tuple[list[float], int]:
+    """The labels' probabilities from their scoring sequences' completions (in label
+    order), and the index of the most likely label (the first of equals)."""
+    probs = normalise([label_logprob(o.prompt_logprobs, len(ids))
+                       for o, ids in zip(outs, label_ids, strict=True)])
+    return probs, max(range(len(probs)), key=lambda j: probs[j])

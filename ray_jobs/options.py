@@ -39,6 +39,9 @@ class JobOptions:
     json_schema: str | dict | None = None  # a JSON schema (JSON text, or a dict)
     regex: str | None = None  # the whole text matches it
     choice: tuple[str, ...] = ()  # the text is one of these
+    # with `choice`: each row's probability of every label (the `choice_scores` column),
+    # from forward passes, and the most likely label as its text
+    choice_scores: bool = False
     # chat-template options for every chat row (e.g. {"enable_thinking": false}), a dict or
     # its JSON text, kept as JSON text; a row's `chat_template_kwargs` column updates them
     chat_template_kwargs: str | dict | None = None
@@ -107,6 +110,15 @@ class JobOptions:
                 raise InputError(str(e)) from None
             object.__setattr__(self, "chat_template_kwargs",
                                json.dumps(kwargs, ensure_ascii=False) if kwargs else None)
+        if self.choice_scores:
+            from nanoserve.choice_scores import check_labels
+
+            if not self.choice:
+                raise InputError("--choice-scores needs the labels: give them with --choice")
+            try:
+                check_labels(self.choice)
+            except ValueError as e:
+                raise InputError(f"--choice: {e}") from None
         if self.scheduler not in SCHEDULERS:
             raise NanoserveError(f"unknown scheduler {self.scheduler!r}; choose "
                                  f"{', '.join(SCHEDULERS)}")
@@ -148,7 +160,8 @@ class JobOptions:
                 "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
                 "stop": self.stop, "ignore_eos": self.ignore_eos, "n": self.n,
                 "logprobs": self.logprobs, "prompt_logprobs": self.prompt_logprobs,
-                "structured_outputs": self.structured_outputs()}
+                "structured_outputs": self.structured_outputs(),
+                **({"choice_scores": True} if self.choice_scores else {})}
 
 
 __all__ = ["DTYPES", "KV_CACHE_DTYPES", "SCHEDULERS", "JobOptions"]

@@ -77,7 +77,7 @@ OVERRIDE_COLUMNS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "n", 
                     "prompt_logprobs")
 # Per-row values that are not numbers: stop strings (a list of strings, or one string) and
 # ignore_eos (true/false).
-OTHER_OVERRIDES = ("stop", "ignore_eos")
+OTHER_OVERRIDES = ("stop", "ignore_eos", "choice_scores")
 # Per-row structured outputs (OpenAI's and vLLM's request fields).
 CONSTRAINT_COLUMNS = ("response_format", "guided_json", "guided_regex", "guided_choice",
                       "guided_grammar")
@@ -143,6 +143,8 @@ def output_controls(plan: ColumnPlan, defaults: dict[str, Any]) -> tuple[str, ..
     for name in ("logprobs", "prompt_logprobs"):
         if defaults.get(name) is not None or name in columns:
             out.append(name)
+    if defaults.get("choice_scores") or "choice_scores" in columns:
+        out.append("choice_scores")
     return tuple(c for c in CONTROL_COLUMNS if c in out)
 
 
@@ -217,11 +219,12 @@ def plan_columns(schema: pa.Schema, prompt_column: str | None = None,
             raise InputError(f"column {n!r} (a per-row sampling value) must be numeric, not {t}")
     for n in (n for n in OTHER_OVERRIDES if n in names):
         t = schema.field(n).type
-        fits = pat.is_null(t) or (pat.is_boolean(t) if n == "ignore_eos" else _is_text(t) or (
+        flag = n in ("ignore_eos", "choice_scores")
+        fits = pat.is_null(t) or (pat.is_boolean(t) if flag else _is_text(t) or (
             (pat.is_list(t) or pat.is_large_list(t))
             and (pat.is_null(t.value_type) or _is_text(t.value_type))))
         if not fits:
-            want = "true/false" if n == "ignore_eos" else "a list of strings (or one string)"
+            want = "true/false" if flag else "a list of strings (or one string)"
             raise InputError(f"column {n!r} (a per-row sampling value) must hold {want}, "
                              f"not {t}")
         overrides += (n,)
@@ -333,7 +336,7 @@ class RowPreparer:
         flag = _FLAG_OF_KIND.get(so.kind, "structured output")
         try:
             self.grammars.check(so)
-            if "max_tokens" not in self.plan.override_columns:
+            if "max_tokens" not in self.plan.override_columns and not default.choice_scores:
                 self._check_choices_fit(so, default.max_tokens, "--max-tokens")
         except ValueError as e:
             raise InputError(f"invalid {flag}: {e}") from None
@@ -479,7 +482,7 @@ class RowPreparer:
         room = self.max_context - num_prompt_tokens  # >= 1, checked with the prompt
         if params.max_tokens > room:
             params = dataclasses.replace(params, max_tokens=room)
-        if params.structured_outputs is not None:
+        if params.structured_outputs is not None and not params.choice_scores:
             self._check_choices_fit(params.structured_outputs, params.max_tokens, "max_tokens")
         return params
 
