@@ -69,16 +69,13 @@ def test_job_flag_errors_are_one_line():
 
 
 def test_openai_request_file_scores_labels(tmp_path, ray_session, tiny_job_model, tiny_llm):
-    body = {"messages": [{"role": "user", "content": "Pick one"}],
-            "guided_choice": ["red", "green"], "choice_scores": True}
+    body = {"prompt": "Pick one:", "guided_choice": ["red", "green"], "choice_scores": True}
     path = write_jsonl(tmp_path / "req.jsonl", [{"custom_id": "r1", "method": "POST",
-                                                 "url": "/v1/chat/completions", "body": body}])
+                                                 "url": "/v1/completions", "body": body}])
     run_batch_job(path, tmp_path / "out", model=str(tiny_job_model), max_tokens=4,
                   batch_size=4, kv_cache_bytes=KV_BYTES, progress=False)
     (line,) = [json.loads(x) for x in (tmp_path / "out" / "output.jsonl").read_text().splitlines()]
     choice = line["response"]["body"]["choices"][0]
-    prompt = tiny_llm.tokenizer.encode(tiny_llm.tokenizer.apply_chat_template(
-        body["messages"]), add_special_tokens=False)
-    want = tiny_llm.choice_scores([prompt], ["red", "green"])[0]
-    assert choice["message"]["content"] == max(want, key=want.get)
+    want = tiny_llm.choice_scores(["Pick one:"], ["red", "green"])[0]
+    assert choice["text"] == max(want, key=want.get)
     assert all(abs(choice["choice_scores"][k] - want[k]) < 1e-5 for k in want)
