@@ -79,3 +79,18 @@ def test_openai_request_file_scores_labels(tmp_path, ray_session, tiny_job_model
     want = tiny_llm.choice_scores(["Pick one:"], ["red", "green"])[0]
     assert choice["text"] == max(want, key=want.get)
     assert all(abs(choice["choice_scores"][k] - want[k]) < 1e-5 for k in want)
+
+
+def test_ray_data_processor_scores_labels(ray_session, tiny_job_model, tiny_llm):
+    from nanoserve.structured import StructuredOutputs
+    from ray_jobs.data_processor import build_processor
+
+    process = build_processor(str(tiny_job_model), num_gpus=0, kv_cache_bytes=KV_BYTES,
+                              max_tokens=4, choice_scores=True,
+                              structured_outputs=StructuredOutputs(choice=tuple(LABELS)))
+    (row,) = process(ray_session.data.from_items([{"prompt": "Great film. Sentiment:"}])
+                     ).take_all()
+    want = tiny_llm.choice_scores(["Great film. Sentiment:"], LABELS)[0]
+    got = dict(row["choice_scores"])
+    assert all(abs(got[k] - want[k]) < 1e-5 for k in want)
+    assert row["generated_text"] == max(want, key=want.get)
