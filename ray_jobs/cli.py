@@ -102,6 +102,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
                    help='options for the chat template, e.g. \'{"enable_thinking": false}\' '
                         "(a row's 'chat_template_kwargs' column updates them)")
+    p.add_argument("--reasoning-parser", choices=("qwen3", "deepseek_r1"), default=None,
+                   help="split the think block from the answer: columns 'reasoning' and "
+                        "'num_reasoning_tokens', 'generated_text' the answer only")
     c = p.add_argument_group("columns")
     c.add_argument("--prompt-column", default=None, metavar="NAME",
                    help="the column holding the prompt (text, messages or token ids)")
@@ -201,6 +204,7 @@ def run_batch_cli(args: argparse.Namespace) -> int:
         prefix_caching=args.prefix_caching, n=args.n, logprobs=args.logprobs,
         prompt_logprobs=args.prompt_logprobs, json_schema=json_schema, regex=args.regex,
         choice=tuple(args.choice), choice_scores=args.choice_scores,
+        reasoning_parser=args.reasoning_parser,
         chat_template_kwargs=args.chat_template_kwargs,
         prompt_column=args.prompt_column, id_column=args.id_column,
         input_format=args.input_format, output_format=args.output_format,

@@ -45,6 +45,8 @@ class JobOptions:
     # chat-template options for every chat row (e.g. {"enable_thinking": false}), a dict or
     # its JSON text, kept as JSON text; a row's `chat_template_kwargs` column updates them
     chat_template_kwargs: str | dict | None = None
+    # 'qwen3' / 'deepseek_r1': the think block split from the answer (nanoserve.reasoning)
+    reasoning_parser: str | None = None
     dtype: str = "auto"  # bfloat16 on GPU, float32 on CPU
     quantization: str | None = None  # "fp8": projections quantized at load (GPU workers)
     # None: one per GPU of the cluster, 1 without GPUs; or "MIN-MAX" / "auto": GPU workers
@@ -119,6 +121,12 @@ class JobOptions:
                 check_labels(self.choice)
             except ValueError as e:
                 raise InputError(f"--choice: {e}") from None
+        if self.reasoning_parser is not None:
+            from nanoserve.reasoning import PARSERS
+
+            if self.reasoning_parser not in PARSERS:
+                raise InputError(f"unknown reasoning parser {self.reasoning_parser!r}; choose "
+                                 f"{', '.join(PARSERS)}")
         if self.scheduler not in SCHEDULERS:
             raise NanoserveError(f"unknown scheduler {self.scheduler!r}; choose "
                                  f"{', '.join(SCHEDULERS)}")

@@ -130,7 +130,8 @@ class ColumnPlan:
         return pa.schema(fields + list(result_schema(controls)))
 
 
-def output_controls(plan: ColumnPlan, defaults: dict[str, Any]) -> tuple[str, ...]:
+def output_controls(plan: ColumnPlan, defaults: dict[str, Any],
+                    reasoning: bool = False) -> tuple[str, ...]:
     """The output-control columns a job's output has (see `ray_jobs.io.CONTROL_SCHEMA`):
     `sample_index` when the default n is above 1 or the input has an `n` column, `logprobs`
     / `prompt_logprobs` when the job's default asks for them or the input has the column.
@@ -145,6 +146,8 @@ def output_controls(plan: ColumnPlan, defaults: dict[str, Any]) -> tuple[str, ..
             out.append(name)
     if defaults.get("choice_scores") or "choice_scores" in columns:
         out.append("choice_scores")
+    if reasoning:  # a reasoning parser: `reasoning` and `num_reasoning_tokens`
+        out += ["reasoning", "num_reasoning_tokens"]
     return tuple(c for c in CONTROL_COLUMNS if c in out)
 
 

@@ -13,11 +13,10 @@ from nanoserve.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")
-def think_llm(tmp_path_factory, smollm2_gguf_path):
+def think_model(tmp_path_factory, smollm2_gguf_path):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from nanoserve.llm import LLM
     from nanoserve.tokenizer import Tokenizer
 
     folder = tmp_path_factory.mktemp("think-model")
@@ -30,7 +29,14 @@ def think_llm(tmp_path_factory, smollm2_gguf_path):
                       tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
     LlamaForCausalLM(cfg).save_pretrained(folder)
     backend.save(str(folder / "tokenizer.json"))
-    return LLM(model=str(folder), device="cpu", kv_cache_bytes=16 << 20)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def think_llm(think_model):
+    from nanoserve.llm import LLM
+
+    return LLM(model=str(think_model), device="cpu", kv_cache_bytes=16 << 20)
 
 
 def test_think_tags_are_single_tokens(think_llm):
@@ -79,3 +85,29 @@ def test_unknown_parser_and_missing_tags_are_errors(tiny_llm, think_llm):
         ReasoningParser("r2", think_llm.tokenizer)
     with pytest.raises(ValueError, match="no single <think> / </think> tokens"):
         ReasoningParser("qwen3", tiny_llm.tokenizer)
+
+
+def test_batch_job_writes_reasoning_columns(think_model, think_llm, ray_session, tmp_path):
+    import json
+
+    import pyarrow.dataset as ds
+
+    from nanoserve.errors import InputError
+    from ray_jobs import run_batch_job
+
+    tok = think_llm.tokenizer
+    rows = [{"id": 0, "prompt": "Question: 2+2?<think>"}, {"id": 1, "prompt": "Question: 2+2?"}]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run_batch_job(tmp_path / "in.jsonl", tmp_path / "out", model=str(think_model), max_tokens=6,
+                  ignore_eos=True, kv_cache_bytes=16 << 20, reasoning_parser="qwen3",
+                  progress=False)
+    got = {r["id"]: r for r in ds.dataset(tmp_path / "out").to_table().to_pylist()}
+    forced = got[0]
+    assert forced["finish_reason"] == "length" and forced["generated_text"] == ""
+    assert forced["num_reasoning_tokens"] == 6
+    assert forced["reasoning"] == tok.decode(forced["generated_token_ids"])
+    assert got[1]["reasoning"] is None and got[1]["num_reasoning_tokens"] == 0
+    assert got[1]["generated_text"] == tok.decode(got[1]["generated_token_ids"])
+    with pytest.raises(InputError, match="unknown reasoning parser 'r2'"):
+        run_batch_job(tmp_path / "in.jsonl", tmp_path / "out2", model=str(think_model),
+                      reasoning_parser="r2", progress=False)
