@@ -201,7 +201,8 @@ def _names(keys: list[str]) -> str:
 
 _PART_RE = re.compile(r"part-(\d+)\.parquet")
 _PART_COLUMNS = ("id", "generated_text", "num_input_tokens", "num_generated_tokens",
-                 "finish_reason", "error", "sample_index", "logprobs", "choice_scores")
+                 "finish_reason", "error", "sample_index", "logprobs", "choice_scores",
+                 "reasoning")
 _SERVER_ERRORS = ("generation failed", "the worker died")
 
 
@@ -293,6 +294,8 @@ def _completion(digest: str, chat: bool, samples: list[dict[str, Any]], created:
             choices.append({"index": i, "text": s["generated_text"],
                             "logprobs": None if entries is None else token.completion(entries),
                             "finish_reason": s["finish_reason"]})
+        if chat and "reasoning" in s:  # a reasoning parser ran: the think block's text
+            choices[-1]["message"]["reasoning_content"] = s["reasoning"]
         if s.get("choice_scores") is not None:  # {label: probability}, labels in order
             choices[-1]["choice_scores"] = dict(s["choice_scores"])
     prompt = samples[0]["num_input_tokens"] or 0

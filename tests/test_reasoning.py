@@ -6,6 +6,9 @@ all output is reasoning, the answer empty."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from nanoserve.reasoning import ReasoningParser
@@ -29,6 +32,9 @@ def think_model(tmp_path_factory, smollm2_gguf_path):
                       tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
     LlamaForCausalLM(cfg).save_pretrained(folder)
     backend.save(str(folder / "tokenizer.json"))
+    template = (Path(__file__).parent / "chat_templates" / "qwen3.jinja").read_text()
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": template, "eos_token": "<|im_end|>"}))
     return folder
 
 
@@ -88,8 +94,6 @@ def test_unknown_parser_and_missing_tags_are_errors(tiny_llm, think_llm):
 
 
 def test_batch_job_writes_reasoning_columns(think_model, think_llm, ray_session, tmp_path):
-    import json
-
     import pyarrow.dataset as ds
 
     from nanoserve.errors import InputError
@@ -111,3 +115,25 @@ def test_batch_job_writes_reasoning_columns(think_model, think_llm, ray_session,
     with pytest.raises(InputError, match="unknown reasoning parser 'r2'"):
         run_batch_job(tmp_path / "in.jsonl", tmp_path / "out2", model=str(think_model),
                       reasoning_parser="r2", progress=False)
+
+
+def test_openai_chat_lines_carry_reasoning_content(think_model, think_llm, ray_session,
+                                                   tmp_path):
+    """deepseek_r1 reads output as reasoning from its start: with no closing tag in 6
+    tokens, the whole output is `reasoning_content` and `content` is empty."""
+    from ray_jobs import run_batch_job
+
+    line = {"custom_id": "q", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": "2+2?"}], "max_tokens": 6,
+                     "ignore_eos": True}}
+    (tmp_path / "req.jsonl").write_text(json.dumps(line) + "\n")
+    run_batch_job(tmp_path / "req.jsonl", tmp_path / "out", model=str(think_model),
+                  kv_cache_bytes=16 << 20, reasoning_parser="deepseek_r1", progress=False)
+    (out,) = [json.loads(x) for x in (tmp_path / "out" / "output.jsonl").read_text().splitlines()]
+    choice = out["response"]["body"]["choices"][0]
+    tok = think_llm.tokenizer
+    prompt = tok.encode(tok.apply_chat_template(line["body"]["messages"]),
+                        add_special_tokens=False)
+    (want,) = think_llm.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))
+    assert choice["finish_reason"] == "length" and choice["message"]["content"] == ""
+    assert choice["message"]["reasoning_content"] == tok.decode(want.token_ids) != ""
