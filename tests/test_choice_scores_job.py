@@ -94,3 +94,23 @@ def test_ray_data_processor_scores_labels(ray_session, tiny_job_model, tiny_llm)
     got = dict(row["choice_scores"])
     assert all(abs(got[k] - want[k]) < 1e-5 for k in want)
     assert row["generated_text"] == max(want, key=want.get)
+
+
+def test_cli_choice_scores_and_chat_template_kwargs(ray_session, tiny_job_model, tiny_llm,
+                                                    tmp_path, capsys):
+    from nanoserve_cli import main as nanoserve_main
+
+    path = write_jsonl(tmp_path / "rows.jsonl", [{"id": 0, "prompt": "Great film. Sentiment:"}])
+    rc = nanoserve_main(["batch", str(path), "-o", str(tmp_path / "out"), "--model",
+                         str(tiny_job_model), "--max-tokens", "4", "--choice", *LABELS,
+                         "--choice-scores", "--chat-template-kwargs",
+                         '{"enable_thinking": false}', "--no-progress"])
+    assert rc == 0, capsys.readouterr().err
+    row = rows_by_id(tmp_path / "out")[0]
+    want = tiny_llm.choice_scores(["Great film. Sentiment:"], LABELS)[0]
+    assert all(abs(dict(row["choice_scores"])[k] - want[k]) < 1e-5 for k in want)
+    rc = nanoserve_main(["batch", str(path), "-o", str(tmp_path / "out2"), "--model",
+                         str(tiny_job_model), "--choice", "a", "a", "--choice-scores",
+                         "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc != 0 and len(err) == 1 and "'a' is given twice" in err[0]
