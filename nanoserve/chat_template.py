@@ -264,3 +264,33 @@ def _make_environment() -> ImmutableSandboxedEnvironment:
 
 
 _ENVIRONMENT = _make_environment()
+
+
+# Variables the renderer sets itself; template options may not replace them.
+RESERVED_TEMPLATE_VARIABLES = ("messages", "add_generation_prompt")
+
+
+def template_kwargs(value: Any, name: str = "chat_template_kwargs") -> dict[str, Any]:
+    """Chat-template options (vLLM's `chat_template_kwargs`, e.g. `{"enable_thinking":
+    false}`) as a plain dict: `value` is None (no options), a mapping, or its JSON text.
+
+    Invariant: the options only ever become template variables (plain data, see `_plain`),
+    never code. ValueError, one line naming `name`, when `value` is not a JSON object with
+    string keys or sets a variable the renderer owns (`messages`, `add_generation_prompt`).
+    """
+    if value is None:
+        return {}
+    if isinstance(value, (str, bytes)):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"{name} is not valid JSON ({e})") from None
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{name} must be a JSON object, got {type(value).__name__}")
+    bad = [k for k in value if not isinstance(k, str)]
+    if bad:
+        raise ValueError(f"{name} keys must be strings, got {bad[0]!r}")
+    reserved = [k for k in value if k in RESERVED_TEMPLATE_VARIABLES]
+    if reserved:
+        raise ValueError(f"{name} may not set {reserved[0]!r} (the renderer sets it)")
+    return {k: _plain(v) for k, v in value.items()}

@@ -198,6 +198,35 @@ class LLM:
             out.extend(self._run(prompt_token_ids, params, batch))
         return out
 
+    def chat(self, conversations: list[list[dict]] | list[dict],
+             params: SamplingParams | list[SamplingParams] | None = None, *,
+             chat_template_kwargs: dict | None = None) -> list[Completion]:
+        """`generate` over conversations (one list of {role, content} messages, or a list of
+        them), each rendered with the model's chat template (generation prompt added; the
+        template writes the special tokens). `chat_template_kwargs` become template
+        variables, e.g. `{"enable_thinking": False}` (plain data, never code; ValueError
+        for a non-object or a variable the renderer owns)."""
+        from nanoserve.chat_template import template_kwargs
+
+        kwargs = template_kwargs(chat_template_kwargs)
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]  # type: ignore[list-item]
+        prompts = [self.tokenizer.encode(
+            self.tokenizer.apply_chat_template(c, add_generation_prompt=True, **kwargs),
+            add_special_tokens=False) for c in conversations]
+        return self.generate(prompts, params)
+
+    def choice_scores(self, prompts: list[list[int]] | list[str],
+                      labels: list[str]) -> list[dict[str, float]]:
+        """One {label: probability} per prompt: the model's probability of each whole label
+        after the prompt, normalised over the labels (`nanoserve.choice_scores`). A prompt is
+        token ids or a text (encoded with the tokenizer's BOS rule). ValueError for an
+        empty label list or a label given twice."""
+        from nanoserve.choice_scores import choice_scores
+
+        prompts = [self.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+        return choice_scores(self, prompts, labels)
+
     def _max_new(self, prompt: list[int], p: SamplingParams) -> int:
         return max(1, min(p.max_tokens, self.max_context - len(prompt)))
 

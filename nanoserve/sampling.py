@@ -38,6 +38,9 @@ class SamplingParams:
     logprobs: int | None = None  # per generated token: its logprob, rank and this many top
     prompt_logprobs: int | None = None  # the same for each prompt token after the first
     structured_outputs: StructuredOutputs | None = None  # JSON schema, regex, choice, grammar
+    # with a choice list: score every label (nanoserve.choice_scores) instead of sampling;
+    # the batch job's worker runs it (the engine's generate does not read it)
+    choice_scores: bool = False
     extra: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -75,6 +78,20 @@ class SamplingParams:
                                   or not 0 <= k <= MAX_LOGPROBS):
                 out.append(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {k!r}")
         so = self.structured_outputs
+        if self.choice_scores is not False:
+            if self.choice_scores is not True:
+                out.append(f"choice_scores must be true or false, got {self.choice_scores!r}")
+            elif not isinstance(so, StructuredOutputs) or so.choice is None:
+                out.append("choice_scores needs a choice list (guided_choice / --choice)")
+            else:
+                from nanoserve.choice_scores import check_labels
+
+                try:
+                    check_labels(so.choice)
+                except ValueError as e:
+                    out.append(str(e))
+                if self.n != 1:
+                    out.append("choice_scores gives one row per prompt: n must be 1")
         if so is not None:
             if not isinstance(so, StructuredOutputs):
                 out.append("structured_outputs must be a nanoserve.structured.StructuredOutputs")

@@ -95,8 +95,18 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a JSON schema file: a row's text is JSON valid under it")
     g.add_argument("--regex", default=None, metavar="REGEX",
                    help="a row's whole text matches this regular expression")
-    g.add_argument("--choice", action="append", default=[], metavar="TEXT",
-                   help="a row's text is one of these (repeat the flag for each choice)")
+    g.add_argument("--choice", action="extend", nargs="+", default=[], metavar="TEXT",
+                   help="a row's text is one of these (--choice A B C, or the flag repeated)")
+    g.add_argument("--choice-scores", action="store_true",
+                   help="with --choice: each row's probability of every label in the column "
+                        "'choice_scores' (from forward passes, not sampling); its text the "
+                        "most likely label")
+    p.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
+                   help='options for the chat template, e.g. \'{"enable_thinking": false}\' '
+                        "(a row's 'chat_template_kwargs' column updates them)")
+    p.add_argument("--reasoning-parser", choices=("qwen3", "deepseek_r1"), default=None,
+                   help="split the think block from the answer: columns 'reasoning' and "
+                        "'num_reasoning_tokens', 'generated_text' the answer only")
     c = p.add_argument_group("columns")
     c.add_argument("--prompt-column", default=None, metavar="NAME",
                    help="the column holding the prompt (text, messages or token ids)")
@@ -195,7 +205,9 @@ def run_batch_cli(args: argparse.Namespace) -> int:
         overwrite=args.overwrite, retry_errors=args.retry_errors, scheduler=args.scheduler,
         prefix_caching=args.prefix_caching, n=args.n, logprobs=args.logprobs,
         prompt_logprobs=args.prompt_logprobs, json_schema=json_schema, regex=args.regex,
-        choice=tuple(args.choice),
+        choice=tuple(args.choice), choice_scores=args.choice_scores,
+        reasoning_parser=args.reasoning_parser,
+        chat_template_kwargs=args.chat_template_kwargs,
         prompt_column=args.prompt_column, id_column=args.id_column,
         input_format=args.input_format, output_format=args.output_format,
         progress=args.progress, kv_cache_fraction=args.kv_cache_fraction,

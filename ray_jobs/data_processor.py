@@ -70,8 +70,10 @@ class DatasetGenerator:
     def __init__(self, model: str = DEFAULT_MODEL, sampling: dict[str, Any] | None = None,
                  prompt_column: str | None = None, dtype: str = "auto",
                  kv_cache_fraction: float = 0.5, kv_cache_bytes: int | None = None,
-                 scheduler: str = "static", num_threads: int | None = None) -> None:
+                 scheduler: str = "static", num_threads: int | None = None,
+                 chat_template_kwargs: dict[str, Any] | None = None) -> None:
         path = resolve_model(model)
+        self.chat_template_kwargs = chat_template_kwargs
         self.config, self.tokenizer = load_model_meta(path)
         self.sampling = dict(sampling or {})
         self.prompt_column = prompt_column
@@ -91,7 +93,7 @@ class DatasetGenerator:
             preparer = RowPreparer(
                 plan, self.tokenizer, self.config.max_position_embeddings,
                 self.config.vocab_size, self.sampling, eos_token_ids=llm.eos_token_ids,
-                grammars=llm.grammars)
+                grammars=llm.grammars, chat_template_kwargs=self.chat_template_kwargs)
             controls = output_controls(plan, self.sampling)
             plan.output_schema(controls)  # InputError for a clashing column
             self._preparers[schema] = (preparer, controls)
@@ -134,14 +136,16 @@ def build_processor(model: str = DEFAULT_MODEL, *, concurrency: int = 1,
                     num_gpus: float = 1, num_cpus: float | None = None, batch_size: int = 64,
                     prompt_column: str | None = None, dtype: str = "auto",
                     kv_cache_fraction: float = 0.5, kv_cache_bytes: int | None = None,
-                    scheduler: str = "static", **sampling: Any) -> Callable[[Any], Any]:
+                    scheduler: str = "static", chat_template_kwargs: dict[str, Any] | None = None,
+                    **sampling: Any) -> Callable[[Any], Any]:
     """A function `Dataset -> Dataset` that appends the result columns to every row (see
     the module docstring). `concurrency` actors, each with `num_gpus` GPUs (1: one engine
     per GPU; 0: on the CPU, `num_cpus` cores each, default 1); `batch_size` rows per call
     of an engine; `sampling`: the `SamplingParams` fields (`max_tokens`, `temperature`,
     `top_p`, `top_k`, `seed`, `stop`, `ignore_eos`, `n`, `logprobs`, `prompt_logprobs`,
     `structured_outputs`: a `nanoserve.structured.StructuredOutputs`) that per-row columns
-    override. Options are checked here, before any actor starts (InputError, ValueError);
+    override; `chat_template_kwargs`: chat-template options for every chat row (e.g.
+    `{"enable_thinking": False}`; a row's `chat_template_kwargs` column updates them). Options are checked here, before any actor starts (InputError, ValueError);
     a default structured output is compiled with the model's tokenizer here too."""
     from nanoserve.errors import InputError
     from nanoserve.sampling import SamplingParams
@@ -164,6 +168,12 @@ def build_processor(model: str = DEFAULT_MODEL, *, concurrency: int = 1,
         params = SamplingParams(**sampling)
     except (TypeError, ValueError) as e:
         raise InputError(f"invalid sampling options: {e}") from None
+    from nanoserve.chat_template import template_kwargs
+
+    try:
+        chat_template_kwargs = template_kwargs(chat_template_kwargs) or None
+    except ValueError as e:
+        raise InputError(str(e)) from None
     path = resolve_model(model)  # a model that is not there is refused here, not in every actor
     if params.structured_outputs is not None:
         config, tokenizer = load_model_meta(path)
@@ -179,7 +189,7 @@ def build_processor(model: str = DEFAULT_MODEL, *, concurrency: int = 1,
     constructor = {"model": model, "sampling": sampling, "prompt_column": prompt_column,
                    "dtype": dtype, "kv_cache_fraction": kv_cache_fraction,
                    "kv_cache_bytes": kv_cache_bytes, "scheduler": scheduler,
-                   "num_threads": num_threads}
+                   "num_threads": num_threads, "chat_template_kwargs": chat_template_kwargs}
 
     def process(ds: Any) -> Any:
         from ray.data import ActorPoolStrategy

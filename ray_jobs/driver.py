@@ -59,7 +59,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from nanoserve.errors import NanoserveError
+from nanoserve.errors import InputError, NanoserveError
 from nanoserve.model_store import resolve_model
 from ray_jobs import openai_batch
 from ray_jobs.batching import Batch, BatchLimits, make_batches
@@ -201,8 +201,18 @@ def run_batch_job(input: str | Path, output_dir: str | Path, **options: Any) -> 
     config, tokenizer = load_model_meta(model_path)
     eos = tuple(sorted(set(config.eos_token_ids) | set(tokenizer.eos_token_ids)))
     preparer = RowPreparer(plan, tokenizer, config.max_position_embeddings, config.vocab_size,
-                           opts.sampling_defaults(), eos_token_ids=eos)
-    controls = output_controls(plan, opts.sampling_defaults())
+                           opts.sampling_defaults(), eos_token_ids=eos,
+                           chat_template_kwargs=opts.chat_template_kwargs)
+    controls = output_controls(plan, opts.sampling_defaults(),
+                               reasoning=opts.reasoning_parser is not None)
+    reasoning = None
+    if opts.reasoning_parser is not None:
+        from nanoserve.reasoning import ReasoningParser
+
+        try:
+            reasoning = ReasoningParser(opts.reasoning_parser, tokenizer)
+        except ValueError as e:
+            raise InputError(f"--reasoning-parser: {e}") from None
     plan.output_schema(controls)  # an input column that clashes is refused here
     settings = _job_settings(opts, info, model_path, limits)
     folder = OutputDir.open(output_dir)  # a local folder or an object-store prefix
@@ -233,7 +243,7 @@ def run_batch_job(input: str | Path, output_dir: str | Path, **options: Any) -> 
             return pool
 
         run = _JobRun(opts, plan, folder, manifest, start_pool, info.num_rows, timeline, retry,
-                      controls)
+                      controls, reasoning)
         run.execute(make_batches(_prepared_rows(info, preparer, opts.chunk_rows), limits))
         if openai_out:  # output.jsonl / errors.jsonl from the parts, before _SUCCESS
             openai_batch.write_outputs(folder, iter_chunks(info, opts.chunk_rows), plan,
@@ -283,7 +293,11 @@ def _job_settings(opts: JobOptions, info: InputInfo, model_path: Path,
                      "window_rows": limits.window_rows},
         "columns": {"prompt_column": opts.prompt_column, "id_column": opts.id_column,
                     **({"input_format": opts.input_format}
-                       if opts.input_format != "auto" else {})},
+                       if opts.input_format != "auto" else {}),
+                    **({"chat_template_kwargs": opts.chat_template_kwargs}
+                       if opts.chat_template_kwargs else {}),
+                    **({"reasoning_parser": opts.reasoning_parser}
+                       if opts.reasoning_parser else {})},
     }
 
 
@@ -372,7 +386,7 @@ class _JobRun:
     def __init__(self, opts: JobOptions, plan: ColumnPlan, folder: OutputDir, manifest: Manifest,
                  start_pool: Callable[[], WorkerPool], total_rows: int,
                  timeline: Timeline, retry: set[int] = frozenset(),
-                 controls: tuple[str, ...] = ()) -> None:
+                 controls: tuple[str, ...] = (), reasoning: Any = None) -> None:
         """`start_pool` is called when the first piece is sent: a rerun with nothing left
         to compute starts neither Ray nor a worker. `retry`: batch ids an earlier run wrote
         that are computed again (their parts are replaced), never adopted. `controls`: the
@@ -380,6 +394,7 @@ class _JobRun:
         from tqdm import tqdm
 
         self.opts = opts
+        self.reasoning = reasoning  # a nanoserve.reasoning.ReasoningParser, or None
         self.retry = retry
         self.schema = plan.output_schema(controls)
         self.input_fields = plan.passthrough_fields(controls)
@@ -602,6 +617,9 @@ class _JobRun:
     def _write(self, batch: Batch, results: list[list[dict[str, Any]]]) -> None:
         """The one place a part is written (then recorded in the manifest), its rows in
         input order (the digest keeps the batch's own order, by prompt length)."""
+        if self.reasoning is not None:
+            results = [[split_reasoning(self.reasoning, r.prompt_token_ids, res) for res in samples]
+                       for r, samples in zip(batch.rows, results)]
         order = sorted(range(len(batch.rows)), key=lambda i: batch.rows[i].position)
         in_order = dataclasses.replace(batch, rows=tuple(batch.rows[i] for i in order))
         table = self._assemble(in_order, [results[i] for i in order])
@@ -621,7 +639,8 @@ class _JobRun:
         arrays += [pa.array([r.values[f.name] for r in rows], type=f.type)
                    for f in self.input_fields]
         result_fields = list(self.schema)[len(arrays):]
-        arrays += [pa.array([res[f.name] for res in flat], type=f.type) for f in result_fields]
+        arrays += [pa.array([res.get(f.name) for res in flat], type=f.type)
+                   for f in result_fields]
         return pa.Table.from_arrays(arrays, schema=self.schema)
 
     def _count(self, batch: Batch, results: list[list[dict[str, Any]]]) -> None:
@@ -705,3 +724,14 @@ def _fetch(ref: Any, timeout: float | None = None) -> tuple[str, Any]:
 
 
 __all__ = ["JobOptions", "JobSummary", "WorkerReport", "run_batch_job"]
+
+
+def split_reasoning(parser: Any, prompt_ids: Any, res: dict[str, Any]) -> dict[str, Any]:
+    """A result row with its think block split off (`nanoserve.reasoning`): `reasoning`
+    (null where the output has no block), `num_reasoning_tokens`, and `generated_text` the
+    answer only (empty when the block never closed: finish_reason stays as the row ended,
+    'length' when it hit max_tokens while thinking). Error rows pass unchanged."""
+    if res["finish_reason"] == "error" or res["generated_token_ids"] is None:
+        return res
+    reasoning, answer, n, _ = parser.split_text(prompt_ids, res["generated_token_ids"])
+    return {**res, "generated_text": answer, "reasoning": reasoning, "num_reasoning_tokens": n}

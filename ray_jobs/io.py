@@ -103,6 +103,12 @@ CONTROL_SCHEMA = pa.schema([
     ("sample_index", pa.int32()),  # which of the row's n samples (0..n-1)
     ("logprobs", LOGPROBS_TYPE),  # one per generated token; null unless asked
     ("prompt_logprobs", LOGPROBS_TYPE),  # one per prompt token after the first; null unless asked
+    # {label: probability} of a row that asked for choice scores; null otherwise
+    ("choice_scores", pa.map_(pa.string(), pa.float64())),
+    # with a reasoning parser: the think block's text (null where none) and its tokens;
+    # generated_text is then the answer only
+    ("reasoning", pa.string()),
+    ("num_reasoning_tokens", pa.int64()),
 ])
 CONTROL_COLUMNS = tuple(CONTROL_SCHEMA.names)
 WORKER_RESULT_SCHEMA = pa.schema(list(RESULT_SCHEMA) + list(CONTROL_SCHEMA))

@@ -69,11 +69,11 @@ _REQUEST_KEYS = ("custom_id", "method", "url", "body")
 _BOTH = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop", "seed",
          "response_format", "top_k", "ignore_eos", "guided_json", "guided_regex",
          "guided_choice", "guided_grammar", "model", "user", "metadata", "store", "stream",
-         "presence_penalty", "frequency_penalty", "logit_bias"}
-_FIELDS = {CHAT_URL: _BOTH | {"messages", "logprobs", "top_logprobs"},
+         "presence_penalty", "frequency_penalty", "logit_bias", "choice_scores"}
+_FIELDS = {CHAT_URL: _BOTH | {"messages", "logprobs", "top_logprobs", "chat_template_kwargs"},
            COMPLETIONS_URL: _BOTH | {"prompt", "logprobs", "echo"}}
 _COPIED = ("temperature", "top_p", "n", "seed", "response_format", "top_k", "ignore_eos",
-           "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+           "guided_json", "guided_regex", "guided_choice", "guided_grammar", "choice_scores")
 _NEUTRAL = {"stream": (False,), "echo": (False,), "presence_penalty": (0,),
             "frequency_penalty": (0,), "logit_bias": ({},)}
 _IGNORED = ("model", "user", "metadata", "store")
@@ -139,6 +139,10 @@ def _body_fields(row: dict[str, Any]) -> dict[str, Any]:
         out["stop"] = stop
     if url == CHAT_URL:
         out["messages"] = _messages(body.get("messages"))
+        if "chat_template_kwargs" in body:  # JSON text: rows' objects differ in their keys
+            if not isinstance(body["chat_template_kwargs"], dict):
+                raise ValueError("body.chat_template_kwargs must be a JSON object")
+            out["chat_template_kwargs"] = json.dumps(body["chat_template_kwargs"])
         asked = body.get("logprobs", False)
         if not isinstance(asked, bool):
             raise ValueError("body.logprobs must be true or false for chat completions")
@@ -204,7 +208,8 @@ def _names(keys: list[str]) -> str:
 
 _PART_RE = re.compile(r"part-(\d+)\.parquet")
 _PART_COLUMNS = ("id", "generated_text", "num_input_tokens", "num_generated_tokens",
-                 "finish_reason", "error", "sample_index", "logprobs")
+                 "finish_reason", "error", "sample_index", "logprobs", "choice_scores",
+                 "reasoning")
 _SERVER_ERRORS = ("generation failed", "the worker died")
 
 
@@ -296,6 +301,10 @@ def _completion(digest: str, chat: bool, samples: list[dict[str, Any]], created:
             choices.append({"index": i, "text": s["generated_text"],
                             "logprobs": None if entries is None else token.completion(entries),
                             "finish_reason": s["finish_reason"]})
+        if chat and "reasoning" in s:  # a reasoning parser ran: the think block's text
+            choices[-1]["message"]["reasoning_content"] = s["reasoning"]
+        if s.get("choice_scores") is not None:  # {label: probability}, labels in order
+            choices[-1]["choice_scores"] = dict(s["choice_scores"])
     prompt = samples[0]["num_input_tokens"] or 0
     completion = sum(s["num_generated_tokens"] or 0 for s in samples)
     return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{digest[:32]}",

@@ -39,6 +39,14 @@ class JobOptions:
     json_schema: str | dict | None = None  # a JSON schema (JSON text, or a dict)
     regex: str | None = None  # the whole text matches it
     choice: tuple[str, ...] = ()  # the text is one of these
+    # with `choice`: each row's probability of every label (the `choice_scores` column),
+    # from forward passes, and the most likely label as its text
+    choice_scores: bool = False
+    # chat-template options for every chat row (e.g. {"enable_thinking": false}), a dict or
+    # its JSON text, kept as JSON text; a row's `chat_template_kwargs` column updates them
+    chat_template_kwargs: str | dict | None = None
+    # 'qwen3' / 'deepseek_r1': the think block split from the answer (nanoserve.reasoning)
+    reasoning_parser: str | None = None
     dtype: str = "auto"  # bfloat16 on GPU, float32 on CPU
     quantization: str | None = None  # "fp8": projections quantized at load (GPU workers)
     # None: one per GPU of the cluster, 1 without GPUs; or "MIN-MAX" / "auto": GPU workers
@@ -95,6 +103,30 @@ class JobOptions:
         so = self.structured_outputs()
         if so is not None and so.problems():
             raise InputError(f"{asked[0]}: {so.problems()[0]}")
+        if self.chat_template_kwargs is not None:
+            from nanoserve.chat_template import template_kwargs
+
+            try:
+                kwargs = template_kwargs(self.chat_template_kwargs, "--chat-template-kwargs")
+            except ValueError as e:
+                raise InputError(str(e)) from None
+            object.__setattr__(self, "chat_template_kwargs",
+                               json.dumps(kwargs, ensure_ascii=False) if kwargs else None)
+        if self.choice_scores:
+            from nanoserve.choice_scores import check_labels
+
+            if not self.choice:
+                raise InputError("--choice-scores needs the labels: give them with --choice")
+            try:
+                check_labels(self.choice)
+            except ValueError as e:
+                raise InputError(f"--choice: {e}") from None
+        if self.reasoning_parser is not None:
+            from nanoserve.reasoning import PARSERS
+
+            if self.reasoning_parser not in PARSERS:
+                raise InputError(f"unknown reasoning parser {self.reasoning_parser!r}; choose "
+                                 f"{', '.join(PARSERS)}")
         if self.scheduler not in SCHEDULERS:
             raise NanoserveError(f"unknown scheduler {self.scheduler!r}; choose "
                                  f"{', '.join(SCHEDULERS)}")
@@ -135,7 +167,8 @@ class JobOptions:
                 "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
                 "stop": self.stop, "ignore_eos": self.ignore_eos, "n": self.n,
                 "logprobs": self.logprobs, "prompt_logprobs": self.prompt_logprobs,
-                "structured_outputs": self.structured_outputs()}
+                "structured_outputs": self.structured_outputs(),
+                **({"choice_scores": True} if self.choice_scores else {})}
 
 
 __all__ = ["DTYPES", "KV_CACHE_DTYPES", "SCHEDULERS", "JobOptions"]

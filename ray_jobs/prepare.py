@@ -77,10 +77,12 @@ OVERRIDE_COLUMNS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "n", 
                     "prompt_logprobs")
 # Per-row values that are not numbers: stop strings (a list of strings, or one string) and
 # ignore_eos (true/false).
-OTHER_OVERRIDES = ("stop", "ignore_eos")
+OTHER_OVERRIDES = ("stop", "ignore_eos", "choice_scores")
 # Per-row structured outputs (OpenAI's and vLLM's request fields).
 CONSTRAINT_COLUMNS = ("response_format", "guided_json", "guided_regex", "guided_choice",
                       "guided_grammar")
+# Per-row chat-template options (vLLM's field): a JSON object, as JSON text or a struct.
+TEMPLATE_KWARGS_COLUMN = "chat_template_kwargs"
 # The job-wide flag of each kind of default constraint (for messages).
 _FLAG_OF_KIND = {"json": "--json-schema", "regex": "--regex", "choice": "--choice"}
 
@@ -103,6 +105,7 @@ class ColumnPlan:
     override_columns: tuple[str, ...]
     input_schema: pa.Schema
     constraint_columns: tuple[str, ...] = ()  # the CONSTRAINT_COLUMNS the input has
+    template_kwargs_column: bool = False  # the input has a `chat_template_kwargs` column
 
     @property
     def id_type(self) -> pa.DataType:
@@ -127,7 +130,8 @@ class ColumnPlan:
         return pa.schema(fields + list(result_schema(controls)))
 
 
-def output_controls(plan: ColumnPlan, defaults: dict[str, Any]) -> tuple[str, ...]:
+def output_controls(plan: ColumnPlan, defaults: dict[str, Any],
+                    reasoning: bool = False) -> tuple[str, ...]:
     """The output-control columns a job's output has (see `ray_jobs.io.CONTROL_SCHEMA`):
     `sample_index` when the default n is above 1 or the input has an `n` column, `logprobs`
     / `prompt_logprobs` when the job's default asks for them or the input has the column.
@@ -140,6 +144,10 @@ def output_controls(plan: ColumnPlan, defaults: dict[str, Any]) -> tuple[str, ..
     for name in ("logprobs", "prompt_logprobs"):
         if defaults.get(name) is not None or name in columns:
             out.append(name)
+    if defaults.get("choice_scores") or "choice_scores" in columns:
+        out.append("choice_scores")
+    if reasoning:  # a reasoning parser: `reasoning` and `num_reasoning_tokens`
+        out += ["reasoning", "num_reasoning_tokens"]
     return tuple(c for c in CONTROL_COLUMNS if c in out)
 
 
@@ -214,11 +222,12 @@ def plan_columns(schema: pa.Schema, prompt_column: str | None = None,
             raise InputError(f"column {n!r} (a per-row sampling value) must be numeric, not {t}")
     for n in (n for n in OTHER_OVERRIDES if n in names):
         t = schema.field(n).type
-        fits = pat.is_null(t) or (pat.is_boolean(t) if n == "ignore_eos" else _is_text(t) or (
+        flag = n in ("ignore_eos", "choice_scores")
+        fits = pat.is_null(t) or (pat.is_boolean(t) if flag else _is_text(t) or (
             (pat.is_list(t) or pat.is_large_list(t))
             and (pat.is_null(t.value_type) or _is_text(t.value_type))))
         if not fits:
-            want = "true/false" if n == "ignore_eos" else "a list of strings (or one string)"
+            want = "true/false" if flag else "a list of strings (or one string)"
             raise InputError(f"column {n!r} (a per-row sampling value) must hold {want}, "
                              f"not {t}")
         overrides += (n,)
@@ -238,7 +247,13 @@ def plan_columns(schema: pa.Schema, prompt_column: str | None = None,
         if not fits:
             raise InputError(f"column {n!r} (a per-row structured output) must hold {want}, "
                              f"not {t}")
-    return ColumnPlan(prompts, id_column, overrides, schema, constraints)
+    has_kwargs = TEMPLATE_KWARGS_COLUMN in names
+    if has_kwargs:
+        t = schema.field(TEMPLATE_KWARGS_COLUMN).type
+        if not (pat.is_null(t) or _is_text(t) or pat.is_struct(t)):
+            raise InputError(f"column {TEMPLATE_KWARGS_COLUMN!r} (per-row chat-template "
+                             f"options) must hold JSON text (a string) or an object, not {t}")
+    return ColumnPlan(prompts, id_column, overrides, schema, constraints, has_kwargs)
 
 
 def _is_text(t: pa.DataType) -> bool:
@@ -285,8 +300,16 @@ class RowPreparer:
 
     def __init__(self, plan: ColumnPlan, tokenizer: Any, max_context: int, vocab_size: int,
                  defaults: dict[str, Any], eos_token_ids: tuple[int, ...] = (),
-                 grammars: GrammarCache | None = None) -> None:
+                 grammars: GrammarCache | None = None,
+                 chat_template_kwargs: dict[str, Any] | str | None = None) -> None:
+        from nanoserve.chat_template import template_kwargs
+
         self.plan = plan
+        try:
+            self.template_kwargs = template_kwargs(chat_template_kwargs,
+                                                   "--chat-template-kwargs")
+        except ValueError as e:
+            raise InputError(str(e)) from None
         self.tokenizer = tokenizer
         self.max_context = max_context
         self.vocab_size = vocab_size
@@ -316,7 +339,7 @@ class RowPreparer:
         flag = _FLAG_OF_KIND.get(so.kind, "structured output")
         try:
             self.grammars.check(so)
-            if "max_tokens" not in self.plan.override_columns:
+            if "max_tokens" not in self.plan.override_columns and not default.choice_scores:
                 self._check_choices_fit(so, default.max_tokens, "--max-tokens")
         except ValueError as e:
             raise InputError(f"invalid {flag}: {e}") from None
@@ -375,7 +398,7 @@ class RowPreparer:
         for column, kind in self.plan.prompt_columns:
             value = values.get(column)
             if value is not None:
-                ids = self._encode(value, kind, column)
+                ids = self._encode(value, kind, column, values)
                 break
         else:
             names = " / ".join(c for c, _ in self.plan.prompt_columns)
@@ -389,7 +412,8 @@ class RowPreparer:
             )
         return ids
 
-    def _encode(self, value: Any, kind: str, column: str) -> tuple[int, ...]:
+    def _encode(self, value: Any, kind: str, column: str,
+                values: dict[str, Any] | None = None) -> tuple[int, ...]:
         if kind == TEXT:
             if isinstance(value, bytes):
                 try:
@@ -400,7 +424,7 @@ class RowPreparer:
                 raise ValueError(f"empty prompt (column {column!r} holds only whitespace)")
             return tuple(self.tokenizer.encode(value)) if value else ()
         if kind == MESSAGES:
-            text = self._render_chat(value)
+            text = self._render_chat(value, self._row_template_kwargs(values or {}))
             return tuple(self.tokenizer.encode(text, add_special_tokens=False))
         bad = [t for t in value if t is None or not 0 <= t < self.vocab_size]
         if bad:
@@ -410,7 +434,19 @@ class RowPreparer:
             )
         return tuple(int(t) for t in value)
 
-    def _render_chat(self, messages: Any) -> str:
+    def _row_template_kwargs(self, values: dict[str, Any]) -> dict[str, Any]:
+        """The job's chat-template options, updated key by key with the row's
+        `chat_template_kwargs` (ValueError, the row's error, when that is not an object)."""
+        row = values.get(TEMPLATE_KWARGS_COLUMN) if self.plan.template_kwargs_column else None
+        if row is None:
+            return self.template_kwargs
+        from nanoserve.chat_template import template_kwargs
+
+        if isinstance(row, dict):
+            row = _json_value(row)
+        return {**self.template_kwargs, **template_kwargs(row, TEMPLATE_KWARGS_COLUMN)}
+
+    def _render_chat(self, messages: Any, kwargs: dict[str, Any] | None = None) -> str:
         """The chat template's text for one row's messages. Keys whose value is null are
         dropped first (Arrow gives every message every key any message has). The template is
         untrusted code: whatever it raises is this row's error, never the job's."""
@@ -418,7 +454,8 @@ class RowPreparer:
             messages = [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict)
                         else m for m in messages]
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                      **(kwargs or {}))
         except (ValueError, TypeError, NanoserveError):
             raise
         except Exception as e:  # e.g. ZeroDivisionError, RecursionError inside the template
@@ -448,7 +485,7 @@ class RowPreparer:
         room = self.max_context - num_prompt_tokens  # >= 1, checked with the prompt
         if params.max_tokens > room:
             params = dataclasses.replace(params, max_tokens=room)
-        if params.structured_outputs is not None:
+        if params.structured_outputs is not None and not params.choice_scores:
             self._check_choices_fit(params.structured_outputs, params.max_tokens, "max_tokens")
         return params
 

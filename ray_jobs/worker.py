@@ -196,9 +196,9 @@ class BatchWorker:
         stats = []
         try:
             if todo:
-                done, st = self._generate(prompts, params, ooms)
+                per_request, st = self._generate_rows(prompts, params, ooms)
                 stats.append(st)
-                for i, rows in zip(todo, _per_request(done, params), strict=True):
+                for i, rows in zip(todo, per_request, strict=True):
                     results[i] = rows
         except (NanoserveError, ValueError, RuntimeError):  # torch.OutOfMemoryError included
             for i, p, sp in zip(todo, prompts, params):
@@ -219,6 +219,29 @@ class BatchWorker:
             cached = sum(getattr(s, "cached_tokens", 0) for s in stats if s is not None)
             meta[PROMPT_TOKENS_CACHED_KEY] = str(cached).encode()
         return table.replace_schema_metadata(meta)
+
+    def _generate_rows(self, prompts: list[list[int]], params: list[SamplingParams],
+                       ooms: list[int], alone: bool = False
+                       ) -> tuple[list[list[dict[str, Any]]], Any]:
+        """Result rows per request (`_generate`'s completions): a request that asks for
+        choice scores runs as one scoring sequence per label and gives one row, its text
+        the most likely label (`nanoserve.choice_scores`)."""
+        from nanoserve.choice_scores import expand_requests
+
+        run_prompts, run_params, spans = expand_requests(
+            self.llm.tokenizer, self.llm.max_context, prompts, params)
+        done, stats = self._generate(run_prompts, run_params, ooms, alone=alone)
+        plain = [p for p, span in zip(params, spans) if span is None]
+        want = sum(p.n for p in plain) + sum(len(s) for s in spans if s is not None)
+        if len(done) != want:
+            raise RuntimeError(f"the engine answered {len(done)} samples for {want} asked")
+        out, at = [], 0
+        for prompt, p, span in zip(prompts, params, spans):
+            take = p.n if span is None else len(span)
+            part, at = done[at:at + take], at + take
+            out.append([_completion_row(c) for c in part] if span is None
+                       else [_scored_row(p.structured_outputs.choice, span, part, len(prompt))])
+        return out, stats
 
     def _generate(self, prompts: list[list[int]], params: list[SamplingParams],
                   ooms: list[int], alone: bool = False) -> tuple[list[Any], Any]:
@@ -295,8 +318,7 @@ class BatchWorker:
         import torch
 
         try:
-            done, stats = self._generate([prompt], [params], ooms, alone=True)
-            (rows,) = _per_request(done, [params])
+            (rows,), stats = self._generate_rows([prompt], [params], ooms, alone=True)
             return rows, stats
         except torch.OutOfMemoryError as e:
             return error_rows(f"the device ran out of memory even for this row alone: "
@@ -381,17 +403,20 @@ def _first_line(text: str) -> str:
     return lines[0] if lines else text
 
 
-def _per_request(done: list[Any], params: list[SamplingParams]) -> list[list[dict[str, Any]]]:
-    """The engine's completions (one per sample, a request's n samples consecutive) as
-    result rows grouped per request."""
-    want = sum(p.n for p in params)
-    if len(done) != want:
-        raise RuntimeError(f"the engine answered {len(done)} samples for {want} asked")
-    out, at = [], 0
-    for p in params:
-        out.append([_completion_row(c) for c in done[at:at + p.n]])
-        at += p.n
-    return out
+def _scored_row(labels: tuple[str, ...], label_ids: list[list[int]], outs: list[Any],
+                num_input_tokens: int) -> dict[str, Any]:
+    """A choice-scores request as one result row: `choice_scores` {label: probability},
+    its text and tokens the most likely label's."""
+    from nanoserve.choice_scores import scored_result
+
+    for c in outs:
+        if c.finish_reason == "error":
+            return error_row(c.error or "scoring failed", num_input_tokens, 0)
+    probs, best = scored_result(labels, label_ids, outs)
+    return {"generated_text": labels[best], "generated_token_ids": list(label_ids[best]),
+            "num_input_tokens": num_input_tokens, "num_generated_tokens": len(label_ids[best]),
+            "finish_reason": "stop", "error": None, "sample_index": 0, "logprobs": None,
+            "prompt_logprobs": None, "choice_scores": list(zip(labels, probs))}
 
 
 def _completion_row(c: Any) -> dict[str, Any]:
@@ -404,7 +429,7 @@ def _completion_row(c: Any) -> dict[str, Any]:
             "finish_reason": c.finish_reason, "error": None,
             "sample_index": c.sample_index,
             "logprobs": _logprob_dicts(c.logprobs),
-            "prompt_logprobs": _logprob_dicts(c.prompt_logprobs)}
+            "prompt_logprobs": _logprob_dicts(c.prompt_logprobs), "choice_scores": None}
 
 
 def _logprob_dicts(entries: list[Any] | None) -> list[dict[str, Any]] | None:
@@ -418,7 +443,7 @@ def error_row(message: str, num_input_tokens: int = 0, sample_index: int = 0) ->
     return {"generated_text": None, "generated_token_ids": None,
             "num_input_tokens": num_input_tokens, "num_generated_tokens": 0,
             "finish_reason": "error", "error": message, "sample_index": sample_index,
-            "logprobs": None, "prompt_logprobs": None}
+            "logprobs": None, "prompt_logprobs": None, "choice_scores": None}
 
 
 def error_rows(message: str, num_input_tokens: int = 0, n: int = 1) -> list[dict[str, Any]]:

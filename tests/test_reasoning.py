@@ -1,0 +1,139 @@
+"""nanoserve.reasoning: a think block split exactly from the answer, on a tokenizer whose
+vocabulary has `<think>` / `</think>` as special tokens (the default model's BPE plus those
+two) and a tiny random model over it. A greedy run is forced to think by ending the prompt
+with `<think>`; it never closes the block within max_tokens, so it is the unfinished case:
+all output is reasoning, the answer empty."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from nanoserve.reasoning import ReasoningParser
+from nanoserve.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def think_model(tmp_path_factory, smollm2_gguf_path):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from nanoserve.tokenizer import Tokenizer
+
+    folder = tmp_path_factory.mktemp("think-model")
+    backend = Tokenizer.from_path(smollm2_gguf_path).backend
+    backend.add_special_tokens(["<think>", "</think>"])
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=backend.get_vocab_size(), hidden_size=64,
+                      intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    backend.save(str(folder / "tokenizer.json"))
+    template = (Path(__file__).parent / "chat_templates" / "qwen3.jinja").read_text()
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": template, "eos_token": "<|im_end|>"}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def think_llm(think_model):
+    from nanoserve.llm import LLM
+
+    return LLM(model=str(think_model), device="cpu", kv_cache_bytes=16 << 20)
+
+
+def test_think_tags_are_single_tokens(think_llm):
+    tok = think_llm.tokenizer
+    p = ReasoningParser("qwen3", tok)
+    assert tok.encode("<think>", add_special_tokens=False) == [p.open_id]
+    assert tok.encode("</think>", add_special_tokens=False) == [p.close_id]
+
+
+def test_forced_think_block_unfinished_is_all_reasoning(think_llm):
+    tok = think_llm.tokenizer
+    parser = ReasoningParser("qwen3", tok)
+    prompt = tok.encode("Question: 2+2?", add_special_tokens=False) + [parser.open_id]
+    (out,) = think_llm.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))
+    assert out.finish_reason == "length" and parser.close_id not in out.token_ids
+    split = parser.split(prompt, out.token_ids)
+    assert split.reasoning_ids == tuple(out.token_ids) and split.answer_ids == ()
+    assert not split.finished and split.num_reasoning_tokens == 6
+    reasoning, answer, n, finished = parser.split_text(prompt, out.token_ids)
+    assert reasoning == tok.decode(out.token_ids) and answer == "" and n == 6
+    # without the forced block, qwen3 reads the same output as all answer
+    plain = tok.encode("Question: 2+2?", add_special_tokens=False)
+    assert parser.split(plain, out.token_ids).reasoning_ids is None
+    # deepseek_r1's template opens the block in its prompt: all reasoning either way
+    assert ReasoningParser("deepseek_r1", tok).split(plain, out.token_ids).reasoning_ids \
+        == tuple(out.token_ids)
+
+
+def test_closed_block_splits_exactly_at_the_tags(think_llm):
+    tok = think_llm.tokenizer
+    parser = ReasoningParser("qwen3", tok)
+    think = tok.encode("let me add", add_special_tokens=False)
+    answer = tok.encode("\n\nIt is 4.", add_special_tokens=False)
+    ids = [parser.open_id] + think + [parser.close_id] + answer
+    split = parser.split([5, 6], ids)
+    assert split.reasoning_ids == tuple(think) and split.answer_ids == tuple(answer)
+    assert split.finished
+    # a closed block after a forced <think> in the prompt
+    split = parser.split([5, parser.open_id], think + [parser.close_id] + answer)
+    assert split.reasoning_ids == tuple(think) and split.answer_ids == tuple(answer)
+    assert parser.split_text([5, 6], ids)[:2] == ("let me add", "\n\nIt is 4.")
+
+
+def test_unknown_parser_and_missing_tags_are_errors(tiny_llm, think_llm):
+    with pytest.raises(ValueError, match="unknown reasoning parser 'r2'"):
+        ReasoningParser("r2", think_llm.tokenizer)
+    with pytest.raises(ValueError, match="no single <think> / </think> tokens"):
+        ReasoningParser("qwen3", tiny_llm.tokenizer)
+
+
+def test_batch_job_writes_reasoning_columns(think_model, think_llm, ray_session, tmp_path):
+    import pyarrow.dataset as ds
+
+    from nanoserve.errors import InputError
+    from ray_jobs import run_batch_job
+
+    tok = think_llm.tokenizer
+    rows = [{"id": 0, "prompt": "Question: 2+2?<think>"}, {"id": 1, "prompt": "Question: 2+2?"}]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run_batch_job(tmp_path / "in.jsonl", tmp_path / "out", model=str(think_model), max_tokens=6,
+                  ignore_eos=True, kv_cache_bytes=16 << 20, reasoning_parser="qwen3",
+                  progress=False)
+    got = {r["id"]: r for r in ds.dataset(tmp_path / "out").to_table().to_pylist()}
+    forced = got[0]
+    assert forced["finish_reason"] == "length" and forced["generated_text"] == ""
+    assert forced["num_reasoning_tokens"] == 6
+    assert forced["reasoning"] == tok.decode(forced["generated_token_ids"])
+    assert got[1]["reasoning"] is None and got[1]["num_reasoning_tokens"] == 0
+    assert got[1]["generated_text"] == tok.decode(got[1]["generated_token_ids"])
+    with pytest.raises(InputError, match="unknown reasoning parser 'r2'"):
+        run_batch_job(tmp_path / "in.jsonl", tmp_path / "out2", model=str(think_model),
+                      reasoning_parser="r2", progress=False)
+
+
+def test_openai_chat_lines_carry_reasoning_content(think_model, think_llm, ray_session,
+                                                   tmp_path):
+    """deepseek_r1 reads output as reasoning from its start: with no closing tag in 6
+    tokens, the whole output is `reasoning_content` and `content` is empty."""
+    from ray_jobs import run_batch_job
+
+    line = {"custom_id": "q", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": "2+2?"}], "max_tokens": 6,
+                     "ignore_eos": True}}
+    (tmp_path / "req.jsonl").write_text(json.dumps(line) + "\n")
+    run_batch_job(tmp_path / "req.jsonl", tmp_path / "out", model=str(think_model),
+                  kv_cache_bytes=16 << 20, reasoning_parser="deepseek_r1", progress=False)
+    (out,) = [json.loads(x) for x in (tmp_path / "out" / "output.jsonl").read_text().splitlines()]
+    choice = out["response"]["body"]["choices"][0]
+    tok = think_llm.tokenizer
+    prompt = tok.encode(tok.apply_chat_template(line["body"]["messages"]),
+                        add_special_tokens=False)
+    (want,) = think_llm.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))
+    assert choice["finish_reason"] == "length" and choice["message"]["content"] == ""
+    assert choice["message"]["reasoning_content"] == tok.decode(want.token_ids) != ""
