@@ -24,23 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from nanoserve.sampling import SamplingParams
-
-
-def check_labels(labels: Sequence[str]) -> tuple[str, ...]:
-    """The labels as a tuple; ValueError (one line) for an empty list, a label that is not
-    a non-empty string, or a label given twice (a tie no score can break)."""
-    labels = tuple(labels)
-    if not labels:
-        raise ValueError("choice scores need at least one label (the choice list is empty)")
-    for label in labels:
-        if not isinstance(label, str) or not label:
-            raise ValueError(f"a label must be a non-empty string, got {label!r}")
-    seen = set()
-    for label in labels:
-        if label in seen:
-            raise ValueError(f"label {label!r} is given twice: the labels must differ")
-        seen.add(label)
-    return labels
+from nanoserve.structured import check_labels
 
 
 def label_token_ids(tokenizer: Any, labels: Sequence[str]) -> list[list[int]]:

@@ -84,7 +84,7 @@ class SamplingParams:
             elif not isinstance(so, StructuredOutputs) or so.choice is None:
                 out.append("choice_scores needs a choice list (guided_choice / --choice)")
             else:
-                from nanoserve.choice_scores import check_labels
+                from nanoserve.structured import check_labels
 
                 try:
                     check_labels(so.choice)

@@ -31,6 +31,7 @@ import json
 import os
 import re
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -443,6 +444,23 @@ def masked_argmax(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     return _masked_argmax(logits, bitmask)
 
 
-__all__ = ["FillThread", "GrammarCache", "RowMatcher", "StructuredOutputs", "allocate_bitmask",
-           "accept_tokens", "allowed_tokens", "apply_bitmask", "fill_bitmasks",
-           "masked_argmax", "structured_from_request"]
+def check_labels(labels: Sequence[str]) -> tuple[str, ...]:
+    """The labels as a tuple; ValueError (one line) for an empty list, a label that is not
+    a non-empty string, or a label given twice (a tie no score can break)."""
+    labels = tuple(labels)
+    if not labels:
+        raise ValueError("choice scores need at least one label (the choice list is empty)")
+    for label in labels:
+        if not isinstance(label, str) or not label:
+            raise ValueError(f"a label must be a non-empty string, got {label!r}")
+    seen = set()
+    for label in labels:
+        if label in seen:
+            raise ValueError(f"label {label!r} is given twice: the labels must differ")
+        seen.add(label)
+    return labels
+
+
+__all__ = ["FillThread", "GrammarCache", "RowMatcher", "StructuredOutputs", "accept_tokens",
+           "allocate_bitmask", "allowed_tokens", "apply_bitmask", "check_labels",
+           "fill_bitmasks", "masked_argmax", "structured_from_request"]

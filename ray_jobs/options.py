@@ -113,7 +113,7 @@ class JobOptions:
             object.__setattr__(self, "chat_template_kwargs",
                                json.dumps(kwargs, ensure_ascii=False) if kwargs else None)
         if self.choice_scores:
-            from nanoserve.choice_scores import check_labels
+            from nanoserve.structured import check_labels
 
             if not self.choice:
                 raise InputError("--choice-scores needs the labels: give them with --choice")
