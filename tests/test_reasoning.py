@@ -124,8 +124,9 @@ def test_openai_chat_lines_carry_reasoning_content(think_model, think_llm, ray_s
     from ray_jobs import run_batch_job
 
     line = {"custom_id": "q", "method": "POST", "url": "/v1/chat/completions",
+            # greedy, as the oracle below (a request without temperature samples at 1)
             "body": {"messages": [{"role": "user", "content": "2+2?"}], "max_tokens": 6,
-                     "ignore_eos": True}}
+                     "temperature": 0, "ignore_eos": True}}
     (tmp_path / "req.jsonl").write_text(json.dumps(line) + "\n")
     run_batch_job(tmp_path / "req.jsonl", tmp_path / "out", model=str(think_model),
                   kv_cache_bytes=16 << 20, reasoning_parser="deepseek_r1", progress=False)
