@@ -45,13 +45,19 @@ HOLD_FACTOR = 3  # a continuous engine's worker holds this many times its runnin
 MAX_ACTOR_THREADS = 256  # calls one actor runs at once (each a thread waiting on its engine)
 
 
-def actor_threads(opts: JobOptions) -> int:
-    """Calls an actor runs at once (Ray's max_concurrency): the batches it may hold."""
+def _batches_for(rows: int, opts: JobOptions) -> int:
+    """Batches that hold HOLD_FACTOR x `rows` rows, plus one."""
+    return min(MAX_ACTOR_THREADS, max(2, -(-HOLD_FACTOR * rows // max(1, opts.batch_size)) + 1))
+
+
+def actor_threads(opts: JobOptions, on_gpu: bool = False) -> int:
+    """Calls an actor runs at once (Ray's max_concurrency): the batches it may hold. Sized
+    before its engine loads: from the user's running rows, else the most the engine's
+    default can be on its device (`nanoserve.running_rows`)."""
     if opts.max_in_flight_per_worker is not None:
         return max(1, opts.max_in_flight_per_worker)
-    rows = opts.max_running_rows or MAX_DEFAULT_ROWS  # (the engine's default is at most that)
-    return min(MAX_ACTOR_THREADS,
-               max(2, -(-HOLD_FACTOR * rows // max(1, opts.batch_size)) + 1))
+    return _batches_for(opts.max_running_rows
+                        or (MAX_DEFAULT_ROWS if on_gpu else CPU_DEFAULT_ROWS), opts)
 
 
 def hold_limits(info: dict[str, Any], opts: JobOptions) -> tuple[int, int | None]:
@@ -60,7 +66,8 @@ def hold_limits(info: dict[str, Any], opts: JobOptions) -> tuple[int, int | None
     if opts.max_in_flight_per_worker is not None:
         return max(1, opts.max_in_flight_per_worker), None
     if info.get("scheduler") == "continuous" and info.get("max_rows"):
-        return actor_threads(opts), HOLD_FACTOR * int(info["max_rows"])
+        rows = int(info["max_rows"])
+        return _batches_for(rows, opts), HOLD_FACTOR * rows
     return 2, None
 
 
@@ -284,7 +291,7 @@ class WorkerPool:
         # engine (continuous scheduler) admits the next batches' rows as rows finish. A
         # static engine still runs one batch at a time (a lock).
         actor_cls = ray.remote(actor or RayBatchWorker).options(
-            max_restarts=0, max_task_retries=0, max_concurrency=actor_threads(opts),
+            max_restarts=0, max_task_retries=0, max_concurrency=actor_threads(opts, bool(num_gpus)),
             **actor_options)
         kwargs = {"model": opts.model, "dtype": opts.dtype,
                   "kv_cache_fraction": opts.kv_cache_fraction,

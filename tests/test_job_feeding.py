@@ -92,6 +92,13 @@ def test_hold_limits_follow_the_engine_not_the_batch_count():
     assert pieces * 64 >= rows  # the batches never bind before the rows do
     assert actor_threads(opts) == pieces
     assert starve_warning(opts) is None
+    # Left to the engine: its actor has threads for the most its default can be on the
+    # device, and the limits follow the rows its engine reports once loaded.
+    default = JobOptions(batch_size=64)
+    assert actor_threads(default, on_gpu=False) == pieces
+    assert actor_threads(default, on_gpu=True) == -(-HOLD_FACTOR * 1024 // 64) + 1
+    big = {"scheduler": "continuous", "max_rows": 1024}
+    assert hold_limits(big, default) == (actor_threads(default, on_gpu=True), HOLD_FACTOR * 1024)
     # A static engine and an embedding worker run one batch at a time: two are enough.
     assert hold_limits({"scheduler": "static", "max_rows": 256}, opts) == (2, None)
     assert hold_limits({"scheduler": "embedding"}, opts) == (2, None)
