@@ -208,7 +208,7 @@ def steer_for(parser: ReasoningParser | None, prompt_ids: Sequence[int], grammar
     return ThinkSteer(parser, prompt_ids, grammar, budget)
 
 
-def _has_think_tags(tokenizer: Any) -> bool:
+def has_think_tags(tokenizer: Any) -> bool:
     return all(tokenizer.token_to_id(t) is not None for t in (THINK_OPEN, THINK_CLOSE))
 
 
@@ -227,7 +227,7 @@ def pick_parser(architecture: str, tokenizer: Any) -> tuple[str | None, str]:
     """The reasoning parser the model family calls for, where certain, and why (one phrase
     for the job summary). None where the tokenizer has no single <think> / </think> tokens,
     or the family is not known to think."""
-    if not _has_think_tags(tokenizer):
+    if not has_think_tags(tokenizer):
         return None, "the tokenizer has no <think> / </think> tokens"
     if opens_think_in_prompt(tokenizer):
         return "deepseek_r1", "its chat template opens <think> in the prompt"

@@ -284,3 +284,84 @@ def test_parser_auto_pick(think_llm, tiny_llm):
     parser, line = resolve_parser("auto", "LlamaForCausalLM", r1_tok)
     assert parser.name == "deepseek_r1" and line.startswith("reasoning parser: deepseek_r1 (auto")
     assert resolve_parser("none", "Qwen3ForCausalLM", tok) == (None, "reasoning parser: none")
+
+
+# --- the budget and the parser's auto-pick through the batch job, OpenAI files, Ray Data ----
+
+
+@pytest.fixture(scope="module")
+def qwen3_think_model(tmp_path_factory, think_model):
+    """A tiny Qwen3 checkpoint whose tokenizer has <think> / </think>: the family the job
+    picks the qwen3 parser for by itself."""
+    from nanoserve.testing import save_tiny_family
+
+    template = (Path(__file__).parent / "chat_templates" / "qwen3.jinja").read_text()
+    return save_tiny_family(tmp_path_factory.mktemp("qwen3-think"), "qwen3", think_model,
+                            chat_template=template)
+
+
+@pytest.fixture(scope="module")
+def qwen3_think_llm(qwen3_think_model):
+    from nanoserve.llm import LLM
+
+    return LLM(model=str(qwen3_think_model), device="cpu", kv_cache_bytes=16 << 20)
+
+
+def test_job_budget_and_auto_picked_parser(qwen3_think_model, qwen3_think_llm, ray_session,
+                                           tmp_path):
+    import pyarrow.dataset as ds
+
+    from nanoserve.structured import StructuredOutputs
+    from ray_jobs import run_batch_job
+
+    llm = qwen3_think_llm
+    assert llm.reasoning.name == "qwen3" and "auto" in llm.reasoning_line
+    rows = [{"id": 0, "prompt": "Question: 2+2?<think>"},
+            {"id": 1, "prompt": "Question: 3+3?<think>", "max_thinking_tokens": 1},
+            {"id": 2, "prompt": "Rain?<think>", "guided_choice": ["yes", "no"]}]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = run_batch_job(tmp_path / "in.jsonl", tmp_path / "out",
+                            model=str(qwen3_think_model), max_tokens=8, ignore_eos=True,
+                            max_thinking_tokens=3, kv_cache_bytes=16 << 20, progress=False)
+    assert "reasoning parser: qwen3 (auto: a Qwen3 model" in summary.format()
+    got = {r["id"]: r for r in ds.dataset(tmp_path / "out").to_table().to_pylist()}
+    tok = llm.tokenizer
+    for row, budget in zip(rows, (3, 1, 3)):
+        so = StructuredOutputs(choice=tuple(row["guided_choice"])) if "guided_choice" in row \
+            else None
+        (want,) = llm.generate([tok.encode(row["prompt"])], SamplingParams(
+            max_tokens=8, ignore_eos=True, max_thinking_tokens=budget, structured_outputs=so))
+        out = got[row["id"]]
+        assert out["generated_token_ids"] == want.token_ids
+        assert out["num_reasoning_tokens"] == budget == want.num_reasoning_tokens
+        assert out["generated_text"] == want.text and out["reasoning"] == want.reasoning
+    assert got[2]["generated_text"] in ("yes", "no") and got[2]["finish_reason"] == "stop"
+
+
+def test_openai_body_and_ray_data_take_the_budget(qwen3_think_model, qwen3_think_llm,
+                                                  ray_session, tmp_path):
+    import ray.data
+
+    from ray_jobs import run_batch_job
+    from ray_jobs.data_processor import build_processor
+
+    llm, tok = qwen3_think_llm, qwen3_think_llm.tokenizer
+    line = {"custom_id": "q", "method": "POST", "url": "/v1/completions",
+            "body": {"prompt": "Question: 2+2?<think>", "max_tokens": 6, "temperature": 0,
+                     "ignore_eos": True, "max_thinking_tokens": 2}}
+    (tmp_path / "req.jsonl").write_text(json.dumps(line) + "\n")
+    run_batch_job(tmp_path / "req.jsonl", tmp_path / "out", model=str(qwen3_think_model),
+                  kv_cache_bytes=16 << 20, progress=False)
+    (want,) = llm.generate([tok.encode(line["body"]["prompt"])], SamplingParams(
+        max_tokens=6, ignore_eos=True, max_thinking_tokens=2))
+    assert want.num_reasoning_tokens == 2
+    (out,) = [json.loads(x) for x in (tmp_path / "out" / "output.jsonl").read_text().splitlines()]
+    assert out["response"]["body"]["choices"][0]["text"] == want.text
+
+    process = build_processor(str(qwen3_think_model), concurrency=1, num_gpus=0,
+                              kv_cache_bytes=16 << 20, max_tokens=6, ignore_eos=True,
+                              max_thinking_tokens=2)
+    (row,) = process(ray.data.from_items([{"prompt": "Question: 2+2?<think>"}])).take_all()
+    assert row["generated_token_ids"] == want.token_ids
+    assert row["reasoning"] == want.reasoning and row["generated_text"] == want.text
+    assert row["num_reasoning_tokens"] == 2
