@@ -176,8 +176,10 @@ def _score_group(model: Any, pool: Any, prompts: Sequence[Sequence[int]],
         last = hidden[torch.tensor(cu[1:], device=device) - 1]  # [P, d]
         owner = [i for i, labs in enumerate(labels) for _ in labs]
         first = [ids[0] for labs in labels for ids in labs]
-        logits = model.compute_logits(last.index_select(0, torch.tensor(owner, device=device)))
-        sums = logprob_rows(logits, torch.tensor(first, device=device), 0)[:, 0]  # [L]
+        logits = model.compute_logits(last).float()  # [P, V]: once per prompt
+        own = torch.tensor(owner, device=device)
+        sums = (logits[own, torch.tensor(first, device=device)]
+                - torch.logsumexp(logits, dim=-1).index_select(0, own))  # [L]
         at, pairs, cached, new, rest_of = 0, [], [], [], []
         for i, labs in enumerate(labels):
             for ids in labs:
