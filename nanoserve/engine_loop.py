@@ -29,7 +29,9 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
+from typing import Any
 
 import torch
 
@@ -47,6 +49,7 @@ class EngineLoop:
         self.llm = llm
         self._cv = threading.Condition()
         self._inbox: deque[tuple[list, list, Future, bool]] = deque()
+        self._calls: deque[tuple[Callable[[], Any], Future]] = deque()  # `call`s to run
         self._live: list[Future] = []  # futures of groups in the scheduler
         self._alone = False  # an alone group is in the scheduler
         self._closed = False
@@ -73,6 +76,17 @@ class EngineLoop:
             if self._closed:
                 raise RuntimeError("the engine loop is closed")
             self._inbox.append((prompts, params, future, alone))
+            self._cv.notify()
+        return future
+
+    def call(self, fn: Callable[[], Any]) -> Future:
+        """Run `fn()` on the loop's thread between two steps (work on the engine's model and
+        pool beside the running rows, e.g. label scores); the future holds its result."""
+        future: Future = Future()
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the engine loop is closed")
+            self._calls.append((fn, future))
             self._cv.notify()
         return future
 
@@ -118,11 +132,18 @@ class EngineLoop:
                     if not self.sched.has_work and self._busy_since is not None:
                         self._busy_s += time.perf_counter() - self._busy_since
                         self._busy_since = None
-                    while not self._closed and not self.sched.has_work and not self._inbox:
+                    while (not self._closed and not self.sched.has_work and not self._inbox
+                           and not self._calls):
                         self._cv.wait()
-                    if self._closed and not self.sched.has_work:
+                    calls, self._calls = list(self._calls), deque()
+                    if self._closed and not self.sched.has_work and not calls:
                         return
                     new = self._take_new()
+                for fn, future in calls:
+                    try:
+                        future.set_result(fn())
+                    except BaseException as exc:  # noqa: BLE001 - the caller's to handle
+                        future.set_exception(exc)
                 for prompts, params, future, alone in new:
                     self._add(prompts, params, future, alone)
                 if not self.sched.has_work:

@@ -63,7 +63,7 @@ class LLM:
                  max_batch_size: int | None = None, decode_step: str = "auto",
                  scheduler: str = "auto", enable_prefix_caching: bool = True,
                  quantization: str | None = None, load_format: str = "auto",
-                 kv_cache_dtype: str = "auto") -> None:
+                 kv_cache_dtype: str = "auto", reasoning_parser: str | None = "auto") -> None:
         """kv_cache_fraction: share of the GPU's free memory (after the weights) given to
         the KV pool. kv_cache_bytes: an exact pool size instead (the CPU default is 1 GiB).
         decode_step: "auto" (a CUDA graph per batch on a GPU, see nanoserve/cuda_graph.py),
@@ -89,6 +89,11 @@ class LLM:
         kv_cache_dtype: "auto" (the model's dtype) or "fp8" (float8 e4m3 with per-layer scales
         from the checkpoint, else 1.0: twice the tokens in the same memory; a GPU of compute
         capability 8.9 or newer only; see nanoserve/kv_cache_dtype.py).
+        reasoning_parser: "qwen3" or "deepseek_r1" (vLLM's names), "auto" (picked from the
+        model family where certain: `nanoserve.reasoning.pick_parser`; `reasoning_line` says
+        which) or "none"/None. Under one, a completion's `reasoning` is its think block and
+        `text` the answer alone; a structured output applies from the answer's start; and
+        `SamplingParams.max_thinking_tokens` bounds the block (nanoserve/reasoning.py).
         max_batch_size: the most rows decoding at once (and the largest captured step). Rows
         beyond it wait; fewer run when the pool runs out of blocks. None: on a GPU with the
         continuous scheduler, as many as the pool holds at 512 tokens a row, within 256 to
@@ -135,6 +140,14 @@ class LLM:
         # Structured outputs: xgrammar's view of this tokenizer, built at the first
         # constrained row; each constraint compiled once.
         self.grammars = GrammarCache(self.tokenizer, config.vocab_size, self.eos_token_ids)
+        from nanoserve.reasoning import resolve_parser
+
+        try:
+            self.reasoning, self.reasoning_line = resolve_parser(
+                reasoning_parser, config.architecture, self.tokenizer)
+        except ValueError as e:
+            raise NanoserveError(str(e)) from None
+        self.grammars.reasoning = self.reasoning
         if kv_cache_bytes is None:
             if self.device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(self.device)
@@ -200,11 +213,24 @@ class LLM:
                 torch.cuda.empty_cache()  # below: static batches, halved until they fit
             else:
                 self.last_stats = stats
-                return outs
+                return self._split_reasoning(prompt_token_ids, params, outs)
         out: list[Completion] = []
         for batch in self._plan(prompt_token_ids, params):
             out.extend(self._run(prompt_token_ids, params, batch))
-        return out
+        return self._split_reasoning(prompt_token_ids, params, out)
+
+    def _split_reasoning(self, prompts: list[list[int]], params: list[SamplingParams],
+                         outs: list[Completion]) -> list[Completion]:
+        """Under a reasoning parser: each completion's think block split from its answer."""
+        if self.reasoning is None:
+            return outs
+        owners = [p for p, sp in zip(prompts, params) for _ in range(sp.n)]
+        for prompt, out in zip(owners, outs, strict=True):
+            reasoning, answer, n, _ = self.reasoning.split_text(prompt, out.token_ids)
+            out.reasoning, out.num_reasoning_tokens = reasoning, n
+            if out.finish_reason != "error":
+                out.text = answer
+        return outs
 
     def chat(self, conversations: list[list[dict]] | list[dict],
              params: SamplingParams | list[SamplingParams] | None = None, *,

@@ -41,6 +41,9 @@ class SamplingParams:
     # with a choice list: score every label (nanoserve.choice_scores) instead of sampling;
     # the batch job's worker runs it (the engine's generate does not read it)
     choice_scores: bool = False
+    # under a reasoning parser: the think block holds at most this many tokens, then the
+    # engine closes it and the answer follows (nanoserve.reasoning.ThinkSteer)
+    max_thinking_tokens: int | None = None
     extra: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -77,6 +80,9 @@ class SamplingParams:
             if k is not None and (isinstance(k, bool) or not isinstance(k, int)
                                   or not 0 <= k <= MAX_LOGPROBS):
                 out.append(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {k!r}")
+        m = self.max_thinking_tokens
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 0):
+            out.append(f"max_thinking_tokens must be an integer >= 0, got {m!r}")
         so = self.structured_outputs
         if self.choice_scores is not False:
             if self.choice_scores is not True:

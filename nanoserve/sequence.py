@@ -31,6 +31,10 @@ class SequenceOutput:
     logprobs: Logprobs | None = None  # one TokenLogprob per token, when asked
     prompt_logprobs: Logprobs | None = None  # prompt tokens after the first
     error: str | None = None  # finish_reason 'error': why
+    # Under a reasoning parser (`LLM(reasoning_parser=...)`): the think block's text (None:
+    # the output has none) and tokens; `text` is then the answer alone.
+    reasoning: str | None = None
+    num_reasoning_tokens: int = 0
 
 
 class Sequence:
@@ -48,11 +52,23 @@ class Sequence:
         self.params = params
         self.sample_index = sample_index
         self.key: int | None = row_seed(params, sample_index)  # sampling key (None: greedy)
-        self.matcher = None  # the structured output's place in its grammar
+        # What steers its tokens: the structured output's place in its grammar, or under a
+        # reasoning parser (`grammars.reasoning`) a `ThinkSteer` over it (free thinking, a
+        # thinking budget, the grammar from the answer's start).
+        self.matcher = None
         if params.structured_outputs is not None:
             if grammars is None:
                 raise ValueError("structured outputs need the engine's grammar cache")
             self.matcher = grammars.matcher(params.structured_outputs)  # ValueError if bad
+        parser = getattr(grammars, "reasoning", None)
+        if params.max_thinking_tokens is not None and parser is None:
+            raise ValueError("max_thinking_tokens needs a reasoning parser (the engine's "
+                             "reasoning_parser, --reasoning-parser)")
+        if parser is not None:
+            from nanoserve.reasoning import steer_for
+
+            self.matcher = steer_for(parser, self.prompt_ids, self.matcher,
+                                     params.max_thinking_tokens)
         # One row of `logprob_rows` per token (host floats), while the row runs.
         self.logprobs: list | None = [] if params.logprobs is not None else None
         self.prompt_logprobs: Logprobs | None = None  # set by the prefill

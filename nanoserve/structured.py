@@ -228,6 +228,10 @@ class GrammarCache:
         self._compiler = None
         self._compiled: dict[StructuredOutputs, Any] = {}
         self._lock = threading.Lock()
+        # The engine's `nanoserve.reasoning.ReasoningParser`, or None: under one, a row's
+        # constraint applies after its think block, and its thinking budget holds
+        # (`nanoserve.sequence.Sequence`).
+        self.reasoning = None
 
     @property
     def words(self) -> int:
@@ -339,6 +343,16 @@ def accept_tokens(matchers: list[RowMatcher], tokens: list[int]) -> list[bool]:
     """Advance each matcher by its token, all in one call; whether each was allowed."""
     if len(matchers) <= 1:
         return [matchers[0].accept(tokens[0])] if matchers else []
+    if any(not isinstance(m, RowMatcher) for m in matchers):  # a reasoning row's ThinkSteer
+        plain = [j for j, m in enumerate(matchers) if isinstance(m, RowMatcher)]
+        ok = [True] * len(matchers)
+        for j, m in enumerate(matchers):
+            if not isinstance(m, RowMatcher):
+                ok[j] = m.accept(tokens[j])
+        for j, a in zip(plain, accept_tokens([matchers[j] for j in plain],
+                                             [tokens[j] for j in plain])):
+            ok[j] = a
+        return ok
     tokens = [int(t) for t in tokens]
     ok = _batch_accept([m._m for m in matchers], tokens)
     for m, t in zip(matchers, tokens):
@@ -370,7 +384,15 @@ def fill_bitmasks(matchers: list[RowMatcher], bitmask: torch.Tensor,
     (xgrammar lets go of the GIL while it fills: `FillThread` runs this beside the host's
     Python.) A row that allows no token is found on the device, by the masked argmax or
     draw (`nanoserve.sampling.sample_next`: token -1), not here."""
-    if len(matchers) == 1:
+    if any(not isinstance(m, RowMatcher) for m in matchers):  # a reasoning row's ThinkSteer
+        rows = list(range(len(matchers))) if rows is None else list(rows)
+        plain = [j for j, m in enumerate(matchers) if isinstance(m, RowMatcher)]
+        for j, m in enumerate(matchers):
+            if not isinstance(m, RowMatcher):
+                m.fill(bitmask, rows[j])
+        if plain:
+            fill_bitmasks([matchers[j] for j in plain], bitmask, [rows[j] for j in plain])
+    elif len(matchers) == 1:
         matchers[0].fill(bitmask, 0 if rows is None else rows[0])
     else:
         _filler().batch_fill_next_token_bitmask([m._m for m in matchers], bitmask, rows)

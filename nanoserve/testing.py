@@ -104,10 +104,7 @@ def save_tiny_byte_llama(folder: str | Path, seed: int = 0) -> Path:
     its own: ids 0..255 are the 256 bytes, 256 `<s>`, 257 `</s>` (EOS). Every string is
     some sequence of tokens, so grammars (structured outputs) work on it, with no files
     from elsewhere: the GPU tests' model for output controls."""
-    import json
-
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM
 
     folder = Path(folder)
@@ -117,6 +114,19 @@ def save_tiny_byte_llama(folder: str | Path, seed: int = 0) -> Path:
                       head_dim=16, max_position_embeddings=512, tie_word_embeddings=False,
                       bos_token_id=256, eos_token_id=257)
     LlamaForCausalLM(cfg).save_pretrained(folder)
+    return save_byte_tokenizer(folder)
+
+
+def save_byte_tokenizer(folder: str | Path) -> Path:
+    """`save_tiny_byte_llama`'s byte-level tokenizer alone (tokenizer.json and
+    tokenizer_config.json in `folder`): ids 0..255 the bytes, 256 `<s>`, 257 `</s>`. Made
+    here, from nothing: for random-weight checkpoints of any shape (benchmarks)."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     byte_char = sorted(alphabet, key=lambda c: _BYTE_ORDER(c))
     vocab = {c: i for i, c in enumerate(byte_char)}

@@ -104,9 +104,16 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
                    help='options for the chat template, e.g. \'{"enable_thinking": false}\' '
                         "(a row's 'chat_template_kwargs' column updates them)")
-    p.add_argument("--reasoning-parser", choices=("qwen3", "deepseek_r1"), default=None,
+    p.add_argument("--reasoning-parser", choices=("auto", "none", "qwen3", "deepseek_r1"),
+                   default="auto",
                    help="split the think block from the answer: columns 'reasoning' and "
-                        "'num_reasoning_tokens', 'generated_text' the answer only")
+                        "'num_reasoning_tokens', 'generated_text' the answer only; a "
+                        "structured output applies after the block (default auto: picked "
+                        "from the model family where certain, stated in the summary)")
+    p.add_argument("--max-thinking-tokens", type=int, default=None, metavar="N",
+                   help="with a reasoning parser: at N tokens of thinking the engine closes "
+                        "the think block and the answer follows (a row's "
+                        "'max_thinking_tokens' column overrides it)")
     c = p.add_argument_group("columns")
     c.add_argument("--prompt-column", default=None, metavar="NAME",
                    help="the column holding the prompt (text, messages or token ids)")
@@ -205,7 +212,7 @@ def run_batch_cli(args: argparse.Namespace) -> int:
         prefix_caching=args.prefix_caching, n=args.n, logprobs=args.logprobs,
         prompt_logprobs=args.prompt_logprobs, json_schema=json_schema, regex=args.regex,
         choice=tuple(args.choice), choice_scores=args.choice_scores,
-        reasoning_parser=args.reasoning_parser,
+        reasoning_parser=args.reasoning_parser, max_thinking_tokens=args.max_thinking_tokens,
         chat_template_kwargs=args.chat_template_kwargs,
         prompt_column=args.prompt_column, id_column=args.id_column,
         input_format=args.input_format, output_format=args.output_format,

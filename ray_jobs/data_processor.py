@@ -71,7 +71,8 @@ class DatasetGenerator:
                  prompt_column: str | None = None, dtype: str = "auto",
                  kv_cache_fraction: float = 0.5, kv_cache_bytes: int | None = None,
                  scheduler: str = "static", num_threads: int | None = None,
-                 chat_template_kwargs: dict[str, Any] | None = None) -> None:
+                 chat_template_kwargs: dict[str, Any] | None = None,
+                 reasoning_parser: str | None = "auto") -> None:
         path = resolve_model(model)
         self.chat_template_kwargs = chat_template_kwargs
         self.config, self.tokenizer = load_model_meta(path)
@@ -79,7 +80,8 @@ class DatasetGenerator:
         self.prompt_column = prompt_column
         self.worker = BatchWorker(str(path), dtype=dtype, kv_cache_fraction=kv_cache_fraction,
                                   kv_cache_bytes=kv_cache_bytes, scheduler=scheduler,
-                                  num_threads=num_threads)
+                                  num_threads=num_threads, reasoning_parser=reasoning_parser)
+        self.reasoning = self.worker.llm.reasoning  # the engine's parser (None: no split)
         self._preparers: dict[pa.Schema, tuple[RowPreparer, tuple[str, ...]]] = {}
 
     def _preparer(self, schema: pa.Schema) -> tuple[RowPreparer, tuple[str, ...]]:
@@ -94,7 +96,8 @@ class DatasetGenerator:
                 plan, self.tokenizer, self.config.max_position_embeddings,
                 self.config.vocab_size, self.sampling, eos_token_ids=llm.eos_token_ids,
                 grammars=llm.grammars, chat_template_kwargs=self.chat_template_kwargs)
-            controls = output_controls(plan, self.sampling)
+            controls = output_controls(plan, self.sampling,
+                                       reasoning=self.reasoning is not None)
             plan.output_schema(controls)  # InputError for a clashing column
             self._preparers[schema] = (preparer, controls)
         return self._preparers[schema]
@@ -120,6 +123,11 @@ class DatasetGenerator:
                 at += rows[i].n
             if at != len(flat):
                 raise RuntimeError(f"the worker answered {len(flat)} rows for {at} samples")
+        if self.reasoning is not None:
+            from ray_jobs.driver import split_reasoning
+
+            results = [[split_reasoning(self.reasoning, r.prompt_token_ids, res)
+                        for res in samples] for r, samples in zip(rows, results)]
         repeat = [i for i, samples in enumerate(results) for _ in samples]
         out = batch.take(pa.array(repeat, pa.int64())) if repeat != list(range(len(rows))) \
             else batch
@@ -137,7 +145,7 @@ def build_processor(model: str = DEFAULT_MODEL, *, concurrency: int = 1,
                     prompt_column: str | None = None, dtype: str = "auto",
                     kv_cache_fraction: float = 0.5, kv_cache_bytes: int | None = None,
                     scheduler: str = "static", chat_template_kwargs: dict[str, Any] | None = None,
-                    **sampling: Any) -> Callable[[Any], Any]:
+                    reasoning_parser: str | None = "auto", **sampling: Any) -> Callable[[Any], Any]:
     """A function `Dataset -> Dataset` that appends the result columns to every row (see
     the module docstring). `concurrency` actors, each with `num_gpus` GPUs (1: one engine
     per GPU; 0: on the CPU, `num_cpus` cores each, default 1); `batch_size` rows per call
@@ -145,7 +153,11 @@ def build_processor(model: str = DEFAULT_MODEL, *, concurrency: int = 1,
     `top_p`, `top_k`, `seed`, `stop`, `ignore_eos`, `n`, `logprobs`, `prompt_logprobs`,
     `structured_outputs`: a `nanoserve.structured.StructuredOutputs`) that per-row columns
     override; `chat_template_kwargs`: chat-template options for every chat row (e.g.
-    `{"enable_thinking": False}`; a row's `chat_template_kwargs` column updates them). Options are checked here, before any actor starts (InputError, ValueError);
+    `{"enable_thinking": False}`; a row's `chat_template_kwargs` column updates them);
+    `reasoning_parser`: "auto" (picked from the model family where certain), "none",
+    "qwen3" or "deepseek_r1": the think block in a `reasoning` column (and
+    `num_reasoning_tokens`), `generated_text` the answer; constraints apply after the block,
+    `max_thinking_tokens` (an option or a column) bounds it. Options are checked here, before any actor starts (InputError, ValueError);
     a default structured output is compiled with the model's tokenizer here too."""
     from nanoserve.errors import InputError
     from nanoserve.sampling import SamplingParams
@@ -189,7 +201,8 @@ def build_processor(model: str = DEFAULT_MODEL, *, concurrency: int = 1,
     constructor = {"model": model, "sampling": sampling, "prompt_column": prompt_column,
                    "dtype": dtype, "kv_cache_fraction": kv_cache_fraction,
                    "kv_cache_bytes": kv_cache_bytes, "scheduler": scheduler,
-                   "num_threads": num_threads, "chat_template_kwargs": chat_template_kwargs}
+                   "num_threads": num_threads, "chat_template_kwargs": chat_template_kwargs,
+                   "reasoning_parser": reasoning_parser}
 
     def process(ds: Any) -> Any:
         from ray.data import ActorPoolStrategy

@@ -136,6 +136,9 @@ class JobSummary:
     # Output rows of this run by finish_reason: stop, length and error always, in that order.
     finish_reasons: dict[str, int] = field(default_factory=dict)
     warnings: tuple[str, ...] = ()  # one line each, also printed on stderr by the job
+    # "reasoning parser: qwen3 (auto: ...)": which parser split the rows and why (None: the
+    # model has no think tags and none was asked for)
+    reasoning: str | None = None
 
     def format(self) -> str:
         samples = (f" for {self.input_rows} input rows"
@@ -152,6 +155,8 @@ class JobSummary:
               if self.prefix_hit_rate is not None else []),
             f"batches: {self.num_batches} on {len(self.workers)} worker(s); output: {self.output_dir}",
         ]
+        if self.reasoning:
+            lines.append(self.reasoning)
         if (busy := busy_line(self.workers)) is not None:
             lines.append(busy)
         if self.worker_restarts or self.device_oom_errors:
@@ -203,16 +208,22 @@ def run_batch_job(input: str | Path, output_dir: str | Path, **options: Any) -> 
     preparer = RowPreparer(plan, tokenizer, config.max_position_embeddings, config.vocab_size,
                            opts.sampling_defaults(), eos_token_ids=eos,
                            chat_template_kwargs=opts.chat_template_kwargs)
-    controls = output_controls(plan, opts.sampling_defaults(),
-                               reasoning=opts.reasoning_parser is not None)
-    reasoning = None
-    if opts.reasoning_parser is not None:
-        from nanoserve.reasoning import ReasoningParser
+    from nanoserve.reasoning import has_think_tags, resolve_parser
 
-        try:
-            reasoning = ReasoningParser(opts.reasoning_parser, tokenizer)
-        except ValueError as e:
-            raise InputError(f"--reasoning-parser: {e}") from None
+    try:
+        reasoning, reasoning_line = resolve_parser(opts.reasoning_parser, config.architecture,
+                                                   tokenizer)
+    except ValueError as e:
+        raise InputError(f"--reasoning-parser: {e}") from None
+    if opts.reasoning_parser in (None, "none", "auto") and not has_think_tags(tokenizer):
+        reasoning_line = None  # a model that cannot think: nothing to say
+    # The workers' engines run the parser picked here (budgets, constraints after thinking).
+    opts = dataclasses.replace(opts, reasoning_parser=reasoning.name if reasoning else "none")
+    if reasoning is None and (opts.max_thinking_tokens is not None
+                              or "max_thinking_tokens" in plan.override_columns):
+        raise InputError("--max-thinking-tokens / a 'max_thinking_tokens' column needs a "
+                         "reasoning parser (--reasoning-parser qwen3|deepseek_r1)")
+    controls = output_controls(plan, opts.sampling_defaults(), reasoning=reasoning is not None)
     plan.output_schema(controls)  # an input column that clashes is refused here
     settings = _job_settings(opts, info, model_path, limits)
     folder = OutputDir.open(output_dir)  # a local folder or an object-store prefix
@@ -250,7 +261,8 @@ def run_batch_job(input: str | Path, output_dir: str | Path, **options: Any) -> 
                                        tokenizer, opts.model, settings)
         mark_complete(folder, manifest)
     timeline.mark("shutdown")
-    summary = run.summary(timeline.marks["shutdown"])
+    summary = dataclasses.replace(run.summary(timeline.marks["shutdown"]),
+                                  reasoning=reasoning_line)
     for warning in summary.warnings:
         log(warning)
     report_settings = {"options": dataclasses.asdict(opts), "model": settings["model"],
@@ -297,7 +309,7 @@ def _job_settings(opts: JobOptions, info: InputInfo, model_path: Path,
                     **({"chat_template_kwargs": opts.chat_template_kwargs}
                        if opts.chat_template_kwargs else {}),
                     **({"reasoning_parser": opts.reasoning_parser}
-                       if opts.reasoning_parser else {})},
+                       if opts.reasoning_parser not in (None, "none") else {})},
     }
 
 

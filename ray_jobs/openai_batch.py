@@ -69,11 +69,13 @@ _REQUEST_KEYS = ("custom_id", "method", "url", "body")
 _BOTH = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop", "seed",
          "response_format", "top_k", "ignore_eos", "guided_json", "guided_regex",
          "guided_choice", "guided_grammar", "model", "user", "metadata", "store", "stream",
-         "presence_penalty", "frequency_penalty", "logit_bias", "choice_scores"}
+         "presence_penalty", "frequency_penalty", "logit_bias", "choice_scores",
+         "max_thinking_tokens"}
 _FIELDS = {CHAT_URL: _BOTH | {"messages", "logprobs", "top_logprobs", "chat_template_kwargs"},
            COMPLETIONS_URL: _BOTH | {"prompt", "logprobs", "echo"}}
 _COPIED = ("temperature", "top_p", "n", "seed", "response_format", "top_k", "ignore_eos",
-           "guided_json", "guided_regex", "guided_choice", "guided_grammar", "choice_scores")
+           "guided_json", "guided_regex", "guided_choice", "guided_grammar", "choice_scores",
+           "max_thinking_tokens")
 _NEUTRAL = {"stream": (False,), "echo": (False,), "presence_penalty": (0,),
             "frequency_penalty": (0,), "logit_bias": ({},)}
 _IGNORED = ("model", "user", "metadata", "store")

@@ -45,8 +45,12 @@ class JobOptions:
     # chat-template options for every chat row (e.g. {"enable_thinking": false}), a dict or
     # its JSON text, kept as JSON text; a row's `chat_template_kwargs` column updates them
     chat_template_kwargs: str | dict | None = None
-    # 'qwen3' / 'deepseek_r1': the think block split from the answer (nanoserve.reasoning)
-    reasoning_parser: str | None = None
+    # 'qwen3' / 'deepseek_r1': the think block split from the answer (nanoserve.reasoning);
+    # 'auto': picked from the model family where certain; 'none' (or None): no split
+    reasoning_parser: str | None = "auto"
+    # under a reasoning parser: at most this many tokens in a think block, then the engine
+    # closes it (a row's `max_thinking_tokens` column overrides it)
+    max_thinking_tokens: int | None = None
     dtype: str = "auto"  # bfloat16 on GPU, float32 on CPU
     quantization: str | None = None  # "fp8": projections quantized at load (GPU workers)
     # None: one per GPU of the cluster, 1 without GPUs; or "MIN-MAX" / "auto": GPU workers
@@ -123,11 +127,14 @@ class JobOptions:
             except ValueError as e:
                 raise InputError(f"--choice: {e}") from None
         if self.reasoning_parser is not None:
-            from nanoserve.reasoning import PARSERS
+            from nanoserve.reasoning import CHOICES
 
-            if self.reasoning_parser not in PARSERS:
+            if self.reasoning_parser not in CHOICES:
                 raise InputError(f"unknown reasoning parser {self.reasoning_parser!r}; choose "
-                                 f"{', '.join(PARSERS)}")
+                                 f"{', '.join(CHOICES)}")
+        m = self.max_thinking_tokens
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 0):
+            raise InputError(f"--max-thinking-tokens must be an integer >= 0, got {m!r}")
         if self.scheduler not in SCHEDULERS:
             raise NanoserveError(f"unknown scheduler {self.scheduler!r}; choose "
                                  f"{', '.join(SCHEDULERS)}")
@@ -170,7 +177,9 @@ class JobOptions:
                 "stop": self.stop, "ignore_eos": self.ignore_eos, "n": self.n,
                 "logprobs": self.logprobs, "prompt_logprobs": self.prompt_logprobs,
                 "structured_outputs": self.structured_outputs(),
-                **({"choice_scores": True} if self.choice_scores else {})}
+                **({"choice_scores": True} if self.choice_scores else {}),
+                **({"max_thinking_tokens": self.max_thinking_tokens}
+                   if self.max_thinking_tokens is not None else {})}
 
 
 __all__ = ["DTYPES", "KV_CACHE_DTYPES", "SCHEDULERS", "JobOptions"]

@@ -299,6 +299,7 @@ class WorkerPool:
                   "kv_cache_dtype": opts.kv_cache_dtype,
                   "max_batch_size": opts.max_running_rows,
                   "scheduler": opts.scheduler, "prefix_caching": opts.prefix_caching,
+                  "reasoning_parser": opts.reasoning_parser or "none",
                   **({"quantization": opts.quantization} if opts.quantization else {}),
                   **(actor_kwargs or {})}
         pool = cls(actor_cls, kwargs, opts.worker_start_timeout_s, timeline,

@@ -71,10 +71,11 @@ from ray_jobs.io import (
 )
 
 PROMPT_COLUMNS = ("prompt", "messages", "prompt_token_ids")  # default candidates, in order
-INT_OVERRIDES = ("max_tokens", "top_k", "seed", "n", "logprobs", "prompt_logprobs")
+INT_OVERRIDES = ("max_tokens", "top_k", "seed", "n", "logprobs", "prompt_logprobs",
+                 "max_thinking_tokens")
 FLOAT_OVERRIDES = ("temperature", "top_p")
 OVERRIDE_COLUMNS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "n", "logprobs",
-                    "prompt_logprobs")
+                    "prompt_logprobs", "max_thinking_tokens")
 # Per-row values that are not numbers: stop strings (a list of strings, or one string) and
 # ignore_eos (true/false).
 OTHER_OVERRIDES = ("stop", "ignore_eos", "choice_scores")

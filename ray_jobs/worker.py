@@ -101,13 +101,16 @@ class BatchWorker:
                  device: str | None = None, num_threads: int | None = None,
                  kv_cache_bytes: int | None = None, scheduler: str = "auto",
                  prefix_caching: bool = True, quantization: str | None = None,
-                 kv_cache_dtype: str = "auto", max_batch_size: int | None = None) -> None:
+                 kv_cache_dtype: str = "auto", max_batch_size: int | None = None,
+                 reasoning_parser: str | None = "auto") -> None:
         """Load the model once. `device` None picks one (see the module docstring);
         `num_threads` caps torch's CPU threads (at most the machine's cores);
         `kv_cache_bytes` sizes the KV pool exactly (else `kv_cache_fraction` of a GPU's free
         memory, or the engine's CPU default); `scheduler`: the engine's batching, "static"
         or "continuous" (see `nanoserve.llm.LLM`); `quantization`: "fp8" or None (see there);
-        `max_batch_size`: the most rows the engine decodes at once (None: its default)."""
+        `max_batch_size`: the most rows the engine decodes at once (None: its default);
+        `reasoning_parser`: the engine's (thinking budgets, constraints after the think
+        block)."""
         _fault_hold_load_while_file()
         t0 = time.perf_counter()
         import torch
@@ -122,7 +125,7 @@ class BatchWorker:
                   kv_cache_fraction=kv_cache_fraction, kv_cache_bytes=kv_cache_bytes,
                   scheduler=scheduler, enable_prefix_caching=prefix_caching,
                   quantization=quantization, kv_cache_dtype=kv_cache_dtype,
-                  max_batch_size=max_batch_size)
+                  max_batch_size=max_batch_size, reasoning_parser=reasoning_parser)
         self._attach(llm)
         self.load_timings = {"imports_s": imports_s, **getattr(llm, "load_timings", {})}
 
@@ -226,22 +229,47 @@ class BatchWorker:
         """Result rows per request (`_generate`'s completions): a request that asks for
         choice scores runs as one scoring sequence per label and gives one row, its text
         the most likely label (`nanoserve.choice_scores`)."""
-        from nanoserve.choice_scores import expand_requests
+        from nanoserve.choice_scores import check_fits, label_token_ids
 
-        run_prompts, run_params, spans = expand_requests(
-            self.llm.tokenizer, self.llm.max_context, prompts, params)
-        done, stats = self._generate(run_prompts, run_params, ooms, alone=alone)
-        plain = [p for p, span in zip(params, spans) if span is None]
-        want = sum(p.n for p in plain) + sum(len(s) for s in spans if s is not None)
+        spans = [label_token_ids(self.llm.tokenizer, p.structured_outputs.choice)
+                 if p.choice_scores else None for p in params]
+        for prompt, span in zip(prompts, spans):
+            if span is not None:
+                check_fits(prompt, span, self.llm.max_context)  # ValueError: the row's error
+        plain = [k for k, span in enumerate(spans) if span is None]
+        done, stats = (self._generate([prompts[k] for k in plain], [params[k] for k in plain],
+                                      ooms, alone=alone) if plain else ([], None))
+        want = sum(params[k].n for k in plain)
         if len(done) != want:
             raise RuntimeError(f"the engine answered {len(done)} samples for {want} asked")
+        scored = [k for k, span in enumerate(spans) if span is not None]
+        sums = self._label_logprobs([prompts[k] for k in scored],
+                                    [spans[k] for k in scored]) if scored else []
+        sums_of = dict(zip(scored, sums))
         out, at = [], 0
-        for prompt, p, span in zip(prompts, params, spans):
-            take = p.n if span is None else len(span)
-            part, at = done[at:at + take], at + take
-            out.append([_completion_row(c) for c in part] if span is None
-                       else [_scored_row(p.structured_outputs.choice, span, part, len(prompt))])
+        for k, (prompt, p, span) in enumerate(zip(prompts, params, spans)):
+            if span is None:
+                out.append([_completion_row(c) for c in done[at:at + p.n]])
+                at += p.n
+            else:
+                out.append([_scored_row(p.structured_outputs.choice, span, sums_of[k],
+                                        len(prompt))])
         return out, stats
+
+    def _label_logprobs(self, prompts: list[list[int]], spans: list[list[list[int]]]
+                        ) -> list[list[float]]:
+        """Each scored request's labels' summed logprobs (`nanoserve.choice_scores.
+        label_logprobs`): on the engine loop's thread between its steps (continuous), or
+        holding the static engine's turn."""
+        from nanoserve.choice_scores import label_logprobs
+
+        def run() -> list[list[float]]:
+            return label_logprobs(self.llm.model, self.llm.pool, prompts, spans)
+
+        if self._loop is not None:
+            return self._loop.call(run).result()
+        with self._engine_lock:
+            return run()
 
     def _generate(self, prompts: list[list[int]], params: list[SamplingParams],
                   ooms: list[int], alone: bool = False) -> tuple[list[Any], Any]:
@@ -403,16 +431,14 @@ def _first_line(text: str) -> str:
     return lines[0] if lines else text
 
 
-def _scored_row(labels: tuple[str, ...], label_ids: list[list[int]], outs: list[Any],
+def _scored_row(labels: tuple[str, ...], label_ids: list[list[int]], sums: list[float],
                 num_input_tokens: int) -> dict[str, Any]:
     """A choice-scores request as one result row: `choice_scores` {label: probability},
-    its text and tokens the most likely label's."""
-    from nanoserve.choice_scores import scored_result
+    its text and tokens the most likely label's (the first of equals)."""
+    from nanoserve.choice_scores import normalise
 
-    for c in outs:
-        if c.finish_reason == "error":
-            return error_row(c.error or "scoring failed", num_input_tokens, 0)
-    probs, best = scored_result(labels, label_ids, outs)
+    probs = normalise(sums)
+    best = max(range(len(probs)), key=lambda j: probs[j])
     return {"generated_text": labels[best], "generated_token_ids": list(label_ids[best]),
             "num_input_tokens": num_input_tokens, "num_generated_tokens": len(label_ids[best]),
             "finish_reason": "stop", "error": None, "sample_index": 0, "logprobs": None,

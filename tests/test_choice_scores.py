@@ -49,3 +49,14 @@ def test_ties_and_empty_label_lists_are_one_line_errors(tiny_llm):
         tiny_llm.choice_scores(["x"], [])
     with pytest.raises(ValueError, match="'a' is given twice"):
         tiny_llm.choice_scores(["x"], ["a", "b", "a"])
+
+
+def test_benchmark_smoke_builds_the_random_1b_shape(capsys):
+    """benchmarks/choice_scores.py --shape 1b (what the GPU runs: nothing downloaded), shrunk
+    for the CPU by --smoke: it loads random weights with a byte tokenizer and prints its
+    table and ratio."""
+    from benchmarks.choice_scores import main
+
+    result = main(["--smoke", "--shape", "1b"])
+    assert result["ratio"] > 0
+    assert "choice-scores-over-constrained-1tok" in capsys.readouterr().out

@@ -138,3 +138,230 @@ def test_openai_chat_lines_carry_reasoning_content(think_model, think_llm, ray_s
     (want,) = think_llm.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))
     assert choice["finish_reason"] == "length" and choice["message"]["content"] == ""
     assert choice["message"]["reasoning_content"] == tok.decode(want.token_ids) != ""
+
+
+# --- steering while thinking: the budget and constraints after the block -------------------
+
+
+@pytest.fixture(scope="module")
+def hf_think(think_model):
+    import torch
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(think_model, dtype=torch.float32).eval()
+
+
+def hf_greedy(hf, ids, n):
+    """transformers' greedy continuation of `ids` by n tokens (the oracle)."""
+    import torch
+
+    ids = list(ids)
+    out = []
+    with torch.no_grad():
+        for _ in range(n):
+            t = int(hf(torch.tensor([ids])).logits[0, -1].argmax())
+            out.append(t)
+            ids.append(t)
+    return out
+
+
+@pytest.fixture(scope="module", params=["continuous", "static"])
+def steered_llm(request, think_model):
+    from nanoserve.llm import LLM
+
+    return LLM(model=str(think_model), device="cpu", kv_cache_bytes=16 << 20,
+               scheduler=request.param, reasoning_parser="qwen3")
+
+
+def budget_oracle(hf, parser, prompt, budget, answer_tokens):
+    """What a budget of `budget` tokens gives: the model's greedy tokens up to the budget
+    (the budget-th forced to a newline when the one before does not end a line), the
+    closing tag, then the model's greedy answer after it."""
+    think = hf_greedy(hf, prompt, budget)
+    if budget >= 1 and parser.newline_id is not None:
+        before = think[budget - 2] if budget >= 2 else prompt[-1]
+        if not parser.ends_line(before):
+            think = think[:budget - 1] + [parser.newline_id]
+    head = think + [parser.close_id]
+    return head + hf_greedy(hf, prompt + head, answer_tokens)
+
+
+@pytest.mark.parametrize("budget", [0, 1, 4])
+def test_budget_closes_the_block_at_exactly_n_tokens(steered_llm, hf_think, budget):
+    tok = steered_llm.tokenizer
+    parser = steered_llm.reasoning
+    prompt = tok.encode("Question: 2+2?", add_special_tokens=False) + [parser.open_id]
+    (out,) = steered_llm.generate([prompt], SamplingParams(
+        max_tokens=budget + 4, ignore_eos=True, max_thinking_tokens=budget))
+    assert out.token_ids == budget_oracle(hf_think, parser, prompt, budget, 3)
+    assert out.num_reasoning_tokens == budget and out.token_ids[budget] == parser.close_id
+    assert out.text == tok.decode(out.token_ids[budget + 1:]) and out.finish_reason == "length"
+    assert out.reasoning == tok.decode(out.token_ids[:budget])
+
+
+def test_budget_rows_beside_free_rows_and_sampled_rows(steered_llm):
+    """Rows with and without a budget share the steps; a sampled row's block ends at its
+    budget too; a budget the row never reaches changes nothing."""
+    tok = steered_llm.tokenizer
+    parser = steered_llm.reasoning
+    prompt = tok.encode("Think:", add_special_tokens=False) + [parser.open_id]
+    params = [SamplingParams(max_tokens=8, ignore_eos=True),
+              SamplingParams(max_tokens=8, ignore_eos=True, max_thinking_tokens=3),
+              SamplingParams(max_tokens=8, ignore_eos=True, max_thinking_tokens=2,
+                             temperature=1.0, seed=7),
+              SamplingParams(max_tokens=8, ignore_eos=True, max_thinking_tokens=50)]
+    free, capped, sampled, loose = steered_llm.generate([prompt] * 4, params)
+    assert parser.close_id not in free.token_ids and free.num_reasoning_tokens == 8
+    assert capped.token_ids[3] == parser.close_id and capped.num_reasoning_tokens == 3
+    assert sampled.token_ids[2] == parser.close_id and sampled.num_reasoning_tokens == 2
+    assert loose.token_ids == free.token_ids
+
+
+def test_constraint_applies_after_the_think_block(steered_llm, hf_think):
+    """A choice row thinks freely (the model's greedy tokens, which no label starts with)
+    until its budget closes the block; the answer is then one of the labels."""
+    tok = steered_llm.tokenizer
+    parser = steered_llm.reasoning
+    from nanoserve.structured import StructuredOutputs
+
+    prompt = tok.encode("Is it raining? Answer:", add_special_tokens=False) + [parser.open_id]
+    labels = ("yes", "no")
+    params = [SamplingParams(max_tokens=20, max_thinking_tokens=5,
+                             structured_outputs=StructuredOutputs(choice=labels)),
+              SamplingParams(max_tokens=20, max_thinking_tokens=3,
+                             structured_outputs=StructuredOutputs(regex="[0-9]{3}"))]
+    choice, digits = steered_llm.generate([prompt, prompt], params)
+    for out, budget in ((choice, 5), (digits, 3)):
+        head = budget_oracle(hf_think, parser, prompt, budget, 0)
+        assert out.token_ids[:budget + 1] == head
+        assert out.finish_reason == "stop" and out.num_reasoning_tokens == budget
+    assert choice.text in labels
+    assert len(digits.text) == 3 and digits.text.isdigit()
+    # the model's free thinking is not held to the grammar: it is no label, no digits
+    assert not any(c.isdigit() for c in tok.decode(digits.token_ids[:3]))
+
+
+def test_qwen3_row_may_open_its_own_block_under_a_constraint(steered_llm):
+    """A qwen3 row whose prompt opened no block: its first token may be <think> beside the
+    grammar's tokens (here the regex allows only digits, and the model's own choice among
+    those or <think> decides); either way the answer matches the regex."""
+    from nanoserve.structured import StructuredOutputs
+
+    tok = steered_llm.tokenizer
+    prompt = tok.encode("Number:", add_special_tokens=False)
+    (out,) = steered_llm.generate([prompt], SamplingParams(
+        max_tokens=12, max_thinking_tokens=2,
+        structured_outputs=StructuredOutputs(regex="[0-9]{2}")))
+    assert len(out.text) == 2 and out.text.isdigit() and out.finish_reason == "stop"
+
+
+def test_budget_needs_a_parser(think_model):
+    from nanoserve.llm import LLM
+
+    llm = LLM(model=str(think_model), device="cpu", kv_cache_bytes=16 << 20,
+              reasoning_parser="none")
+    with pytest.raises(ValueError, match="max_thinking_tokens needs a reasoning parser"):
+        llm.generate([[5, 6]], SamplingParams(max_tokens=2, max_thinking_tokens=1))
+    with pytest.raises(ValueError, match="max_thinking_tokens must be an integer >= 0"):
+        SamplingParams(max_thinking_tokens=-1)
+
+
+def test_parser_auto_pick(think_llm, tiny_llm):
+    from nanoserve.reasoning import pick_parser, resolve_parser
+
+    tok = think_llm.tokenizer  # the qwen3 template: the model opens <think> itself
+    assert pick_parser("Qwen3ForCausalLM", tok)[0] == "qwen3"
+    assert pick_parser("LlamaForCausalLM", tok)[0] is None  # not certain: no parser
+    assert pick_parser("Qwen3ForCausalLM", tiny_llm.tokenizer)[0] is None  # no think tags
+    import copy
+
+    r1_tok = copy.copy(tok)  # a DeepSeek-R1 distill's template opens the block itself
+    r1_tok._chat_template_source = ("{% for m in messages %}<｜User｜>{{ m['content'] }}"
+                                    "{% endfor %}{% if add_generation_prompt %}<｜Assistant｜>"
+                                    "<think>\n{% endif %}")
+    r1_tok._chat_template = None
+    assert pick_parser("Qwen2ForCausalLM", r1_tok)[0] == "deepseek_r1"
+    parser, line = resolve_parser("auto", "LlamaForCausalLM", r1_tok)
+    assert parser.name == "deepseek_r1" and line.startswith("reasoning parser: deepseek_r1 (auto")
+    assert resolve_parser("none", "Qwen3ForCausalLM", tok) == (None, "reasoning parser: none")
+
+
+# --- the budget and the parser's auto-pick through the batch job, OpenAI files, Ray Data ----
+
+
+@pytest.fixture(scope="module")
+def qwen3_think_model(tmp_path_factory, think_model):
+    """A tiny Qwen3 checkpoint whose tokenizer has <think> / </think>: the family the job
+    picks the qwen3 parser for by itself."""
+    from nanoserve.testing import save_tiny_family
+
+    template = (Path(__file__).parent / "chat_templates" / "qwen3.jinja").read_text()
+    return save_tiny_family(tmp_path_factory.mktemp("qwen3-think"), "qwen3", think_model,
+                            chat_template=template)
+
+
+@pytest.fixture(scope="module")
+def qwen3_think_llm(qwen3_think_model):
+    from nanoserve.llm import LLM
+
+    return LLM(model=str(qwen3_think_model), device="cpu", kv_cache_bytes=16 << 20)
+
+
+def test_job_budget_and_auto_picked_parser(qwen3_think_model, qwen3_think_llm, ray_session,
+                                           tmp_path):
+    import pyarrow.dataset as ds
+
+    from nanoserve.structured import StructuredOutputs
+    from ray_jobs import run_batch_job
+
+    llm = qwen3_think_llm
+    assert llm.reasoning.name == "qwen3" and "auto" in llm.reasoning_line
+    rows = [{"id": 0, "prompt": "Question: 2+2?<think>"},
+            {"id": 1, "prompt": "Question: 3+3?<think>", "max_thinking_tokens": 1},
+            {"id": 2, "prompt": "Rain?<think>", "guided_choice": ["yes", "no"]}]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = run_batch_job(tmp_path / "in.jsonl", tmp_path / "out",
+                            model=str(qwen3_think_model), max_tokens=8, ignore_eos=True,
+                            max_thinking_tokens=3, kv_cache_bytes=16 << 20, progress=False)
+    assert "reasoning parser: qwen3 (auto: a Qwen3 model" in summary.format()
+    got = {r["id"]: r for r in ds.dataset(tmp_path / "out").to_table().to_pylist()}
+    tok = llm.tokenizer
+    for row, budget in zip(rows, (3, 1, 3)):
+        so = StructuredOutputs(choice=tuple(row["guided_choice"])) if "guided_choice" in row \
+            else None
+        (want,) = llm.generate([tok.encode(row["prompt"])], SamplingParams(
+            max_tokens=8, ignore_eos=True, max_thinking_tokens=budget, structured_outputs=so))
+        out = got[row["id"]]
+        assert out["generated_token_ids"] == want.token_ids
+        assert out["num_reasoning_tokens"] == budget == want.num_reasoning_tokens
+        assert out["generated_text"] == want.text and out["reasoning"] == want.reasoning
+    assert got[2]["generated_text"] in ("yes", "no") and got[2]["finish_reason"] == "stop"
+
+
+def test_openai_body_and_ray_data_take_the_budget(qwen3_think_model, qwen3_think_llm,
+                                                  ray_session, tmp_path):
+    import ray.data
+
+    from ray_jobs import run_batch_job
+    from ray_jobs.data_processor import build_processor
+
+    llm, tok = qwen3_think_llm, qwen3_think_llm.tokenizer
+    line = {"custom_id": "q", "method": "POST", "url": "/v1/completions",
+            "body": {"prompt": "Question: 2+2?<think>", "max_tokens": 6, "temperature": 0,
+                     "ignore_eos": True, "max_thinking_tokens": 2}}
+    (tmp_path / "req.jsonl").write_text(json.dumps(line) + "\n")
+    run_batch_job(tmp_path / "req.jsonl", tmp_path / "out", model=str(qwen3_think_model),
+                  kv_cache_bytes=16 << 20, progress=False)
+    (want,) = llm.generate([tok.encode(line["body"]["prompt"])], SamplingParams(
+        max_tokens=6, ignore_eos=True, max_thinking_tokens=2))
+    assert want.num_reasoning_tokens == 2
+    (out,) = [json.loads(x) for x in (tmp_path / "out" / "output.jsonl").read_text().splitlines()]
+    assert out["response"]["body"]["choices"][0]["text"] == want.text
+
+    process = build_processor(str(qwen3_think_model), concurrency=1, num_gpus=0,
+                              kv_cache_bytes=16 << 20, max_tokens=6, ignore_eos=True,
+                              max_thinking_tokens=2)
+    (row,) = process(ray.data.from_items([{"prompt": "Question: 2+2?<think>"}])).take_all()
+    assert row["generated_token_ids"] == want.token_ids
+    assert row["reasoning"] == want.reasoning and row["generated_text"] == want.text
+    assert row["num_reasoning_tokens"] == 2
