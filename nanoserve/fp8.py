@@ -288,8 +288,8 @@ def _fp8_experts(sd: dict[str, torch.Tensor], prefix: str, scheme: Fp8Scheme | N
     popped from `sd`): stored e4m3 with their scales (nanoserve/moe_weights.py), or
     quantized per row here (`online`); None (and `sd` untouched) where they stay as they are."""
     stored = sd[prefix + STACKED[0]].dtype == FP8
-    if not (stored or online):
-        return None
+    if not (stored or online or scheme is not None):  # an FP8 checkpoint's experts that
+        return None  # came dequantized (nanoserve/moe_weights.py) are requantized per row
     parts = []
     for name in STACKED:
         w = sd.pop(prefix + name)

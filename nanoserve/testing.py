@@ -8,6 +8,7 @@ they stand in for would.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 
@@ -238,6 +239,7 @@ FP8_FORMATS = ("ct-tensor-static", "ct-tensor-scalar", "ct-channel-dynamic", "ct
                "fbgemm", "fp8-block", "fp8-block-small", "fp8-tensor-static")
 _FP8_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+_EXPERT = re.compile(r"\.experts\.\d+\.(gate_proj|up_proj|down_proj|w1|w2|w3)$")  # MoE experts
 
 
 def save_fp8_checkpoint(src: str | Path, dst: str | Path, fmt: str, twin: str | Path, *,
@@ -246,7 +248,7 @@ def save_fp8_checkpoint(src: str | Path, dst: str | Path, fmt: str, twin: str | 
     checkpoint of format `fmt` (one of FP8_FORMATS), with the tensor names, dtypes, shapes
     and config keys of that format, and to `twin` as its dequantized float32 twin (a plain
     checkpoint whose every tensor equals what the FP8 one stands for). The decoder linears
-    are quantized, except the modules named in `ignore` (stored bf16, as the other tensors
+    (and a mixture of experts' expert linears, not its router) are quantized, except the modules named in `ignore` (stored bf16, as the other tensors
     are); `lm_head` is never quantized. Tokenizer files are copied to both. Returns `dst`."""
     import json
     import shutil
@@ -261,8 +263,8 @@ def save_fp8_checkpoint(src: str | Path, dst: str | Path, fmt: str, twin: str | 
     deq: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
         module = name.rsplit(".", 1)[0]
-        if (name.endswith(".weight") and module.split(".", 3)[-1] in _FP8_LINEARS
-                and module not in ignore):
+        if (name.endswith(".weight") and module not in ignore
+                and (module.split(".", 3)[-1] in _FP8_LINEARS or _EXPERT.search(module))):
             q, scale = _ref_quantize(t.float(), strategy, block)
             out[name], out[f"{module}.{scale_name}"] = q, scale
             deq[name] = _ref_dequantize(q, scale, strategy, block)

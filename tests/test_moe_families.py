@@ -176,3 +176,33 @@ def test_missing_expert_is_named(tmp_path):
         load_checkpoint(tmp_path)
     with pytest.raises(ModelError, match=r"experts\.2\.w3\.weight"):
         validate_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("family,fmt", [("qwen3_moe", "fp8-block-small"),
+                                        ("qwen3_moe", "fp8-block"),
+                                        ("mixtral", "ct-channel-dynamic")])
+def test_fp8_experts_load_as_their_dequantized_twin(tmp_path, family, fmt):
+    """An FP8 checkpoint whose experts are e4m3 (per expert, with their scales; the router
+    stays as stored) gives on the CPU exactly the logits of its dequantized twin."""
+    from nanoserve.fp8 import FP8, build_with_fp8
+    from nanoserve.testing import save_fp8_checkpoint
+
+    options = (dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)
+               if family == "qwen3_moe" else dict(num_local_experts=4, num_experts_per_tok=2))
+    save_moe(tmp_path / "src", family, options, "per-expert")
+    save_fp8_checkpoint(tmp_path / "src", tmp_path / "fp8", fmt, tmp_path / "twin")
+    config, sd = load_checkpoint(tmp_path / "fp8")
+    gate_up = sd["model.layers.0.mlp.experts.gate_up_proj"]
+    if fmt == "fp8-block-small":  # 32 x 64 blocks: gate/up's grid stacks, down's does not
+        assert gate_up.dtype == FP8
+        assert sd["model.layers.0.mlp.experts.gate_up_proj_scale"].shape == (8, 2, 1)
+        assert sd["model.layers.0.mlp.experts.down_proj"].dtype == torch.float32
+    elif fmt == "ct-channel-dynamic":
+        assert sd["model.layers.0.mlp.experts.down_proj_scale"].shape == (4, 64)
+    assert sd["model.layers.0.mlp.gate.weight"].dtype == torch.bfloat16
+    model = build_with_fp8(config, sd)
+    twin_config, twin_sd = load_checkpoint(tmp_path / "twin")
+    twin = build_model(twin_config, twin_sd)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
+    pos, meta = torch.arange(9).expand(2, 9), AttentionMetadata.prefill()
+    assert torch.equal(model(ids, pos, None, meta), twin(ids, pos, None, meta))
