@@ -150,7 +150,7 @@ def model_folder(folder: Path, device: str, config: dict) -> Path:
 
 
 def run_nanoserve(model_dir: Path, workloads: dict, device: str, vocab: int,
-                  quantization: str | None = None) -> dict:
+                  quantization: str | None = None, load_format: str = "auto") -> dict:
     import torch
 
     from nanoserve.llm import LLM
@@ -159,7 +159,7 @@ def run_nanoserve(model_dir: Path, workloads: dict, device: str, vocab: int,
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     t = time.perf_counter()
     llm = LLM(str(model_dir), device=device, scheduler="continuous", enable_prefix_caching=True,
-              quantization=quantization)
+              quantization=quantization, load_format=load_format)
     sync()
     side = {"load_s": time.perf_counter() - t, "kv_pool_tokens": llm.pool.num_tokens,
             "max_batch_size": llm.max_batch_size, "workloads": {}}
@@ -236,6 +236,7 @@ def run_vllm(model_dir: Path, workloads: dict, work: Path, args) -> tuple[dict |
             "max_model_len": max(4096, -(-need // 256) * 256),
             "gpu_memory_utilization": args.gpu_memory_utilization,
             "quantization": args.quantization,
+            "load_format": getattr(args, "load_format", "auto"),
             "workloads": {n: {"prompts": p, "max_tokens": m} for n, (p, m) in workloads.items()}}
     spec_path, result_path = work / "vllm_workload.json", work / "vllm_result.json"
     spec_path.write_text(json.dumps(spec))
@@ -282,7 +283,8 @@ def vllm_child(spec_path: Path, result_path: Path) -> None:
     t = time.perf_counter()
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, enable_prefix_caching=True,
               gpu_memory_utilization=spec["gpu_memory_utilization"],
-              max_model_len=spec["max_model_len"], quantization=spec.get("quantization"))
+              max_model_len=spec["max_model_len"], quantization=spec.get("quantization"),
+              load_format=spec.get("load_format", "auto"))
     result = {"vllm_version": vllm.__version__, "load_s": time.perf_counter() - t,
               "max_model_len": spec["max_model_len"], "workloads": {}}
     try:  # what vLLM chose by default, for the record
