@@ -43,3 +43,18 @@ def test_smoke_run(tmp_path):
     assert "| bf16 |" in result.stdout
     saved = json.loads((tmp_path / "moe_smoke.json").read_text())
     assert saved["sides"]["bf16"]["workloads"]["nanovllm"]["output_tokens"] > 0
+
+
+def test_tuning_script_smoke_writes_the_config_json(tmp_path):
+    """The tuner's search, timing and JSON merge, under Triton's interpreter."""
+    out = tmp_path / "configs.json"
+    out.write_text(json.dumps({"E=1,N=2,K=3,bfloat16": {"1": {}}}))  # kept beside the new one
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TRITON_INTERPRET": "1",
+           "NANOSERVE_TRITON_INTERPRET": "1"}
+    result = subprocess.run([sys.executable, "-m", "benchmarks.tune_fused_moe", "--smoke",
+                             "--out", str(out)], cwd=REPO, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    table = json.loads(out.read_text())
+    assert set(table) == {"E=1,N=2,K=3,bfloat16", "E=4,N=32,K=64,bfloat16"}
+    assert set(table["E=4,N=32,K=64,bfloat16"]) == {"1", "8"}
