@@ -45,10 +45,12 @@ def _renamed(name: str) -> str:
 def _stack(config: ModelConfig, items: dict[str, Any],
            stack: Callable[[list[Any], list[Any], str], Any]) -> dict[str, Any]:
     """items (tensors or shapes by name) with each MoE layer's per-expert entries replaced by
-    stack(gate_up parts [(gate, up)] * E or down parts [down] * E, their names, target)."""
+    stack(per-expert source names, items, target), in place (a layer's per-expert tensors
+    are freed as its stacked ones are made: the host never holds the experts twice)."""
     if not config.moe_layers:
         return items
-    items = {_renamed(n): v for n, v in items.items()}
+    for name in [n for n in items if _renamed(n) != n]:
+        items[_renamed(name)] = items.pop(name)
     for layer in config.moe_layers:
         p = f"model.layers.{layer}.mlp.experts."
         if p + "gate_up_proj" in items or p + "down_proj" in items:
@@ -76,8 +78,8 @@ def stacked_shapes(config: ModelConfig, shapes: dict[str, tuple[int, ...]]
 
 def stack_experts(config: ModelConfig, tensors: dict[str, torch.Tensor]
                   ) -> dict[str, torch.Tensor]:
-    """Tensors with the experts stacked (the module docstring); per-expert tensors are
-    popped as they are stacked."""
+    """`tensors` with the experts stacked (the module docstring), in place: per-expert
+    tensors are popped as they are stacked. Returns `tensors`."""
     def stack(sources, items, target):
         import torch
 
@@ -87,7 +89,7 @@ def stack_experts(config: ModelConfig, tensors: dict[str, torch.Tensor]
         if weights[0][0].dtype != FP8:
             return {target: torch.stack([torch.cat(g) for g in weights])}
         return _stack_fp8(config, sources, items, weights, target)
-    return _stack(config, dict(tensors), stack)
+    return _stack(config, tensors, stack)
 
 
 def _stack_fp8(config, sources, items, weights, target) -> dict[str, torch.Tensor]:
