@@ -14,7 +14,10 @@ The supported families share Llama's skeleton; what differs is a few named optio
   layers `moe_layers` lists (`decoder_sparse_step`, `mlp_only_layers`); its window, with
   `use_sliding_window`, on every layer;
 - Mixtral (`MixtralForCausalLM`): Mistral's attention and window, experts on every layer
-  (top-k weights always renormalised).
+  (top-k weights always renormalised);
+- Qwen2-MoE (`Qwen2MoeForCausalLM`): Qwen2's attention (`qkv_bias`), Qwen3-MoE's experts
+  plus a shared expert (`shared_expert_intermediate_size`) gated by sigmoid(x w); its window
+  on the layers `layer_types` marks (by default the even ones below `max_window_layers`).
 A window W means what transformers' `sliding_window_overlay` means: the query at position
 p sees the keys at positions p-W+1 .. p (W tokens, itself included).
 
@@ -41,6 +44,7 @@ FAMILIES = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 # The same families without an LM head (embedding checkpoints, e.g. Qwen3-Embedding saved
@@ -86,6 +90,7 @@ class ModelConfig:
     moe_intermediate_size: int = 0  # each expert's SwiGLU inner width
     norm_topk_prob: bool = True  # the top-k routing weights renormalised to sum to 1
     moe_layers: tuple[int, ...] = ()  # layers whose MLP is the mixture of experts
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert width; 0: none
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads != 0:
@@ -175,7 +180,8 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             architecture=arch,
-            qkv_bias=model_type == "qwen2",
+            qkv_bias=model_type == "qwen2" or (model_type == "qwen2_moe"
+                                               and bool(d.get("qkv_bias", True))),
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
             sliding_window=window,
             sliding_window_layers=window_layers,
@@ -227,6 +233,14 @@ def _sliding_window(d: dict[str, Any], model_type: str) -> tuple[int | None, tup
     if model_type == "qwen3_moe":  # Qwen3MoeConfig: every layer, with use_sliding_window
         use = d.get("use_sliding_window", False) and window is not None
         return (int(window) if use else None), None
+    if model_type == "qwen2_moe":  # Qwen2MoeConfig: the even layers below max_window_layers
+        if not d.get("use_sliding_window", False) or window is None:
+            return None, None
+        n_layers = int(d["num_hidden_layers"])
+        types = d.get("layer_types") or [
+            "sliding_attention" if (i + 1) % 2 and i < int(d.get("max_window_layers", 28))
+            else "full_attention" for i in range(n_layers)]
+        return int(window), tuple(i for i, t in enumerate(types) if t == "sliding_attention")
     if model_type not in ("qwen2", "qwen3"):
         return None, None
     # Qwen2Config / Qwen3Config: no window unless use_sliding_window; then the layers that
@@ -246,9 +260,9 @@ def _sliding_window(d: dict[str, Any], model_type: str) -> tuple[int | None, tup
 
 
 def _moe_options(d: dict[str, Any], model_type: str) -> dict[str, Any]:
-    """The mixture-of-experts fields of `ModelConfig` as transformers' Qwen3MoeConfig and
-    MixtralConfig derive them (4.x `num_experts`, 5.x `num_local_experts`)."""
-    if model_type not in ("qwen3_moe", "mixtral"):
+    """The mixture-of-experts fields of `ModelConfig` as transformers' Qwen3MoeConfig,
+    Qwen2MoeConfig and MixtralConfig derive them (4.x `num_experts`, 5.x `num_local_experts`)."""
+    if model_type not in ("qwen3_moe", "mixtral", "qwen2_moe"):
         return {}
     n_layers = int(d["num_hidden_layers"])
     experts = d.get("num_local_experts", d.get("num_experts"))
@@ -258,12 +272,12 @@ def _moe_options(d: dict[str, Any], model_type: str) -> dict[str, Any]:
         return dict(num_experts=int(experts), num_experts_per_tok=int(d.get("num_experts_per_tok", 2)),
                     moe_intermediate_size=int(d["intermediate_size"]), norm_topk_prob=True,
                     moe_layers=tuple(range(n_layers)))
-    if d.get("shared_expert_intermediate_size"):
-        raise ModelError("shared experts are not supported")
+    shared = int(d.get("shared_expert_intermediate_size") or 0) if model_type == "qwen2_moe" else 0
     step = int(d.get("decoder_sparse_step", 1))
     dense = set(d.get("mlp_only_layers") or ())
     layers = tuple(i for i in range(n_layers)
                    if i not in dense and int(experts) > 0 and (i + 1) % step == 0)
     return dict(num_experts=int(experts), num_experts_per_tok=int(d.get("num_experts_per_tok", 8)),
                 moe_intermediate_size=int(d.get("moe_intermediate_size", d["intermediate_size"])),
-                norm_topk_prob=bool(d.get("norm_topk_prob", False)), moe_layers=layers)
+                norm_topk_prob=bool(d.get("norm_topk_prob", False)), moe_layers=layers,
+                shared_expert_intermediate_size=shared)

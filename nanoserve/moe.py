@@ -1,5 +1,7 @@
-"""The mixture-of-experts MLP (Qwen3-MoE, Mixtral): a router and E SwiGLU experts, of
-which each token runs its top k, weighted by its renormalised router probabilities.
+"""The mixture-of-experts MLP (Qwen3-MoE, Mixtral, Qwen2-MoE): a router and E SwiGLU
+experts, of which each token runs its top k, weighted by its (renormalised) router
+probabilities; Qwen2-MoE adds a shared expert every token runs, weighted by
+sigmoid(x w_gate) (`SharedExpert`, in the compute dtype).
 
 Parameter names are transformers 5.x's own modules' (`mlp.gate.weight` [E, d],
 `mlp.experts.gate_up_proj` [E, 2I, d] with gate rows then up rows, `mlp.experts.down_proj`
@@ -55,6 +57,22 @@ class MoeExperts(nn.Module):
                 "block": self.block}
 
 
+class SharedExpert(nn.Module):
+    """Qwen2-MoE's shared expert: a SwiGLU MLP of width S (gate_proj, up_proj [S, d],
+    down_proj [d, S])."""
+
+    def __init__(self, d: int, width: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(d, width, bias=False)
+        self.up_proj = nn.Linear(d, width, bias=False)
+        self.down_proj = nn.Linear(width, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = torch.cat((F.linear(x, self.gate_proj.weight), F.linear(x, self.up_proj.weight)),
+                            dim=-1)  # [M, 2S]
+        return F.linear(kernel_backend.silu_and_mul(gate_up), self.down_proj.weight)
+
+
 class SparseMoeBlock(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -63,6 +81,11 @@ class SparseMoeBlock(nn.Module):
         # the router [E, d]; built on the meta device, its weight from the checkpoint
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
         self.experts = MoeExperts(config)
+        self.shared_expert = self.shared_expert_gate = None
+        if config.shared_expert_intermediate_size:
+            self.shared_expert = SharedExpert(config.hidden_size,
+                                              config.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., d] -> [..., d]."""
@@ -71,7 +94,10 @@ class SparseMoeBlock(nn.Module):
         out = kernel_backend.fused_moe(rows, logits, self.experts.gate_up_proj,
                                        self.experts.down_proj, self.top_k, self.renormalize,
                                        **self.experts.scales())
+        if self.shared_expert is not None:  # out + sigmoid(x w_gate) * shared(x), as transformers
+            gate = torch.sigmoid(F.linear(rows, self.shared_expert_gate.weight))  # [M, 1]
+            out = out + gate * self.shared_expert(rows)
         return out.view(x.shape)
 
 
-__all__ = ["MoeExperts", "SparseMoeBlock"]
+__all__ = ["MoeExperts", "SharedExpert", "SparseMoeBlock"]

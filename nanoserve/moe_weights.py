@@ -133,8 +133,15 @@ def expert_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]
     """The stacked MoE tensors `layer` needs, by name, with their shapes."""
     e, d, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
     p = f"model.layers.{layer}.mlp."
-    return {p + "gate.weight": (e, d), p + "experts.gate_up_proj": (e, 2 * i, d),
-            p + "experts.down_proj": (e, d, i)}
+    shapes = {p + "gate.weight": (e, d), p + "experts.gate_up_proj": (e, 2 * i, d),
+              p + "experts.down_proj": (e, d, i)}
+    s = config.shared_expert_intermediate_size
+    if s:  # Qwen2-MoE's shared expert and its gate
+        shapes.update({p + "shared_expert.gate_proj.weight": (s, d),
+                       p + "shared_expert.up_proj.weight": (s, d),
+                       p + "shared_expert.down_proj.weight": (d, s),
+                       p + "shared_expert_gate.weight": (1, d)})
+    return shapes
 
 
 __all__ = ["STACKED", "expert_shapes", "stack_experts", "stacked_shapes"]

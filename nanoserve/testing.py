@@ -39,6 +39,8 @@ TINY_MOE = {
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                       norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1]),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=64),
 }
 
 
@@ -46,11 +48,11 @@ def save_tiny_family(folder: str | Path, family: str, tokenizer_source: str | Pa
                      sliding_window: int | None = None, chat_template: str | None = None,
                      special_tokens: dict[str, str] | None = None,
                      eos_tokens: tuple[str, ...] = ()) -> Path:
-    """A tiny random checkpoint of `family` ('qwen2', 'qwen3', 'mistral', 'qwen3_moe' or
-    'mixtral' (`TINY_MOE`); hidden 64, 2 layers, GQA 4:2, untied, seed 0, random norm
+    """A tiny random checkpoint of `family` ('qwen2', 'qwen3', 'mistral', 'qwen3_moe',
+    'mixtral' or 'qwen2_moe' (`TINY_MOE`); hidden 64, 2 layers, GQA 4:2, untied, seed 0, random norm
     weights and biases) through transformers' own class, with the tokenizer of
     `tokenizer_source`. `sliding_window`: Mistral's, Mixtral's and Qwen3-MoE's on every
-    layer; Qwen2/3's (use_sliding_window) on layer 1 only. `chat_template` and
+    layer; Qwen2/3's (use_sliding_window) on layer 1 only, Qwen2-MoE's on layer 0. `chat_template` and
     `special_tokens` ({'bos_token': ..., 'eos_token': ...}) go into tokenizer_config.json,
     `eos_tokens` (token strings) into generation_config.json."""
     import json
@@ -61,13 +63,13 @@ def save_tiny_family(folder: str | Path, family: str, tokenizer_source: str | Pa
     from nanoserve.tokenizer import Tokenizer
 
     names = {"qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "qwen3_moe": "Qwen3Moe",
-             "mixtral": "Mixtral"}
+             "mixtral": "Mixtral", "qwen2_moe": "Qwen2Moe"}
     config_cls = getattr(transformers, f"{names[family]}Config")
     model_cls = getattr(transformers, f"{names[family]}ForCausalLM")
     folder = Path(folder)
     tok = Tokenizer.from_path(tokenizer_source)
     window = {"sliding_window": sliding_window}
-    if family in ("qwen2", "qwen3"):
+    if family in ("qwen2", "qwen3", "qwen2_moe"):
         window.update(use_sliding_window=sliding_window is not None, max_window_layers=1)
     elif family == "qwen3_moe":  # its window, when used, is on every layer
         window.update(use_sliding_window=sliding_window is not None)

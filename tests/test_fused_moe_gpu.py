@@ -85,7 +85,7 @@ def test_fused_moe_is_captured_in_a_cuda_graph():
         assert torch.equal(out, fused_moe(x, logits, w13, w2, 8, True))
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])
 def test_moe_family_greedy_on_the_gpu_equals_transformers(tmp_path, family):
     """float32 through the kernels (static batch, continuous batching with its CUDA graphs)."""
     from test_families import _assert_greedy_near, _hf_greedy

@@ -1,4 +1,4 @@
-"""Qwen3-MoE and Mixtral held to transformers' own model classes: tiny random checkpoints
+"""Qwen3-MoE, Mixtral and Qwen2-MoE held to transformers' own model classes: tiny random checkpoints
 (routers that spread the tokens over the experts), saved by `save_pretrained` (per-expert
 tensor names, one file or sharded) or with transformers 5.x's stacked module names,
 compared on float32 logits and on greedy tokens through the dense, paged, static-batch and
@@ -11,7 +11,14 @@ import json
 import pytest
 import torch
 from safetensors.torch import save_file
-from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import (
+    MixtralConfig,
+    MixtralForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 from nanoserve.attention import AttentionMetadata
 from nanoserve.config import ModelConfig
@@ -31,7 +38,14 @@ CASES = [
                        decoder_sparse_step=2, tie_word_embeddings=True), "sharded"),
     ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=6), "per-expert"),
     ("mixtral", dict(num_local_experts=5, num_experts_per_tok=2), "stacked"),
+    # Qwen2-MoE: a shared expert beside the routed ones; q/k/v biases; window on layer 0
+    ("qwen2_moe", dict(num_experts=6, num_experts_per_tok=2, shared_expert_intermediate_size=40,
+                       use_sliding_window=True, sliding_window=5, max_window_layers=2),
+     "per-expert"),
 ]
+MODELS = {"qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+          "mixtral": (MixtralConfig, MixtralForCausalLM),
+          "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM)}
 IDS = [f"{f}-{i}-{how}" for i, (f, _, how) in enumerate(CASES)]
 
 
@@ -40,23 +54,24 @@ def tiny_config(family: str, **options):
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                   max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1,
                   eos_token_id=2, rope_parameters={"rope_type": "default", "rope_theta": 1e4})
-    if family == "qwen3_moe":
-        return Qwen3MoeConfig(**common, moe_intermediate_size=32, **options)
-    return MixtralConfig(**common, **options)
+    if family != "mixtral":
+        common["moe_intermediate_size"] = 32
+    return MODELS[family][0](**common, **options)
 
 
 def save_moe(folder, family: str, options: dict, how: str, seed: int = 0):
     torch.manual_seed(seed)
-    cls = Qwen3MoeForCausalLM if family == "qwen3_moe" else MixtralForCausalLM
-    hf = cls(tiny_config(family, **options)).eval()
+    hf = MODELS[family][1](tiny_config(family, **options)).eval()
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if "norm" in name:
                 p.copy_(1 + 0.3 * torch.randn_like(p))
             elif name.endswith("mlp.gate.weight"):
                 p.copy_(0.5 * torch.randn_like(p))
-            elif "experts" in name:
+            elif "expert" in name:
                 p.copy_(0.1 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.5 * torch.randn_like(p))
     if how == "stacked":  # the names of transformers 5.x's modules, experts stacked
         hf.config.save_pretrained(folder)
         sd = {k: v.contiguous() for k, v in hf.state_dict().items()}
@@ -91,8 +106,13 @@ def test_checkpoint_layout_and_config(moe_pair):
     assert config.num_experts == hf.config.num_experts
     assert config.num_experts_per_tok == hf.config.num_experts_per_tok
     assert config.norm_topk_prob == getattr(hf.config, "norm_topk_prob", True)
-    assert config.attention_window(1) == hf.config.sliding_window
+    for i, layer in enumerate(hf.model.layers):
+        theirs = (hf.config.sliding_window if family == "mixtral"
+                  else getattr(layer.self_attn, "sliding_window", None) or None)
+        assert config.attention_window(i) == theirs, i
     assert config.qk_norm == (family == "qwen3_moe")
+    assert config.qkv_bias == (family == "qwen2_moe")
+    assert config.shared_expert_intermediate_size == (40 if family == "qwen2_moe" else 0)
 
 
 def test_logits_equal_transformers(moe_pair):
@@ -129,15 +149,16 @@ def test_greedy_tokens_equal_transformers_dense_paged_batched(moe_pair):
     assert [o.token_ids for o in outs] == want
 
 
-def test_llm_generates_each_row_as_alone(tmp_path, smollm2_gguf_path):
-    """`LLM` over a tiny Qwen3-MoE with a real tokenizer (`save_tiny_family`): a batch's rows
+@pytest.mark.parametrize("family,moe_layers", [("qwen3_moe", (0,)), ("qwen2_moe", (0, 1))])
+def test_llm_generates_each_row_as_alone(tmp_path, smollm2_gguf_path, family, moe_layers):
+    """`LLM` over a tiny MoE with a real tokenizer (`save_tiny_family`): a batch's rows
     equal each prompt alone."""
     from nanoserve.llm import LLM
     from nanoserve.testing import save_tiny_family
 
-    folder = save_tiny_family(tmp_path / "m", "qwen3_moe", smollm2_gguf_path)
+    folder = save_tiny_family(tmp_path / "m", family, smollm2_gguf_path)
     llm = LLM(model=str(folder), device="cpu", kv_cache_bytes=16 << 20)
-    assert llm.config.moe_layers == (0,)
+    assert llm.config.moe_layers == moe_layers
     prompts = ["Experts route each token", "Hi", "A longer prompt about mixtures of experts"]
     params = SamplingParams(max_tokens=8, temperature=0.0)
     together = llm.generate(prompts, params)
