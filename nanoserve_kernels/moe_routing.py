@@ -7,6 +7,8 @@ Routing (transformers' Qwen3-MoE and Mixtral routers, after the router GEMM):
 
 - `route_reference`: PyTorch, the oracle; `route`: Triton, one launch, one program per
   block of tokens (the top k found by k rounds of argmax over the row's E values).
+- `align_pairs_reference`: PyTorch device ops; `align_pairs`: one Triton program (up to
+  8,192 pairs), the same tensors.
 
 Alignment (vLLM's `moe_align_block_size`): pair p = token * k + slot goes to expert
 ids.flat[p]. `align_pairs` lists the pairs expert by expert, each expert's run padded with
@@ -89,10 +91,10 @@ def max_sorted_pairs(num_pairs: int, num_experts: int, block_m: int) -> int:
     return -(-padded // block_m) * block_m
 
 
-def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def align_pairs_reference(ids: torch.Tensor, num_experts: int, block_m: int
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """ids [M, k] -> (sorted_ids [max_pairs] int32, tile_experts [max_pairs / block_m]
-    int32): see the module docstring. Fixed sizes, no host sync."""
+    int32): see the module docstring. Fixed sizes, no host sync (a dozen device ops)."""
     flat = ids.reshape(-1).long()  # [P]
     num_pairs, device = flat.numel(), ids.device
     size = max_sorted_pairs(num_pairs, num_experts, block_m)
@@ -113,4 +115,62 @@ def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int
     return sorted_ids, tile_experts.to(torch.int32)
 
 
-__all__ = ["align_pairs", "max_sorted_pairs", "route", "route_reference"]
+ALIGN_ONE_PROGRAM_MAX = 8192  # pairs `align_pairs` sorts in its one-program kernel
+_ALIGN_BLOCK = 64  # pairs of one step of that kernel
+
+
+@triton.jit
+def _align_kernel(ids_ptr, sorted_ptr, tile_exp_ptr, P, size, num_tiles, E,
+                  BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    """One program: count each expert's pairs, pad the counts to BLOCK_M, fill the buffer
+    with the sentinel P, write each tile's expert, then each pair at its expert's start +
+    the pairs of its expert before it (pair-id order: the reference's stable sort)."""
+    experts = tl.arange(0, E_PAD)
+    counts = tl.zeros([E_PAD], dtype=tl.int32)
+    for start in range(0, P, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        e = tl.load(ids_ptr + offs, mask=offs < P, other=-1)
+        counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    for start in range(0, size, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        tl.store(sorted_ptr + offs, tl.zeros([BLOCK], dtype=tl.int32) + P, mask=offs < size)
+    for start in range(0, num_tiles, BLOCK):
+        tiles = start + tl.arange(0, BLOCK)
+        past = (ends[None, :] <= (tiles * BLOCK_M)[:, None]) & (experts[None, :] < E)
+        owner = tl.sum(past.to(tl.int32), axis=1)
+        tl.store(tile_exp_ptr + tiles, tl.where(owner < E, owner, -1), mask=tiles < num_tiles)
+    tl.debug_barrier()  # the sentinel fill above lands before the pairs below
+    running = starts
+    for start in range(0, P, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        e = tl.load(ids_ptr + offs, mask=offs < P, other=-1)
+        hot = (e[:, None] == experts[None, :]).to(tl.int32)  # [BLOCK, E_PAD]
+        before = tl.cumsum(hot, axis=0) - hot  # earlier pairs of the same expert in the block
+        pos = tl.sum(hot * (running[None, :] + before), axis=1)
+        tl.store(sorted_ptr + pos, offs, mask=offs < P)
+        running += tl.sum(hot, axis=0)
+
+
+def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton form of `align_pairs_reference`, the same tensors: one launch of one program
+    up to `ALIGN_ONE_PROGRAM_MAX` pairs (every decode step), the reference's device ops
+    beyond (large prefills, where they cost little beside the GEMMs)."""
+    num_pairs = ids.numel()
+    if not HAS_TRITON or num_pairs > ALIGN_ONE_PROGRAM_MAX or num_pairs == 0:
+        return align_pairs_reference(ids, num_experts, block_m)
+    size = max_sorted_pairs(num_pairs, num_experts, block_m)
+    sorted_ids = torch.empty(size, dtype=torch.int32, device=ids.device)
+    tile_experts = torch.empty(size // block_m, dtype=torch.int32, device=ids.device)
+    flat = ids.reshape(-1).to(torch.int32)
+    _align_kernel[(1,)](flat, sorted_ids, tile_experts, num_pairs, size, size // block_m,
+                        num_experts, BLOCK_M=block_m, E_PAD=next_power_of_2(num_experts),
+                        BLOCK=_ALIGN_BLOCK, num_warps=4)
+    return sorted_ids, tile_experts
+
+
+__all__ = ["ALIGN_ONE_PROGRAM_MAX", "align_pairs", "align_pairs_reference", "max_sorted_pairs",
+           "route", "route_reference"]

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from nanoserve.fp8 import quantize_blockwise, quantize_per_channel
 from nanoserve_kernels.fused_moe import fused_experts_reference, fused_moe_reference
 from nanoserve_kernels.fused_moe_configs import default_config, get_config, shape_key
-from nanoserve_kernels.moe_routing import align_pairs, max_sorted_pairs, route_reference
+from nanoserve_kernels.moe_routing import align_pairs_reference, max_sorted_pairs, route_reference
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -104,7 +104,7 @@ def test_fp8_reference_is_close_to_the_float_experts(block):
 def test_align_pairs_invariants(m, k, experts, block_m):
     g = torch.Generator().manual_seed(m)
     ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(m)])
-    sorted_ids, tile_experts = align_pairs(ids.int(), experts, block_m)
+    sorted_ids, tile_experts = align_pairs_reference(ids.int(), experts, block_m)
     pairs = m * k
     assert sorted_ids.numel() == max_sorted_pairs(pairs, experts, block_m)  # shape from sizes
     assert sorted_ids.numel() % block_m == 0
@@ -190,6 +190,19 @@ def test_interp_route_matches_reference(interp, m, experts, k, renorm):
     want_w, want_ids = route_reference(logits, k, renorm)
     assert torch.equal(ids, want_ids)
     assert torch.allclose(w, want_w, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("m,k,experts,block_m", [(1, 8, 128, 16), (37, 4, 16, 16),
+                                                 (300, 2, 8, 64), (5, 1, 3, 16)])
+def test_interp_align_pairs_matches_reference(interp, m, k, experts, block_m):
+    """The one-program kernel gives the reference's tensors exactly (more pairs than one
+    step of it holds: 600 > 64)."""
+    _, moe_routing = interp
+    g = torch.Generator().manual_seed(m)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(m)]).int()
+    got = moe_routing.align_pairs(ids, experts, block_m)
+    want = align_pairs_reference(ids, experts, block_m)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 @pytest.mark.parametrize("m,d,inner,experts,k", [(1, 64, 32, 8, 2), (13, 48, 40, 6, 3),

@@ -233,7 +233,7 @@ def _moe_calls(dtype: torch.dtype):
     in the compute dtype and on FP8 experts with per-channel and 128 x 128 block scales."""
     from nanoserve.fp8 import quantize_blockwise, quantize_per_channel
     from nanoserve_kernels.fused_moe import fused_experts
-    from nanoserve_kernels.moe_routing import route, route_reference
+    from nanoserve_kernels.moe_routing import align_pairs, route, route_reference
 
     g = torch.Generator().manual_seed(0)
     m, d, inner, experts = 5, 256, 256, 8
@@ -254,6 +254,7 @@ def _moe_calls(dtype: torch.dtype):
     top2, top3 = route_reference(logits, 2, True), route_reference(logits, 3, False)
     return [  # (the recorded routing launch writes nothing: the GEMMs get real routes)
         lambda: route(logits, 8, True),
+        lambda: align_pairs(torch.randint(0, 128, (300, 8), dtype=torch.int32), 128, 16),
         lambda: fused_experts(x, *top2, w13.to(dtype), w2.to(dtype)),
         lambda: fused_experts(x, *top3, w13.to(dtype), w2.to(dtype), config=big),
         lambda: fused_experts(x, *top2, q13, q2, w13_scale=s13, w2_scale=s2),
@@ -266,7 +267,7 @@ def _moe_calls(dtype: torch.dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fused_moe_kernels_compile_for_hopper(monkeypatch, dtype):
     launches = _launches(monkeypatch, _moe_calls(dtype))
-    assert {"_route_kernel", "_moe_gemm_kernel", "_quantize_rows_kernel"} <= {
+    assert {"_route_kernel", "_align_kernel", "_moe_gemm_kernel", "_quantize_rows_kernel"} <= {
         fn.__name__ for fn, _, _ in launches}
     monkeypatch.undo()
     for fn, args, kwargs in launches:
