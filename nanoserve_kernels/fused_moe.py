@@ -39,12 +39,14 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve_kernels._triton import HAS_TRITON, interpret_requested, tl, triton
-from nanoserve_kernels.fp8_quant import FP8, quantize_rows_reference
+from nanoserve_kernels.fp8_quant import FP8, quantize_rows_reference, quantize_to_fp8, row_scale
 from nanoserve_kernels.fp8_quant import quantize_rows as _quantize_rows_triton
 from nanoserve_kernels.fused_moe_configs import get_config
 from nanoserve_kernels.moe_routing import align_pairs, route, route_reference
 
-INTERPRETED = interpret_requested()  # the kernels below were defined for the interpreter
+# the kernels below were defined for the interpreter, whose casts to bfloat16 and e4m3 do not
+# round to nearest: there the activations are quantized by the references
+INTERPRETED = interpret_requested()
 FP8_MAX = 448.0
 Block = tuple[int, int] | None  # block-wise scales' (rows, columns) per block
 
@@ -64,12 +66,37 @@ def quantize_groups_reference(x: torch.Tensor, group: int) -> tuple[torch.Tensor
     return q.view(m, k), scale
 
 
-def _quantize(x: torch.Tensor, block: Block, triton_rows: bool
+@triton.jit
+def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, GROUP: tl.constexpr):
+    """Program (row, group): the group's scale and e4m3 values (as the reference, bit for bit)."""
+    row = tl.program_id(0).to(tl.int64)
+    group = tl.program_id(1)
+    cols = group * GROUP + tl.arange(0, GROUP)
+    x = tl.load(x_ptr + row * stride_x + cols).to(tl.float32)
+    scale = row_scale(tl.max(tl.abs(x), axis=0), 0.0, False)
+    tl.store(s_ptr + row * (K // GROUP) + group, scale)
+    tl.store(q_ptr + row * K + cols, quantize_to_fp8(x, scale).to(q_ptr.dtype.element_ty))
+
+
+def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton form of `quantize_groups_reference`: one launch, a program per (row, group)."""
+    m, k = x.shape
+    if k % group:
+        raise ValueError(f"K ({k}) is not a multiple of the group ({group})")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    q = torch.empty((m, k), dtype=FP8, device=x.device)
+    scale = torch.empty((m, k // group), dtype=torch.float32, device=x.device)
+    if m:
+        _quantize_groups_kernel[(m, k // group)](x, q, scale, k, x.stride(0), GROUP=group)
+    return q, scale
+
+
+def _quantize(x: torch.Tensor, block: Block, use_triton: bool
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """An FP8 GEMM's activations: per group of block[1] columns, or per token [M, 1]."""
     if block is not None:
-        return quantize_groups_reference(x, block[1])
-    return _quantize_rows_triton(x) if triton_rows else quantize_rows_reference(x)
+        return quantize_groups(x, block[1]) if use_triton else quantize_groups_reference(x, block[1])
+    return _quantize_rows_triton(x) if use_triton else quantize_rows_reference(x)
 
 
 def _dequantize(q: torch.Tensor, scale: torch.Tensor, block: Block) -> torch.Tensor:
@@ -279,4 +306,4 @@ def fused_moe(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torc
 
 
 __all__ = ["fused_experts", "fused_experts_reference", "fused_moe", "fused_moe_reference",
-           "quantize_groups_reference"]
+           "quantize_groups", "quantize_groups_reference"]

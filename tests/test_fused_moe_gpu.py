@@ -66,6 +66,16 @@ def test_fused_moe_fp8_matches_reference(block, m):
     assert _relative_error(got, want) < 3e-2
 
 
+def test_quantize_groups_matches_reference_bit_for_bit():
+    from nanoserve_kernels.fused_moe import quantize_groups, quantize_groups_reference
+
+    x = 3 * torch.randn(300, 2048, device=DEV, dtype=torch.bfloat16)
+    x[2, 128:256] = 0  # an all-zero group
+    q, s = quantize_groups(x, 128)
+    want_q, want_s = quantize_groups_reference(x, 128)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)
+
+
 def test_fused_moe_is_captured_in_a_cuda_graph():
     """Fixed shapes, no host sync: captured once, replayed on new tokens, equal to eager."""
     x, logits, w13, w2 = _case(64, 256, 128, 32, torch.bfloat16)

@@ -267,7 +267,8 @@ def _moe_calls(dtype: torch.dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fused_moe_kernels_compile_for_hopper(monkeypatch, dtype):
     launches = _launches(monkeypatch, _moe_calls(dtype))
-    assert {"_route_kernel", "_align_kernel", "_moe_gemm_kernel", "_quantize_rows_kernel"} <= {
+    assert {"_route_kernel", "_align_kernel", "_moe_gemm_kernel", "_quantize_rows_kernel",
+            "_quantize_groups_kernel"} <= {
         fn.__name__ for fn, _, _ in launches}
     monkeypatch.undo()
     for fn, args, kwargs in launches:
