@@ -56,7 +56,7 @@ def tiny_config(family: str, **options):
                   eos_token_id=2, rope_parameters={"rope_type": "default", "rope_theta": 1e4})
     if family != "mixtral":
         common["moe_intermediate_size"] = 32
-    return MODELS[family][0](**common, **options)
+    return MODELS[family][0](**{**common, **options})
 
 
 def save_moe(folder, family: str, options: dict, how: str, seed: int = 0):
