@@ -118,30 +118,39 @@ def test_moe_family_greedy_on_the_gpu_equals_transformers(tmp_path, family):
     pool = pool_for(model, prompts, new, 16)
     _assert_greedy_near(hf, prompts, greedy_generate_batch(model, prompts, new, (), pool), want)
     params = [SamplingParams(max_tokens=new, temperature=0.0)] * len(prompts)
-    outs, _ = generate_continuous(model, prompts, params, (), pool, max_batch_size=3)
-    _assert_greedy_near(hf, prompts, [o.token_ids for o in outs], want)
+    for mode in ("eager", "graph"):  # "graph": decode steps and prefills as CUDA graphs
+        outs, _ = generate_continuous(model, prompts, params, (), pool, max_batch_size=3,
+                                      step_mode=mode)
+        _assert_greedy_near(hf, prompts, [o.token_ids for o in outs], want)
 
 
-def test_online_fp8_moe_is_close_to_bf16(tmp_path, smollm2_gguf_path):
-    """LLM(quantization="fp8") on a tiny Qwen3-MoE: FP8 experts (per row), logits within FP8's
-    error of bf16's, every row generated."""
+def test_online_fp8_moe_is_close_to_bf16(tmp_path):
+    """quantization="fp8" on a tiny Qwen3-MoE: FP8 experts (per row), logits within FP8's
+    error of bf16's, and a continuous batch (its CUDA graphs) generates every row."""
+    from test_moe_families import CASES, save_moe
+
     from nanoserve.attention import AttentionMetadata
-    from nanoserve.llm import LLM
+    from nanoserve.fp8 import build_with_fp8
+    from nanoserve.generate import pool_for
+    from nanoserve.model import build_model
     from nanoserve.moe import MoeExperts
     from nanoserve.sampling import SamplingParams
-    from nanoserve.testing import save_tiny_family
+    from nanoserve.scheduler import generate_continuous
+    from nanoserve.weights import load_checkpoint
 
-    folder = save_tiny_family(tmp_path / "m", "qwen3_moe", smollm2_gguf_path)
-    bf16 = LLM(model=str(folder), device=DEV, dtype="bfloat16")
-    fp8 = LLM(model=str(folder), device=DEV, dtype="bfloat16", quantization="fp8")
-    experts = fp8.model.model.layers[0].mlp.experts
+    save_moe(tmp_path, "qwen3_moe", CASES[0][1], "per-expert")
+    bf16 = build_model(*load_checkpoint(tmp_path), torch.bfloat16, DEV)
+    fp8 = build_with_fp8(*load_checkpoint(tmp_path), torch.bfloat16, DEV, quantization="fp8")
+    experts = fp8.model.layers[0].mlp.experts
     assert isinstance(experts, MoeExperts) and experts.gate_up_proj.dtype == torch.float8_e4m3fn
-    ids = torch.randint(0, 1000, (2, 16), device=DEV)
+    ids = torch.randint(0, 256, (2, 16), device=DEV)
     pos, meta = torch.arange(16, device=DEV).expand(2, 16), AttentionMetadata.prefill()
-    assert _relative_error(fp8.model(ids, pos, None, meta), bf16.model(ids, pos, None, meta)) < 0.1
-    outs = fp8.generate(["Experts route each token", "Hi there"],
-                        SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
-    assert all(len(o.token_ids) == 12 for o in outs)
+    assert _relative_error(fp8(ids, pos, None, meta), bf16(ids, pos, None, meta)) < 0.1
+    prompts = [[5, 6, 7], list(range(3, 40))]
+    params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)] * 2
+    outs, _ = generate_continuous(fp8, prompts, params, (), pool_for(fp8, prompts, 12, 16),
+                                  max_batch_size=2, step_mode="graph")
+    assert [len(o.token_ids) for o in outs] == [12, 12]
 
 
 def test_block_fp8_checkpoint_runs_its_blocks_on_the_gpu(tmp_path):
