@@ -6,13 +6,16 @@ defaults first, in a child process with only --vllm-site on its PYTHONPATH, then
 in bf16 and nanoserve with FP8 experts and projections quantized at load
 (`quantization="fp8"`), in this process, one engine after the other.
 
-    python3 -m benchmarks.moe [--runs vllm,bf16,fp8] [--rows 4096] [--out DIR]
-        [--vllm-site /tmp/vsite]
+    python3 -m benchmarks.moe [--runs vllm,bf16,fp8] [--rows 4096] [--warmup-rows 512]
+        [--out DIR] [--vllm-site /tmp/vsite]
     python3 -m benchmarks.moe --fit [--try-load]
     python3 -m benchmarks.moe --smoke
 
-Prints one table (wall time, output tok/s, each run's rate over vLLM's and over ours in
-bf16) and writes DIR/moe_qwen3_30b_a3b.json.
+Each engine first runs an untimed warm-up over the first --warmup-rows rows (other token
+ids, same lengths). Writes DIR/moe_qwen3_30b_a3b_<runs>.json and prints one table (wall
+time, output tok/s, each run's rate over vLLM's and over ours in bf16) over every run whose
+results are in DIR: runs too long for one command can go in separate calls with the same
+--out (`--runs vllm`, then `--runs bf16`, then `--runs fp8`).
 
 --fit: for each MoE shape in `FIT_SHAPES`, the weight bytes in bf16 and in FP8 (experts and
 attention projections e4m3 with one float32 scale per row; embeddings, norms, routers and
@@ -162,6 +165,7 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", default=",".join(RUNS), help="comma-separated, of: vllm, bf16, fp8")
     ap.add_argument("--rows", type=int, default=4096)
+    ap.add_argument("--warmup-rows", type=int, default=512)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--vllm-site", default="/tmp/vsite")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="vLLM's")
@@ -195,6 +199,8 @@ def main() -> None:
     elif not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU (or --smoke)")
     args.vocab, args.quantization, args.load_format = config["vocab_size"], None, "dummy"
+    if args.smoke:
+        args.warmup_rows = 2
     model_dir = config_folder(work / "qwen3-30b-a3b-dummy", config)
     workloads = {"nanovllm": nanovllm_workload(rows, args.vocab, lo=lo, hi=hi)}
     prompts, max_tokens = workloads["nanovllm"]
@@ -211,10 +217,15 @@ def main() -> None:
     for run in ("bf16", "fp8"):
         if run in runs:
             result["sides"][run] = run_nanoserve(model_dir, workloads, device, args.vocab,
-                                                 "fp8" if run == "fp8" else None, "dummy")
-    print_table(result["sides"])
-    path = work / f"moe_{result['shape'].replace('-', '_')}.json"
+                                                 "fp8" if run == "fp8" else None, "dummy",
+                                                 args.warmup_rows)
+    stem = f"moe_{result['shape'].replace('-', '_')}"
+    path = work / f"{stem}_{'_'.join(runs)}.json"
     path.write_text(json.dumps(result, indent=2))
+    sides = {}
+    for earlier in sorted(work.glob(f"{stem}_*.json"), key=lambda p: p.stat().st_mtime):
+        sides.update(json.loads(earlier.read_text())["sides"])  # the latest of each run
+    print_table(sides)
     print(f"results: {path}", flush=True)
 
 

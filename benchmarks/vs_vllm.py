@@ -150,7 +150,9 @@ def model_folder(folder: Path, device: str, config: dict) -> Path:
 
 
 def run_nanoserve(model_dir: Path, workloads: dict, device: str, vocab: int,
-                  quantization: str | None = None, load_format: str = "auto") -> dict:
+                  quantization: str | None = None, load_format: str = "auto",
+                  warmup_rows: int | None = None) -> dict:
+    """warmup_rows: the untimed warm-up's rows (the first ones; None: all)."""
     import torch
 
     from nanoserve.llm import LLM
@@ -167,8 +169,9 @@ def run_nanoserve(model_dir: Path, workloads: dict, device: str, vocab: int,
         side["steps"] = llm.runner.capture_summary()
         print(f"nanoserve loaded in {side['load_s']:.1f} s: {side['steps']}", flush=True)
     for name, (prompts, max_tokens) in workloads.items():
-        llm.generate(warmup_of(prompts, vocab),
-                     [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens])
+        llm.generate(warmup_of(prompts[:warmup_rows], vocab),
+                     [SamplingParams(max_tokens=m, ignore_eos=True)
+                      for m in max_tokens[:warmup_rows]])
         r = timed_generate(llm, prompts, max_tokens, device, name)
         ph = r.get("phases")
         if ph is not None:
@@ -237,6 +240,7 @@ def run_vllm(model_dir: Path, workloads: dict, work: Path, args) -> tuple[dict |
             "gpu_memory_utilization": args.gpu_memory_utilization,
             "quantization": args.quantization,
             "load_format": getattr(args, "load_format", "auto"),
+            "warmup_rows": getattr(args, "warmup_rows", None),
             "workloads": {n: {"prompts": p, "max_tokens": m} for n, (p, m) in workloads.items()}}
     spec_path, result_path = work / "vllm_workload.json", work / "vllm_result.json"
     spec_path.write_text(json.dumps(spec))
@@ -305,7 +309,8 @@ def vllm_child(spec_path: Path, result_path: Path) -> None:
 
     for name, w in spec["workloads"].items():
         prompts, max_tokens = w["prompts"], w["max_tokens"]
-        generate(llm, warmup_of(prompts, spec["vocab"]), max_tokens)
+        n = spec.get("warmup_rows") or len(prompts)
+        generate(llm, warmup_of(prompts[:n], spec["vocab"]), max_tokens[:n])
         # generate returns finished outputs: the engine core has no work left in flight
         t = time.perf_counter()
         outs = generate(llm, prompts, max_tokens)

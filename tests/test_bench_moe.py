@@ -41,7 +41,7 @@ def test_smoke_run(tmp_path):
                             timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "| bf16 |" in result.stdout
-    saved = json.loads((tmp_path / "moe_smoke.json").read_text())
+    saved = json.loads((tmp_path / "moe_smoke_bf16.json").read_text())
     assert saved["sides"]["bf16"]["workloads"]["nanovllm"]["output_tokens"] > 0
 
 
