@@ -116,11 +116,11 @@ def warmup_of(prompts: list[list[int]], vocab: int = VOCAB, shift: int = 1
     return [[(t + shift) % vocab for t in p] for p in prompts]
 
 
-def warmup_rows(name: str, prompts: list, max_tokens: list, vocab: int = VOCAB
-                ) -> tuple[list, list]:
-    """The warm-up's rows of workload `name`: `warmup_of` its first WARMUP_ROWS rows (all by
-    default) and their max_tokens."""
-    n = WARMUP_ROWS.get(name, len(prompts))
+def warmup_rows_of(name: str, prompts: list, max_tokens: list, vocab: int = VOCAB,
+                   rows: int | None = None) -> tuple[list, list]:
+    """The warm-up's rows of workload `name`: `warmup_of` its first `rows` rows (default
+    WARMUP_ROWS', else all) and their max_tokens."""
+    n = rows or WARMUP_ROWS.get(name, len(prompts))
     return warmup_of(prompts[:n], vocab), max_tokens[:n]
 
 
@@ -192,7 +192,9 @@ def variant_options(variant: str) -> tuple[str | None, str]:
 
 def run_nanoserve(model_dir: Path, workloads: dict, device: str, vocab: int,
                   quantization: str | None = None, kv_cache_dtype: str = "auto",
-                  max_batch_size: int | None = None, load_format: str = "auto") -> dict:
+                  max_batch_size: int | None = None, load_format: str = "auto",
+                  warmup_rows: int | None = None) -> dict:
+    """warmup_rows: the untimed warm-up's rows, the first ones (None: `WARMUP_ROWS`' or all)."""
     import torch
 
     from nanoserve.llm import LLM
@@ -213,7 +215,7 @@ def run_nanoserve(model_dir: Path, workloads: dict, device: str, vocab: int,
         side["steps"] = llm.runner.capture_summary()
         print(f"nanoserve loaded in {side['load_s']:.1f} s: {side['steps']}", flush=True)
     for name, (prompts, max_tokens) in workloads.items():
-        warm, warm_max = warmup_rows(name, prompts, max_tokens, vocab)
+        warm, warm_max = warmup_rows_of(name, prompts, max_tokens, vocab, warmup_rows)
         llm.generate(warm, [SamplingParams(max_tokens=m, ignore_eos=True) for m in warm_max])
         r = timed_generate(llm, prompts, max_tokens, device, name)
         ph = r.get("phases")
@@ -284,9 +286,11 @@ def run_vllm(model_dir: Path, workloads: dict, work: Path, args) -> tuple[dict |
     spec = {"model": str(model_dir), "vocab": args.vocab,
             "max_model_len": max(4096, -(-need // 256) * 256),
             "gpu_memory_utilization": args.gpu_memory_utilization,
-            "quantization": args.quantization, "load_format": args.load_format,
+            "quantization": args.quantization,
+            "load_format": getattr(args, "load_format", "auto"),
             "workloads": {n: {"prompts": p, "max_tokens": m,
-                              "warmup_rows": WARMUP_ROWS.get(n, len(p))}
+                              "warmup_rows": (getattr(args, "warmup_rows", None)
+                                              or WARMUP_ROWS.get(n, len(p)))}
                           for n, (p, m) in workloads.items()}}
     spec_path, result_path = work / "vllm_workload.json", work / "vllm_result.json"
     spec_path.write_text(json.dumps(spec))

@@ -8,7 +8,16 @@ The supported families share Llama's skeleton; what differs is a few named optio
   `>= max_window_layers` (or those `layer_types` marks `sliding_attention`);
 - Qwen3 (`Qwen3ForCausalLM`): `qk_norm` (RMSNorm over each head of q and k, before the
   rotary embedding); its window rules are Qwen2's;
-- Mistral (`MistralForCausalLM`): `sliding_window` on every layer when set (v0.1: 4096).
+- Mistral (`MistralForCausalLM`): `sliding_window` on every layer when set (v0.1: 4096);
+- Qwen3-MoE (`Qwen3MoeForCausalLM`): Qwen3's attention, and a mixture of experts
+  (`num_experts`, top `num_experts_per_tok`, `norm_topk_prob`) in place of the MLP on the
+  layers `moe_layers` lists (`decoder_sparse_step`, `mlp_only_layers`); its window, with
+  `use_sliding_window`, on every layer;
+- Mixtral (`MixtralForCausalLM`): Mistral's attention and window, experts on every layer
+  (top-k weights always renormalised);
+- Qwen2-MoE (`Qwen2MoeForCausalLM`): Qwen2's attention (`qkv_bias`), Qwen3-MoE's experts
+  plus a shared expert (`shared_expert_intermediate_size`) gated by sigmoid(x w); its window
+  on the layers `layer_types` marks (by default the even ones below `max_window_layers`).
 A window W means what transformers' `sliding_window_overlay` means: the query at position
 p sees the keys at positions p-W+1 .. p (W tokens, itself included).
 
@@ -33,6 +42,9 @@ FAMILIES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 # The same families without an LM head (embedding checkpoints, e.g. Qwen3-Embedding saved
@@ -73,6 +85,12 @@ class ModelConfig:
     sliding_window: int | None = None  # tokens a query sees, itself included; None: all
     sliding_window_layers: tuple[int, ...] | None = None  # layers with the window; None: all
     quantization: Fp8Scheme | None = None  # an FP8 checkpoint's format (nanoserve/quantization.py)
+    num_experts: int = 0  # experts of a mixture-of-experts layer; 0: a dense model
+    num_experts_per_tok: int = 0  # experts each token is routed to (top-k)
+    moe_intermediate_size: int = 0  # each expert's SwiGLU inner width
+    norm_topk_prob: bool = True  # the top-k routing weights renormalised to sum to 1
+    moe_layers: tuple[int, ...] = ()  # layers whose MLP is the mixture of experts
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert width; 0: none
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads != 0:
@@ -80,6 +98,9 @@ class ModelConfig:
                 f"num_attention_heads ({self.num_attention_heads}) is not a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
+        if self.moe_layers and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ModelError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be in "
+                             f"1..num_experts ({self.num_experts})")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ModelError(f"sliding_window must be >= 1, got {self.sliding_window}")
 
@@ -90,6 +111,10 @@ class ModelConfig:
         if self.sliding_window_layers is not None and layer not in self.sliding_window_layers:
             return None
         return self.sliding_window
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether `layer`'s MLP is the mixture of experts (nanoserve/moe.py)."""
+        return layer in self.moe_layers
 
     @property
     def headless(self) -> bool:
@@ -155,11 +180,13 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             architecture=arch,
-            qkv_bias=model_type == "qwen2",
-            qk_norm=model_type == "qwen3",
+            qkv_bias=model_type == "qwen2" or (model_type == "qwen2_moe"
+                                               and bool(d.get("qkv_bias", True))),
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             sliding_window=window,
             sliding_window_layers=window_layers,
             quantization=read_scheme(d.get("quantization_config")),
+            **_moe_options(d, model_type),
         )
 
     @classmethod
@@ -201,8 +228,19 @@ class ModelConfig:
 def _sliding_window(d: dict[str, Any], model_type: str) -> tuple[int | None, tuple[int, ...] | None]:
     """(window, layers that use it) as transformers' config classes derive them."""
     window = d.get("sliding_window")
-    if model_type == "mistral":  # MistralConfig: every layer, whenever the key is set
+    if model_type in ("mistral", "mixtral"):  # MistralConfig: every layer, whenever set
         return (int(window) if window is not None else None), None
+    if model_type == "qwen3_moe":  # Qwen3MoeConfig: every layer, with use_sliding_window
+        use = d.get("use_sliding_window", False) and window is not None
+        return (int(window) if use else None), None
+    if model_type == "qwen2_moe":  # Qwen2MoeConfig: the even layers below max_window_layers
+        if not d.get("use_sliding_window", False) or window is None:
+            return None, None
+        n_layers = int(d["num_hidden_layers"])
+        types = d.get("layer_types") or [
+            "sliding_attention" if (i + 1) % 2 and i < int(d.get("max_window_layers", 28))
+            else "full_attention" for i in range(n_layers)]
+        return int(window), tuple(i for i, t in enumerate(types) if t == "sliding_attention")
     if model_type not in ("qwen2", "qwen3"):
         return None, None
     # Qwen2Config / Qwen3Config: no window unless use_sliding_window; then the layers that
@@ -219,3 +257,27 @@ def _sliding_window(d: dict[str, Any], model_type: str) -> tuple[int | None, tup
             raise ModelError(f"layer_types has {len(types)} entries for {n_layers} layers")
         layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
     return int(window), layers
+
+
+def _moe_options(d: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """The mixture-of-experts fields of `ModelConfig` as transformers' Qwen3MoeConfig,
+    Qwen2MoeConfig and MixtralConfig derive them (4.x `num_experts`, 5.x `num_local_experts`)."""
+    if model_type not in ("qwen3_moe", "mixtral", "qwen2_moe"):
+        return {}
+    n_layers = int(d["num_hidden_layers"])
+    experts = d.get("num_local_experts", d.get("num_experts"))
+    if experts is None:
+        raise ModelError("config.json has no 'num_experts' / 'num_local_experts'")
+    if model_type == "mixtral":  # every layer; the expert width is intermediate_size
+        return dict(num_experts=int(experts), num_experts_per_tok=int(d.get("num_experts_per_tok", 2)),
+                    moe_intermediate_size=int(d["intermediate_size"]), norm_topk_prob=True,
+                    moe_layers=tuple(range(n_layers)))
+    shared = int(d.get("shared_expert_intermediate_size") or 0) if model_type == "qwen2_moe" else 0
+    step = int(d.get("decoder_sparse_step", 1))
+    dense = set(d.get("mlp_only_layers") or ())
+    layers = tuple(i for i in range(n_layers)
+                   if i not in dense and int(experts) > 0 and (i + 1) % step == 0)
+    return dict(num_experts=int(experts), num_experts_per_tok=int(d.get("num_experts_per_tok", 8)),
+                moe_intermediate_size=int(d.get("moe_intermediate_size", d["intermediate_size"])),
+                norm_topk_prob=bool(d.get("norm_topk_prob", False)), moe_layers=layers,
+                shared_expert_intermediate_size=shared)

@@ -2,8 +2,8 @@
 from its `config.json` alone, for benchmarks whose checkpoint would not fit the disk (a
 70B-shaped model: 140 GB in bf16, 70 GB in FP8).
 
-With `quantization="fp8"` each projection (fused q/k/v, o, fused gate/up, down) is drawn in
-bf16 and quantized per row at once, so the device never holds more than one bf16 matrix
+With `quantization="fp8"` each projection (fused q/k/v, o, fused gate/up, down; each
+expert's matrix of a mixture of experts) is drawn in bf16 and quantized per row at once, so the device never holds more than one bf16 matrix
 beside the FP8 model. Weights are N(0, 0.02^2), norms 1, biases 0: values do not change
 the speed of anything a benchmark measures.
 """
@@ -13,8 +13,10 @@ from __future__ import annotations
 import torch
 
 from nanoserve.config import ModelConfig
-from nanoserve.fp8 import PROJECTIONS, Fp8Linear, fuse_activation_quant, quantize_per_channel
+from nanoserve.fp8 import Fp8Linear, fuse_activation_quant, layer_projections, quantize_per_channel
 from nanoserve.model import LlamaForCausalLM, build_model
+from nanoserve.moe import MoeExperts
+from nanoserve.moe_weights import STACKED
 from nanoserve.weights import expected_shapes
 
 STD = 0.02
@@ -29,7 +31,11 @@ def random_model(config: ModelConfig, dtype: torch.dtype, device: str | torch.de
     projections = {}
     if quantization == "fp8":
         for layer in range(config.num_hidden_layers):
-            for proj, parts in PROJECTIONS.items():
+            if config.is_moe_layer(layer):
+                prefix = f"model.layers.{layer}.mlp.experts"
+                projections[prefix] = _fp8_experts(
+                    [shapes.pop(f"{prefix}.{name}") for name in STACKED], g, device)
+            for proj, parts in layer_projections(config, layer).items():
                 names = [f"model.layers.{layer}.{p}" for p in parts]
                 parts_shapes = [shapes.pop(n + ".weight") for n in names]  # [out, in] each
                 rows, cols = sum(s[0] for s in parts_shapes), parts_shapes[0][1]
@@ -53,3 +59,19 @@ def random_model(config: ModelConfig, dtype: torch.dtype, device: str | torch.de
             state_dict[name] = t.mul_(STD)
     model = build_model(config, state_dict, dtype, device, projections=projections)
     return fuse_activation_quant(model) if projections else model
+
+
+def _fp8_experts(shapes: list[tuple[int, ...]], g: torch.Generator,
+                 device: str | torch.device) -> MoeExperts:
+    """Random FP8 experts of the stacked shapes [E, 2I, d], [E, d, I]: each expert's matrix
+    drawn in bf16 and quantized per row before the next is drawn."""
+    parts = []
+    for e_count, rows, cols in shapes:
+        q = torch.empty((e_count, rows, cols), dtype=torch.float8_e4m3fn, device=device)
+        scale = torch.empty((e_count, rows), dtype=torch.float32, device=device)
+        for e in range(e_count):
+            w = torch.randn(rows, cols, generator=g, device=device, dtype=torch.bfloat16)
+            q[e], s = quantize_per_channel(w.mul_(STD))
+            scale[e] = s.reshape(-1)
+        parts += [q, scale]
+    return MoeExperts.fp8(*parts, block=None)

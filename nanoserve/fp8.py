@@ -32,6 +32,8 @@ from torch import nn
 from nanoserve.config import ModelConfig
 from nanoserve.errors import ModelError
 from nanoserve.model import FP8Out, LlamaForCausalLM, QuantizedRows, ScaledRows, build_model
+from nanoserve.moe import MoeExperts, SparseMoeBlock
+from nanoserve.moe_weights import STACKED
 from nanoserve.quantization import Fp8Scheme, check_online
 from nanoserve_kernels import backend as kernel_backend
 from nanoserve_kernels.fp8_quant import quantize_rows as quantize_rows_triton
@@ -222,12 +224,17 @@ def build_with_fp8(config: ModelConfig, state_dict: dict[str, torch.Tensor],
         return build_model(config, dequantized(state_dict, scheme, dtype), dtype, device)
     projections = {}
     for layer in range(config.num_hidden_layers):
-        for proj, parts in PROJECTIONS.items():
+        for proj, parts in layer_projections(config, layer).items():
             names = [f"model.layers.{layer}.{p}" for p in parts]
             linear = _fp8_projection(state_dict, names, scheme, quantization is not None,
                                      dtype, device)
             if linear is not None:
                 projections[f"model.layers.{layer}.{proj}"] = linear
+        if config.is_moe_layer(layer):
+            experts = _fp8_experts(state_dict, f"model.layers.{layer}.mlp.experts.", scheme,
+                                   quantization is not None, dtype, device)
+            if experts is not None:
+                projections[f"model.layers.{layer}.mlp.experts"] = experts
     rest = dequantized(state_dict, scheme, dtype) if scheme is not None else state_dict
     return fuse_activation_quant(build_model(config, rest, dtype, device,
                                              projections=projections))
@@ -242,6 +249,8 @@ def fuse_activation_quant(model: LlamaForCausalLM) -> LlamaForCausalLM:
     the fused kernels quantize exactly as `quantize_rows` does. Returns `model`."""
     for layer in model.model.layers:
         layer.input_layernorm.fp8_out = _dynamic_fp8_input(layer.self_attn.qkv)
+        if isinstance(layer.mlp, SparseMoeBlock):  # the router reads the norm's output too
+            continue
         layer.post_attention_layernorm.fp8_out = _dynamic_fp8_input(layer.mlp.gate_up)
         layer.mlp.fp8_act = _dynamic_fp8_input(layer.mlp.down_proj)
     return model
@@ -251,6 +260,52 @@ def _dynamic_fp8_input(linear) -> FP8Out | None:
     if isinstance(linear, Fp8Linear) and linear.input_scale is None:
         return FP8Out(linear.activation_scale_ub)
     return None
+
+
+def layer_projections(config: ModelConfig, layer: int) -> dict[str, tuple[str, ...]]:
+    """`PROJECTIONS` of `layer`: the attention's only on a mixture-of-experts layer (its
+    experts are `MoeExperts`, nanoserve/moe.py)."""
+    if config.is_moe_layer(layer):
+        return {k: v for k, v in PROJECTIONS.items() if k.startswith("self_attn.")}
+    return PROJECTIONS
+
+
+def quantize_experts(w: torch.Tensor, device: torch.device, dtype: torch.dtype
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked expert weights w [E, N, K] (anywhere) -> (e4m3 [E, N, K], float32 row scales
+    [E, N]) on `device`, one expert's matrix at a time there in `dtype`."""
+    q = torch.empty(w.shape, dtype=FP8, device=device)
+    scale = torch.empty(w.shape[:2], dtype=torch.float32, device=device)
+    for e in range(w.shape[0]):
+        q[e], s = quantize_per_channel(w[e].to(device=device, dtype=dtype))
+        scale[e] = s.reshape(-1)
+    return q, scale
+
+
+def _fp8_experts(sd: dict[str, torch.Tensor], prefix: str, scheme: Fp8Scheme | None,
+                 online: bool, dtype: torch.dtype, device: torch.device) -> MoeExperts | None:
+    """FP8 experts from a layer's stacked tensors (`prefix` + gate_up_proj / down_proj,
+    popped from `sd`): stored e4m3 with their scales (nanoserve/moe_weights.py), or
+    quantized per row here (`online`); None (and `sd` untouched) where they stay as they are."""
+    stored = sd[prefix + STACKED[0]].dtype == FP8
+    if not (stored or online or scheme is not None):  # an FP8 checkpoint's experts that
+        return None  # came dequantized (nanoserve/moe_weights.py) are requantized per row
+    parts = []
+    for name in STACKED:
+        w = sd.pop(prefix + name)
+        if stored:
+            parts += [w.to(device), sd.pop(prefix + name + "_scale").to(device)]
+        else:
+            parts += list(quantize_experts(w, device, dtype))
+    block = scheme.block if stored and parts[1].dim() == 3 else None
+    return MoeExperts.fp8(*parts, block=block)
+
+
+def dequantize_experts(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
+                       dtype: torch.dtype) -> torch.Tensor:
+    """e4m3 experts [E, N, K] with row scales [E, N] or block scales -> [E, N, K] in dtype."""
+    return torch.stack([dequantize(q[e], scale[e], block if scale.dim() == 3 else None, dtype)
+                        for e in range(q.shape[0])])
 
 
 def check_quantization(quantization: str | None, device: str | torch.device) -> None:
@@ -268,7 +323,10 @@ def dequantized(state_dict: dict[str, torch.Tensor], scheme: Fp8Scheme | None,
     `dtype` and the scale tensors dropped; other tensors as they are. Consumes the dict."""
     out = {}
     for name in list(state_dict):
-        if name.endswith(".weight") and state_dict[name].dtype == FP8:
+        if name.endswith(STACKED) and state_dict[name].dtype == FP8:  # experts [E, N, K]
+            out[name] = dequantize_experts(state_dict.pop(name), state_dict.pop(name + "_scale"),
+                                           _block(scheme), dtype)
+        elif name.endswith(".weight") and state_dict[name].dtype == FP8:
             prefix = name[:-len("weight")]
             q = state_dict.pop(name)
             out[name] = dequantize(q, _scale(state_dict, prefix, scheme, q), _block(scheme), dtype)

@@ -8,7 +8,9 @@ which use the same names), so a checkpoint loads by name.
 Family differences are the config's named options, applied in `LlamaAttention` only:
 `qkv_bias` (Qwen2: biases on q/k/v), `qk_norm` (Qwen3: `q_norm`/`k_norm`, an RMSNorm over
 head_dim applied to every head before rotary), and `attention_window(layer)` (Mistral,
-Qwen2/3 with use_sliding_window: the layer's sliding window, passed to the attention).
+Qwen2/3 with use_sliding_window: the layer's sliding window, passed to the attention);
+Qwen3-MoE and Mixtral swap the MLP of `config.moe_layers` for a mixture of experts
+(nanoserve/moe.py).
 
 The forward is explicit: token ids, absolute positions, a KV cache and the step's
 `AttentionMetadata` come in as arguments; nothing is kept in module-level state.
@@ -23,6 +25,7 @@ from torch import nn
 
 from nanoserve.attention import AttentionMetadata, gqa_attention
 from nanoserve.config import ModelConfig
+from nanoserve.moe import SparseMoeBlock
 from nanoserve_kernels import backend as kernel_backend
 
 
@@ -269,7 +272,9 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_idx)
-        self.mlp = LlamaMLP(config)
+        # Qwen3-MoE, Mixtral: a mixture of experts on the layers the config names
+        self.mlp = (SparseMoeBlock(config) if config.is_moe_layer(layer_idx)
+                    else LlamaMLP(config))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -414,7 +419,7 @@ def build_model(
     for layer in model.model.layers:
         if layer.self_attn.qkv is None:
             layer.self_attn.fuse()
-        if layer.mlp.gate_up is None:
+        if isinstance(layer.mlp, LlamaMLP) and layer.mlp.gate_up is None:
             layer.mlp.fuse()
     # Non-persistent buffers are still on meta: rebuild them on the target device.
     model.model.rotary_emb = RotaryEmbedding(config).to(device)

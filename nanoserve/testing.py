@@ -8,6 +8,7 @@ they stand in for would.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 
@@ -32,14 +33,26 @@ def save_tiny_llama(folder: str | Path, tokenizer_source: str | Path) -> Path:
     return folder
 
 
+# the mixture-of-experts families' tiny shapes: Qwen3-MoE with a dense layer 1
+# (mlp_only_layers), as Qwen3-MoE checkpoints may have; Mixtral's experts on every layer
+TINY_MOE = {
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1]),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=64),
+}
+
+
 def save_tiny_family(folder: str | Path, family: str, tokenizer_source: str | Path, *,
                      sliding_window: int | None = None, chat_template: str | None = None,
                      special_tokens: dict[str, str] | None = None,
                      eos_tokens: tuple[str, ...] = ()) -> Path:
-    """A tiny random checkpoint of `family` ('qwen2', 'qwen3' or 'mistral'; hidden 64,
-    2 layers, GQA 4:2, untied, seed 0, random norm weights and biases) through transformers'
-    own class, with the tokenizer of `tokenizer_source`. `sliding_window`: Mistral's on
-    every layer; Qwen's (use_sliding_window) on layer 1 only. `chat_template` and
+    """A tiny random checkpoint of `family` ('qwen2', 'qwen3', 'mistral', 'qwen3_moe',
+    'mixtral' or 'qwen2_moe' (`TINY_MOE`); hidden 64, 2 layers, GQA 4:2, untied, seed 0, random norm
+    weights and biases) through transformers' own class, with the tokenizer of
+    `tokenizer_source`. `sliding_window`: Mistral's, Mixtral's and Qwen3-MoE's on every
+    layer; Qwen2/3's (use_sliding_window) on layer 1 only, Qwen2-MoE's on layer 0. `chat_template` and
     `special_tokens` ({'bos_token': ..., 'eos_token': ...}) go into tokenizer_config.json,
     `eos_tokens` (token strings) into generation_config.json."""
     import json
@@ -49,24 +62,29 @@ def save_tiny_family(folder: str | Path, family: str, tokenizer_source: str | Pa
 
     from nanoserve.tokenizer import Tokenizer
 
-    names = {"qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}
+    names = {"qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "qwen3_moe": "Qwen3Moe",
+             "mixtral": "Mixtral", "qwen2_moe": "Qwen2Moe"}
     config_cls = getattr(transformers, f"{names[family]}Config")
     model_cls = getattr(transformers, f"{names[family]}ForCausalLM")
     folder = Path(folder)
     tok = Tokenizer.from_path(tokenizer_source)
     window = {"sliding_window": sliding_window}
-    if family != "mistral":
+    if family in ("qwen2", "qwen3", "qwen2_moe"):
         window.update(use_sliding_window=sliding_window is not None, max_window_layers=1)
+    elif family == "qwen3_moe":  # its window, when used, is on every layer
+        window.update(use_sliding_window=sliding_window is not None)
     torch.manual_seed(0)
     cfg = config_cls(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128,
                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                      head_dim=16, max_position_embeddings=512, tie_word_embeddings=False,
-                     bos_token_id=1, eos_token_id=2, **window)
+                     bos_token_id=1, eos_token_id=2, **window, **TINY_MOE.get(family, {}))
     model = model_cls(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.copy_(1 + 0.3 * torch.randn_like(p))
+            elif name.endswith("mlp.gate.weight"):  # a router that spreads the tokens
+                p.copy_(0.5 * torch.randn_like(p))
     model.save_pretrained(folder)
     tok.backend.save(str(folder / "tokenizer.json"))
     tokenizer_config = dict(special_tokens or {})
@@ -233,6 +251,7 @@ FP8_FORMATS = ("ct-tensor-static", "ct-tensor-scalar", "ct-channel-dynamic", "ct
                "fbgemm", "fp8-block", "fp8-block-small", "fp8-tensor-static")
 _FP8_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+_EXPERT = re.compile(r"\.experts\.\d+\.(gate_proj|up_proj|down_proj|w1|w2|w3)$")  # MoE experts
 
 
 def save_fp8_checkpoint(src: str | Path, dst: str | Path, fmt: str, twin: str | Path, *,
@@ -241,7 +260,7 @@ def save_fp8_checkpoint(src: str | Path, dst: str | Path, fmt: str, twin: str | 
     checkpoint of format `fmt` (one of FP8_FORMATS), with the tensor names, dtypes, shapes
     and config keys of that format, and to `twin` as its dequantized float32 twin (a plain
     checkpoint whose every tensor equals what the FP8 one stands for). The decoder linears
-    are quantized, except the modules named in `ignore` (stored bf16, as the other tensors
+    (and a mixture of experts' expert linears, not its router) are quantized, except the modules named in `ignore` (stored bf16, as the other tensors
     are); `lm_head` is never quantized. Tokenizer files are copied to both. Returns `dst`."""
     import json
     import shutil
@@ -256,8 +275,8 @@ def save_fp8_checkpoint(src: str | Path, dst: str | Path, fmt: str, twin: str | 
     deq: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
         module = name.rsplit(".", 1)[0]
-        if (name.endswith(".weight") and module.split(".", 3)[-1] in _FP8_LINEARS
-                and module not in ignore):
+        if (name.endswith(".weight") and module not in ignore
+                and (module.split(".", 3)[-1] in _FP8_LINEARS or _EXPERT.search(module))):
             q, scale = _ref_quantize(t.float(), strategy, block)
             out[name], out[f"{module}.{scale_name}"] = q, scale
             deq[name] = _ref_dequantize(q, scale, strategy, block)

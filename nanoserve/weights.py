@@ -5,6 +5,8 @@ Invariants of what `load_checkpoint` returns:
 - the state dict holds exactly the names of `expected_shapes(config)`, each with that shape
   (extra tensors in the file, e.g. rotary `inv_freq` or a tied `lm_head.weight`, are dropped);
 - tensors keep their stored dtype (bf16 stays bf16); GGUF quantized tensors become float32;
+- a mixture of experts' per-expert tensors come stacked, one per projection
+  (nanoserve/moe_weights.py);
 - an FP8 checkpoint (`config.quantization`, nanoserve/quantization.py) adds, beside each
   stored FP8 weight, its scale tensors under their stored names (`...weight_scale` or
   `...weight_scale_inv`, and `...input_scale`): nanoserve/fp8.py turns them into a model;
@@ -23,6 +25,7 @@ from safetensors import SafetensorError, safe_open
 
 from nanoserve.config import ModelConfig
 from nanoserve.errors import ModelError
+from nanoserve.moe_weights import STACKED, expert_shapes, stack_experts, stacked_shapes
 from nanoserve.quantization import scale_names
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: a job's driver reads no weights
@@ -55,6 +58,9 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.q_norm.weight"] = (config.head_dim,)
             shapes[p + "self_attn.k_norm.weight"] = (config.head_dim,)
         shapes[p + "post_attention_layernorm.weight"] = (d,)
+        if config.is_moe_layer(layer):  # router and stacked experts (nanoserve/moe_weights.py)
+            shapes.update(expert_shapes(config, layer))
+            continue
         shapes[p + "mlp.gate_proj.weight"] = (i, d)
         shapes[p + "mlp.up_proj.weight"] = (i, d)
         shapes[p + "mlp.down_proj.weight"] = (d, i)
@@ -160,7 +166,7 @@ def _with_model_prefix(tensors: dict) -> dict:
 
 
 def _check_shapes(config: ModelConfig, shapes: dict[str, tuple[int, ...]], source: str) -> None:
-    shapes = _with_model_prefix(shapes)
+    shapes = stacked_shapes(config, _with_model_prefix(shapes))
     for name, shape in expected_shapes(config).items():
         if name not in shapes:
             raise ModelError(f"tensor {name!r} is missing from {source}")
@@ -224,7 +230,7 @@ def _checked(
 ) -> dict[str, torch.Tensor]:
     """Keep the expected tensors, in `expected_shapes` order; refuse missing or misshapen ones."""
     shapes = expected_shapes(config)
-    tensors = _with_model_prefix(tensors)
+    tensors = stack_experts(config, _with_model_prefix(tensors))
     missing = [name for name in shapes if name not in tensors]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
@@ -243,4 +249,6 @@ def _checked(
     if config.quantization is not None:  # an FP8 linear's scales ride beside its weight
         out.update({n: tensors[n] for n in scale_names(config.quantization, shapes)
                     if n in tensors})
+        out.update({n + "_scale": tensors[n + "_scale"] for n in shapes
+                    if n.endswith(STACKED) and n + "_scale" in tensors})
     return out

@@ -3,7 +3,7 @@
 The engine calls only `decode_attention`, `prefill_attention`, `paged_prefill_attention`,
 `store_kv`, `rms_norm`, `add_rms_norm`, `rotary`, `rotary_store`, `silu_and_mul` (and the
 last three's `_fp8` forms, their output quantized per row for an FP8 projection),
-`argmax_scatter`, `masked_argmax`, `logprob_rows` and `scale_rows` from here. The residual
+`argmax_scatter`, `masked_argmax`, `logprob_rows`, `scale_rows` and `fused_moe` from here. The residual
 adds and silu-and-mul's `_fp8` form also take `x_scales`: x is then an FP8 projection's
 output before its scales (`nanoserve_kernels.scaled_rows`), applied as x is read.
 `use_triton(device)` is the rule (`NANOSERVE_KERNELS=reference` forces the references
@@ -41,6 +41,8 @@ from nanoserve_kernels.cpu_attention import (
     paged_prefill_attention_cpu,
     prefill_attention_cpu,
 )
+from nanoserve_kernels.fused_moe import fused_moe as _fused_moe_triton
+from nanoserve_kernels.fused_moe import fused_moe_reference
 from nanoserve_kernels.kv_store import store_kv as _store_kv_triton
 from nanoserve_kernels.kv_store import store_kv_reference
 from nanoserve_kernels.logprobs import logprob_rows as _logprob_rows_triton
@@ -283,6 +285,15 @@ def logprob_rows(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Te
     return logprob_rows_reference(logits, tokens, k)
 
 
+def fused_moe(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+              top_k: int, renormalize: bool, **scales) -> torch.Tensor:
+    """A mixture of experts: x [M, d], router logits [M, E], w13 [E, 2I, d], w2 [E, d, I]
+    (FP8 with `w13_scale`, `w2_scale`, `block`) -> [M, d] (`nanoserve_kernels.fused_moe`)."""
+    if use_triton(x.device):
+        return _fused_moe_triton(x, logits, w13, w2, top_k, renormalize, **scales)
+    return fused_moe_reference(x, logits, w13, w2, top_k, renormalize, **scales)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[..., 2I] = [gate | up] -> silu(gate) * up [..., I]."""
     if use_triton(x.device):
@@ -302,6 +313,7 @@ __all__ = [
     "rotary",
     "rotary_store",
     "decode_attention",
+    "fused_moe",
     "rms_norm",
     "silu_and_mul",
     "interpreter_requested",

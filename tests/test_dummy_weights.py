@@ -54,3 +54,34 @@ def test_llm_dummy_load_reads_no_weights(tmp_path):
     assert llm.model.lm_head.weight.shape == (258, 64)
     with pytest.raises(NanoserveError, match="load_format must be auto or dummy"):
         LLM(str(folder), device="cpu", load_format="random")
+
+
+MOE_CONFIG = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+              "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96,
+              "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 16, "num_experts": 8,
+              "num_experts_per_tok": 2, "norm_topk_prob": True, "mlp_only_layers": [1]}
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_random_moe_model(quantization):
+    """A mixture of experts from its config alone: stacked experts of the config's shapes,
+    FP8 with quantization="fp8" (each expert's matrices per row; the references run them)."""
+    from nanoserve.moe import SparseMoeBlock
+
+    config = ModelConfig.from_hf_dict(MOE_CONFIG)
+    model = random_model(config, torch.float32, "cpu", quantization=quantization)
+    moe = model.model.layers[0].mlp
+    assert isinstance(moe, SparseMoeBlock) and moe.gate.weight.shape == (8, 64)
+    assert moe.experts.gate_up_proj.shape == (8, 64, 64)
+    assert moe.experts.down_proj.shape == (8, 64, 32)
+    if quantization:
+        assert moe.experts.gate_up_proj.dtype == fp8.FP8
+        assert moe.experts.down_proj_scale.shape == (8, 64)
+    else:
+        state = model.state_dict()
+        for name, shape in expected_shapes(config).items():
+            assert tuple(state[name].shape) == shape, name
+    logits = model(torch.randint(0, 128, (2, 6)), torch.arange(6).expand(2, 6), None,
+                   AttentionMetadata.prefill())
+    assert logits.shape == (2, 6, 128) and torch.isfinite(logits).all()

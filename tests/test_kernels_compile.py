@@ -228,6 +228,53 @@ def test_fp8_activation_kernels_compile_for_hopper(monkeypatch, dtype):
         _compile(fn, args, kwargs)
 
 
+def _moe_calls(dtype: torch.dtype):
+    """The fused MoE kernels (nanoserve_kernels/fused_moe.py): routing, and both grouped GEMMs
+    in the compute dtype and on FP8 experts with per-channel and 128 x 128 block scales."""
+    from nanoserve.fp8 import quantize_blockwise, quantize_per_channel
+    from nanoserve_kernels.fused_moe import fused_experts
+    from nanoserve_kernels.moe_routing import align_pairs, route, route_reference
+
+    g = torch.Generator().manual_seed(0)
+    m, d, inner, experts = 5, 256, 256, 8
+    x = torch.randn(m, d, generator=g).to(dtype)
+    logits = torch.randn(m, experts, generator=g)
+    w13 = 0.1 * torch.randn(experts, 2 * inner, d, generator=g)
+    w2 = 0.1 * torch.randn(experts, d, inner, generator=g)
+
+    def fp8(w, block):
+        qs = [quantize_blockwise(w[e], block) if block else quantize_per_channel(w[e])
+              for e in range(experts)]
+        scales = [s if block else s[:, 0] for _, s in qs]
+        return torch.stack([q for q, _ in qs]), torch.stack(scales)
+
+    (q13, s13), (q2, s2) = fp8(w13, None), fp8(w2, None)
+    (b13, bs13), (b2, bs2) = fp8(w13, (128, 128)), fp8(w2, (128, 128))
+    big = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
+    top2, top3 = route_reference(logits, 2, True), route_reference(logits, 3, False)
+    return [  # (the recorded routing launch writes nothing: the GEMMs get real routes)
+        lambda: route(logits, 8, True),
+        lambda: align_pairs(torch.randint(0, 128, (300, 8), dtype=torch.int32), 128, 16),
+        lambda: fused_experts(x, *top2, w13.to(dtype), w2.to(dtype)),
+        lambda: fused_experts(x, *top3, w13.to(dtype), w2.to(dtype), config=big),
+        lambda: fused_experts(x, *top2, q13, q2, w13_scale=s13, w2_scale=s2),
+        lambda: fused_experts(x, *top2, b13, b2, w13_scale=bs13, w2_scale=bs2,
+                              block=(128, 128)),
+    ]
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_moe_kernels_compile_for_hopper(monkeypatch, dtype):
+    launches = _launches(monkeypatch, _moe_calls(dtype))
+    assert {"_route_kernel", "_align_kernel", "_moe_gemm_kernel", "_quantize_rows_kernel",
+            "_quantize_groups_kernel"} <= {
+        fn.__name__ for fn, _, _ in launches}
+    monkeypatch.undo()
+    for fn, args, kwargs in launches:
+        _compile(fn, args, kwargs)
+
+
 @needs_kernels
 def test_a_kernel_the_gpu_compiler_refuses_fails_here(monkeypatch):
     """The check can fail: a block whose shape changes inside an `if` runs under the
