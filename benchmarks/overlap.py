@@ -23,33 +23,16 @@ from __future__ import annotations
 
 import argparse
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from benchmarks.common import markdown_table
-from benchmarks.floor import LAYER_GEMMS, SHAPES, gemm_shapes
+from benchmarks.floor import LAYER_GEMMS, SHAPES, _graph_time_s, gemm_shapes
 
 
-def _graph_us(fn, replays: int = 5) -> float:
+def _graph_us(fn) -> float:
     """Microseconds per replay of fn captured in one CUDA graph (median)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()  # warm-up: cuBLAS workspaces, Triton compiles
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return float(np.median(times))
+    return _graph_time_s(fn, 1) * 1e6
 
 
 class Layers:
