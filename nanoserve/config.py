@@ -8,7 +8,11 @@ The supported families share Llama's skeleton; what differs is a few named optio
   `>= max_window_layers` (or those `layer_types` marks `sliding_attention`);
 - Qwen3 (`Qwen3ForCausalLM`): `qk_norm` (RMSNorm over each head of q and k, before the
   rotary embedding); its window rules are Qwen2's;
-- Mistral (`MistralForCausalLM`): `sliding_window` on every layer when set (v0.1: 4096).
+- Mistral (`MistralForCausalLM`): `sliding_window` on every layer when set (v0.1: 4096);
+- Qwen2.5-VL (`Qwen2_5_VLForConditionalGeneration`): a Qwen2 language model (its keys under
+  `text_config` in 5.x, at the top level in 4.x) with multimodal rotary positions
+  (`mrope_section`: how many frequency pairs rotate by the temporal, height and width
+  position) and a vision tower (`vision`, nanoserve/vision_model.py).
 A window W means what transformers' `sliding_window_overlay` means: the query at position
 p sees the keys at positions p-W+1 .. p (W tokens, itself included).
 
@@ -26,6 +30,7 @@ from typing import Any
 
 from nanoserve.errors import ModelError
 from nanoserve.quantization import Fp8Scheme, read_scheme
+from nanoserve.vision_model import VisionConfig
 
 # architecture (config.json's `architectures[0]`) -> its `model_type`
 FAMILIES = {
@@ -33,6 +38,7 @@ FAMILIES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 # The same families without an LM head (embedding checkpoints, e.g. Qwen3-Embedding saved
@@ -73,6 +79,10 @@ class ModelConfig:
     sliding_window: int | None = None  # tokens a query sees, itself included; None: all
     sliding_window_layers: tuple[int, ...] | None = None  # layers with the window; None: all
     quantization: Fp8Scheme | None = None  # an FP8 checkpoint's format (nanoserve/quantization.py)
+    # Qwen2.5-VL: frequency pairs per (temporal, height, width) position; sums to head_dim/2
+    mrope_section: tuple[int, ...] | None = None
+    vision: VisionConfig | None = None  # the vision tower (Qwen2.5-VL)
+    image_token_id: int | None = None  # the placeholder an image's tokens replace
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads != 0:
@@ -82,6 +92,9 @@ class ModelConfig:
             )
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ModelError(f"sliding_window must be >= 1, got {self.sliding_window}")
+        if self.mrope_section is not None and 2 * sum(self.mrope_section) != self.head_dim:
+            raise ModelError(f"mrope_section {list(self.mrope_section)} does not cover "
+                             f"head_dim {self.head_dim} (its sum must be head_dim / 2)")
 
     def attention_window(self, layer: int) -> int | None:
         """The sliding window of `layer` (keys p-W+1..p seen from position p), or None."""
@@ -104,6 +117,14 @@ class ModelConfig:
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
         """Build from a transformers `config.json` dict (4.x or 5.x keys)."""
         model_type = d.get("model_type", "llama")
+        vision = None
+        if model_type == "qwen2_5_vl":  # the language model's keys: nested in 5.x, flat in 4.x
+            vision = VisionConfig.from_hf_dict(d.get("vision_config") or {})
+            d = {**d, **(d.get("text_config") or {}), "model_type": model_type,
+                 "architectures": d.get("architectures"),
+                 "tie_word_embeddings": d.get("tie_word_embeddings",
+                                              (d.get("text_config") or {}).get(
+                                                  "tie_word_embeddings", False))}
         default_arch = {t: a for a, t in FAMILIES.items()}.get(model_type, "LlamaForCausalLM")
         archs = d.get("architectures") or [default_arch]
         arch = archs[0]
@@ -127,6 +148,12 @@ class ModelConfig:
         rope = {**legacy, **rope}
         theta = float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
+        mrope = rope.get("mrope_section")
+        if model_type == "qwen2_5_vl":
+            mrope = tuple(int(x) for x in (mrope or (16, 24, 24)))
+            rope_type = "default" if rope_type == "mrope" else rope_type  # 4.x's name
+        else:
+            mrope = None
         scaling = None
         if rope_type == "llama3":
             scaling = RopeScaling(
@@ -155,11 +182,14 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             architecture=arch,
-            qkv_bias=model_type == "qwen2",
+            qkv_bias=model_type in ("qwen2", "qwen2_5_vl"),
             qk_norm=model_type == "qwen3",
             sliding_window=window,
             sliding_window_layers=window_layers,
             quantization=read_scheme(d.get("quantization_config")),
+            mrope_section=mrope,
+            vision=vision,
+            image_token_id=d.get("image_token_id") if vision is not None else None,
         )
 
     @classmethod
@@ -203,7 +233,7 @@ def _sliding_window(d: dict[str, Any], model_type: str) -> tuple[int | None, tup
     window = d.get("sliding_window")
     if model_type == "mistral":  # MistralConfig: every layer, whenever the key is set
         return (int(window) if window is not None else None), None
-    if model_type not in ("qwen2", "qwen3"):
+    if model_type not in ("qwen2", "qwen3", "qwen2_5_vl"):
         return None, None
     # Qwen2Config / Qwen3Config: no window unless use_sliding_window; then the layers that
     # layer_types marks, or by default those from max_window_layers on.

@@ -231,11 +231,11 @@ class VisionTransformer(nn.Module):
         x = self.patch_embed(pixel_values)  # [N, E]
         N = x.shape[0]
         # window order: whole merge blocks move, so a window's patches are consecutive
-        x = x.view(N // unit, unit, -1)[order_t].reshape(N, -1)
+        x = x.view(N // unit, unit, x.shape[-1])[order_t].reshape(N, x.shape[-1])
         freqs = torch.tensor(pos, device=dev, dtype=torch.float)[..., None] \
             * self.rotary_inv_freq(dev)  # [N, 2, D/4]
         freqs = freqs.flatten(1)  # [N, D/2]: rows' frequencies, then columns'
-        freqs = freqs.view(N // unit, unit, -1)[order_t].reshape(N, -1)
+        freqs = freqs.view(N // unit, unit, freqs.shape[-1])[order_t].reshape(N, -1)
         emb = torch.cat((freqs, freqs), dim=-1)  # [N, D]
         cos, sin = emb.cos(), emb.sin()
         full = set(self.cfg.fullatt_block_indexes)

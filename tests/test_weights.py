@@ -457,7 +457,8 @@ def test_unknown_architecture_is_refused(check, tiny_hf, tmp_path, change, expec
     d = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**d, **change}))
     supported = ("LlamaForCausalLM (llama), MistralForCausalLM (mistral), "
-                 "Qwen2ForCausalLM (qwen2), Qwen3ForCausalLM (qwen3)")
+                 "Qwen2ForCausalLM (qwen2), Qwen3ForCausalLM (qwen3), "
+                 "Qwen2_5_VLForConditionalGeneration (qwen2_5_vl)")
     with pytest.raises(ModelError, match=rf"unsupported architecture .*{expected}") as e:
         check(folder)
     assert str(e.value).endswith(f"nanoserve runs {supported}")
