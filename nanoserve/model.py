@@ -312,21 +312,25 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids, positions, cache, meta,
                 images: PlacedImages | None = None) -> torch.Tensor:
         """images: image features that replace the embeddings of some tokens."""
-        h = self.embed_tokens(input_ids)  # [B, T, d]: the residual stream
+        h = None  # the residual stream [B, T, d], made here only when images go into it
         if images is not None:
+            h = self.embed_tokens(input_ids)
             h.view(-1, h.shape[-1]).index_copy_(0, images.index, images.embeds.to(h.dtype))
         if packs_prefill(input_ids, meta):
             # Projections and MLP on the real tokens only: one row [1, N]; attention puts
             # q/k/v back in their rectangle (nanoserve/attention.py). Padding comes out zero.
             valid = meta.valid
             pos = positions[valid][None] if positions.dim() == 2 else positions[:, valid][:, None]
-            x = self._forward(h[valid][None], pos, cache, meta.as_packed())
+            x = self._forward(input_ids[valid][None], pos, cache, meta.as_packed(),
+                              None if h is None else h[valid][None])
             out = x.new_zeros(*valid.shape, x.shape[-1])
             out[valid] = x[0]
             return out
-        return self._forward(h, positions, cache, meta)
+        return self._forward(input_ids, positions, cache, meta, h)
 
-    def _forward(self, h, positions, cache, meta) -> torch.Tensor:
+    def _forward(self, input_ids, positions, cache, meta, h=None) -> torch.Tensor:
+        if h is None:
+            h = self.embed_tokens(input_ids)  # [B, T, d]: the residual stream
         cos, sin = self.rotary_emb(positions, h.dtype)
         x = self.layers[0].input_layernorm(h)
         for i, layer in enumerate(self.layers):
