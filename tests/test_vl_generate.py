@@ -146,3 +146,38 @@ def test_preempted_image_rows_recompute_the_same_tokens(vl, tmp_path):
     outs = llm.chat([m for m, _ in convs] * 2, params)
     assert [o.token_ids for o in outs] == want * 2
     assert llm.last_stats.preemptions > 0
+
+
+def test_samples_of_an_image_prompt_share_its_prefill(vl, tmp_path):
+    """n = 2 greedy samples: forked at the prefill, both decode at the row's rotary offset."""
+    folder = vl[0]
+    m, imgs = _conversations(tmp_path)[2]
+    want = _hf_generate(vl, m, imgs)
+    llm = _llm(folder)
+    outs = llm.chat(m, SamplingParams(n=2, max_tokens=NEW, temperature=0.0, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [want, want]
+
+
+def test_bad_image_and_text_model_are_one_line_errors(vl, tmp_path):
+    from nanoserve.image_input import ImageError
+    from nanoserve.multimodal import MultimodalPrompt
+
+    llm = _llm(vl[0])
+    bad = [{"role": "user", "content": [{"type": "image_url",
+                                         "image_url": {"url": "data:image/png;base64,AAAA"}}]}]
+    with pytest.raises(ImageError, match="does not decode"):
+        llm.chat(bad)
+    remote = [{"role": "user", "content": [{"type": "image_url",
+                                            "image_url": {"url": "https://example.invalid/x.png"}}]}]
+    with pytest.raises(ImageError, match="network"):
+        llm.chat(remote)
+    prompt = llm.tokenizer.encode("hi")
+    wrong = MultimodalPrompt(prompt, (_image_input(),))
+    with pytest.raises(ValueError, match="placeholder"):
+        llm.generate([wrong])
+
+
+def _image_input():
+    from nanoserve.image_input import ImageConfig, load_image
+
+    return load_image(_png(56, 56, 0), ImageConfig(min_pixels=28 * 28, max_pixels=28 * 28 * 4))
