@@ -13,7 +13,8 @@ and numpy, as transformers' `Qwen2VLImageProcessor` (its PIL backend) computes t
   stands for are consecutive): grid (t, gh, gw) = (1, H / P, W / P), and the image
   becomes gh * gw / merge**2 tokens in the prompt.
 
-Safety (an image is untrusted input): nothing is fetched from a network; the encoded
+Safety (an image is untrusted input): nothing is fetched from the web (object stores are
+read as the batch job reads its input, through pyarrow.fs); the encoded
 file is capped in bytes; its pixel count is read from the header and refused above
 `max_image_pixels` before any pixel is decoded (a decompression bomb never inflates);
 decoding errors are `ImageError` with one line. Pillow's own bomb guard stays on.
@@ -40,6 +41,7 @@ OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 PREPROCESSOR_FILE = "preprocessor_config.json"
 MAX_IMAGE_BYTES = 64 << 20  # an encoded image larger than this is refused unread
 MAX_IMAGE_PIXELS = 64 << 20  # decoded pixels (w * h) above this are refused from the header
+OBJECT_STORES = ("s3", "gs", "gcs", "hdfs", "abfs", "abfss")  # read through pyarrow.fs
 
 
 class ImageError(NanoserveError, ValueError):
@@ -126,8 +128,9 @@ def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = 56
 
 
 def read_image_bytes(source: str | bytes | Path, max_bytes: int = MAX_IMAGE_BYTES) -> bytes:
-    """The encoded bytes of an image given as bytes, a `data:` URL (base64), a `file://`
-    URL or a local path. Remote URLs are refused: nothing is fetched from a network."""
+    """The encoded bytes of an image given as bytes, a `data:` URL (base64), an
+    object-storage URI (`OBJECT_STORES`, through pyarrow.fs), a `file://` URL or a local
+    path. Web URLs are refused: nothing is fetched from a network."""
     if isinstance(source, (bytes, bytearray, memoryview)):
         data = bytes(source)
     elif isinstance(source, (str, Path)):
@@ -142,9 +145,12 @@ def read_image_bytes(source: str | bytes | Path, max_bytes: int = MAX_IMAGE_BYTE
                 data = base64.b64decode(payload, validate=True)
             except (binascii.Error, ValueError):
                 raise ImageError("a data: URL's base64 payload does not decode") from None
+        elif s.split("://", 1)[0] in OBJECT_STORES and "://" in s:
+            data = _read_object(s, max_bytes)
         elif "://" in s and not s.startswith("file://"):
             raise ImageError(f"image URL scheme of {s[:40]!r} is not read: give a data: URL, "
-                             f"a local path or the bytes (nothing is fetched from a network)")
+                             f"an object-storage URI ({', '.join(OBJECT_STORES)}), a local "
+                             f"path or the bytes (nothing is fetched from a network)")
         else:
             path = Path(s[len("file://"):] if s.startswith("file://") else s)
             try:
@@ -157,6 +163,32 @@ def read_image_bytes(source: str | bytes | Path, max_bytes: int = MAX_IMAGE_BYTE
         raise ImageError(f"an image is bytes, a data: URL or a path, not {type(source).__name__}")
     if len(data) > max_bytes:
         raise ImageError(f"image is {len(data)} bytes, over {max_bytes}")
+    return data
+
+
+def _filesystem(uri: str):
+    """(pyarrow filesystem, path) of an object-storage URI."""
+    import pyarrow.fs as pafs
+
+    return pafs.FileSystem.from_uri(uri)
+
+
+def _read_object(uri: str, max_bytes: int) -> bytes:
+    """An object's bytes through `pyarrow.fs` (credentials from the environment, as the
+    batch job's storage), its size checked before it is read."""
+    import pyarrow as pa
+
+    try:
+        fs, path = _filesystem(uri)
+        size = fs.get_file_info(path).size
+        if size is not None and size > max_bytes:
+            raise ImageError(f"image {uri} is over {max_bytes} bytes")
+        with fs.open_input_stream(path) as f:
+            data = f.read(max_bytes + 1)
+    except ImageError:
+        raise
+    except (OSError, ValueError, pa.ArrowException) as e:
+        raise ImageError(f"cannot read image {uri}: {str(e).splitlines()[0][:200]}") from None
     return data
 
 

@@ -131,3 +131,26 @@ def _png_header(w: int, h: int) -> bytes:
 
     return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
             + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b""))
+
+
+def test_object_storage_uris_read_through_pyarrow(tmp_path, monkeypatch):
+    """An s3:// URI goes through pyarrow.fs (here a local filesystem stands in for the
+    bucket); its size is checked before its bytes are read."""
+    import pyarrow.fs as pafs
+
+    from nanoserve import image_input
+
+    data = _png(84, 56)
+    (tmp_path / "cat.png").write_bytes(data)
+    seen = []
+
+    def from_uri(uri):
+        seen.append(uri)
+        return pafs.LocalFileSystem(), str(tmp_path / uri.rsplit("/", 1)[1])
+
+    monkeypatch.setattr(image_input, "_filesystem", from_uri)
+    assert read_image_bytes("s3://bucket/cat.png") == data and seen == ["s3://bucket/cat.png"]
+    with pytest.raises(ImageError, match="over 100 bytes"):
+        read_image_bytes("gs://bucket/cat.png", max_bytes=100)
+    with pytest.raises(ImageError, match="cannot read image s3://bucket/none.png"):
+        read_image_bytes("s3://bucket/none.png")
