@@ -181,3 +181,18 @@ def _image_input():
     from nanoserve.image_input import ImageConfig, load_image
 
     return load_image(_png(56, 56, 0), ImageConfig(min_pixels=28 * 28, max_pixels=28 * 28 * 4))
+
+
+def test_padded_prefills_and_dummy_weights(vl, tmp_path):
+    """Prefills padded to `prefill_length` as on a GPU (the padding row's positions appended
+    to the image rows' multimodal ones) give the same tokens; a Qwen2.5-VL config loads with
+    random weights (`load_format="dummy"`, the benchmark's) and runs an image row."""
+    folder = vl[0]
+    convs = _conversations(tmp_path)
+    want = [_hf_generate(vl, m, imgs) for m, imgs in convs]
+    llm = _llm(folder)
+    llm.runner.pad_prefills = True
+    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    assert [o.token_ids for o in llm.chat([m for m, _ in convs], params)] == want
+    dummy = _llm(folder, load_format="dummy")
+    assert len(dummy.chat(convs[2][0], params)[0].token_ids) == NEW
