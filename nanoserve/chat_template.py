@@ -33,12 +33,14 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from nanoserve.errors import ModelError
 
 
-def validate_messages(messages: Any) -> list[dict[str, Any]]:
+def validate_messages(messages: Any, content_parts: bool = False) -> list[dict[str, Any]]:
     """Check a conversation and return a plain copy of it.
 
     A conversation is a non-empty list (or tuple) of dicts, each with a string `role` and a
     string `content`; other keys (e.g. `name`) are kept, except those whose value is None
-    (templates test for a key's presence). Raises ValueError naming the first bad message.
+    (templates test for a key's presence). With `content_parts` (a vision-language model) a
+    content may also be a list of parts, dicts with a string `type` (OpenAI's content
+    parts). Raises ValueError naming the first bad message.
     """
     if not isinstance(messages, (list, tuple)):
         raise ValueError(
@@ -57,13 +59,23 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
         for key in ("role", "content"):
             if key not in message:
                 raise ValueError(f"messages[{i}] has no {key!r}")
-            if not isinstance(message[key], str):
+            if key == "content" and content_parts and isinstance(message[key], list):
+                _check_parts(message[key], i)
+            elif not isinstance(message[key], str):
                 raise ValueError(
                     f"messages[{i}][{key!r}] must be a string, "
                     f"got {type(message[key]).__name__}"
                 )
         plain.append({_plain(k): _plain(v) for k, v in message.items() if v is not None})
     return plain
+
+
+def _check_parts(parts: list, i: int) -> None:
+    for j, part in enumerate(parts):
+        if not isinstance(part, Mapping) or not isinstance(part.get("type"), str):
+            raise ValueError(f"messages[{i}]['content'][{j}] must be a dict with a string 'type'")
+        if part["type"] == "text" and not isinstance(part.get("text"), str):
+            raise ValueError(f"messages[{i}]['content'][{j}] is a text part without string 'text'")
 
 
 class ChatTemplate:
@@ -88,6 +100,7 @@ class ChatTemplate:
         messages: Any,
         *,
         add_generation_prompt: bool = True,
+        content_parts: bool = False,
         **variables: Any,
     ) -> str:
         """Render a conversation. `variables` are further template variables (bos_token,
@@ -97,7 +110,7 @@ class ChatTemplate:
         (its `raise_exception`), fails on them, or tries an unsafe operation.
         """
         context = {k: _plain(v) for k, v in variables.items()}
-        context["messages"] = validate_messages(messages)
+        context["messages"] = validate_messages(messages, content_parts)
         context["add_generation_prompt"] = bool(add_generation_prompt)
         try:
             return self._template.render(**context)
@@ -267,7 +280,7 @@ _ENVIRONMENT = _make_environment()
 
 
 # Variables the renderer sets itself; template options may not replace them.
-RESERVED_TEMPLATE_VARIABLES = ("messages", "add_generation_prompt")
+RESERVED_TEMPLATE_VARIABLES = ("messages", "add_generation_prompt", "content_parts")
 
 
 def template_kwargs(value: Any, name: str = "chat_template_kwargs") -> dict[str, Any]:

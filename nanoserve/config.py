@@ -18,6 +18,10 @@ The supported families share Llama's skeleton; what differs is a few named optio
 - Qwen2-MoE (`Qwen2MoeForCausalLM`): Qwen2's attention (`qkv_bias`), Qwen3-MoE's experts
   plus a shared expert (`shared_expert_intermediate_size`) gated by sigmoid(x w); its window
   on the layers `layer_types` marks (by default the even ones below `max_window_layers`).
+- Qwen2.5-VL (`Qwen2_5_VLForConditionalGeneration`): a Qwen2 language model (its keys under
+  `text_config` in 5.x, at the top level in 4.x) with multimodal rotary positions
+  (`mrope_section`: how many frequency pairs rotate by the temporal, height and width
+  position) and a vision tower (`vision`, nanoserve/vision_model.py).
 A window W means what transformers' `sliding_window_overlay` means: the query at position
 p sees the keys at positions p-W+1 .. p (W tokens, itself included).
 
@@ -35,6 +39,7 @@ from typing import Any
 
 from nanoserve.errors import ModelError
 from nanoserve.quantization import Fp8Scheme, read_scheme
+from nanoserve.vision_model import VisionConfig
 
 # architecture (config.json's `architectures[0]`) -> its `model_type`
 FAMILIES = {
@@ -45,6 +50,7 @@ FAMILIES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 # The same families without an LM head (embedding checkpoints, e.g. Qwen3-Embedding saved
@@ -91,6 +97,10 @@ class ModelConfig:
     norm_topk_prob: bool = True  # the top-k routing weights renormalised to sum to 1
     moe_layers: tuple[int, ...] = ()  # layers whose MLP is the mixture of experts
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert width; 0: none
+    # Qwen2.5-VL: frequency pairs per (temporal, height, width) position; sums to head_dim/2
+    mrope_section: tuple[int, ...] | None = None
+    vision: VisionConfig | None = None  # the vision tower (Qwen2.5-VL)
+    image_token_id: int | None = None  # the placeholder an image's tokens replace
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads != 0:
@@ -103,6 +113,9 @@ class ModelConfig:
                              f"1..num_experts ({self.num_experts})")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ModelError(f"sliding_window must be >= 1, got {self.sliding_window}")
+        if self.mrope_section is not None and 2 * sum(self.mrope_section) != self.head_dim:
+            raise ModelError(f"mrope_section {list(self.mrope_section)} does not cover "
+                             f"head_dim {self.head_dim} (its sum must be head_dim / 2)")
 
     def attention_window(self, layer: int) -> int | None:
         """The sliding window of `layer` (keys p-W+1..p seen from position p), or None."""
@@ -129,6 +142,14 @@ class ModelConfig:
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
         """Build from a transformers `config.json` dict (4.x or 5.x keys)."""
         model_type = d.get("model_type", "llama")
+        vision = None
+        if model_type == "qwen2_5_vl":  # the language model's keys: nested in 5.x, flat in 4.x
+            vision = VisionConfig.from_hf_dict(d.get("vision_config") or {})
+            d = {**d, **(d.get("text_config") or {}), "model_type": model_type,
+                 "architectures": d.get("architectures"),
+                 "tie_word_embeddings": d.get("tie_word_embeddings",
+                                              (d.get("text_config") or {}).get(
+                                                  "tie_word_embeddings", False))}
         default_arch = {t: a for a, t in FAMILIES.items()}.get(model_type, "LlamaForCausalLM")
         archs = d.get("architectures") or [default_arch]
         arch = archs[0]
@@ -152,6 +173,12 @@ class ModelConfig:
         rope = {**legacy, **rope}
         theta = float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
+        mrope = rope.get("mrope_section")
+        if model_type == "qwen2_5_vl":
+            mrope = tuple(int(x) for x in (mrope or (16, 24, 24)))
+            rope_type = "default" if rope_type == "mrope" else rope_type  # 4.x's name
+        else:
+            mrope = None
         scaling = None
         if rope_type == "llama3":
             scaling = RopeScaling(
@@ -187,6 +214,14 @@ class ModelConfig:
             sliding_window_layers=window_layers,
             quantization=read_scheme(d.get("quantization_config")),
             **_moe_options(d, model_type),
+            qkv_bias=model_type in ("qwen2", "qwen2_5_vl"),
+            qk_norm=model_type == "qwen3",
+            sliding_window=window,
+            sliding_window_layers=window_layers,
+            quantization=read_scheme(d.get("quantization_config")),
+            mrope_section=mrope,
+            vision=vision,
+            image_token_id=d.get("image_token_id") if vision is not None else None,
         )
 
     @classmethod
@@ -242,6 +277,7 @@ def _sliding_window(d: dict[str, Any], model_type: str) -> tuple[int | None, tup
             else "full_attention" for i in range(n_layers)]
         return int(window), tuple(i for i, t in enumerate(types) if t == "sliding_attention")
     if model_type not in ("qwen2", "qwen3"):
+    if model_type not in ("qwen2", "qwen3", "qwen2_5_vl"):
         return None, None
     # Qwen2Config / Qwen3Config: no window unless use_sliding_window; then the layers that
     # layer_types marks, or by default those from max_window_layers on.

@@ -19,9 +19,11 @@ from nanoserve.dummy_weights import random_model
 from nanoserve.errors import CacheFullError, NanoserveError, check_positive_int
 from nanoserve.fp8 import build_with_fp8, check_quantization
 from nanoserve.generate import DECODE_STEP_MODES, BatchStats, blocks_for_batch, generate_batch
+from nanoserve.image_input import ImageConfig
 from nanoserve.kv_cache_dtype import read_kv_scales, resolve_kv_cache_dtype
 from nanoserve.model_runner import ContinuousRunner
 from nanoserve.model_store import DEFAULT_MODEL, keep_kernels_with_models, resolve_model
+from nanoserve.multimodal import MultimodalPrompt, chat_prompt
 from nanoserve.running_rows import CPU_DEFAULT_ROWS, default_max_rows
 from nanoserve.sampling import SamplingParams
 from nanoserve.scheduler import generate_continuous
@@ -132,6 +134,9 @@ class LLM:
         t1 = time.perf_counter()
         self.tokenizer = Tokenizer.from_path(self.model_path)
         self.config = config
+        # a vision-language model's image processor settings (preprocessor_config.json)
+        self.image_config = (ImageConfig.from_folder(self.model_path)
+                             if config.vision is not None else None)
         if any(config.attention_window(i) is not None for i in range(config.num_hidden_layers)):
             # The paged prefill after a cache hit has no sliding window: such a model
             # prefills every prompt whole (the tokens are the same either way).
@@ -183,10 +188,11 @@ class LLM:
     def max_context(self) -> int:
         return self.config.max_position_embeddings
 
-    def generate(self, prompt_token_ids: list[list[int]] | list[str],
+    def generate(self, prompt_token_ids: list[list[int]] | list[str] | list[MultimodalPrompt],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[Completion]:
-        """One completion per sample, in prompt order (a prompt is a list of token ids, or a
-        text encoded with the tokenizer's BOS rule): a prompt whose params ask for n
+        """One completion per sample, in prompt order (a prompt is a list of token ids, a
+        text encoded with the tokenizer's BOS rule, or a `MultimodalPrompt`: token ids with
+        images, as `chat` makes them; continuous scheduler only): a prompt whose params ask for n
         samples gives n consecutive completions (`sample_index` 0..n-1). Static scheduler: prompts are cut into
         static batches that fit the pool at their peak; a batch the device cannot hold is
         halved and retried. Continuous scheduler: one continuous batch over all prompts
@@ -196,6 +202,9 @@ class LLM:
             raise TypeError("generate takes a list of prompts: wrap a single text in a list")
         prompt_token_ids = [self.tokenizer.encode(p) if isinstance(p, str) else p
                             for p in prompt_token_ids]
+        with_images = any(isinstance(p, MultimodalPrompt) for p in prompt_token_ids)
+        if with_images and self.scheduler != "continuous":
+            raise NanoserveError("prompts with images run on the continuous scheduler only")
         if params is None:
             params = SamplingParams()
         if isinstance(params, SamplingParams):
@@ -210,6 +219,8 @@ class LLM:
                     self.tokenizer, self.max_batch_size, runner=self.runner,
                     prefix_caching=self.enable_prefix_caching, grammars=self.grammars)
             except torch.OutOfMemoryError:
+                if with_images:
+                    raise
                 torch.cuda.empty_cache()  # below: static batches, halved until they fit
             else:
                 self.last_stats = stats
@@ -239,12 +250,21 @@ class LLM:
         them), each rendered with the model's chat template (generation prompt added; the
         template writes the special tokens). `chat_template_kwargs` become template
         variables, e.g. `{"enable_thinking": False}` (plain data, never code; ValueError
-        for a non-object or a variable the renderer owns)."""
+        for a non-object or a variable the renderer owns).
+        A vision-language model (Qwen2.5-VL) takes OpenAI content parts too: a message's
+        content may be a list of {"type": "text", "text": ...}, {"type": "image_url",
+        "image_url": {"url": data: URL, local path or file:// URL}} and {"type": "image",
+        "image": path or bytes}; an image that cannot be used raises ImageError
+        (nanoserve/image_input.py)."""
         from nanoserve.chat_template import template_kwargs
 
         kwargs = template_kwargs(chat_template_kwargs)
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
+        if self.image_config is not None:
+            prompts = [chat_prompt(self.tokenizer, self.config.image_token_id,
+                                   self.image_config, c, **kwargs) for c in conversations]
+            return self.generate(prompts, params)
         prompts = [self.tokenizer.encode(
             self.tokenizer.apply_chat_template(c, add_generation_prompt=True, **kwargs),
             add_special_tokens=False) for c in conversations]

@@ -19,6 +19,8 @@ Shapes: B rows, T tokens per row this step, d = hidden_size, Hq/Hkv heads, D hea
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -107,16 +109,26 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables computed per step from absolute positions (no fixed length)."""
+    """cos/sin tables computed per step from absolute positions (no fixed length).
+
+    Multimodal rotary (Qwen2.5-VL, `config.mrope_section` = (s_t, s_h, s_w)): positions
+    [3, B, T] hold each token's temporal, height and width position; frequency pairs
+    0..s_t-1 rotate by the first, the next s_h by the second, the last s_w by the third.
+    A text token's three positions are equal, so positions [B, T] (one per token) give it
+    the plain rotary: decode steps and rows without images pass those."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         inv_freq = torch.tensor(config.rope_inv_freq(), dtype=torch.float32)  # [D/2]
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.mrope_section = config.mrope_section
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions [B, T] -> cos, sin [B, T, D]
+        # positions [B, T] (or [3, B, T]: multimodal) -> cos, sin [B, T, D]
         freqs = positions.float()[..., None] * self.inv_freq.to(positions.device)  # [B, T, D/2]
+        if positions.dim() == 3:  # [3, B, T, D/2]: each section from its own position
+            parts = freqs.split(list(self.mrope_section), dim=-1)
+            freqs = torch.cat([part[i % 3] for i, part in enumerate(parts)], dim=-1)
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -302,20 +314,28 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
 
-    def forward(self, input_ids, positions, cache, meta) -> torch.Tensor:
+    def forward(self, input_ids, positions, cache, meta,
+                images: PlacedImages | None = None) -> torch.Tensor:
+        """images: image features that replace the embeddings of some tokens."""
+        h = None  # the residual stream [B, T, d], made here only when images go into it
+        if images is not None:
+            h = self.embed_tokens(input_ids)
+            h.view(-1, h.shape[-1]).index_copy_(0, images.index, images.embeds.to(h.dtype))
         if packs_prefill(input_ids, meta):
             # Projections and MLP on the real tokens only: one row [1, N]; attention puts
             # q/k/v back in their rectangle (nanoserve/attention.py). Padding comes out zero.
             valid = meta.valid
-            x = self._forward(input_ids[valid][None], positions[valid][None], cache,
-                              meta.as_packed())
+            pos = positions[valid][None] if positions.dim() == 2 else positions[:, valid][:, None]
+            x = self._forward(input_ids[valid][None], pos, cache, meta.as_packed(),
+                              None if h is None else h[valid][None])
             out = x.new_zeros(*valid.shape, x.shape[-1])
             out[valid] = x[0]
             return out
-        return self._forward(input_ids, positions, cache, meta)
+        return self._forward(input_ids, positions, cache, meta, h)
 
-    def _forward(self, input_ids, positions, cache, meta) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)  # [B, T, d]: the residual stream
+    def _forward(self, input_ids, positions, cache, meta, h=None) -> torch.Tensor:
+        if h is None:
+            h = self.embed_tokens(input_ids)  # [B, T, d]: the residual stream
         cos, sin = self.rotary_emb(positions, h.dtype)
         x = self.layers[0].input_layernorm(h)
         for i, layer in enumerate(self.layers):
@@ -323,6 +343,15 @@ class LlamaModel(nn.Module):
             h, x = layer(h, x, cos, sin, cache, meta,
                          self.norm if last else self.layers[i + 1].input_layernorm)
         return x
+
+
+class PlacedImages(NamedTuple):
+    """Image features placed into a forward's input: the vision tower's rows `embeds`
+    [M, d] replace the token embeddings at `index` [M] (offsets into the flattened
+    [B * T] input ids: the image placeholders' places)."""
+
+    index: torch.Tensor
+    embeds: torch.Tensor
 
 
 class _NoHead(nn.Module):
@@ -355,22 +384,29 @@ class LlamaForCausalLM(nn.Module):
         # a headless checkpoint (config.headless: an embedding model) has no head
         self.lm_head = (_NoHead(config.architecture) if config.headless
                         else Linear(config.hidden_size, config.vocab_size, bias=False))
+        if config.vision is not None:  # Qwen2.5-VL's vision tower
+            from nanoserve.vision_model import VisionTransformer
+
+            self.visual = VisionTransformer(config.vision)
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings and not self.config.headless:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def hidden_states(self, input_ids, positions, cache, meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions [B, T] -> final normed hidden states [B, T, d]."""
-        return self.model(input_ids, positions, cache, meta)
+    def hidden_states(self, input_ids, positions, cache, meta: AttentionMetadata,
+                      images: PlacedImages | None = None) -> torch.Tensor:
+        """input_ids, positions [B, T] (multimodal rotary: [3, B, T]) -> final normed hidden
+        states [B, T, d]. images: features replacing some tokens' embeddings."""
+        return self.model(input_ids, positions, cache, meta, images)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., d] -> [..., V] in float32."""
         return self.lm_head(hidden).float()
 
-    def forward(self, input_ids, positions, cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids, positions, cache, meta: AttentionMetadata,
+                images: PlacedImages | None = None) -> torch.Tensor:
         """input_ids, positions [B, T] -> logits [B, T, V] (float32)."""
-        return self.compute_logits(self.hidden_states(input_ids, positions, cache, meta))
+        return self.compute_logits(self.hidden_states(input_ids, positions, cache, meta, images))
 
     @property
     def device(self) -> torch.device:

@@ -65,7 +65,7 @@ import torch
 from nanoserve.attention import AttentionMetadata
 from nanoserve.cache import KVPool
 from nanoserve.logprobs import prompt_logprob_rows
-from nanoserve.model import LlamaForCausalLM
+from nanoserve.model import LlamaForCausalLM, PlacedImages
 from nanoserve.sampling import MAX_LOGPROBS
 from nanoserve.step_cache import StepCache
 from nanoserve.step_sampling import StepSampling, sample_step
@@ -75,6 +75,18 @@ from nanoserve_kernels.paged_prefill import default_block_m
 from nanoserve_kernels.prefill_attention import PREFILL_BLOCK_M, prefill_work, prefill_work_size
 
 log = logging.getLogger(__name__)
+
+@dataclass
+class PrefillImages:
+    """A packed prefill's image inputs: positions [3][N] (every packed token's multimodal
+    rotary positions; text tokens' three equal), index [M] (the packed offsets of the
+    image tokens whose features it computes), embeds [M, d] (those features, on the
+    device)."""
+
+    positions: list[list[int]]
+    index: list[int]
+    embeds: torch.Tensor
+
 
 RING = 4
 STEP_MODES = ("eager", "static", "graph")
@@ -493,7 +505,8 @@ class ContinuousRunner:
     def prefill(self, tokens: list[list[int]], writes: list[int], slots: list[int],
                 sample_from: list[int], sample_slots: list[int],
                 sampling: StepSampling | None, cached: list[int] | None = None,
-                prompt_logprobs: list[tuple[int, int]] = ()) -> Launched:
+                prompt_logprobs: list[tuple[int, int]] = (),
+                images: PrefillImages | None = None) -> Launched:
         """One packed prefill of several rows' new tokens: writes their K/V to `writes` (one
         slot per token, in order). From the fixed tensors (modes "static" and "graph", up to
         `prefill_tokens`), or launched op by op with `pad_prefills`, the packed tokens are
@@ -509,13 +522,16 @@ class ContinuousRunner:
         to the cached context through their block tables (set beforehand; `slots` are the
         rows' row slots).
         prompt_logprobs: (row, k) for rows whose new tokens are their whole prompt and that
-        want its logprobs (read back in `Launched.prompt`)."""
+        want its logprobs (read back in `Launched.prompt`).
+        images: rows with images (Qwen2.5-VL): the packed tokens' multimodal rotary positions
+        and the image features placed at their placeholders; such a prefill runs launched op
+        by op (its inputs are not token ids alone)."""
         end = self._mark("prefill")
         cached = cached or [0] * len(tokens)
         lens = [len(t) for t in tokens]
         n = sum(lens)
         T = prefill_length(n)
-        fixed = (T <= self.prefill_tokens and len(tokens) < self._pf_rows
+        fixed = (images is None and T <= self.prefill_tokens and len(tokens) < self._pf_rows
                  and len(sample_from) <= self.max_batch_size
                  and not (any(cached) and T - n > self.width * self.pool.block_size))
         if fixed:
@@ -525,7 +541,7 @@ class ContinuousRunner:
         else:
             hidden, ids_t, cu, last, idx = self._prefill_eager(tokens, lens, writes, slots,
                                                                cached, sample_from,
-                                                               sample_slots)
+                                                               sample_slots, images)
         prompt = []
         for i, k_top in prompt_logprobs:
             targets = ids_t[0, cu[i] + 1:cu[i + 1]]
@@ -541,7 +557,8 @@ class ContinuousRunner:
         self.last_tok.index_copy_(0, idx, _as_input(new, sampling))
         return self._finish(k, new, len(sample_from), end, lp, prompt)
 
-    def _prefill_eager(self, tokens, lens, writes, slots, cached, sample_from, sample_slots):
+    def _prefill_eager(self, tokens, lens, writes, slots, cached, sample_from, sample_slots,
+                       images: PrefillImages | None = None):
         """A packed prefill launched op by op (see `prefill`): (hidden states [1, N', d],
         token ids [1, N'], row starts, the samplers' positions and row slots)."""
         pad = prefill_length(sum(lens)) - sum(lens) if self.pad_prefills else 0
@@ -573,8 +590,15 @@ class ContinuousRunner:
                               ctx_t.to(torch.int32))
         else:
             cache = StepCache(self.pool, writes_t)
+        placed = None
+        if images is not None:  # [3, 1, N] positions (padding: its own 0.., all three)
+            pad_pos = list(range(pad)) if pad else []
+            pos_t = torch.tensor([p + pad_pos for p in images.positions],
+                                 device=self.device)[:, None]
+            placed = PlacedImages(torch.tensor(images.index, dtype=torch.long, device=self.device),
+                                  images.embeds)
         hidden = self.model.hidden_states(ids_t, pos_t, cache,
-                                          AttentionMetadata.packed(cu_t, max(lens)))
+                                          AttentionMetadata.packed(cu_t, max(lens)), placed)
         return hidden, ids_t, cu, last, idx
 
     def _prefill_fixed(self, T, tokens, lens, writes, slots, cached, sample_from, sample_slots):
@@ -725,7 +749,8 @@ class ContinuousRunner:
 
     def decode(self, slots: list[int], positions: list[int], writes: list[int],
                new_blocks: list[tuple[int, int, int]], sampling: StepSampling | None,
-               defer: bool = False, before=None) -> Launched:
+               defer: bool = False, before=None, rope_deltas: list[int] | None = None
+               ) -> Launched:
         """One decode step for n rows: row slots, the position of each row's input token,
         the slot its K/V go to (reserved by the caller), and the block-table entries that
         changed since the last step as (row slot, index, block). sampling: per row (None:
@@ -734,7 +759,10 @@ class ContinuousRunner:
         the rows' previous tokens, read while this forward runs) before any other step.
         before: called once the step's inputs are staged on the host and its block-table
         entries queued, before the rest of the step is (what must come first: the previous
-        step's deferred sampling, whose masks may still be filling)."""
+        step's deferred sampling, whose masks may still be filling).
+        rope_deltas: per row, what its rotary position is ahead of its cache position (a
+        row with images: nanoserve/mrope.py; <= 0); None: all 0. `positions` stay cache
+        positions (the context length is position + 1)."""
         n = len(slots)
         k = self._take_ring()
         if new_blocks:
@@ -744,12 +772,16 @@ class ContinuousRunner:
             stage = self._stage_np[k]  # [4, B]: slots, positions, writes, context lengths
             stage[0, :n], stage[1, :n], stage[2, :n] = slots, positions, writes
             np.add(stage[1, :n], 1, out=stage[3, :n])
+            if rope_deltas is not None:
+                stage[1, :n] += rope_deltas
             stage[0, n:b], stage[1, n:b], stage[2, n:b], stage[3, n:b] = self.pad, 0, -1, 1
         if before is not None:
             before()
         end = self._mark("decode")
         if self.mode == "eager":
             ctx = [p + 1 for p in positions]
+            if rope_deltas is not None:
+                positions = [p + d for p, d in zip(positions, rope_deltas)]
             inputs = torch.tensor([slots, positions, writes, ctx], dtype=torch.long)
             inputs = inputs.to(self.device, non_blocking=True)
             logits, tokens = self._forward(*inputs)

@@ -62,11 +62,13 @@ finishes.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable
 from itertools import chain
 from time import perf_counter
 
+import numpy as np
 import torch
 
 from nanoserve.block_manager import (
@@ -80,7 +82,8 @@ from nanoserve.errors import CacheFullError
 from nanoserve.generate import BatchStats, pool_for
 from nanoserve.logprobs import entries
 from nanoserve.model import LlamaForCausalLM
-from nanoserve.model_runner import ContinuousRunner, Launched
+from nanoserve.model_runner import ContinuousRunner, Launched, PrefillImages
+from nanoserve.multimodal import MultimodalPrompt, RowImages, check_image_model
 from nanoserve.prefix_cache import blocks_to_admit, hash_blocks, max_cached_blocks
 from nanoserve.sampling import SamplingParams
 from nanoserve.sequence import Sequence, SequenceOutput, samples_of
@@ -136,13 +139,27 @@ class _Row:
         self.sent_blocks = 0  # block-table entries the runner has for this row
         self.hit: list[int] = []  # cached blocks found for its prefill, at admission
         self._names: tuple[int, list[bytes]] = (-1, [])  # (prefill length, block names)
+        self.images: RowImages | None = None  # its prompt's images (a vision-language model)
+
+    @property
+    def rope_delta(self) -> int:
+        """How far its rotary positions run ahead of its cache positions (<= 0; nonzero
+        only for a prompt with images: nanoserve/mrope.py)."""
+        return self.images.delta if self.images is not None else 0
+
+    def name_tokens(self) -> list[int]:
+        """`prefill_tokens()` as its prefix-cache names see them: an image's placeholders
+        stand as keys of the image's bytes (nanoserve/multimodal.py)."""
+        if self.images is None:
+            return self.prefill_tokens()
+        return self.images.keyed + self.seq.output_ids[:-1]
 
     def block_names(self, block_size: int) -> list[bytes]:
         """The prefix-cache names of its prefill's full blocks (`hash_blocks` of
         `prefill_tokens()`; computed once per prefill length: a preempted row's prefill is
         longer). Its prefill may take the first `max_cached_blocks` of them from the cache
         and names them all once written."""
-        tokens = self.prefill_tokens()
+        tokens = self.name_tokens()
         if self._names[0] != len(tokens):
             self._names = (len(tokens), hash_blocks(tokens, block_size))
         return self._names[1]
@@ -208,16 +225,20 @@ class ContinuousScheduler:
         """Queue rows; a row asking for n samples is n rows, and `on_done` gets one output per
         sample (a prompt's samples consecutively). Raises ValueError (a bad prompt or
         constraint) or CacheFullError (a row that cannot fit the pool even alone) having
-        queued none of them."""
+        queued none of them. A prompt may be a `MultimodalPrompt` (token ids and images)."""
         max_context = self.model.config.max_position_embeddings
-        samples = [samples_of(p, sp, self.eos_token_ids, max_context, self.tokenizer,
-                              self.grammars) for p, sp in zip(prompts, params, strict=True)]
+        images = [self._row_images(p) for p in prompts]
+        samples = [samples_of(p.token_ids if isinstance(p, MultimodalPrompt) else p, sp,
+                              self.eos_token_ids, max_context, self.tokenizer, self.grammars)
+                   for p, sp in zip(prompts, params, strict=True)]
         group = _Group(sum(len(g) for g in samples), on_done)
         rows: list[_Row] = []
-        for g in samples:
+        for g, imgs in zip(samples, images):
             first = _Row(g[0], group, len(rows))
             rows.append(first)
             rows += [_Row(seq, group, len(rows) + j, fork_of=first) for j, seq in enumerate(g[1:])]
+            for r in rows[len(rows) - len(g):]:
+                r.images = imgs
         for r in rows:
             need = _blocks(r.peak_tokens(), self.pool.block_size)
             if need > min(self.pool.num_blocks, self.runner.width):
@@ -229,6 +250,13 @@ class ContinuousScheduler:
         if not rows and on_done is not None:
             on_done([])
         return group
+
+    def _row_images(self, prompt) -> RowImages | None:
+        if not isinstance(prompt, MultimodalPrompt) or not prompt.images:
+            return None
+        config = self.model.config
+        check_image_model(config)
+        return RowImages(prompt, config.image_token_id, config.vision.spatial_merge_size)
 
     @property
     def has_work(self) -> bool:
@@ -408,17 +436,19 @@ class ContinuousScheduler:
             self.runner.set_last_tokens([r.slot for r in recomputed],
                                         [r.seq.output_ids[-1] for r in recomputed])
         prompt = [i for i, r in enumerate(rows) if r.seq.wants_prompt_logprobs]
+        images = self._prefill_images(rows, full, cached)
         sampling = (StepSampling.of([r.seq for r in samplers], [0] * len(samplers), self.words,
                                     fill=False)
                     if samplers else None)
         op = self.runner.prefill(
             tokens, list(chain.from_iterable(writes)), [r.slot for r in rows], sample_from,
             [r.slot for r in samplers], sampling, cached,
-            [(i, rows[i].seq.params.prompt_logprobs) for i in prompt])
+            [(i, rows[i].seq.params.prompt_logprobs) for i in prompt], images)
         self.pool.copy_blocks(pairs)  # queued after the prefill that wrote the sources
         if self.prefix_caching:  # queued after the prefill that writes them: safe to share
-            for r, f in zip(rows, full):
-                r.table.register_full_blocks(f, alloc, r.block_names(self.pool.block_size))
+            for r in rows:
+                r.table.register_full_blocks(r.name_tokens(), alloc,
+                                             r.block_names(self.pool.block_size))
         for r in placed:
             r.launched = max(len(r.seq.output_ids), 1)
         n = sum(len(t) for t in tokens)
@@ -426,6 +456,45 @@ class ContinuousScheduler:
         self.stats.prefill_real_tokens += n
         self.stats.cached_tokens += sum(cached)
         self.unread.append(_Op(op, samplers, sampling, [rows[i] for i in prompt]))
+
+    def _prefill_images(self, rows: list[_Row], full: list[list[int]], cached: list[int]
+                        ) -> PrefillImages | None:
+        """A packed prefill's image inputs when one of `rows` has images, else None: every
+        token's rotary positions, and the features of the image tokens past each row's
+        cached blocks. The vision tower runs on the images of rows met for the first time,
+        all in one call."""
+        if all(r.images is None for r in rows):
+            return None
+        fresh = [r.images for r in rows if r.images is not None and r.images.embeds is None]
+        fresh = list({id(x): x for x in fresh}.values())  # a prompt's samples share one
+        if fresh:
+            imgs = [img for x in fresh for img in x.images]
+            dev = self.runner.device
+            pixels = torch.from_numpy(np.concatenate([img.pixel_values for img in imgs]))
+            feats = self.model.visual(pixels.to(dev, self.model.dtype),
+                                      [img.grid_thw for img in imgs])  # [sum M, d]
+            start = 0
+            for x in fresh:
+                x.embeds = feats[start:start + len(x.image_at)]
+                start += len(x.image_at)
+        positions: list[list[int]] = [[], [], []]
+        index: list[int] = []
+        parts = []
+        offset = 0
+        for r, f, c in zip(rows, full, cached):
+            n = len(f) - c
+            if r.images is None:
+                for p in positions:
+                    p.extend(range(c, c + n))
+            else:
+                for p, q in zip(positions, r.images.positions_of(c, len(f))):
+                    p.extend(q)
+                first = bisect_left(r.images.image_at, c)
+                index += [offset + j - c for j in r.images.image_at[first:]]
+                parts.append(r.images.embeds[first:])
+            offset += n
+        embeds = torch.cat(parts) if parts else None
+        return PrefillImages(positions, index, embeds)
 
     # --- decode ------------------------------------------------------------------------------
 
@@ -471,8 +540,12 @@ class ContinuousScheduler:
         if self.runner.profile:
             self.runner.host_s["steps"] = self.runner.host_s.get("steps", 0) + 1
         t = self._tick("decode_prep", t0)
+        deltas = None
+        if any(r.images is not None for r in rows):
+            deltas = [r.rope_delta for r in rows]
         op = self.runner.decode([r.slot for r in rows], positions, writes, new_blocks,
-                                sampling, defer=constrained, before=self._complete)
+                                sampling, defer=constrained, before=self._complete,
+                                rope_deltas=deltas)
         t = self._tick("decode_launch", t)
         if constrained:  # the masks need every earlier token: read while the forward runs
             while len(self.unread) > 1:

@@ -375,3 +375,92 @@ def _ref_dequantize(q, stored, strategy: str, block):
     else:
         scale = stored.float().reshape(-1, 1) if strategy.startswith("channel") else stored.float()
     return q.float() * scale
+
+
+# --- Qwen2.5-VL (vision-language) --------------------------------------------------------------
+
+# Qwen2-VL / Qwen2.5-VL's published chat template: an image content part ({"type": "image"},
+# {"type": "image_url", ...}) becomes <|vision_start|><|image_pad|><|vision_end|>, which the
+# processor widens to the image's token count.
+QWEN2_VL_CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
+    "{{ message['content'] }}<|im_end|>\n{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture "
+    "{{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}"
+    "{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}Video "
+    "{{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+VL_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
+                     "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")  # ids 256..262
+
+
+def save_tiny_qwen2_5_vl(folder: str | Path, seed: int = 0, *, vision_depth: int = 3,
+                         min_pixels: int = 28 * 28 * 4, max_pixels: int = 28 * 28 * 24) -> Path:
+    """A tiny random Qwen2_5_VLForConditionalGeneration saved by transformers (LM hidden 64,
+    2 layers, GQA 4:2, mrope_section [2, 3, 3]; vision hidden 32, `vision_depth` blocks, the
+    last one full attention, windows of 2 x 2 merged blocks; random norm weights and biases)
+    with a byte-level tokenizer of its own (ids 0..255 the bytes, 256.. `VL_SPECIAL_TOKENS`;
+    EOS <|im_end|>), Qwen2-VL's chat template and a real `preprocessor_config.json` (the
+    Qwen2-VL image processor with small min/max pixels: images of a few tokens)."""
+    import json
+
+    import torch
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    folder = Path(folder)
+    ids = {t: 256 + i for i, t in enumerate(VL_SPECIAL_TOKENS)}
+    cfg = Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=272, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=512, rms_norm_eps=1e-6,
+                         tie_word_embeddings=False, bos_token_id=ids["<|endoftext|>"],
+                         eos_token_id=ids["<|im_end|>"],
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                          "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=vision_depth, hidden_size=32, intermediate_size=64,
+                           num_heads=2, out_hidden_size=64, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2, window_size=56,
+                           fullatt_block_indexes=[vision_depth - 1]),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False,
+        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"])
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "ln_q" in name:
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.3 * torch.randn_like(p))
+    model.save_pretrained(folder)
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    byte_char = sorted(alphabet, key=lambda c: _BYTE_ORDER(c))
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(byte_char)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True) for t in VL_SPECIAL_TOKENS])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>", "add_bos_token": False,
+        "chat_template": QWEN2_VL_CHAT_TEMPLATE}))
+    (folder / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]]}))
+    (folder / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor",
+        "do_resize": True, "do_rescale": True, "do_normalize": True, "do_convert_rgb": True,
+        "rescale_factor": 1 / 255, "resample": 3,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "min_pixels": min_pixels, "max_pixels": max_pixels, "patch_size": 14,
+        "temporal_patch_size": 2, "merge_size": 2}))
+    return folder

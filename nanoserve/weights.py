@@ -67,6 +67,10 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes["model.norm.weight"] = (d,)
     if not config.tie_word_embeddings and not config.headless:
         shapes["lm_head.weight"] = (v, d)
+    if config.vision is not None:
+        from nanoserve.vision_model import vision_shapes
+
+        shapes.update({f"visual.{n}": s for n, s in vision_shapes(config.vision).items()})
     return shapes
 
 
@@ -158,11 +162,22 @@ def _prepared_contents(path: Path) -> dict[str, bytes]:
 
 def _with_model_prefix(tensors: dict) -> dict:
     """A base model saved alone (transformers' `Qwen3Model`/`LlamaModel`, as embedding
-    checkpoints are) names its tensors without the `model.` prefix: add it."""
+    checkpoints are) names its tensors without the `model.` prefix: add it. A vision-language
+    model saved with the nested names (`model.language_model.*`, `model.visual.*`) gets the
+    flat ones (`model.*`, `visual.*`) that transformers 5.25 writes."""
+    if "model.language_model.embed_tokens.weight" in tensors:
+        tensors = {_flat_vl_name(name): t for name, t in tensors.items()}
     if "model.embed_tokens.weight" in tensors or "embed_tokens.weight" not in tensors:
         return tensors
     return {name if name.startswith("lm_head.") else f"model.{name}": t
             for name, t in tensors.items()}
+
+
+def _flat_vl_name(name: str) -> str:
+    for nested, flat in (("model.language_model.", "model."), ("model.visual.", "visual.")):
+        if name.startswith(nested):
+            return flat + name[len(nested):]
+    return name
 
 
 def _check_shapes(config: ModelConfig, shapes: dict[str, tuple[int, ...]], source: str) -> None:

@@ -459,7 +459,8 @@ def test_unknown_architecture_is_refused(check, tiny_hf, tmp_path, change, expec
     supported = ("LlamaForCausalLM (llama), MistralForCausalLM (mistral), "
                  "Qwen2ForCausalLM (qwen2), Qwen3ForCausalLM (qwen3), "
                  "Qwen3MoeForCausalLM (qwen3_moe), MixtralForCausalLM (mixtral), "
-                 "Qwen2MoeForCausalLM (qwen2_moe)")
+                 "Qwen2MoeForCausalLM (qwen2_moe), "
+                 "Qwen2_5_VLForConditionalGeneration (qwen2_5_vl)")
     with pytest.raises(ModelError, match=rf"unsupported architecture .*{expected}") as e:
         check(folder)
     assert str(e.value).endswith(f"nanoserve runs {supported}")
