@@ -207,18 +207,13 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             architecture=arch,
-            qkv_bias=model_type == "qwen2" or (model_type == "qwen2_moe"
-                                               and bool(d.get("qkv_bias", True))),
+            qkv_bias=model_type in ("qwen2", "qwen2_5_vl") or (
+                model_type == "qwen2_moe" and bool(d.get("qkv_bias", True))),
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
             sliding_window=window,
             sliding_window_layers=window_layers,
             quantization=read_scheme(d.get("quantization_config")),
             **_moe_options(d, model_type),
-            qkv_bias=model_type in ("qwen2", "qwen2_5_vl"),
-            qk_norm=model_type == "qwen3",
-            sliding_window=window,
-            sliding_window_layers=window_layers,
-            quantization=read_scheme(d.get("quantization_config")),
             mrope_section=mrope,
             vision=vision,
             image_token_id=d.get("image_token_id") if vision is not None else None,
@@ -276,7 +271,6 @@ def _sliding_window(d: dict[str, Any], model_type: str) -> tuple[int | None, tup
             "sliding_attention" if (i + 1) % 2 and i < int(d.get("max_window_layers", 28))
             else "full_attention" for i in range(n_layers)]
         return int(window), tuple(i for i, t in enumerate(types) if t == "sliding_attention")
-    if model_type not in ("qwen2", "qwen3"):
     if model_type not in ("qwen2", "qwen3", "qwen2_5_vl"):
         return None, None
     # Qwen2Config / Qwen3Config: no window unless use_sliding_window; then the layers that
