@@ -33,6 +33,7 @@ import pyarrow as pa
 from nanoserve.errors import InputError, NanoserveError
 from ray_jobs.io import InputChunk
 from ray_jobs.prepare import MESSAGES, TEXT, ColumnPlan, load_model_meta, plan_columns
+from ray_jobs.tasks import EmbedTask, ShardWorker
 
 # The options an embedding job adds to `JobOptions` (run_batch_job's keyword arguments).
 EMBED_OPTIONS = ("task", "pooling", "normalize", "dimensions", "instruction",
@@ -279,26 +280,12 @@ def embed_error_rows(message: str, num_input_tokens: int = 0, n: int = 1) -> lis
     return [embed_row(None, num_input_tokens, message) for _ in range(n)]
 
 
-class RayEmbedWorker(EmbedWorker):
-    """The actor form: a model that fails to load is reported by `info()` as a message."""
+class RayEmbedWorker(ShardWorker, EmbedWorker):
+    """The embedding job's actor: an `EmbedWorker` that runs shards (`ShardWorker`)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        from ray_jobs.pool import first_line
-
-        self.load_error: str | None = None
-        try:
-            super().__init__(*args, **kwargs)
-        except NanoserveError as e:
-            self.load_error = str(e)
-        except Exception as e:
-            self.load_error = f"{type(e).__name__}: {first_line(str(e))}"
-
-    def info(self) -> dict[str, Any]:
-        import ray
-
-        if self.load_error is not None:
-            return {"load_error": self.load_error}
-        return {**super().info(), "node_id": ray.get_runtime_context().get_node_id()}
+    def make_task(self, spec: Any) -> EmbedTask:
+        return EmbedTask(spec, self.embedder.tokenizer, self.embedder.config,
+                         engine=self.run_batch)
 
 
 @dataclass(frozen=True)
@@ -337,9 +324,9 @@ def run_embed_job(input: str | Path, output_dir: str | Path, **options: Any) -> 
     from contextlib import ExitStack
 
     from nanoserve.model_store import DEFAULT_MODEL, resolve_model
-    from ray_jobs.batching import BatchLimits, make_batches
+    from ray_jobs.batching import BatchLimits
     from ray_jobs.driver import _job_settings
-    from ray_jobs.io import iter_chunks, scan_input
+    from ray_jobs.io import scan_input
     from ray_jobs.local_ray import RaySession
     from ray_jobs.manifest import (
         hold_output_dir,
@@ -352,7 +339,9 @@ def run_embed_job(input: str | Path, output_dir: str | Path, **options: Any) -> 
     from ray_jobs.pool import WorkerPool, first_line, log
     from ray_jobs.prepare import PROMPT_COLUMNS
     from ray_jobs.report import report_data, write_report
+    from ray_jobs.shards import InputSpec, iter_shards
     from ray_jobs.storage import OutputDir, is_uri
+    from ray_jobs.tasks import JobSpec, ShardRunner
     from ray_jobs.timeline import Timeline
 
     timeline = Timeline(time.perf_counter())
@@ -364,7 +353,7 @@ def run_embed_job(input: str | Path, output_dir: str | Path, **options: Any) -> 
     config, tokenizer = load_model_meta(model_path)
     settings = embed_settings(model_path, config, options)
     opts = JobOptions(**options)
-    info = scan_input(input, opts.chunk_rows, opts.id_column)
+    info = scan_input(input, opts.chunk_rows, opts.id_column, shard_rows=opts.batch_size)
     prompt_column = opts.prompt_column
     names = info.schema.names
     if prompt_column is None and not any(c in names for c in PROMPT_COLUMNS) \
@@ -387,6 +376,10 @@ def run_embed_job(input: str | Path, output_dir: str | Path, **options: Any) -> 
                              "embedding_dtype": settings.embedding_dtype}
     job_settings["columns"]["prompt_column"] = prompt_column
     folder = OutputDir.open(output_dir)
+    spec = JobSpec("embed", InputSpec.of(info, opts.chunk_rows), plan, schema, folder, (),
+                   {"limit": limit, "instruction": settings.pooling.instruction,
+                    "truncate": settings.truncate, "embedding_dtype": settings.embedding_dtype})
+    local = ShardRunner(spec, EmbedTask(spec, tokenizer, config, preparer=preparer))
     if folder.local:
         check_output_reachable(folder.path if is_uri(output_dir) else Path(output_dir))
     with ExitStack() as stack:
@@ -405,25 +398,16 @@ def run_embed_job(input: str | Path, output_dir: str | Path, **options: Any) -> 
             stack.enter_context(RaySession(opts.address))
             timeline.mark("ray")
             kwargs = {"pooling": settings.pooling.as_dict(),
-                      "max_batch_tokens": opts.max_batch_tokens}
-            pool = WorkerPool.start(opts, timeline, actor=RayEmbedWorker, actor_kwargs=kwargs)
+                      "max_batch_tokens": opts.max_batch_tokens, "spec": spec}
+            pool = WorkerPool.start(opts, timeline, actor=RayEmbedWorker,
+                                    actor_kwargs=kwargs)
             stack.callback(pool.shutdown)
             timeline.mark("workers")
             return pool
 
-        run = _EmbedJobRun(opts, plan, folder, manifest, start_pool, info.num_rows, timeline,
-                           retry)
-        run.schema = schema
-        run.embedding_dtype = settings.embedding_dtype
-        run.input_fields = plan.passthrough_fields()
-
-        def rows():
-            position = 0
-            for chunk in iter_chunks(info, opts.chunk_rows):
-                yield from preparer.prepare(chunk, position)
-                position += chunk.batch.num_rows
-
-        run.execute(make_batches(rows(), limits))
+        run = _EmbedJobRun(opts, folder, manifest, start_pool, info.num_rows, timeline, retry,
+                           local)
+        run.execute(iter_shards(info))
         mark_complete(folder, manifest)
     timeline.mark("shutdown")
     summary = run.summary(timeline.marks["shutdown"])
@@ -499,8 +483,7 @@ def _embed_job_run_class() -> type:
     from ray_jobs.driver import _JobRun
 
     class EmbedJobRun(_JobRun):
-        """The generation job's run with embedding rows: error batches and isolated rows
-        get embedding error rows, and rows cut to the limit are counted."""
+        """The generation job's run, with the embedding job's progress bar."""
 
         truncated_rows = 0
         embedding_dtype = "float32"
@@ -510,49 +493,6 @@ def _embed_job_run_class() -> type:
             return (f"{self.input_rows / elapsed:.1f} rows/s, "
                     f"{self.input_tokens / elapsed:.1f} input tok/s")
 
-        def _admit(self, batch: Any) -> None:
-            from ray_jobs.driver import _Pending, _Piece
-            from ray_jobs.manifest import adopt_part
-
-            n = len(batch.rows)
-            if batch.batch_id not in self.retry and (
-                    batch.batch_id in self.manifest.done or adopt_part(
-                        self.folder, self.manifest, batch.batch_id, batch.digest(),
-                        batch.num_samples)):
-                self.rows_resumed += batch.num_samples
-                self.bar.update(n)
-            elif batch.is_error:
-                self._write(batch, [embed_error_rows(r.error) for r in batch.rows])
-            else:
-                self.queue.append(_Piece(_Pending(batch, [None] * n, n), tuple(range(n))))
-
-        def _count(self, batch: Any, results: list[list[dict[str, Any]]]) -> None:
-            super()._count(batch, results)
-            self.truncated_rows += sum(getattr(r, "truncated", False) for r in batch.rows)
-
-        def _settle(self, sent: Any, outcome: str, value: Any) -> None:
-            if outcome == "ok":
-                value = FastRows(value, self.embedding_dtype)
-            if outcome == "raised":
-                rows = sent.piece.pending.batch.rows
-                message = f"embedding failed: {driver_first_line(str(value.cause or value))}"
-                self._answer(sent.piece, [embed_error_rows(message, rows[i].num_prompt_tokens)
-                                          for i in sent.piece.rows])
-                return
-            super()._settle(sent, outcome, value)
-
-        def _blame(self, piece: Any, cause: str) -> list[Any]:
-            from ray_jobs.driver import MAX_BATCH_ATTEMPTS
-
-            if len(piece.rows) == 1 and piece.deaths + 1 >= (
-                    1 if piece.split else MAX_BATCH_ATTEMPTS):
-                row = piece.pending.batch.rows[piece.rows[0]]
-                piece.deaths += 1
-                self._answer(piece, [embed_error_rows(
-                    f"the worker died while embedding this row ({cause})",
-                    row.num_prompt_tokens)])
-                return []
-            return super()._blame(piece, cause)
 
     return EmbedJobRun
 

@@ -77,6 +77,7 @@ INPUT_SUFFIXES = (".parquet", ".jsonl", ".ndjson", ".json")
 COMPRESSIONS = {".gz": "gzip", ".zst": "zstd"}  # JSON Lines only (Parquet compresses inside)
 _EXPECTED = ".parquet or JSON Lines (.jsonl, .ndjson, .json; also .gz, .zst)"
 DEFAULT_CHUNK_ROWS = 1024
+DEFAULT_SHARD_ROWS = 1024  # rows of a shard (`ray_jobs.shards`) unless the job says
 DEFAULT_ID_COLUMN = "id"  # the id column when the job names none
 
 # The columns every output row gets after `id` and the input's own columns.
@@ -162,6 +163,9 @@ class InputInfo:
     id_column: str | None = None
     input_format: str = "auto"  # 'auto', 'openai' (every line an OpenAI batch request), 'plain'
     openai_rows: int = 0  # lines read as OpenAI batch requests (`ray_jobs.openai_batch`)
+    file_rows: tuple[int, ...] = ()  # rows per file, in `files`' order
+    cuts: tuple[Any, ...] = ()  # per file: its `FileCuts` (JSONL), None (Parquet)
+    shard_rows: int = 0  # the rows between two cuts
 
 
 @dataclass(frozen=True)
@@ -239,7 +243,8 @@ def list_input_files(path: str | Path) -> list[InputFile]:
 
 
 def scan_input(path: str | Path, chunk_rows: int = DEFAULT_CHUNK_ROWS,
-               id_column: str | None = None, input_format: str = "auto") -> InputInfo:
+               id_column: str | None = None, input_format: str = "auto",
+               shard_rows: int = DEFAULT_SHARD_ROWS) -> InputInfo:
     """Check every input file, unify their schemas and check the ids.
 
     Types: nulls and ints widen. A JSONL column takes the type most of its values have
@@ -247,7 +252,9 @@ def scan_input(path: str | Path, chunk_rows: int = DEFAULT_CHUNK_ROWS,
     not agree with that type, or an id column whose values disagree, is an InputError.
     `id_column`: the column of row ids; None means `id` where the input has one (the rule
     `prepare.plan_columns` follows). JSONL files are parsed once here, streaming; Parquet
-    files have their footers and id column read."""
+    files have their footers and id column read. `shard_rows`: the scan records where
+    every `shard_rows`-th row of a JSONL file starts (`InputInfo.cuts`), so that a worker
+    reads its shard from there (`ray_jobs.shards`)."""
     files = list_input_files(path)
     check_input_format(input_format, files)
     id_name = id_column or DEFAULT_ID_COLUMN
@@ -256,8 +263,12 @@ def scan_input(path: str | Path, chunk_rows: int = DEFAULT_CHUNK_ROWS,
     layouts: list[pa.Schema | list[str]] = []  # per file: its schema, or (JSONL) its columns
     jsonl_types: dict[str, dict[pa.DataType, int]] = {}  # column -> {type: values of it}
     num_rows = 0
+    file_rows: list[int] = []
+    cuts: list[FileCuts | None] = []
     for f in files:
+        before = num_rows
         if f.kind == "parquet":
+            cuts.append(None)
             pfile = _parquet_file(f)
             schema = _with_partition_fields(pfile.schema_arrow.remove_metadata(), f)
             layouts.append(schema)
@@ -267,8 +278,9 @@ def scan_input(path: str | Path, chunk_rows: int = DEFAULT_CHUNK_ROWS,
             num_rows += n
         else:
             names: dict[str, None] = {}
+            cuts.append(FileCuts(shard_rows))
             for chunk in _iter_jsonl(f, chunk_rows, schema=None, id_column=id_name,
-                                     input_format=input_format):
+                                     input_format=input_format, cuts=cuts[-1]):
                 openai_rows += chunk.openai_rows
                 for fld, col in zip(chunk.batch.schema, chunk.batch.columns):
                     names.setdefault(fld.name)
@@ -277,6 +289,7 @@ def scan_input(path: str | Path, chunk_rows: int = DEFAULT_CHUNK_ROWS,
                 ids.add(f, _chunk_ids(chunk, id_name))
                 num_rows += chunk.batch.num_rows
             layouts.append(list(names))
+        file_rows.append(num_rows - before)
     try:
         types = {name: _column_type(name, counts, strict=name == id_name)
                  for name, counts in jsonl_types.items()}
@@ -293,7 +306,8 @@ def scan_input(path: str | Path, chunk_rows: int = DEFAULT_CHUNK_ROWS,
         ids.check(schema.field(id_name).type, custom_ids=openai_rows > 0 and id_name == "id")
     return InputInfo(root=str(path), files=tuple(files), schema=schema, num_rows=num_rows,
                      id_column=id_name if has_ids else None, input_format=input_format,
-                     openai_rows=openai_rows)
+                     openai_rows=openai_rows, file_rows=tuple(file_rows), cuts=tuple(cuts),
+                     shard_rows=shard_rows)
 
 
 def _parquet_ids(pfile: pq.ParquetFile, f: InputFile, id_name: str, chunk_rows: int
@@ -550,31 +564,45 @@ def _jsonl_line_of_row(path: InputFile, row: int) -> int:
 
 
 def _iter_jsonl(path: InputFile, chunk_rows: int, schema: pa.Schema | None,
-                id_column: str | None = None, input_format: str = "auto"
-                ) -> Iterator[InputChunk]:
+                id_column: str | None = None, input_format: str = "auto",
+                start: tuple[int, int] = (0, 1), limit: int | None = None,
+                cuts: FileCuts | None = None) -> Iterator[InputChunk]:
     """Parse a JSONL file line by line into chunks (a compressed one decompressed as a
     stream). Blank lines are skipped; a UTF-8 byte order mark at the start is allowed. With
     `schema` None each chunk's types are inferred (the scan); otherwise rows are built in
     `schema`. `id_column` is read strictly (a value of another type is an InputError, not a
     row error). The file's partition keys are added to each row that lacks them. A line
     that is an OpenAI batch request (or, with `input_format` 'openai', any line) becomes the
-    row `ray_jobs.openai_batch.flatten_request` makes of it."""
+    row `ray_jobs.openai_batch.flatten_request` makes of it.
+
+    A shard (`ray_jobs.shards`) reads from `start` (the byte offset in the decompressed
+    stream of a row's line, and that line's number) at most `limit` rows; the scan passes
+    `cuts` to have the offset and line of every `cuts.every`-th row recorded."""
     from ray_jobs.openai_batch import flatten_request, is_request
 
     rows: list[dict] = []
     openai_rows = 0
     lines: list[int] = []
     row_errors: dict[int, str] = {}
+    offset, first_line = start
+    taken = 0
     try:
         f = open_lines(path.loc, path.compression)
     except OSError as e:
         raise InputError(f"{path}: cannot read ({e.strerror})") from None
     with f:
-        for lineno, raw in enumerate(_lines(f, path), start=1):
+        _skip_bytes(f, offset, path)
+        for lineno, raw in enumerate(_lines(f, path), start=first_line):
+            at, offset = offset, offset + len(raw)
             if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
                 raw = raw[3:]
             if not raw.strip():
                 continue
+            if limit is not None and taken == limit:
+                break
+            if cuts is not None:
+                cuts.seen(at, lineno)
+            taken += 1
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as e:
@@ -621,6 +649,44 @@ def _iter_jsonl(path: InputFile, chunk_rows: int, schema: pa.Schema | None,
     if rows:
         batch = _rows_to_batch(rows, lines, path, schema, id_column, row_errors)
         yield InputChunk(batch, path, row_errors, tuple(lines), openai_rows)
+
+
+def _skip_bytes(f: Any, offset: int, path: InputFile) -> None:
+    """Move a fresh line reader to `offset`: a seek where the file allows it, else (a
+    compressed or remote stream) by reading and dropping the bytes before it."""
+    if not offset:
+        return
+    if path.loc.local and path.compression is None:
+        f.seek(offset)
+        return
+    left = offset
+    while left:
+        block = f.read(min(left, 1 << 20))
+        if not block:
+            raise InputError(f"{path}: shorter than when it was scanned (it changed?)")
+        left -= len(block)
+
+
+class FileCuts:
+    """Where a JSONL file's shards start: the byte offset (in the decompressed stream) and
+    line number of every `every`-th row, recorded by the scan's one parse pass. Two int64
+    arrays: 16 bytes a shard."""
+
+    def __init__(self, every: int) -> None:
+        self.every = every
+        self.offsets = array("q")
+        self.lines = array("q")
+        self.rows = 0
+
+    def seen(self, offset: int, line: int) -> None:
+        if self.rows % self.every == 0:
+            self.offsets.append(offset)
+            self.lines.append(line)
+        self.rows += 1
+
+    def start(self, k: int) -> tuple[int, int]:
+        """(offset, line) of the first row of the file's `k`-th shard."""
+        return self.offsets[k], self.lines[k]
 
 
 INPUT_FORMATS = ("auto", "openai", "plain")

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from nanoserve.errors import ModelError, NanoserveError
 from ray_jobs.autoscale import GROW_POLL_S, LostNode, node_lost, parse_num_workers, wait_for_gpus
+from ray_jobs.tasks import GenerateTask, ShardWorker
 from ray_jobs.worker import FAULT_ENV_PREFIX, BatchWorker
 
 if TYPE_CHECKING:
@@ -114,25 +115,12 @@ class WorkerReport:
         return self.decode_row_steps / self.decode_steps if self.decode_steps else None
 
 
-class RayBatchWorker(BatchWorker):
-    """The actor form of `BatchWorker`: a model that fails to load is reported by `info()`
-    as a message (a clean job-level error) rather than as a crashed actor."""
+class RayBatchWorker(ShardWorker, BatchWorker):
+    """The generation job's actor: a `BatchWorker` that runs shards (`ShardWorker`)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.load_error: str | None = None
-        try:
-            super().__init__(*args, **kwargs)
-        except NanoserveError as e:
-            self.load_error = str(e)
-        except Exception as e:  # torch, CUDA, files: whatever stops the model loading here
-            self.load_error = f"{type(e).__name__}: {first_line(str(e))}"
-
-    def info(self) -> dict[str, Any]:
-        import ray
-
-        if self.load_error is not None:
-            return {"load_error": self.load_error}
-        return {**super().info(), "node_id": ray.get_runtime_context().get_node_id()}
+    def make_task(self, spec: Any) -> GenerateTask:
+        return GenerateTask(spec, self.llm.tokenizer, self.llm.config, engine=self.run_batch,
+                            grammars=self.llm.grammars)
 
 
 ENGINE_COUNTERS = ("up_s", "busy_s", "decode_steps", "decode_row_steps")

@@ -289,11 +289,10 @@ def test_an_interrupted_n_job_resumes_each_sample_exactly_once(tmp_path, ray_ses
     original = driver._JobRun._write
     written = []
 
-    def write_then_stop(self, batch, results):
-        original(self, batch, results)
-        written.append(batch.batch_id)
-        if not batch.is_error:
-            raise KeyboardInterrupt  # the driver stops after its first computed part
+    def write_then_stop(self, shard, tables):
+        original(self, shard, tables)
+        written.append(shard.shard_id)
+        raise KeyboardInterrupt  # the driver stops after its first recorded part
 
     monkeypatch.setattr(driver._JobRun, "_write", write_then_stop)
     with pytest.raises(KeyboardInterrupt):
