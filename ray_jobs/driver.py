@@ -532,7 +532,7 @@ class _JobRun:
         if ooms:
             self.oom_errors += ooms
             log(f"nanoserve: worker {sent.worker} ran out of device memory {ooms} time(s) on "
-                f"shard {piece.pending.shard.shard_id}; the engine retried it in smaller "
+                f"batch {piece.pending.shard.shard_id}; the engine retried it in smaller "
                 f"sub-batches")
         worker.batches += 1
         worker.rows += piece.size()
@@ -571,10 +571,10 @@ class _JobRun:
         if self.deaths_in_a_row > self.opts.max_deaths_in_a_row:
             raise NanoserveError(
                 f"workers died {self.deaths_in_a_row} times in a row without finishing a "
-                f"shard (last: {cause}); the job stopped (rerun it to resume)"
+                f"batch (last: {cause}); the job stopped (rerun it to resume)"
             )
         shard = suspect.pending.shard
-        log(f"nanoserve: worker {index} died while running shard {shard.shard_id} "
+        log(f"nanoserve: worker {index} died while running batch {shard.shard_id} "
             f"({suspect.size()} of its {shard.num_rows} rows): {cause}; replacing it")
         self.pool.replace(index)
         retry = [s.piece for s in failed[1:]] + self._blame(suspect, cause)
@@ -592,7 +592,7 @@ class _JobRun:
             return [_Piece(piece.pending, (lo, mid), split=True, suspect=True),
                     _Piece(piece.pending, (mid, hi), split=True, suspect=True)]
         message = (f"the worker died while processing this row ({cause}); isolated after its "
-                   f"shard killed the worker {MAX_BATCH_ATTEMPTS} times")
+                   f"batch killed the worker {MAX_BATCH_ATTEMPTS} times")
         self._answer(piece, self.local.run(piece.pending.shard, piece.rows, write=False,
                                            error=message))
         return []

@@ -162,8 +162,7 @@ class ShardRunner:
     def __init__(self, spec: JobSpec, task: Any) -> None:
         self.spec = spec
         self.task = task
-        self.input_fields = [f for f in spec.schema if f.name in spec.plan.input_schema.names
-                             and f.name != "id"]
+        self.input_fields = spec.plan.passthrough_fields(spec.controls)
 
     def run(self, shard: Shard, rows: tuple[int, int] | None = None, write: bool = True,
             error: str | None = None) -> ShardOutcome:
