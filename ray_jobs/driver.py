@@ -1,30 +1,30 @@
-"""The batch job's driver: read, tokenize, batch, dispatch to Ray workers, collect, write.
+"""Stage 2, dispatch: the batch job's driver. It moves descriptors, never rows: it scans
+the input, hands shards to the Ray workers, and records the shards whose parts are written.
 
     summary = run_batch_job("prompts.jsonl", "out/", max_tokens=64)
 
 Order of work (every job-level check comes before any model loads on a worker):
-1. scan the input (files, schema, row count) and plan its columns;
+1. scan the input (files, schema, row count, where every `batch_size`-th JSONL row starts)
+   and plan its columns;
 2. resolve the model and load its tokenizer and config on the driver (cheap: no weights);
 3. open the output folder: fresh, or resume an earlier run with equal settings;
-4. start (or join) Ray and one `BatchWorker` actor per GPU (one CPU worker without GPUs),
-   when the first batch needs a worker (a rerun with nothing left to compute starts none);
-5. stream the rows: tokenize a chunk at a time, cut them into batches (`batching`), send
-   each batch's token ids to the least-loaded worker (each worker holds as many batches as
-   keep its engine full: `ray_jobs.pool.hold_limits`), and write each finished batch as one
-   Parquet part at once;
-6. when every batch is written, mark the folder complete (`_SUCCESS`).
+4. start (or join) Ray and one actor per GPU (one CPU worker without GPUs), when the first
+   shard needs a worker (a rerun with nothing left to compute starts none);
+5. hand out the shards (`ray_jobs.shards`: `batch_size` consecutive rows of one file each)
+   to the least-loaded worker (each holds as many as keep its engine full:
+   `ray_jobs.pool.hold_limits`); the worker reads the shard's rows, prepares them, runs
+   them and writes the shard's part (`ray_jobs.tasks.ShardRunner`), and answers with its
+   counts; the driver then records the shard in the manifest;
+6. when every shard is recorded, mark the folder complete (`_SUCCESS`).
 
-Memory stays flat: the driver holds one input chunk, one batching window, and the rows of
-the batches in flight (a few times each engine's running rows per worker, plus retries); the
-manifest records done batch ids, never per-row data. Batches are cut from a window of rows
-sorted by prompt length (longest first), so a part holds rows from across its window; within
-a part the rows are in input order (a row's samples together, by `sample_index`). For the
-whole input's order, sort by `id` when ids are positions, else join on `id`.
+Memory stays flat: the driver holds the scan's cut points (16 bytes a shard), the id
+hashes when the input has ids (8 bytes a row, `ray_jobs.io`), and the descriptors of the
+shards in flight; the manifest records done shard ids, never per-row data. A part holds
+its shard's rows in input order, and parts are numbered in input order.
 
 A row asking for n samples gives n output rows, keyed on (`id`, `sample_index`), its input
-columns repeated: a worker answers one result row per sample, in order, and the driver
-regroups them per input row. A row that fails as a whole gives n error rows. Parts, resume
-and `--retry-errors` work per batch as before, so every (id, sample_index) is written
+columns repeated: a worker answers one result row per sample, in order. A row that fails as a whole gives n error rows. Parts, resume
+and `--retry-errors` work per shard, so every (id, sample_index) is written
 exactly once. Counts: `JobSummary.rows` (and the manifest's `rows_done`, the report) count
 output rows; `input_rows` and `input_tokens` count each input row once. The summary counts
 output rows by `finish_reason` and warns when rows with a structured output ended by length
