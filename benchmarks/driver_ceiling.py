@@ -116,7 +116,8 @@ def main(argv: list[str] | None = None) -> dict[int, dict]:
             path.unlink()
             shutil.rmtree(work / "out")
             print(f"{n:,} rows: {results[n]['cpu_s']:.1f} driver CPU s, "
-                  f"{results[n]['wall_s']:.0f} s", file=sys.stderr)
+                  f"{results[n]['peak_kib'] / 1024:.0f} MiB peak, {results[n]['wall_s']:.0f} s",
+                  file=sys.stderr)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(f"commit: {git_commit()}; {os.cpu_count()}-core {platform.machine()} CPU; "
