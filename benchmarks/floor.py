@@ -26,8 +26,13 @@ projections and LM head take max(their weights' bytes / the read bandwidth, thei
 the peak), the prefill its FLOPs / the peak (--peak-tflops: H200 dense bf16 989 and FP8
 1,979 TFLOP/s by default; the LM head at the bf16 peak in both); the K/V reads as above.
 
-    python3 -m benchmarks.floor [--shape 8b|1b] [--kinds bf16 fp8] [--rows 1..256]
-        [--peak-tflops BF16 FP8]
+    python3 -m benchmarks.floor [--shape 8b|1b] [--kinds bf16 fp8] [--rows N] [--seed S]
+        [--max-running R] [--pool-gib G] [--kv-dtype bf16|fp8] [--peak-tflops BF16 FP8]
+
+A batch larger than the running set (issue 45's: `--rows 4096 --seed 7 --max-running 1024
+--pool-gib G`): rows join in input order as others end, while fewer than R run and their
+contexts fit the pool (`serial_floor`); the last column is the floor of an engine that runs
+each decode step's attention beside its GEMMs (each step the longer of the two).
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ from benchmarks.gpu_job import LLAMA_1B, LLAMA_8B
 from benchmarks.vs_vllm import nanovllm_workload
 
 SHAPES = {"1b": LLAMA_1B, "8b": LLAMA_8B}
-DECODE_ROWS = (1, 8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+DECODE_ROWS = (1, 8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256, 384, 512, 768, 1024)
 PREFILL_ROWS = 8192
 
 
@@ -56,30 +61,68 @@ class Floor:
     kv_s: float  # decode steps: K/V reads
     kv_bytes: float
     steps: int
+    # decode steps with each step's K/V reads run beside its GEMMs: sum of max(the two)
+    overlap_decode_s: float = 0.0
+    max_rows: int = 0  # the most rows in one decode step
 
     @property
     def total_s(self) -> float:
         return self.prefill_s + self.gemm_s + self.kv_s
 
+    @property
+    def overlap_s(self) -> float:
+        """The floor of an engine that runs each step's attention beside its GEMMs."""
+        return self.prefill_s + self.overlap_decode_s
+
 
 def serial_floor(prompt_lens: Sequence[int], output_lens: Sequence[int], kv_bytes_per_token: float,
                  step_gemm_s: Callable[[int], float], read_bytes_per_s: float,
-                 prefill_s: float) -> Floor:
+                 prefill_s: float, max_running: int | None = None,
+                 pool_tokens: int | None = None) -> Floor:
     """The floor of the workload above. kv_bytes_per_token: K and V of one token over all
-    layers; step_gemm_s(rows): a decode step's GEMMs (all layers and the LM head), seconds."""
+    layers; step_gemm_s(rows): a decode step's GEMMs (all layers and the LM head), seconds.
+
+    max_running / pool_tokens (None: no bound): a batch larger than the running set. Rows
+    join in input order before a step while fewer than max_running run and the contexts held
+    plus the new row's prompt and first token fit pool_tokens (one row always joins an empty
+    batch); a row of n output tokens runs n - 1 steps after it joins. No preemption is
+    counted: rows that outgrow the pool are left to the engine."""
     p = np.asarray(prompt_lens, dtype=np.int64)
     n = np.asarray(output_lens, dtype=np.int64)
-    gemm = kv_bytes = 0.0
-    steps = 0
-    for s in range(1, int(n.max(initial=0))):
-        running = n > s
-        rows = int(running.sum())
+    cap = max_running or len(p)
+    ctx = np.zeros(0, dtype=np.int64)  # the running rows' contexts at their next step
+    left = np.zeros(0, dtype=np.int64)  # and their steps still to run
+    gemm = kv_bytes = overlap = 0.0
+    steps = most = 0
+    nxt = 0
+    while nxt < len(p) or len(ctx):
+        joined_ctx, joined_left = [], []
+        held = int(ctx.sum())
+        while nxt < len(p) and len(ctx) + len(joined_ctx) < cap:
+            need = int(p[nxt]) + 1
+            if pool_tokens is not None and held + need > pool_tokens and (len(ctx) or joined_ctx):
+                break
+            if n[nxt] > 1:
+                joined_ctx.append(need)
+                joined_left.append(int(n[nxt]) - 1)
+                held += need
+            nxt += 1
+        ctx = np.concatenate([ctx, np.asarray(joined_ctx, dtype=np.int64)])
+        left = np.concatenate([left, np.asarray(joined_left, dtype=np.int64)])
+        rows = len(ctx)
         if rows == 0:
-            break
+            continue
         steps += 1
-        gemm += step_gemm_s(rows)
-        kv_bytes += float((p[running] + s).sum()) * kv_bytes_per_token
-    return Floor(prefill_s, gemm, kv_bytes / read_bytes_per_s, kv_bytes, steps)
+        most = max(most, rows)
+        g = step_gemm_s(rows)
+        b = float(ctx.sum()) * kv_bytes_per_token
+        gemm += g
+        kv_bytes += b
+        overlap += max(g, b / read_bytes_per_s)
+        ctx, left = ctx + 1, left - 1
+        keep = left > 0
+        ctx, left = ctx[keep], left[keep]
+    return Floor(prefill_s, gemm, kv_bytes / read_bytes_per_s, kv_bytes, steps, overlap, most)
 
 
 def _graph_time_s(fn: Callable[[], None], calls: int, replays: int = 7) -> float:
@@ -169,7 +212,9 @@ def read_bandwidth() -> float:
 
 
 def roofline_floor(config: dict, kind: str, prompt_lens, output_lens, read_bytes_per_s: float,
-                   peak_flops: dict[str, float]) -> Floor:
+                   peak_flops: dict[str, float], max_running: int | None = None,
+                   pool_tokens: int | None = None, kv_bytes_per_token: int | None = None
+                   ) -> Floor:
     """The floor with every GEMM at max(weight bytes / bandwidth, FLOPs / peak)."""
     proj = projection_params(config)
     head = config["vocab_size"] * config["hidden_size"]
@@ -179,16 +224,19 @@ def roofline_floor(config: dict, kind: str, prompt_lens, output_lens, read_bytes
         flops_s = 2 * rows * (proj / peak_flops[kind] + head / peak_flops["bf16"])
         return max((proj_bytes + 2 * head) / read_bytes_per_s, flops_s)
 
-    return serial_floor(prompt_lens, output_lens, _kv_bytes_per_token(config), step_s,
-                        read_bytes_per_s, 2 * proj * sum(prompt_lens) / peak_flops[kind])
+    return serial_floor(prompt_lens, output_lens, kv_bytes_per_token or _kv_bytes_per_token(config),
+                        step_s, read_bytes_per_s, 2 * proj * sum(prompt_lens) / peak_flops[kind],
+                        max_running, pool_tokens)
 
 
-def _kv_bytes_per_token(config: dict) -> int:
-    """K and V of one token over all layers, bf16."""
-    return config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * _head_dim(config) * 2
+def _kv_bytes_per_token(config: dict, kv_dtype: str = "bf16") -> int:
+    """K and V of one token over all layers, bf16 (or FP8: 1 byte an entry)."""
+    per = 1 if kv_dtype == "fp8" else 2
+    return config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * _head_dim(config) * per
 
 
-def measure(config: dict, kind: str, prompt_lens, output_lens) -> tuple[Floor, dict]:
+def measure(config: dict, kind: str, prompt_lens, output_lens, max_running: int | None = None,
+            pool_tokens: int | None = None, kv_dtype: str = "bf16") -> tuple[Floor, dict]:
     gemms = _Gemms(config, kind)
     layers = config["num_hidden_layers"]
     per_rows = {r: layers * sum(gemms.time_s(g, r) for g in LAYER_GEMMS)
@@ -199,9 +247,9 @@ def measure(config: dict, kind: str, prompt_lens, output_lens) -> tuple[Floor, d
     del gemms
     torch.cuda.empty_cache()
     bw = read_bandwidth()
-    floor = serial_floor(prompt_lens, output_lens, _kv_bytes_per_token(config),
+    floor = serial_floor(prompt_lens, output_lens, _kv_bytes_per_token(config, kv_dtype),
                          lambda r: float(np.interp(r, xs, ys)), bw,
-                         prefill_token_s * sum(prompt_lens))
+                         prefill_token_s * sum(prompt_lens), max_running, pool_tokens)
     facts = {"per_rows": per_rows, "read_bw": bw,
              "prefill_tflops": 2 * projection_params(config) / prefill_token_s / 1e12}
     return floor, facts
@@ -213,37 +261,52 @@ def main() -> None:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="8b")
     ap.add_argument("--kinds", nargs="+", choices=["bf16", "fp8"], default=["bf16", "fp8"])
     ap.add_argument("--rows", type=int, default=256,
-                    help="1 to 256: the rows run as one batch (the largest step measured)")
+                    help="the workload's rows (at most 1,024 without --max-running: one batch)")
+    ap.add_argument("--seed", type=int, default=0, help="the workload's (batch4096's is 7)")
+    ap.add_argument("--max-running", type=int, default=None,
+                    help="the most rows running at once (1 to 1,024; default: all)")
+    ap.add_argument("--pool-gib", type=float, default=None,
+                    help="the KV pool's size: rows join only while their contexts fit it")
+    ap.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16",
+                    help="the cache's entries: fp8 reads half the bytes and holds twice the "
+                         "tokens of --pool-gib")
     ap.add_argument("--peak-tflops", type=float, nargs=2, default=[989.0, 1979.0],
                     metavar=("BF16", "FP8"), help="the roofline rows' dense peaks")
     args = ap.parse_args()
-    if not 1 <= args.rows <= DECODE_ROWS[-1]:
-        ap.error(f"--rows must be 1 to {DECODE_ROWS[-1]}, got {args.rows}")
+    if not 1 <= (args.max_running or args.rows) <= DECODE_ROWS[-1]:
+        ap.error(f"at most {DECODE_ROWS[-1]} rows run at once: lower --rows or set --max-running")
     peaks = {"bf16": args.peak_tflops[0] * 1e12, "fp8": args.peak_tflops[1] * 1e12}
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.floor measures a GPU: no CUDA device here")
     config = SHAPES[args.shape]
-    prompts, output_lens = nanovllm_workload(args.rows, config["vocab_size"])
+    prompts, output_lens = nanovllm_workload(args.rows, config["vocab_size"], args.seed)
     prompt_lens = [len(p) for p in prompts]
     out_tokens = sum(output_lens)
-    print(f"{args.shape} shape, {args.rows} rows: {sum(prompt_lens):,} prompt tokens, "
-          f"{out_tokens:,} output tokens")
+    kv_token = _kv_bytes_per_token(config, args.kv_dtype)
+    pool = int(args.pool_gib * 2**30 // kv_token) if args.pool_gib else None
+    print(f"{args.shape} shape, {args.rows} rows (seed {args.seed}): {sum(prompt_lens):,} prompt "
+          f"tokens, {out_tokens:,} output tokens; at most {args.max_running or args.rows} "
+          f"running, pool {f'{pool:,} tokens' if pool else 'unbounded'}, {args.kv_dtype} cache")
     rows = []
     for kind in args.kinds:
-        floor, facts = measure(config, kind, prompt_lens, output_lens)
+        floor, facts = measure(config, kind, prompt_lens, output_lens, args.max_running, pool,
+                               args.kv_dtype)
         print(f"\n{kind}: a decode step's GEMMs (all layers + LM head), us, by rows: "
               + ", ".join(f"{r}: {s * 1e6:,.0f}" for r, s in facts["per_rows"].items()))
         print(f"{kind}: prefill projections at {PREFILL_ROWS:,} rows: "
               f"{facts['prefill_tflops']:,.0f} TFLOP/s; read bandwidth "
               f"{facts['read_bw'] / 1e12:.2f} TB/s")
-        roof = roofline_floor(config, kind, prompt_lens, output_lens, facts["read_bw"], peaks)
+        roof = roofline_floor(config, kind, prompt_lens, output_lens, facts["read_bw"], peaks,
+                              args.max_running, pool, kv_token)
         for label, f in ((kind, floor), (f"{kind} roofline", roof)):
             rows.append([label, f"{f.prefill_s:.2f}", f"{f.gemm_s:.2f}",
                          f"{f.kv_bytes / 1e12:.1f}", f"{f.kv_s:.2f}", str(f.steps),
-                         f"{f.total_s:.2f}", f"{out_tokens / f.total_s:,.0f}"])
+                         str(f.max_rows), f"{f.total_s:.2f}", f"{out_tokens / f.total_s:,.0f}",
+                         f"{out_tokens / f.overlap_s:,.0f}"])
     print()
     print(markdown_table(["floor", "prefill GEMMs s", "decode GEMMs s", "K/V read TB",
-                          "K/V read s", "decode steps", "floor s", "output tok/s at the floor"],
+                          "K/V read s", "decode steps", "most rows", "floor s",
+                          "output tok/s at the floor", "tok/s, attention beside GEMMs"],
                          rows))
 
 

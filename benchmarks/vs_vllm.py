@@ -7,11 +7,20 @@ its max_tokens tokens, checked on both sides):
   prompt and output lengths uniform in [100, 1024], `random.Random(0)`;
 - shared: 3,000 rows over 12 system prompts of 300-1,500 random tokens each (uniform); each
   row is one system prompt (drawn at random) plus 30-150 tokens of its own, output lengths
-  uniform in [8, 32]; seed 0; rows in the drawn order (not grouped by system prompt).
+  uniform in [8, 32]; seed 0; rows in the drawn order (not grouped by system prompt);
+- batch4096: a batch job's size: 4,096 rows of nano-vllm's distribution (prompts and outputs
+  uniform in [100, 1024]), `random.Random(7)`; its warm-up is its first 256 rows (shifted).
 
-    python3 -m benchmarks.vs_vllm [--shape 1b|8b] [--workloads nanovllm,shared]
+    python3 -m benchmarks.vs_vllm [--shape 1b|8b] [--workloads nanovllm,shared,batch4096]
         [--sides nanoserve,vllm] [--quantization fp8] [--out DIR] [--vllm-site /tmp/vsite]
-        [--smoke]
+        [--variants bf16,fp8+fp8kv] [--max-batch-size N] [--load-format dummy] [--smoke]
+
+--variants: nanoserve's engines, run one after another on every workload (default: one, as
+--quantization says): `bf16`, `fp8` (FP8 weights quantized at load), each optionally with
+`+fp8kv` (an FP8 KV cache). --max-batch-size: nanoserve's running-row limit (default: the
+engine's own, `nanoserve.running_rows`). --load-format dummy: neither side reads weights (the
+folder holds config.json and a tokenizer; each engine draws random weights on the GPU:
+`LLM(load_format="dummy")` in both), so no 16 GB checkpoint is written first.
 
 Each side builds one engine with prefix caching on and runs every workload on it: first an
 untimed warm-up with the workload's own lengths and sharing pattern but other tokens (each
@@ -50,7 +59,8 @@ import tempfile
 import time
 from pathlib import Path
 
-WORKLOADS = ("nanovllm", "shared")
+WORKLOADS = ("nanovllm", "shared", "batch4096")
+WARMUP_ROWS = {"batch4096": 256}  # a workload's untimed warm-up: its first rows (else all)
 SIDES = ("nanoserve", "vllm")
 VOCAB = 128256  # the Llama 3 vocabulary, both shapes
 
@@ -89,6 +99,9 @@ def make_workloads(names: list[str], smoke: bool, vocab: int = VOCAB) -> dict[st
     for name in names:
         if name == "nanovllm":
             out[name] = nanovllm_workload(4, vocab, lo=4, hi=12) if smoke else nanovllm_workload(vocab=vocab)
+        elif name == "batch4096":
+            out[name] = (nanovllm_workload(12, vocab, seed=7, lo=4, hi=12) if smoke
+                         else nanovllm_workload(4096, vocab, seed=7))
         else:
             w = (shared_workload(8, vocab, systems=3, system_len=(16, 40), own_len=(2, 6),
                                  out_len=(2, 4)) if smoke else shared_workload(vocab=vocab))
@@ -101,6 +114,14 @@ def warmup_of(prompts: list[list[int]], vocab: int = VOCAB, shift: int = 1
     """The same lengths and sharing pattern, other tokens (each id + shift): shared system
     prompts become other shared system prompts, and no block of the timed run is cached."""
     return [[(t + shift) % vocab for t in p] for p in prompts]
+
+
+def warmup_rows(name: str, prompts: list, max_tokens: list, vocab: int = VOCAB
+                ) -> tuple[list, list]:
+    """The warm-up's rows of workload `name`: `warmup_of` its first WARMUP_ROWS rows (all by
+    default) and their max_tokens."""
+    n = WARMUP_ROWS.get(name, len(prompts))
+    return warmup_of(prompts[:n], vocab), max_tokens[:n]
 
 
 def _tail(path: Path, n: int = 40) -> str:
@@ -146,11 +167,32 @@ def model_folder(folder: Path, device: str, config: dict) -> Path:
     return folder
 
 
+def config_folder(folder: Path, config: dict) -> Path:
+    """A folder of config.json (patched for vLLM) and a word-level tokenizer over the whole
+    vocabulary, no weights: for `load_format="dummy"` in both engines."""
+    from tokenizers import Tokenizer, models
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(vllm_ready_config(config), indent=1))
+    vocab = {f"<t{i}>": i for i in range(config["vocab_size"])}
+    Tokenizer(models.WordLevel(vocab, unk_token="<t0>")).save(str(folder / "tokenizer.json"))
+    return folder
+
+
 # --- nanoserve, in this process ----------------------------------------------------------------
 
 
+def variant_options(variant: str) -> tuple[str | None, str]:
+    """`bf16`, `fp8`, `bf16+fp8kv`, `fp8+fp8kv` -> (quantization, kv_cache_dtype)."""
+    weights, _, kv = variant.partition("+")
+    if weights not in ("bf16", "fp8") or kv not in ("", "fp8kv"):
+        raise ValueError(f"unknown variant {variant!r}: bf16 or fp8, optionally +fp8kv")
+    return (None if weights == "bf16" else "fp8"), ("fp8" if kv else "auto")
+
+
 def run_nanoserve(model_dir: Path, workloads: dict, device: str, vocab: int,
-                  quantization: str | None = None) -> dict:
+                  quantization: str | None = None, kv_cache_dtype: str = "auto",
+                  max_batch_size: int | None = None, load_format: str = "auto") -> dict:
     import torch
 
     from nanoserve.llm import LLM
@@ -159,16 +201,20 @@ def run_nanoserve(model_dir: Path, workloads: dict, device: str, vocab: int,
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     t = time.perf_counter()
     llm = LLM(str(model_dir), device=device, scheduler="continuous", enable_prefix_caching=True,
-              quantization=quantization)
+              quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+              max_batch_size=max_batch_size, load_format=load_format)
     sync()
     side = {"load_s": time.perf_counter() - t, "kv_pool_tokens": llm.pool.num_tokens,
-            "max_batch_size": llm.max_batch_size, "workloads": {}}
+            "max_batch_size": llm.max_batch_size, "quantization": quantization,
+            "kv_cache_dtype": kv_cache_dtype, "workloads": {}}
+    print(f"nanoserve: KV pool {llm.pool.num_tokens:,} tokens ({kv_cache_dtype}), at most "
+          f"{llm.max_batch_size} rows running", flush=True)
     if llm.runner is not None:
         side["steps"] = llm.runner.capture_summary()
         print(f"nanoserve loaded in {side['load_s']:.1f} s: {side['steps']}", flush=True)
     for name, (prompts, max_tokens) in workloads.items():
-        llm.generate(warmup_of(prompts, vocab),
-                     [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens])
+        warm, warm_max = warmup_rows(name, prompts, max_tokens, vocab)
+        llm.generate(warm, [SamplingParams(max_tokens=m, ignore_eos=True) for m in warm_max])
         r = timed_generate(llm, prompts, max_tokens, device, name)
         ph = r.get("phases")
         if ph is not None:
@@ -181,8 +227,11 @@ def run_nanoserve(model_dir: Path, workloads: dict, device: str, vocab: int,
         side["workloads"][name] = {
             **r, "prompt_tokens": sum(map(len, prompts)),
             "prefill_computed": st.prefill_real_tokens, "cached_tokens": st.cached_tokens,
-            "prefix_hit_rate": st.prefix_hit_rate, "preemptions": st.preemptions}
-        print(f"nanoserve {name}: {r['wall_s']:.2f} s, {r['tok_s']:.0f} output tok/s", flush=True)
+            "prefix_hit_rate": st.prefix_hit_rate, "preemptions": st.preemptions,
+            "rows_per_step": st.decode_row_steps / max(1, st.decode_steps)}
+        print(f"nanoserve {name}: {r['wall_s']:.2f} s, {r['tok_s']:.0f} output tok/s; "
+              f"{st.decode_row_steps / max(1, st.decode_steps):.0f} rows a decode step on "
+              f"average, {st.preemptions} preemptions", flush=True)
     del llm
     gc.collect()
     if device == "cuda":
@@ -235,8 +284,10 @@ def run_vllm(model_dir: Path, workloads: dict, work: Path, args) -> tuple[dict |
     spec = {"model": str(model_dir), "vocab": args.vocab,
             "max_model_len": max(4096, -(-need // 256) * 256),
             "gpu_memory_utilization": args.gpu_memory_utilization,
-            "quantization": args.quantization,
-            "workloads": {n: {"prompts": p, "max_tokens": m} for n, (p, m) in workloads.items()}}
+            "quantization": args.quantization, "load_format": args.load_format,
+            "workloads": {n: {"prompts": p, "max_tokens": m,
+                              "warmup_rows": WARMUP_ROWS.get(n, len(p))}
+                          for n, (p, m) in workloads.items()}}
     spec_path, result_path = work / "vllm_workload.json", work / "vllm_result.json"
     spec_path.write_text(json.dumps(spec))
     result_path.unlink(missing_ok=True)
@@ -282,7 +333,8 @@ def vllm_child(spec_path: Path, result_path: Path) -> None:
     t = time.perf_counter()
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, enable_prefix_caching=True,
               gpu_memory_utilization=spec["gpu_memory_utilization"],
-              max_model_len=spec["max_model_len"], quantization=spec.get("quantization"))
+              max_model_len=spec["max_model_len"], quantization=spec.get("quantization"),
+              load_format=spec.get("load_format") or "auto")
     result = {"vllm_version": vllm.__version__, "load_s": time.perf_counter() - t,
               "max_model_len": spec["max_model_len"], "workloads": {}}
     try:  # what vLLM chose by default, for the record
@@ -303,7 +355,8 @@ def vllm_child(spec_path: Path, result_path: Path) -> None:
 
     for name, w in spec["workloads"].items():
         prompts, max_tokens = w["prompts"], w["max_tokens"]
-        generate(llm, warmup_of(prompts, spec["vocab"]), max_tokens)
+        n = w.get("warmup_rows", len(prompts))
+        generate(llm, warmup_of(prompts[:n], spec["vocab"]), max_tokens[:n])
         # generate returns finished outputs: the engine core has no work left in flight
         t = time.perf_counter()
         outs = generate(llm, prompts, max_tokens)
@@ -326,22 +379,30 @@ def vllm_child(spec_path: Path, result_path: Path) -> None:
 
 
 def print_table(shape: str, names: list[str], sides: dict) -> None:
-    print("\n| shape | workload | side | wall s | output tok/s | ratio to vLLM |")
-    print("|---|---|---|---|---|---|")
+    """One row per workload and side (vLLM, then each nanoserve variant in its run order),
+    with its rate over vLLM's and over the first nanoserve side's."""
+    ours = [s for s in sides if s != "vllm" and sides[s]]
+    print("\n| shape | workload | side | wall s | output tok/s | ratio to vLLM "
+          f"| ratio to {ours[0] if ours else 'nanoserve'} |")
+    print("|---|---|---|---|---|---|---|")
     for name in names:
         ref = (sides.get("vllm") or {}).get("workloads", {}).get(name)
-        for side in SIDES:
-            r = (sides.get(side) or {}).get("workloads", {}).get(name)
+        first = (sides.get(ours[0]) or {}).get("workloads", {}).get(name) if ours else None
+        for side in [s for s in ("vllm", *ours) if sides.get(s)]:
+            r = sides[side].get("workloads", {}).get(name)
             if r is None:
                 continue
             ratio = f"{r['tok_s'] / ref['tok_s']:.2f}x" if ref else "n/a"
-            print(f"| {shape} | {name} | {side} | {r['wall_s']:.2f} | {r['tok_s']:.0f} | {ratio} |")
-    ns = (sides.get("nanoserve") or {}).get("workloads", {}).get("shared")
-    if ns:
-        print(f"\nnanoserve on shared: prefix hit rate {ns['prefix_hit_rate']:.1%}; prefill "
-              f"computed {ns['prefill_computed']} of {ns['prompt_tokens']} prompt tokens "
-              f"({ns['prefill_computed'] / ns['prompt_tokens']:.1%})")
-    for side in SIDES:
+            ratio2 = f"{r['tok_s'] / first['tok_s']:.2f}x" if first and side != "vllm" else ""
+            print(f"| {shape} | {name} | {side} | {r['wall_s']:.2f} | {r['tok_s']:.0f} | "
+                  f"{ratio} | {ratio2} |")
+    for side in ours:
+        ns = sides[side].get("workloads", {}).get("shared")
+        if ns:
+            print(f"\n{side} on shared: prefix hit rate {ns['prefix_hit_rate']:.1%}; prefill "
+                  f"computed {ns['prefill_computed']} of {ns['prompt_tokens']} prompt tokens "
+                  f"({ns['prefill_computed'] / ns['prompt_tokens']:.1%})")
+    for side in ("vllm", *ours):
         if sides.get(side):
             print(f"{side}: engine load {sides[side]['load_s']:.1f} s")
     sys.stdout.flush()
@@ -363,6 +424,13 @@ def main() -> None:
                     help="the vLLM child's whole PYTHONPATH (a `pip install --target` folder)")
     ap.add_argument("--quantization", choices=["fp8"], default=None,
                     help="both sides: FP8 projections quantized at load (default: bf16)")
+    ap.add_argument("--variants", default=None,
+                    help="nanoserve's engines, comma-separated, run one after another: bf16 or "
+                         "fp8, each optionally +fp8kv (default: one, as --quantization says)")
+    ap.add_argument("--max-batch-size", type=int, default=None,
+                    help="nanoserve's running-row limit (default: the engine's own)")
+    ap.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
+                    help="dummy: no checkpoint written or read; both engines draw random weights")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="vLLM's")
     ap.add_argument("--vllm-timeout", type=float, default=1500,
                     help="seconds before the vLLM child is killed")
@@ -388,6 +456,14 @@ def main() -> None:
         ap.error("--smoke runs nanoserve alone (on the CPU)")
     if args.smoke and args.quantization:
         ap.error("--smoke runs on the CPU, which has no FP8 compute: leave out --quantization")
+    variants = [v for v in (args.variants or ("fp8" if args.quantization else "bf16")).split(",")
+                if v]
+    try:
+        options = {v: variant_options(v) for v in variants}
+    except ValueError as e:
+        ap.error(str(e))
+    if args.smoke and any(q or kv != "auto" for q, kv in options.values()):
+        ap.error("--smoke runs on the CPU, which has no FP8 compute: --variants bf16")
 
     import torch
 
@@ -404,8 +480,11 @@ def main() -> None:
     args.vocab = config["vocab_size"]
     work = args.out or Path(tempfile.mkdtemp(prefix="nanoserve-vs-vllm-"))
     work.mkdir(parents=True, exist_ok=True)
-    model_dir = model_folder(work / f"llama-{args.shape}{'-smoke' if args.smoke else ''}-random",
-                             device, config)
+    name = f"llama-{args.shape}{'-smoke' if args.smoke else ''}-random"
+    if args.load_format == "dummy":
+        model_dir = config_folder(work / f"{name}-config", config)
+    else:
+        model_dir = model_folder(work / name, device, config)
     workloads = make_workloads(names, args.smoke, args.vocab)
     for n, (p, m) in workloads.items():
         print(f"{n}: {len(p)} rows, {sum(map(len, p))} prompt tokens, {sum(m)} output tokens",
@@ -422,8 +501,11 @@ def main() -> None:
             results["vllm_error"] = error
             print(error, flush=True)
     if "nanoserve" in sides:
-        results["sides"]["nanoserve"] = run_nanoserve(model_dir, workloads, device, args.vocab,
-                                                      args.quantization)
+        for v in variants:
+            key = "nanoserve" if len(variants) == 1 else f"nanoserve {v}"
+            results["sides"][key] = run_nanoserve(model_dir, workloads, device, args.vocab,
+                                                  *options[v], args.max_batch_size,
+                                                  args.load_format)
     label = args.shape + (f" {args.quantization}" if args.quantization else "")
     print_table(label, names, results["sides"])
     suffix = (f"_{args.quantization}" if args.quantization else "") + ("_smoke" if args.smoke else "")

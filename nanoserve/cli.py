@@ -121,8 +121,9 @@ def _add_generate_parser(sub) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3"),
                    help="auto (the model's dtype) or fp8: float8 e4m3 keys and values, twice "
                         "the tokens per byte (a GPU of compute capability 8.9+)")
-    p.add_argument("--max-running-rows", type=int, default=256, metavar="N",
-                   help="the most rows decoding at once (default: 256)")
+    p.add_argument("--max-running-rows", type=int, default=None, metavar="N",
+                   help="the most rows decoding at once (default: on a GPU as many as the KV "
+                        "pool holds at 512 tokens a row, 256 to 1,024; 256 on the CPU)")
 
 
 def _run_generate(args) -> int:
@@ -137,7 +138,7 @@ def _run_generate(args) -> int:
             raise NanoserveError(f"cannot read {args.file}: {e.strerror}") from None
     if not prompts:
         raise NanoserveError("no prompts: give them as arguments or with --file")
-    if args.max_running_rows < 1:
+    if args.max_running_rows is not None and args.max_running_rows < 1:
         raise NanoserveError(f"--max-running-rows must be >= 1, got {args.max_running_rows}")
     structured = _structured_output(args)
     try:

@@ -22,6 +22,7 @@ from nanoserve.generate import DECODE_STEP_MODES, BatchStats, blocks_for_batch, 
 from nanoserve.kv_cache_dtype import read_kv_scales, resolve_kv_cache_dtype
 from nanoserve.model_runner import ContinuousRunner
 from nanoserve.model_store import DEFAULT_MODEL, keep_kernels_with_models, resolve_model
+from nanoserve.running_rows import CPU_DEFAULT_ROWS, default_max_rows
 from nanoserve.sampling import SamplingParams
 from nanoserve.scheduler import generate_continuous
 from nanoserve.sequence import SequenceOutput as Completion
@@ -59,7 +60,7 @@ class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto",
                  device: str = "auto", kv_cache_fraction: float = 0.8,
                  kv_cache_bytes: int | None = None, block_size: int = 16,
-                 max_batch_size: int = 256, decode_step: str = "auto",
+                 max_batch_size: int | None = None, decode_step: str = "auto",
                  scheduler: str = "auto", enable_prefix_caching: bool = True,
                  quantization: str | None = None, load_format: str = "auto",
                  kv_cache_dtype: str = "auto") -> None:
@@ -89,9 +90,13 @@ class LLM:
         from the checkpoint, else 1.0: twice the tokens in the same memory; a GPU of compute
         capability 8.9 or newer only; see nanoserve/kv_cache_dtype.py).
         max_batch_size: the most rows decoding at once (and the largest captured step). Rows
-        beyond it wait; fewer run when the pool runs out of blocks. More rows pay where the
-        pool holds them (an FP8 cache holds twice the tokens: benchmarks/RESULTS.md)."""
-        check_positive_int(max_batch_size, "max_batch_size (the most rows running at once)")
+        beyond it wait; fewer run when the pool runs out of blocks. None: on a GPU with the
+        continuous scheduler, as many as the pool holds at 512 tokens a row, within 256 to
+        1,024 (`nanoserve.running_rows`: 1,024 for an 8B model on an H200,
+        where a step of 1,024 rows shares the weights' read and its GEMMs are compute-bound);
+        elsewhere 256. An FP8 cache holds twice the tokens (benchmarks/RESULTS.md)."""
+        if max_batch_size is not None:
+            check_positive_int(max_batch_size, "max_batch_size (the most rows running at once)")
         self.enable_prefix_caching = enable_prefix_caching
         if scheduler not in SCHEDULERS:
             raise NanoserveError(f"scheduler must be one of {', '.join(SCHEDULERS)}, "
@@ -130,7 +135,6 @@ class LLM:
         # Structured outputs: xgrammar's view of this tokenizer, built at the first
         # constrained row; each constraint compiled once.
         self.grammars = GrammarCache(self.tokenizer, config.vocab_size, self.eos_token_ids)
-        self.max_batch_size = max_batch_size
         if kv_cache_bytes is None:
             if self.device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(self.device)
@@ -147,6 +151,10 @@ class LLM:
         self.last_stats = BatchStats()
         if scheduler == "auto":
             self.scheduler = "continuous"  # on the CPU too: rows leave as they finish
+        if max_batch_size is None:
+            max_batch_size = (default_max_rows(self.pool.num_tokens, self.device.type == "cuda")
+                              if self.scheduler == "continuous" else CPU_DEFAULT_ROWS)
+        self.max_batch_size = max_batch_size
         self.runner: ContinuousRunner | None = None
         if self.scheduler == "continuous":
             self.runner = ContinuousRunner(self.model, self.pool, max_batch_size,

@@ -31,7 +31,7 @@ LM head, sampling and prompt logprobs run after it, uncaptured (they depend on t
 Longer prefills run eagerly.
 
 Decode step for n rows, run at the smallest bucket b >= n (buckets 1, 2, 4, 8, then
-multiples of 16 up to max_batch_size): inputs are fixed views [b] of one device buffer
+multiples of 16 up to 256 and of 32 above, up to max_batch_size: `decode_buckets`): inputs are fixed views [b] of one device buffer
 (row slots, positions, write slots, context lengths), refilled by one copy from pinned
 staging; rows n..b-1 are padding. The step's forward (gather the rows' tokens and block
 tables, the model, the LM head, argmax, scatter into last_tok) is one CUDA graph per
@@ -106,10 +106,12 @@ def prefill_lengths(max_tokens: int) -> list[int]:
 
 
 def decode_buckets(max_batch_size: int) -> list[int]:
-    """1, 2, 4, 8, then multiples of 16, then max_batch_size itself: the step sizes that
-    get a graph."""
+    """1, 2, 4, 8, multiples of 16 up to 256, then multiples of 32, then max_batch_size
+    itself: the step sizes that get a graph (40 up to 1,024 rows; above 256 a step's GEMMs
+    are compute-bound, so a bucket of 32 wastes at most 31 rows' FLOPs of >= 257)."""
     out = [b for b in (1, 2, 4, 8) if b < max_batch_size]
-    out += list(range(16, max_batch_size, 16))
+    out += list(range(16, min(max_batch_size, 257), 16))
+    out += list(range(288, max_batch_size, 32))
     return out + [max_batch_size]
 
 

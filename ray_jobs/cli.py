@@ -148,11 +148,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="auto (the model's dtype) or fp8: keys and values stored as float8 e4m3 "
                         "with per-layer scales, twice the tokens per byte; GPUs of compute "
                         "capability 8.9 or newer (default: auto)")
-    r.add_argument("--max-running-rows", type=int, default=256, metavar="N",
-                   help="the most rows each worker's engine decodes at once (default: 256). "
-                        "A worker holds two batches at a time (2 x --batch-size rows), so "
-                        "raise both to run more, e.g. with --kv-cache-dtype fp8, whose pool "
-                        "holds twice the tokens")
+    r.add_argument("--max-running-rows", type=int, default=None, metavar="N",
+                   help="the most rows each worker's engine decodes at once (default: on a "
+                        "GPU as many as its KV pool holds at 512 tokens a row, 256 to 1,024; "
+                        "256 on the CPU). A worker is sent three times that many rows")
     r.add_argument("--scheduler", choices=("auto", "static", "continuous"), default="auto",
                    help="the engine's batching in each worker: continuous (rows join as others "
                         "finish, and the next batch's rows as this batch's finish; decode steps "

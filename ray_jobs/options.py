@@ -70,8 +70,9 @@ class JobOptions:
     kv_cache_bytes: int | None = None  # the KV pool's exact size per worker (else the above)
     kv_cache_dtype: str = "auto"  # the model's dtype, or "fp8" (e4m3, sm_89+ GPUs)
     # each worker's engine: the most rows decoding at once (LLM's max_batch_size); a worker
-    # holds a few times that many rows (`ray_jobs.pool.hold_limits`)
-    max_running_rows: int = 256
+    # holds a few times that many rows (`ray_jobs.pool.hold_limits`); None: the engine's
+    # default (`nanoserve.model_runner.default_max_rows`: from its KV pool, 256-1,024 on a GPU)
+    max_running_rows: int | None = None
     scheduler: str = "auto"  # each worker's engine: continuous (nanoserve.llm.LLM)
     prefix_caching: bool = True  # engines reuse the KV blocks of shared prompt prefixes
     chunk_rows: int = DEFAULT_CHUNK_ROWS  # rows read and tokenized at a time
@@ -143,7 +144,8 @@ class JobOptions:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise NanoserveError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; choose "
                                  f"{', '.join(KV_CACHE_DTYPES)}")
-        check_positive_int(self.max_running_rows, "max_running_rows")
+        if self.max_running_rows is not None:
+            check_positive_int(self.max_running_rows, "max_running_rows")
         if self.max_in_flight_per_worker is not None:
             check_positive_int(self.max_in_flight_per_worker, "max_in_flight_per_worker")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from nanoserve.errors import ModelError, NanoserveError
+from nanoserve.running_rows import CPU_DEFAULT_ROWS, MAX_DEFAULT_ROWS
 from ray_jobs.autoscale import GROW_POLL_S, LostNode, node_lost, parse_num_workers, wait_for_gpus
 from ray_jobs.tasks import GenerateTask, ShardWorker
 from ray_jobs.worker import FAULT_ENV_PREFIX, BatchWorker
@@ -49,8 +50,9 @@ def actor_threads(opts: JobOptions) -> int:
     """Calls an actor runs at once (Ray's max_concurrency): the batches it may hold."""
     if opts.max_in_flight_per_worker is not None:
         return max(1, opts.max_in_flight_per_worker)
+    rows = opts.max_running_rows or MAX_DEFAULT_ROWS  # (the engine's default is at most that)
     return min(MAX_ACTOR_THREADS,
-               max(2, -(-HOLD_FACTOR * opts.max_running_rows // max(1, opts.batch_size)) + 1))
+               max(2, -(-HOLD_FACTOR * rows // max(1, opts.batch_size)) + 1))
 
 
 def hold_limits(info: dict[str, Any], opts: JobOptions) -> tuple[int, int | None]:
@@ -71,12 +73,13 @@ def starve_warning(opts: JobOptions) -> str | None:
     if opts.scheduler == "static" or opts.max_in_flight_per_worker is None:
         return None
     held = opts.batch_size * opts.max_in_flight_per_worker
-    if held >= HOLD_FACTOR * opts.max_running_rows:
+    rows = opts.max_running_rows or CPU_DEFAULT_ROWS  # (the engine's default is at least that)
+    if held >= HOLD_FACTOR * rows:
         return None
     return (f"nanoserve: warning: batch_size {opts.batch_size} x max_in_flight_per_worker "
             f"{opts.max_in_flight_per_worker} = {held} rows a worker, fewer than the "
-            f"{HOLD_FACTOR} x {opts.max_running_rows} that keep its engine full (it runs "
-            f"{opts.max_running_rows} at once, and a batch waits for its longest row): the "
+            f"{HOLD_FACTOR} x {rows} that keep its engine full (it runs "
+            f"{rows} at once, and a batch waits for its longest row): the "
             f"engine will run part empty; leave max_in_flight_per_worker unset (it is then "
             f"sized from the engine)")
 

@@ -101,13 +101,13 @@ class BatchWorker:
                  device: str | None = None, num_threads: int | None = None,
                  kv_cache_bytes: int | None = None, scheduler: str = "auto",
                  prefix_caching: bool = True, quantization: str | None = None,
-                 kv_cache_dtype: str = "auto", max_batch_size: int = 256) -> None:
+                 kv_cache_dtype: str = "auto", max_batch_size: int | None = None) -> None:
         """Load the model once. `device` None picks one (see the module docstring);
         `num_threads` caps torch's CPU threads (at most the machine's cores);
         `kv_cache_bytes` sizes the KV pool exactly (else `kv_cache_fraction` of a GPU's free
         memory, or the engine's CPU default); `scheduler`: the engine's batching, "static"
         or "continuous" (see `nanoserve.llm.LLM`); `quantization`: "fp8" or None (see there);
-        `max_batch_size`: the most rows the engine decodes at once."""
+        `max_batch_size`: the most rows the engine decodes at once (None: its default)."""
         _fault_hold_load_while_file()
         t0 = time.perf_counter()
         import torch

@@ -42,3 +42,19 @@ def test_roofline_floor_takes_the_slower_of_the_weights_read_and_the_flops():
     # with a slow enough peak the FLOPs decide
     slow = roofline_floor(config, "bf16", [3, 4], [2, 3], 100.0, {"bf16": 10.0, "fp8": 10.0})
     assert slow.gemm_s == pytest.approx(2 * 2 * (144 + 40) / 10.0 + 2 * 1 * (144 + 40) / 10.0)
+
+
+def test_running_set_bounded_by_rows_and_by_the_pool():
+    # prompts 2, 3, 5; outputs 3, 2, 2 (2, 1 and 1 decode steps). At most 2 running: rows 0
+    # and 1 step once (contexts 3 + 4), row 1 ends, row 2 joins: step 2 reads 4 + 6.
+    two = serial_floor([2, 3, 5], [3, 2, 2], 1.0, lambda rows: float(rows), 1.0, 0.0,
+                       max_running=2)
+    assert (two.steps, two.max_rows, two.kv_bytes, two.gemm_s) == (2, 2, 17.0, 4.0)
+    assert two.overlap_decode_s == pytest.approx(7.0 + 10.0)  # K/V reads longer each step
+    # A pool of 6 tokens: row 1 (3 + 1) does not fit beside row 0's 3, then 4; rows run alone.
+    small = serial_floor([2, 3, 5], [3, 2, 2], 1.0, lambda rows: float(rows), 1.0, 0.0,
+                         max_running=2, pool_tokens=6)
+    assert (small.steps, small.max_rows, small.kv_bytes) == (4, 1, 3.0 + 4.0 + 4.0 + 6.0)
+    # Unbounded, it is the one-batch floor.
+    one = serial_floor([2, 3, 5], [3, 2, 2], 1.0, lambda rows: float(rows), 1.0, 0.0)
+    assert (one.steps, one.max_rows, one.kv_bytes) == (2, 3, 3.0 + 4.0 + 6.0 + 4.0)

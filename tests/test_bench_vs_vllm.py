@@ -90,7 +90,7 @@ def test_vllm_child_plumbing_with_a_stand_in(tmp_path):
     prompts, max_tokens, _ = shared_workload(5, systems=2, system_len=(3, 5), own_len=(1, 2),
                                              out_len=(2, 3))
     args = Namespace(vocab=VOCAB, gpu_memory_utilization=0.9, vllm_site=str(site),
-                     vllm_timeout=120, quantization="fp8")
+                     vllm_timeout=120, quantization="fp8", load_format="auto")
     result, error = run_vllm(tmp_path / "model", {"shared": (prompts, max_tokens)}, tmp_path, args)
     assert error == "", error
     assert result["workloads"]["shared"]["output_tokens"] == sum(max_tokens)

@@ -1,0 +1,158 @@
+"""Can a decode step's attention run beside its GEMMs on one GPU? A layer's work at batch
+scale, timed one after the other and on two streams at once.
+
+At 512-1,024 running rows of an 8B model a decode step's projections are compute-bound
+(its FLOPs outlast the weights' read) and its attention is bound by the K/V read (128 KiB
+a context token at this shape). An engine that splits the running rows into two halves can
+run one half's attention beside the other half's projections, layer after layer (the other
+half's q/k/v are ready one layer ahead): each layer then takes about the longer of the
+two, not their sum (`benchmarks/floor.py`'s last column). This measures what the GPU gives
+of that, with the engine's own kernels (cuBLAS `F.linear` in bf16, the Triton paged decode
+attention), each case captured in one CUDA graph of `--layers` layers (weights of their own
+per layer, so they come from HBM):
+
+- serial: per layer, the four projections (q/k/v, o, gate/up, down) of R rows, then the
+  attention of R rows over their contexts;
+- two streams: per layer twice, the projections of R/2 rows on one stream beside the
+  attention of the other R/2 rows on a second, joined before the next pair.
+
+    python3 -m benchmarks.overlap [--rows 256 512 1024] [--context 850] [--layers 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from benchmarks.common import markdown_table
+from benchmarks.floor import LAYER_GEMMS, SHAPES, gemm_shapes
+
+
+def _graph_us(fn, replays: int = 5) -> float:
+    """Microseconds per replay of fn captured in one CUDA graph (median)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # warm-up: cuBLAS workspaces, Triton compiles
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return float(np.median(times))
+
+
+class Layers:
+    """`layers` layers' projection weights and a KV pool holding `rows` rows of `context`
+    tokens each (block size 16), with each half's queries and block tables."""
+
+    def __init__(self, config: dict, layers: int, rows: int, context: int) -> None:
+        from nanoserve_kernels.paged_attention import paged_decode_attention
+
+        self.attend = paged_decode_attention
+        shapes = gemm_shapes(config)
+        self.w = [{g: torch.randn(*shapes[g], device="cuda", dtype=torch.bfloat16) * 0.02
+                   for g in LAYER_GEMMS} for _ in range(layers)]
+        self.h, self.i = config["hidden_size"], config["intermediate_size"]
+        d = config.get("head_dim") or self.h // config["num_attention_heads"]
+        self.hq, self.hkv, self.d = config["num_attention_heads"], config["num_key_value_heads"], d
+        bs = 16
+        per_row = -(-context // bs)
+        self.k = torch.randn(rows * per_row, bs, self.hkv, d, device="cuda", dtype=torch.bfloat16)
+        self.v = torch.randn_like(self.k)
+        self.tables = torch.arange(rows * per_row, device="cuda", dtype=torch.int32).view(rows, per_row)
+        self.lens = torch.full((rows,), context, device="cuda", dtype=torch.int32)
+        self.q = torch.randn(rows, self.hq, d, device="cuda", dtype=torch.bfloat16)
+        self.x = torch.randn(rows, self.h, device="cuda", dtype=torch.bfloat16)
+        self.mid = torch.randn(rows, self.i, device="cuda", dtype=torch.bfloat16)
+        self.scale = d ** -0.5
+        self.context = context
+
+    def gemms(self, layer: int, lo: int, hi: int) -> None:
+        w, x = self.w[layer], self.x[lo:hi]
+        F.linear(x, w["qkv"])
+        F.linear(x, w["o"])
+        F.linear(x, w["gate_up"])
+        F.linear(self.mid[lo:hi], w["down"])
+
+    def attention(self, lo: int, hi: int) -> None:
+        self.attend(self.q[lo:hi], self.k, self.v, self.tables[lo:hi], self.lens[lo:hi],
+                    self.scale, max_context_len=self.context)
+
+
+def measure(config: dict, rows: int, context: int, layers: int) -> dict[str, float]:
+    m = Layers(config, layers, rows, context)
+    half = rows // 2
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def serial() -> None:
+        for layer in range(layers):
+            m.gemms(layer, 0, rows)
+            m.attention(0, rows)
+
+    def gemms_only() -> None:
+        for layer in range(layers):
+            m.gemms(layer, 0, rows)
+
+    def attention_only() -> None:
+        for _ in range(layers):
+            m.attention(0, rows)
+
+    def two_streams() -> None:
+        main = torch.cuda.current_stream()
+        for layer in range(layers):
+            # the projections of one half beside the attention of the other, then the reverse
+            for (a, b), (c, d) in (((0, half), (half, rows)), ((half, rows), (0, half))):
+                s1.wait_stream(main)
+                s2.wait_stream(main)
+                with torch.cuda.stream(s1):
+                    m.gemms(layer, a, b)
+                with torch.cuda.stream(s2):
+                    m.attention(c, d)
+                main.wait_stream(s1)
+                main.wait_stream(s2)
+
+    out = {name: _graph_us(fn) / layers for name, fn in (
+        ("gemms", gemms_only), ("attention", attention_only), ("serial", serial),
+        ("two_streams", two_streams))}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="8b")
+    ap.add_argument("--rows", type=int, nargs="+", default=[256, 512, 1024])
+    ap.add_argument("--context", type=int, default=850,
+                    help="each row's context tokens (batch4096's rows average ~850 mid-way)")
+    ap.add_argument("--layers", type=int, default=8)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks.overlap measures a GPU: no CUDA device here")
+    config = SHAPES[args.shape]
+    table = []
+    for rows in args.rows:
+        r = measure(config, rows, args.context, args.layers)
+        torch.cuda.empty_cache()  # (the last size's pool and weights)
+        ideal = max(r["gemms"], r["attention"])
+        table.append([str(rows), f"{r['gemms']:.0f}", f"{r['attention']:.0f}",
+                      f"{r['serial']:.0f}", f"{r['two_streams']:.0f}", f"{ideal:.0f}",
+                      f"{r['serial'] / r['two_streams']:.2f}x"])
+        print(f"rows {rows}: {r}", flush=True)
+    print(f"\n{args.shape} shape, context {args.context} tokens a row, us a layer:")
+    print(markdown_table(["rows", "projections", "attention", "one after the other",
+                          "two streams, halves", "the longer of the two", "gain"], table))
+
+
+if __name__ == "__main__":
+    main()
