@@ -211,7 +211,8 @@ def run_batch_job(input: str | Path, output_dir: str | Path, **options: Any) -> 
     spec = JobSpec("generate", InputSpec.of(info, opts.chunk_rows), plan, schema, folder,
                    controls, {"defaults": opts.sampling_defaults(),
                               "chat_template_kwargs": opts.chat_template_kwargs,
-                              "reasoning_parser": opts.reasoning_parser})
+                              "reasoning_parser": opts.reasoning_parser,
+                              "max_batch_tokens": opts.max_batch_tokens})
     local = ShardRunner(spec, GenerateTask(spec, tokenizer, config, preparer=preparer))
     if folder.local:  # named as the user gave it (a path, or its file:// URI's path)
         check_output_reachable(folder.path if is_uri(output_dir) else Path(output_dir))

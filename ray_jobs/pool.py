@@ -122,8 +122,10 @@ class RayBatchWorker(ShardWorker, BatchWorker):
     """The generation job's actor: a `BatchWorker` that runs shards (`ShardWorker`)."""
 
     def make_task(self, spec: Any) -> GenerateTask:
+        static = getattr(self.llm, "scheduler", "static") == "static"
         return GenerateTask(spec, self.llm.tokenizer, self.llm.config, engine=self.run_batch,
-                            grammars=self.llm.grammars)
+                            grammars=self.llm.grammars,
+                            static_rows=self.llm.max_batch_size if static else None)
 
 
 ENGINE_COUNTERS = ("up_s", "busy_s", "decode_steps", "decode_row_steps")

@@ -78,7 +78,10 @@ class GenerateTask:
     verb = "generation"  # in the message of rows whose run raised
 
     def __init__(self, spec: JobSpec, tokenizer: Any, config: Any, engine: Any = None,
-                 grammars: Any = None, preparer: Any = None) -> None:
+                 grammars: Any = None, preparer: Any = None,
+                 static_rows: int | None = None) -> None:
+        """`static_rows`: the most rows a static engine runs at once (None: a continuous
+        engine, or none)."""
         from ray_jobs.prepare import RowPreparer
 
         opts = spec.task_options
@@ -88,11 +91,27 @@ class GenerateTask:
             opts["defaults"], eos_token_ids=eos, grammars=grammars,
             chat_template_kwargs=opts.get("chat_template_kwargs"))
         self.engine = engine
+        self.static_rows = static_rows
+        self.max_batch_tokens = opts.get("max_batch_tokens")
         self.reasoning = None
         if opts.get("reasoning_parser"):
             from nanoserve.reasoning import ReasoningParser
 
             self.reasoning = ReasoningParser(opts["reasoning_parser"], tokenizer)
+
+    def groups(self, rows: list[Any]) -> list[list[int]]:
+        """The engine calls for `rows` (indices into them): one of all the rows, in input
+        order, for a continuous engine (it admits rows as others finish); for a static one
+        the rows sorted by prompt length, longest first, and cut at `static_rows` samples
+        and the job's `max_batch_tokens` (`ray_jobs.batching.cut_window`): a static batch
+        is padded to its longest row and runs until its last row ends."""
+        if self.static_rows is None:
+            return [list(range(len(rows)))]
+        from ray_jobs.batching import BatchLimits, cut_window
+
+        limits = BatchLimits(self.static_rows, self.max_batch_tokens, max(1, len(rows)))
+        at = {id(r): i for i, r in enumerate(rows)}
+        return [[at[id(r)] for r in group] for group in cut_window(rows, limits)]
 
     def requests(self, rows: list[Any]) -> list[Any]:
         from ray_jobs.worker import GenerationRequest
@@ -135,6 +154,10 @@ class EmbedTask:
             opts.get("truncate", True))
         self.engine = engine
         self.dtype = opts.get("embedding_dtype", "float32")
+
+    def groups(self, rows: list[Any]) -> list[list[int]]:
+        """One engine call (the embedder packs its rows by tokens itself)."""
+        return [list(range(len(rows)))]
 
     def requests(self, rows: list[Any]) -> list[Any]:
         return rows
@@ -182,7 +205,11 @@ class ShardRunner:
                 todo.append(i)
         if todo:
             run_rows = [prepared[i] for i in todo]
-            table = self.task.engine(self.task.requests(run_rows))
+            groups = self.task.groups(run_rows)
+            order = [i for g in groups for i in g]
+            table = join_tables([self.task.engine(self.task.requests([run_rows[i] for i in g]))
+                                 for g in groups])
+            todo, run_rows = [todo[i] for i in order], [run_rows[i] for i in order]
             out.meta = dict(table.schema.metadata or {})
             from ray_jobs.report import piece_record
 
@@ -256,6 +283,21 @@ def _column(values: list[Any], typ: pa.DataType) -> pa.Array:
         return pa.FixedSizeListArray.from_arrays(pa.array(flat.reshape(-1), typ.value_type),
                                                  dim, mask=mask)
     return pa.array(values, type=typ)
+
+
+def join_tables(tables: list[pa.Table]) -> pa.Table:
+    """The engine's answers to a shard's calls as one table: their rows in call order, the
+    counters in their footers summed (the engine's own counters: the last call's)."""
+    if len(tables) == 1:
+        return tables[0]
+    from ray_jobs.worker import ENGINE_KEY
+
+    meta: dict[bytes, bytes] = {}
+    for t in tables:
+        for k, v in (t.schema.metadata or {}).items():
+            meta[k] = v if k == ENGINE_KEY or k not in meta else str(int(meta[k]) + int(v)).encode()
+    joined = pa.concat_tables([t.replace_schema_metadata(None) for t in tables])
+    return joined.replace_schema_metadata(meta)
 
 
 def with_digest(table: pa.Table, shard: Shard) -> pa.Table:
