@@ -46,6 +46,17 @@ HOLD_FACTOR = 3  # a continuous engine's worker holds this many times its runnin
 MAX_ACTOR_THREADS = 256  # calls one actor runs at once (each a thread waiting on its engine)
 
 
+# The object stores' client settings forwarded from the driver's environment to its actors
+# (through Ray's runtime_env, so visible to whoever can read the cluster's job metadata):
+# the workers reach the store the driver reached. Nodes with their own credentials (an
+# instance role) need none of these set on the driver.
+STORAGE_ENV = frozenset({
+    "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION",
+    "AWS_PROFILE", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
+    "AWS_EC2_METADATA_DISABLED", "GOOGLE_APPLICATION_CREDENTIALS",
+    "AZURE_STORAGE_ACCOUNT_NAME", "AZURE_STORAGE_ACCOUNT_KEY"})
+
+
 def actor_threads(opts: JobOptions) -> int:
     """Calls an actor runs at once (Ray's max_concurrency): the batches it may hold."""
     if opts.max_in_flight_per_worker is not None:
@@ -267,9 +278,12 @@ class WorkerPool:
         else:
             actor_options = {"num_cpus": 1}
             num_threads = max(1, num_cpus // count)
-        fault_env = {k: v for k, v in os.environ.items() if k.startswith(FAULT_ENV_PREFIX)}
-        if fault_env:  # testing hooks (see ray_jobs.worker), forwarded to the actors
-            actor_options["runtime_env"] = {"env_vars": fault_env}
+        # Testing hooks (see ray_jobs.worker), and the object store's settings: the workers
+        # read the input and write the parts with the driver's store (`STORAGE_ENV`).
+        env = {k: v for k, v in os.environ.items()
+               if k.startswith(FAULT_ENV_PREFIX) or k in STORAGE_ENV}
+        if env:
+            actor_options["runtime_env"] = {"env_vars": env}
         # Threaded actor: a worker holds several batches at once (`hold_limits`), so its
         # engine (continuous scheduler) admits the next batches' rows as rows finish. A
         # static engine still runs one batch at a time (a lock).
