@@ -214,46 +214,92 @@ def run_batch_job(input: str | Path, output_dir: str | Path, **options: Any) -> 
                               "reasoning_parser": opts.reasoning_parser,
                               "max_batch_tokens": opts.max_batch_tokens})
     local = ShardRunner(spec, GenerateTask(spec, tokenizer, config, preparer=preparer))
+
+    def openai_outputs(done_before: bool) -> None:  # output.jsonl / errors.jsonl, from the parts
+        if openai_out and not (done_before and folder.exists(openai_batch.OUTPUT_NAME)):
+            openai_batch.write_outputs(folder, iter_chunks(info, opts.chunk_rows), plan,
+                                       tokenizer, opts.model, settings)
+
+    summary = run_pipeline(Pipeline(
+        opts, info, output_dir, folder, settings, spec, local, _JobRun, JobSummary,
+        report_settings={"options": dataclasses.asdict(opts), "model": settings["model"],
+                         "input": settings["input"]},
+        before_complete=openai_outputs), timeline)
+    return summary
+
+
+@dataclass
+class Pipeline:
+    """One job's task as the shared walk (`run_pipeline`) needs it: the scanned input, the
+    output folder and the settings its manifest compares, the spec the workers get, the
+    walk without an engine (`local`, for error rows made on the driver), the run's class
+    and summary class, the actor class and its extra arguments (None: the generation
+    worker), what the report shows, `before_complete(done_before)` (called before the
+    folder is marked complete, and on a rerun of a complete job with `done_before` True),
+    and `finish(summary, run)`, the summary the task returns."""
+
+    opts: JobOptions
+    info: InputInfo
+    output_dir: str | Path
+    folder: OutputDir
+    settings: dict[str, Any]
+    spec: JobSpec
+    local: ShardRunner
+    run_class: type
+    summary_class: type
+    actor: type | None = None
+    actor_kwargs: dict[str, Any] = field(default_factory=dict)
+    report_settings: dict[str, Any] = field(default_factory=dict)
+    before_complete: Callable[[bool], None] | None = None
+    finish: Callable[[Any, Any], Any] | None = None
+
+
+def run_pipeline(p: Pipeline, timeline: Timeline) -> Any:
+    """The job's walk, the same for every task: hold and open the output folder (fresh, or
+    resumed with equal settings), hand the shards out, mark it complete, write the report.
+    Ray and the workers start when the first shard needs one."""
+    opts, folder = p.opts, p.folder
     if folder.local:  # named as the user gave it (a path, or its file:// URI's path)
-        check_output_reachable(folder.path if is_uri(output_dir) else Path(output_dir))
+        check_output_reachable(folder.path if is_uri(p.output_dir) else Path(p.output_dir))
     with ExitStack() as stack:
         stack.enter_context(hold_output_dir(folder))  # one job per output folder at a time
-        manifest = open_output_dir(folder, settings, opts.overwrite)
+        manifest = open_output_dir(folder, p.settings, opts.overwrite)
         retry = reopen_batches_with_errors(folder, manifest) if opts.retry_errors else set()
         if retry:
             log(f"nanoserve: --retry-errors: computing again {len(retry)} batch(es) of an "
                 f"earlier run that hold error rows")
         if manifest.complete:
-            if openai_out and not folder.exists(openai_batch.OUTPUT_NAME):
-                openai_batch.write_outputs(folder, iter_chunks(info, opts.chunk_rows), plan,
-                                           tokenizer, opts.model, settings)
+            if p.before_complete is not None:
+                p.before_complete(True)
             timeline.mark("prepare")
-            return JobSummary(str(folder), 0, 0, manifest.rows_done, 0, 0,
-                              timeline.marks["prepare"], 0.0, 0.0, 0, timings=timeline.timings())
+            return p.summary_class(str(folder), 0, 0, manifest.rows_done, 0, 0,
+                                   timeline.marks["prepare"], 0.0, 0.0, 0,
+                                   timings=timeline.timings())
 
-        def start_pool() -> WorkerPool:  # on the first batch that needs a worker
+        def start_pool() -> WorkerPool:  # on the first shard that needs a worker
             timeline.mark("prepare")
             stack.enter_context(RaySession(opts.address))
             timeline.mark("ray")
-            pool = WorkerPool.start(opts, timeline, actor_kwargs={"spec": spec})
+            pool = WorkerPool.start(opts, timeline, actor=p.actor,
+                                    actor_kwargs={**p.actor_kwargs, "spec": p.spec})
             stack.callback(pool.shutdown)
             timeline.mark("workers")
             return pool
 
-        run = _JobRun(opts, folder, manifest, start_pool, info.num_rows, timeline, retry, local)
-        run.execute(iter_shards(info))
-        if openai_out:  # output.jsonl / errors.jsonl from the parts, before _SUCCESS
-            openai_batch.write_outputs(folder, iter_chunks(info, opts.chunk_rows), plan,
-                                       tokenizer, opts.model, settings)
+        run = p.run_class(opts, folder, manifest, start_pool, p.info.num_rows, timeline, retry,
+                          p.local)
+        run.execute(iter_shards(p.info))
+        if p.before_complete is not None:
+            p.before_complete(False)
         mark_complete(folder, manifest)
     timeline.mark("shutdown")
     summary = run.summary(timeline.marks["shutdown"])
-    for warning in summary.warnings:
+    if p.finish is not None:
+        summary = p.finish(summary, run)
+    for warning in getattr(summary, "warnings", ()):
         log(warning)
-    report_settings = {"options": dataclasses.asdict(opts), "model": settings["model"],
-                       "input": settings["input"]}
     try:
-        path = write_report(folder, report_data(run.report, summary, report_settings,
+        path = write_report(folder, report_data(run.report, summary, p.report_settings,
                                                 opts.batch_size))
     except Exception as e:  # the rows are written and recorded: a failed report loses nothing
         log(f"nanoserve: the job report could not be written: {type(e).__name__}: "

@@ -321,26 +321,14 @@ def embed_settings(model_path: Path, config: Any, options: dict[str, Any]) -> Em
 def run_embed_job(input: str | Path, output_dir: str | Path, **options: Any) -> Any:
     """`run_batch_job(..., task="embed")`: see the module docstring. Returns an
     `EmbedJobSummary`."""
-    from contextlib import ExitStack
-
     from nanoserve.model_store import DEFAULT_MODEL, resolve_model
     from ray_jobs.batching import BatchLimits
-    from ray_jobs.driver import _job_settings
+    from ray_jobs.driver import Pipeline, _job_settings, run_pipeline
     from ray_jobs.io import scan_input
-    from ray_jobs.local_ray import RaySession
-    from ray_jobs.manifest import (
-        hold_output_dir,
-        mark_complete,
-        open_output_dir,
-        reopen_batches_with_errors,
-    )
     from ray_jobs.options import JobOptions
-    from ray_jobs.placement import check_output_reachable
-    from ray_jobs.pool import WorkerPool, first_line, log
     from ray_jobs.prepare import PROMPT_COLUMNS
-    from ray_jobs.report import report_data, write_report
-    from ray_jobs.shards import InputSpec, iter_shards
-    from ray_jobs.storage import OutputDir, is_uri
+    from ray_jobs.shards import InputSpec
+    from ray_jobs.storage import OutputDir
     from ray_jobs.tasks import JobSpec, ShardRunner
     from ray_jobs.timeline import Timeline
 
@@ -380,51 +368,21 @@ def run_embed_job(input: str | Path, output_dir: str | Path, **options: Any) -> 
                    {"limit": limit, "instruction": settings.pooling.instruction,
                     "truncate": settings.truncate, "embedding_dtype": settings.embedding_dtype})
     local = ShardRunner(spec, EmbedTask(spec, tokenizer, config, preparer=preparer))
-    if folder.local:
-        check_output_reachable(folder.path if is_uri(output_dir) else Path(output_dir))
-    with ExitStack() as stack:
-        stack.enter_context(hold_output_dir(folder))
-        manifest = open_output_dir(folder, job_settings, opts.overwrite)
-        retry = (reopen_batches_with_errors(folder, manifest) if opts.retry_errors
-                 else set())
-        if manifest.complete:
-            timeline.mark("prepare")
-            return EmbedJobSummary(str(folder), 0, 0, manifest.rows_done, 0, 0,
-                                   timeline.marks["prepare"], 0.0, 0.0, 0,
-                                   timings=timeline.timings())
 
-        def start_pool() -> WorkerPool:
-            timeline.mark("prepare")
-            stack.enter_context(RaySession(opts.address))
-            timeline.mark("ray")
-            kwargs = {"pooling": settings.pooling.as_dict(),
-                      "max_batch_tokens": opts.max_batch_tokens, "spec": spec}
-            pool = WorkerPool.start(opts, timeline, actor=RayEmbedWorker,
-                                    actor_kwargs=kwargs)
-            stack.callback(pool.shutdown)
-            timeline.mark("workers")
-            return pool
+    def finish(summary: Any, run: Any) -> EmbedJobSummary:
+        return EmbedJobSummary(**{f.name: getattr(summary, f.name)
+                                  for f in dataclasses.fields(EmbedJobSummary)
+                                  if hasattr(summary, f.name)},
+                               truncated_rows=run.truncated_rows, dimensions=settings.dim)
 
-        run = _EmbedJobRun(opts, folder, manifest, start_pool, info.num_rows, timeline, retry,
-                           local)
-        run.execute(iter_shards(info))
-        mark_complete(folder, manifest)
-    timeline.mark("shutdown")
-    summary = run.summary(timeline.marks["shutdown"])
-    summary = EmbedJobSummary(**{f.name: getattr(summary, f.name)
-                                 for f in dataclasses.fields(EmbedJobSummary)
-                                 if hasattr(summary, f.name)},
-                              truncated_rows=run.truncated_rows, dimensions=settings.dim)
-    report_settings = {"options": dataclasses.asdict(opts), "model": job_settings["model"],
-                       "input": job_settings["input"], "embed": job_settings["embed"]}
-    try:
-        path = write_report(folder, report_data(run.report, summary, report_settings,
-                                                opts.batch_size))
-    except Exception as e:
-        log(f"nanoserve: the job report could not be written: {type(e).__name__}: "
-            f"{first_line(str(e))}")
-        return summary
-    return dataclasses.replace(summary, report=str(path))
+    return run_pipeline(Pipeline(
+        opts, info, output_dir, folder, job_settings, spec, local, _EmbedJobRun,
+        EmbedJobSummary, actor=RayEmbedWorker,
+        actor_kwargs={"pooling": settings.pooling.as_dict(),
+                      "max_batch_tokens": opts.max_batch_tokens},
+        report_settings={"options": dataclasses.asdict(opts), "model": job_settings["model"],
+                         "input": job_settings["input"], "embed": job_settings["embed"]},
+        finish=finish), timeline)
 
 
 @dataclass(frozen=True)
