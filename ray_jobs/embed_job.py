@@ -1,6 +1,8 @@
 """Embedding jobs: `ray_jobs.run_batch_job(..., task="embed")` (= `run_embed_job`),
 `nanoserve embed INPUT -o OUT`.
 
+Stage 3, workers (and the embedding task's entry) of the job pipeline (docs/modules.md).
+
     from ray_jobs import run_batch_job
     summary = run_batch_job("docs.parquet", "vectors/", task="embed", dimensions=256)
 

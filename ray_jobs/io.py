@@ -1,6 +1,8 @@
 """Dataset I/O for the batch job: input files read as a stream of Arrow record batches, and
 output parts written atomically.
 
+Stage 1, input of the job pipeline (docs/modules.md).
+
 Input: a `.parquet` file, a JSON Lines file (`.jsonl`, `.ndjson`, or `.json` holding one
 object a line; any of them may be compressed: `.gz`, `.zst`), or a folder of them, local or
 on any filesystem `ray_jobs.storage` resolves (`s3://bucket/prefix/`, `gs://...`). A folder is

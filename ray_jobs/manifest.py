@@ -1,5 +1,7 @@
 """The output folder's manifest: what job wrote it and which batches are done.
 
+Stage 4, output of the job pipeline (docs/modules.md).
+
 `OUTPUT_DIR/_nanoserve_manifest.json` records the job's settings (model identity, input
 identity, sampling defaults, batching and column options) and the ids of the batches whose
 parts (`part-<batch id>.parquet`) are written; `OUTPUT_DIR/_SUCCESS` appears only once every

@@ -2,6 +2,8 @@
 they are started and replaced, which one takes the next piece of work, and what each did
 (`WorkerReport`).
 
+Stage 2, dispatch of the job pipeline (docs/modules.md).
+
 How much work a worker holds (`hold_limits`) follows its engine, not a count of batches: a
 continuous engine is sent batches until it holds HOLD_FACTOR times the rows it runs at once.
 A batch comes back only when its longest row ends, so about half the rows of the batches a

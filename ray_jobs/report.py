@@ -1,5 +1,7 @@
 """The job report: one self-contained HTML file per run, `OUTPUT_DIR/_nanoserve_report.html`.
 
+Stage 4, output of the job pipeline (docs/modules.md).
+
 Each answered piece of a batch is read into a `PieceRecord` (when it came back, from which
 worker, its rows, output tokens and the engine's counts from the table's schema metadata)
 and folded at once into the driver's `ReportLog`: exact running totals plus sums over at
