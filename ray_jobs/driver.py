@@ -184,12 +184,12 @@ def run_batch_job(input: str | Path, output_dir: str | Path, **options: Any) -> 
     starts; row-level problems become `error` rows."""
     timeline = Timeline(time.perf_counter())
     opts = JobOptions(**options)
+    limits = BatchLimits(opts.batch_size, opts.max_batch_tokens,
+                         opts.window_batches * opts.batch_size)  # (checked before the scan)
     info = scan_input(input, opts.chunk_rows, opts.id_column, opts.input_format,
                       shard_rows=opts.batch_size)
     openai_out = openai_batch.wants_openai_output(opts.output_format, info.openai_rows)
     plan = plan_columns(info.schema, opts.prompt_column, opts.id_column)
-    limits = BatchLimits(opts.batch_size, opts.max_batch_tokens,
-                         opts.window_batches * opts.batch_size)
     model_path = resolve_model(opts.model)
     config, tokenizer = load_model_meta(model_path)
     eos = tuple(sorted(set(config.eos_token_ids) | set(tokenizer.eos_token_ids)))

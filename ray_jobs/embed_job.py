@@ -35,7 +35,7 @@ import pyarrow as pa
 from nanoserve.errors import InputError, NanoserveError
 from ray_jobs.io import InputChunk
 from ray_jobs.prepare import MESSAGES, TEXT, ColumnPlan, load_model_meta, plan_columns
-from ray_jobs.tasks import EmbedTask, ShardWorker
+from ray_jobs.tasks import JobSpec, ShardOutcome, ShardWorker
 
 # The options an embedding job adds to `JobOptions` (run_batch_job's keyword arguments).
 EMBED_OPTIONS = ("task", "pooling", "normalize", "dimensions", "instruction",
@@ -282,6 +282,38 @@ def embed_error_rows(message: str, num_input_tokens: int = 0, n: int = 1) -> lis
     return [embed_row(None, num_input_tokens, message) for _ in range(n)]
 
 
+class EmbedTask:
+    """The embedding task of the job pipeline (`ray_jobs.tasks`): rows prepared by
+    `EmbedPreparer`, run by `EmbedWorker.run_batch`, one vector a row."""
+
+    verb = "embedding"
+
+    def __init__(self, spec: JobSpec, tokenizer: Any, config: Any, engine: Any = None,
+                 grammars: Any = None, preparer: Any = None) -> None:
+        opts = spec.task_options
+        self.preparer = preparer or EmbedPreparer(
+            spec.plan, tokenizer, config.vocab_size, opts["limit"], opts.get("instruction"),
+            opts.get("truncate", True))
+        self.engine = engine
+        self.dtype = opts.get("embedding_dtype", "float32")
+
+    def groups(self, rows: list[Any]) -> list[list[int]]:
+        """One engine call (the embedder packs its rows by tokens itself)."""
+        return [list(range(len(rows)))]
+
+    def requests(self, rows: list[Any]) -> list[Any]:
+        return rows
+
+    def results(self, table: pa.Table, rows: list[Any]) -> list[list[dict[str, Any]]]:
+        return [[res] for res in FastRows(table, self.dtype).to_pylist()]
+
+    def error_results(self, message: str, row: Any) -> list[dict[str, Any]]:
+        return embed_error_rows(message, row.num_prompt_tokens)
+
+    def count(self, out: ShardOutcome, row: Any, samples: list[dict[str, Any]]) -> None:
+        out.truncated += bool(getattr(row, "truncated", False))
+
+
 class RayEmbedWorker(ShardWorker, EmbedWorker):
     """The embedding job's actor: an `EmbedWorker` that runs shards (`ShardWorker`)."""
 
@@ -343,6 +375,8 @@ def run_embed_job(input: str | Path, output_dir: str | Path, **options: Any) -> 
     config, tokenizer = load_model_meta(model_path)
     settings = embed_settings(model_path, config, options)
     opts = JobOptions(**options)
+    limits = BatchLimits(opts.batch_size, opts.max_batch_tokens,
+                         opts.window_batches * opts.batch_size)  # (checked before the scan)
     info = scan_input(input, opts.chunk_rows, opts.id_column, shard_rows=opts.batch_size)
     prompt_column = opts.prompt_column
     names = info.schema.names
@@ -355,8 +389,6 @@ def run_embed_job(input: str | Path, output_dir: str | Path, **options: Any) -> 
                          "name; rename it")
     schema = pa.schema([pa.field("id", plan.id_type)] + plan.passthrough_fields()
                        + list(embed_result_schema(settings.dim, settings.embedding_dtype)))
-    limits = BatchLimits(opts.batch_size, opts.max_batch_tokens,
-                         opts.window_batches * opts.batch_size)
     limit = settings.pooling.max_input_tokens
     preparer = EmbedPreparer(plan, tokenizer, config.vocab_size, limit,
                              settings.pooling.instruction, settings.truncate)

@@ -678,7 +678,7 @@ def _scan_jsonl(path: InputFile, chunk_rows: int, id_name: str, input_format: st
     """The scan's read of a JSONL file: chunks whose columns have the types `_iter_jsonl`
     infers (rows not yet in the job's schema), and `cuts` recorded. Blocks of whole lines
     are parsed by Arrow's JSON reader (C++, no Python object a row) where that gives the
-    same answer: every line an object, no blank line, no byte order mark, no surrogate
+    same answer: every line an object (its first byte `{`), no blank line, no byte order mark, no surrogate
     escape, no OpenAI request (`custom_id`), no partition key, every column a string,
     integer, float, boolean or null. Any other block is read line by line by `_iter_jsonl`,
     which also names a bad line."""
@@ -705,14 +705,16 @@ def _scan_jsonl(path: InputFile, chunk_rows: int, id_name: str, input_format: st
             if block:
                 ends = np.flatnonzero(np.frombuffer(block, np.uint8) == 10)
                 lines = len(ends) + (not block.endswith(b"\n"))
-                table = _arrow_block(block, line == 1, input_format)
+                starts = np.concatenate(([0], ends[:lines - 1] + 1))
+                table = None  # a line that does not start with "{" is read line by line
+                if (np.frombuffer(block, np.uint8)[starts] == ord("{")).all():
+                    table = _arrow_block(block, line == 1, input_format)
                 if table is None:
                     yield from _iter_jsonl(path, chunk_rows, schema=None, id_column=id_name,
                                            input_format=input_format, cuts=cuts,
                                            start=(offset, line), stream=io.BytesIO(block))
                 else:
-                    starts = np.concatenate(([0], ends[:lines - 1] + 1)) + offset
-                    cuts.seen_all(starts, line)
+                    cuts.seen_all(starts + offset, line)
                     for batch in table.to_batches(chunk_rows):
                         yield InputChunk(batch, path)
                 offset, line = offset + len(block), line + lines

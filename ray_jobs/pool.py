@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from nanoserve.errors import ModelError, NanoserveError
+from nanoserve.errors import ModelError, NanoserveError, first_line
 from nanoserve.running_rows import CPU_DEFAULT_ROWS, MAX_DEFAULT_ROWS
 from ray_jobs.autoscale import GROW_POLL_S, LostNode, node_lost, parse_num_workers, wait_for_gpus
 from ray_jobs.tasks import GenerateTask, ShardWorker
@@ -580,11 +580,6 @@ def death_reason(error: Exception) -> str:
         if match:
             return match.group(1).strip()
     return first_line(str(error))
-
-
-def first_line(text: str) -> str:
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    return lines[0] if lines else text
 
 
 def ready_line(infos: list[dict[str, Any]]) -> str:

@@ -12,7 +12,7 @@ that was cut after killing its workers: the driver joins the pieces and writes t
 The driver runs the same walk without an engine (`error=`) to make the `error` rows of a
 row isolated as a worker killer: the rows are read again there, a shard at a time.
 
-A task (`GenerateTask`, `EmbedTask`) says only what differs: how rows are prepared, how
+A task (`GenerateTask` here, `ray_jobs.embed_job.EmbedTask`) says only what differs: how rows are prepared, how
 the prepared rows are run, and what a row's result columns hold (its error rows included).
 Everything else (reading, ids, error rows never sent to the engine, input order, counts,
 the report's record, the part and its digest) is this module's, once.
@@ -27,7 +27,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from nanoserve.errors import NanoserveError
+from nanoserve.errors import NanoserveError, first_line
 from ray_jobs.manifest import PART_DIGEST_KEY, part_name
 from ray_jobs.prepare import ColumnPlan
 from ray_jobs.shards import InputSpec, Shard, read_shard
@@ -138,45 +138,6 @@ class GenerateTask:
                 out.cut_constrained[row.params.max_tokens] += cut
 
 
-class EmbedTask:
-    """Embedding: rows prepared by `ray_jobs.embed_job.EmbedPreparer`, run by
-    `EmbedWorker.run_batch`, one vector a row."""
-
-    verb = "embedding"
-
-    def __init__(self, spec: JobSpec, tokenizer: Any, config: Any, engine: Any = None,
-                 grammars: Any = None, preparer: Any = None) -> None:
-        from ray_jobs.embed_job import EmbedPreparer
-
-        opts = spec.task_options
-        self.preparer = preparer or EmbedPreparer(
-            spec.plan, tokenizer, config.vocab_size, opts["limit"], opts.get("instruction"),
-            opts.get("truncate", True))
-        self.engine = engine
-        self.dtype = opts.get("embedding_dtype", "float32")
-
-    def groups(self, rows: list[Any]) -> list[list[int]]:
-        """One engine call (the embedder packs its rows by tokens itself)."""
-        return [list(range(len(rows)))]
-
-    def requests(self, rows: list[Any]) -> list[Any]:
-        return rows
-
-    def results(self, table: pa.Table, rows: list[Any]) -> list[list[dict[str, Any]]]:
-        from ray_jobs.embed_job import FastRows
-
-        return [[res] for res in FastRows(table, self.dtype).to_pylist()]
-
-    def error_results(self, message: str, row: Any) -> list[dict[str, Any]]:
-        from ray_jobs.embed_job import embed_error_rows
-
-        return embed_error_rows(message, row.num_prompt_tokens)
-
-    def count(self, out: ShardOutcome, row: Any, samples: list[dict[str, Any]]) -> None:
-        out.truncated += bool(getattr(row, "truncated", False))
-
-
-TASKS = {"generate": GenerateTask, "embed": EmbedTask}
 
 
 class ShardRunner:
@@ -344,8 +305,6 @@ class ShardWorker:
     engine class says which task it runs (`make_task`)."""
 
     def __init__(self, *args: Any, spec: JobSpec | None = None, **kwargs: Any) -> None:
-        from ray_jobs.pool import first_line
-
         self.spec = spec
         self.load_error: str | None = None
         self._runner: ShardRunner | None = None
