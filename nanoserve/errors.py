@@ -22,3 +22,9 @@ def check_positive_int(value, what: str) -> None:
     """Refuse, in one line naming `what`, a value that is not an int >= 1 (a bool is not)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise NanoserveError(f"{what} must be an int >= 1, got {value!r}")
+
+
+def first_line(text: str) -> str:
+    """The first non-blank line of an error's text (the whole text if none), stripped."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return lines[0] if lines else text

@@ -3,6 +3,8 @@ from `--num-workers N | MIN-MAX | auto`), waiting for the cluster's first GPUs
 (`wait_for_gpus`), and telling a node that was lost from a worker process that died
 (`node_lost`, `LostNode`).
 
+Stage 2, dispatch of the job pipeline (docs/modules.md).
+
 Growing the pool as GPUs join is `WorkerPool.grow` (ray_jobs.pool), which uses these.
 
 Invariants:

@@ -1,4 +1,6 @@
-"""Static batches by token length.
+"""Stage 3, workers: static batches by token length. A worker whose engine is static cuts
+its shard's rows this way (`ray_jobs.tasks.GenerateTask.groups`: one window, the whole
+shard); a continuous engine needs no batches (it admits rows as others finish).
 
 Rows arrive in input order. They are taken a window at a time (`window_rows`, by default 8
 batches' worth); within a window the rows that can be generated are sorted by prompt length,
@@ -13,16 +15,9 @@ A row asking for n samples (`n`, default 1) weighs n rows in both bounds: its sa
 n rows of the engine's batch and n output rows. A row heavier than `batch_size` forms a
 batch of its own.
 
-The window's error rows (prepared as errors on the driver) form their own batches first;
-they are written by the driver and never sent to a worker.
-
-Longest first: a batch of longer prompts takes longer (prefill, and attention over a longer
-context at every step), so the window's batches go out in decreasing cost. The driver gives
-the next batch to whichever worker frees up first, so the worker that drew a longer batch
-draws the next, shorter one later: several workers end a window together. In increasing
-order the same dispatch hands every second batch, always the longer of a pair, to the same
-worker, and the gap between the workers grows with every pair (measured on two GPUs: 3.5 s
-at the end of a 70 s job, against 0.7 s simulated for longest first).
+The window's error rows form their own batches first (a worker makes them itself: they
+never reach the engine). Longest first: with `--max-batch-tokens` the long rows' batches
+are the small ones, and their rows start first.
 
 Invariants: every row is in exactly one batch; batch ids count up from 0 in emission order;
 the batches (ids, rows, order) are a function of the input rows and the limits only, so a

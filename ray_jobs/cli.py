@@ -1,5 +1,7 @@
 """`nanoserve batch INPUT -o OUTPUT_DIR [options]`: the batch job's command line.
 
+Entry point of the job pipeline (docs/modules.md).
+
 `nanoserve_cli` (the `nanoserve` command) calls `add_batch_parser(subparsers)` and
 `run_batch_cli(args)`; this module also runs alone: `python -m ray_jobs.cli INPUT -o
 OUTPUT_DIR ...` (same flags).

@@ -1,6 +1,8 @@
 """The engine as a Ray Data stage: a `ray.data.Dataset` of prompts in, the same rows with
 the result columns out.
 
+Entry point (Ray Data) of the job pipeline (docs/modules.md).
+
     import ray.data
     from ray_jobs.data_processor import build_processor
 

@@ -1,30 +1,30 @@
-"""The batch job's driver: read, tokenize, batch, dispatch to Ray workers, collect, write.
+"""Stage 2, dispatch: the batch job's driver. It moves descriptors, never rows: it scans
+the input, hands shards to the Ray workers, and records the shards whose parts are written.
 
     summary = run_batch_job("prompts.jsonl", "out/", max_tokens=64)
 
 Order of work (every job-level check comes before any model loads on a worker):
-1. scan the input (files, schema, row count) and plan its columns;
+1. scan the input (files, schema, row count, where every `batch_size`-th JSONL row starts)
+   and plan its columns;
 2. resolve the model and load its tokenizer and config on the driver (cheap: no weights);
 3. open the output folder: fresh, or resume an earlier run with equal settings;
-4. start (or join) Ray and one `BatchWorker` actor per GPU (one CPU worker without GPUs),
-   when the first batch needs a worker (a rerun with nothing left to compute starts none);
-5. stream the rows: tokenize a chunk at a time, cut them into batches (`batching`), send
-   each batch's token ids to the least-loaded worker (each worker holds as many batches as
-   keep its engine full: `ray_jobs.pool.hold_limits`), and write each finished batch as one
-   Parquet part at once;
-6. when every batch is written, mark the folder complete (`_SUCCESS`).
+4. start (or join) Ray and one actor per GPU (one CPU worker without GPUs), when the first
+   shard needs a worker (a rerun with nothing left to compute starts none);
+5. hand out the shards (`ray_jobs.shards`: `batch_size` consecutive rows of one file each)
+   to the least-loaded worker (each holds as many as keep its engine full:
+   `ray_jobs.pool.hold_limits`); the worker reads the shard's rows, prepares them, runs
+   them and writes the shard's part (`ray_jobs.tasks.ShardRunner`), and answers with its
+   counts; the driver then records the shard in the manifest;
+6. when every shard is recorded, mark the folder complete (`_SUCCESS`).
 
-Memory stays flat: the driver holds one input chunk, one batching window, and the rows of
-the batches in flight (a few times each engine's running rows per worker, plus retries); the
-manifest records done batch ids, never per-row data. Batches are cut from a window of rows
-sorted by prompt length (longest first), so a part holds rows from across its window; within
-a part the rows are in input order (a row's samples together, by `sample_index`). For the
-whole input's order, sort by `id` when ids are positions, else join on `id`.
+Memory stays flat: the driver holds the scan's cut points (16 bytes a shard), the id
+hashes when the input has ids (8 bytes a row, `ray_jobs.io`), and the descriptors of the
+shards in flight; the manifest records done shard ids, never per-row data. A part holds
+its shard's rows in input order, and parts are numbered in input order.
 
 A row asking for n samples gives n output rows, keyed on (`id`, `sample_index`), its input
-columns repeated: a worker answers one result row per sample, in order, and the driver
-regroups them per input row. A row that fails as a whole gives n error rows. Parts, resume
-and `--retry-errors` work per batch as before, so every (id, sample_index) is written
+columns repeated: a worker answers one result row per sample, in order. A row that fails as a whole gives n error rows. Parts, resume
+and `--retry-errors` work per shard, so every (id, sample_index) is written
 exactly once. Counts: `JobSummary.rows` (and the manifest's `rows_done`, the report) count
 output rows; `input_rows` and `input_tokens` count each input row once. The summary counts
 output rows by `finish_reason` and warns when rows with a structured output ended by length
@@ -62,11 +62,10 @@ import pyarrow as pa
 from nanoserve.errors import InputError, NanoserveError
 from nanoserve.model_store import resolve_model
 from ray_jobs import openai_batch
-from ray_jobs.batching import Batch, BatchLimits, make_batches
+from ray_jobs.batching import BatchLimits
 from ray_jobs.io import InputInfo, iter_chunks, scan_input
 from ray_jobs.local_ray import RaySession
 from ray_jobs.manifest import (
-    PART_DIGEST_KEY,
     Manifest,
     adopt_part,
     hold_output_dir,
@@ -80,16 +79,11 @@ from ray_jobs.manifest import (
 from ray_jobs.options import JobOptions
 from ray_jobs.placement import check_output_reachable
 from ray_jobs.pool import WorkerPool, WorkerReport, first_line, log
-from ray_jobs.prepare import (
-    ColumnPlan,
-    PreparedRow,
-    RowPreparer,
-    load_model_meta,
-    output_controls,
-    plan_columns,
-)
-from ray_jobs.report import ReportLog, piece_record, report_data, write_report
+from ray_jobs.prepare import RowPreparer, load_model_meta, output_controls, plan_columns
+from ray_jobs.report import ReportLog, report_data, write_report
+from ray_jobs.shards import InputSpec, Shard, iter_shards
 from ray_jobs.storage import OutputDir, is_uri
+from ray_jobs.tasks import GenerateTask, JobSpec, ShardOutcome, ShardRunner, with_digest
 from ray_jobs.timeline import PHASES, Timeline
 from ray_jobs.worker import (
     ENGINE_KEY,
@@ -97,8 +91,6 @@ from ray_jobs.worker import (
     PREFILL_SLOTS_KEY,
     PREFILL_TOKENS_KEY,
     PROMPT_TOKENS_CACHED_KEY,
-    GenerationRequest,
-    error_rows,
 )
 
 MAX_BATCH_ATTEMPTS = 2  # deaths of its worker a batch may cause before it is cut in halves
@@ -197,11 +189,12 @@ def run_batch_job(input: str | Path, output_dir: str | Path, **options: Any) -> 
     starts; row-level problems become `error` rows."""
     timeline = Timeline(time.perf_counter())
     opts = JobOptions(**options)
-    info = scan_input(input, opts.chunk_rows, opts.id_column, opts.input_format)
+    limits = BatchLimits(opts.batch_size, opts.max_batch_tokens,
+                         opts.window_batches * opts.batch_size)  # (checked before the scan)
+    info = scan_input(input, opts.chunk_rows, opts.id_column, opts.input_format,
+                      shard_rows=opts.batch_size)
     openai_out = openai_batch.wants_openai_output(opts.output_format, info.openai_rows)
     plan = plan_columns(info.schema, opts.prompt_column, opts.id_column)
-    limits = BatchLimits(opts.batch_size, opts.max_batch_tokens,
-                         opts.window_batches * opts.batch_size)
     model_path = resolve_model(opts.model)
     config, tokenizer = load_model_meta(model_path)
     eos = tuple(sorted(set(config.eos_token_ids) | set(tokenizer.eos_token_ids)))
@@ -224,51 +217,103 @@ def run_batch_job(input: str | Path, output_dir: str | Path, **options: Any) -> 
         raise InputError("--max-thinking-tokens / a 'max_thinking_tokens' column needs a "
                          "reasoning parser (--reasoning-parser qwen3|deepseek_r1)")
     controls = output_controls(plan, opts.sampling_defaults(), reasoning=reasoning is not None)
-    plan.output_schema(controls)  # an input column that clashes is refused here
+    schema = plan.output_schema(controls)  # an input column that clashes is refused here
     settings = _job_settings(opts, info, model_path, limits)
     folder = OutputDir.open(output_dir)  # a local folder or an object-store prefix
+    spec = JobSpec("generate", InputSpec.of(info, opts.chunk_rows), plan, schema, folder,
+                   controls, {"defaults": opts.sampling_defaults(),
+                              "chat_template_kwargs": opts.chat_template_kwargs,
+                              "reasoning_parser": reasoning.name if reasoning else None,
+                              "max_batch_tokens": opts.max_batch_tokens})
+    local = ShardRunner(spec, GenerateTask(spec, tokenizer, config, preparer=preparer))
+
+    def openai_outputs(done_before: bool) -> None:  # output.jsonl / errors.jsonl, from the parts
+        if openai_out and not (done_before and folder.exists(openai_batch.OUTPUT_NAME)):
+            openai_batch.write_outputs(folder, iter_chunks(info, opts.chunk_rows), plan,
+                                       tokenizer, opts.model, settings)
+
+    summary = run_pipeline(Pipeline(
+        opts, info, output_dir, folder, settings, spec, local, _JobRun, JobSummary,
+        report_settings={"options": dataclasses.asdict(opts), "model": settings["model"],
+                         "input": settings["input"]},
+        before_complete=openai_outputs,
+        finish=lambda summary, run: dataclasses.replace(summary, reasoning=reasoning_line)),
+        timeline)
+    return summary
+
+
+@dataclass
+class Pipeline:
+    """One job's task as the shared walk (`run_pipeline`) needs it: the scanned input, the
+    output folder and the settings its manifest compares, the spec the workers get, the
+    walk without an engine (`local`, for error rows made on the driver), the run's class
+    and summary class, the actor class and its extra arguments (None: the generation
+    worker), what the report shows, `before_complete(done_before)` (called before the
+    folder is marked complete, and on a rerun of a complete job with `done_before` True),
+    and `finish(summary, run)`, the summary the task returns."""
+
+    opts: JobOptions
+    info: InputInfo
+    output_dir: str | Path
+    folder: OutputDir
+    settings: dict[str, Any]
+    spec: JobSpec
+    local: ShardRunner
+    run_class: type
+    summary_class: type
+    actor: type | None = None
+    actor_kwargs: dict[str, Any] = field(default_factory=dict)
+    report_settings: dict[str, Any] = field(default_factory=dict)
+    before_complete: Callable[[bool], None] | None = None
+    finish: Callable[[Any, Any], Any] | None = None
+
+
+def run_pipeline(p: Pipeline, timeline: Timeline) -> Any:
+    """The job's walk, the same for every task: hold and open the output folder (fresh, or
+    resumed with equal settings), hand the shards out, mark it complete, write the report.
+    Ray and the workers start when the first shard needs one."""
+    opts, folder = p.opts, p.folder
     if folder.local:  # named as the user gave it (a path, or its file:// URI's path)
-        check_output_reachable(folder.path if is_uri(output_dir) else Path(output_dir))
+        check_output_reachable(folder.path if is_uri(p.output_dir) else Path(p.output_dir))
     with ExitStack() as stack:
         stack.enter_context(hold_output_dir(folder))  # one job per output folder at a time
-        manifest = open_output_dir(folder, settings, opts.overwrite)
+        manifest = open_output_dir(folder, p.settings, opts.overwrite)
         retry = reopen_batches_with_errors(folder, manifest) if opts.retry_errors else set()
         if retry:
             log(f"nanoserve: --retry-errors: computing again {len(retry)} batch(es) of an "
                 f"earlier run that hold error rows")
         if manifest.complete:
-            if openai_out and not folder.exists(openai_batch.OUTPUT_NAME):
-                openai_batch.write_outputs(folder, iter_chunks(info, opts.chunk_rows), plan,
-                                           tokenizer, opts.model, settings)
+            if p.before_complete is not None:
+                p.before_complete(True)
             timeline.mark("prepare")
-            return JobSummary(str(folder), 0, 0, manifest.rows_done, 0, 0,
-                              timeline.marks["prepare"], 0.0, 0.0, 0, timings=timeline.timings())
+            return p.summary_class(str(folder), 0, 0, manifest.rows_done, 0, 0,
+                                   timeline.marks["prepare"], 0.0, 0.0, 0,
+                                   timings=timeline.timings())
 
-        def start_pool() -> WorkerPool:  # on the first batch that needs a worker
+        def start_pool() -> WorkerPool:  # on the first shard that needs a worker
             timeline.mark("prepare")
             stack.enter_context(RaySession(opts.address))
             timeline.mark("ray")
-            pool = WorkerPool.start(opts, timeline)
+            pool = WorkerPool.start(opts, timeline, actor=p.actor,
+                                    actor_kwargs={**p.actor_kwargs, "spec": p.spec})
             stack.callback(pool.shutdown)
             timeline.mark("workers")
             return pool
 
-        run = _JobRun(opts, plan, folder, manifest, start_pool, info.num_rows, timeline, retry,
-                      controls, reasoning)
-        run.execute(make_batches(_prepared_rows(info, preparer, opts.chunk_rows), limits))
-        if openai_out:  # output.jsonl / errors.jsonl from the parts, before _SUCCESS
-            openai_batch.write_outputs(folder, iter_chunks(info, opts.chunk_rows), plan,
-                                       tokenizer, opts.model, settings)
+        run = p.run_class(opts, folder, manifest, start_pool, p.info.num_rows, timeline, retry,
+                          p.local)
+        run.execute(iter_shards(p.info))
+        if p.before_complete is not None:
+            p.before_complete(False)
         mark_complete(folder, manifest)
     timeline.mark("shutdown")
-    summary = dataclasses.replace(run.summary(timeline.marks["shutdown"]),
-                                  reasoning=reasoning_line)
-    for warning in summary.warnings:
+    summary = run.summary(timeline.marks["shutdown"])
+    if p.finish is not None:
+        summary = p.finish(summary, run)
+    for warning in getattr(summary, "warnings", ()):
         log(warning)
-    report_settings = {"options": dataclasses.asdict(opts), "model": settings["model"],
-                       "input": settings["input"]}
     try:
-        path = write_report(folder, report_data(run.report, summary, report_settings,
+        path = write_report(folder, report_data(run.report, summary, p.report_settings,
                                                 opts.batch_size))
     except Exception as e:  # the rows are written and recorded: a failed report loses nothing
         log(f"nanoserve: the job report could not be written: {type(e).__name__}: "
@@ -313,49 +358,40 @@ def _job_settings(opts: JobOptions, info: InputInfo, model_path: Path,
     }
 
 
-def _prepared_rows(info: InputInfo, preparer: RowPreparer, chunk_rows: int) -> Iterator[PreparedRow]:
-    position = 0
-    for chunk in iter_chunks(info, chunk_rows):
-        yield from preparer.prepare(chunk, position)
-        position += chunk.batch.num_rows
-
-
 @dataclass
 class _Pending:
-    """A batch sent to the workers whose rows are not all answered yet."""
+    """A shard sent to the workers whose rows are not all answered yet."""
 
-    batch: Batch
-    results: list[list[dict[str, Any]] | None]  # per row, in batch order: one per sample
-    left: int  # rows without a result
+    shard: Shard
+    left: int  # rows without an answer
+    tables: dict[int, pa.Table] = field(default_factory=dict)  # pieces' rows, by first row
 
 
 @dataclass
 class _Piece:
-    """Rows of one batch that go to a worker together: the whole batch, or, once the batch
-    killed its worker MAX_BATCH_ATTEMPTS times, a half of it (then a half of that...).
+    """Rows [rows[0], rows[1]) of one shard that go to a worker together: the whole shard
+    (its worker writes the part), or, once the shard killed its worker MAX_BATCH_ATTEMPTS
+    times, a half of it (then a half of that...), whose rows come back to the driver, which
+    writes the shard's part when every piece is answered.
 
     A suspect piece was in flight on a worker that died. It runs alone on an idle worker
     (nothing else is sent there until it ends), so if that worker dies, the piece did it."""
 
     pending: _Pending
-    rows: tuple[int, ...]  # indexes into pending.batch.rows
-    split: bool = False  # a part of a batch that kept killing its worker
+    rows: tuple[int, int]
+    split: bool = False  # a part of a shard that kept killing its worker
     suspect: bool = False
     deaths: int = 0  # worker deaths blamed on this piece
 
+    def size(self) -> int:
+        return self.rows[1] - self.rows[0]
+
     def prefix(self) -> tuple[int, ...]:
-        """The leading tokens of its first row: pieces that share them go, where loads are
-        equal, to the same worker, whose prefix cache then already holds them."""
-        return tuple(self.pending.batch.rows[self.rows[0]].prompt_token_ids[:PREFIX_KEY_TOKENS])
+        """No tokens on the driver: pieces go to the least-loaded worker."""
+        return ()
 
     def samples(self) -> int:
-        """The rows it asks of the engine: each row's n samples."""
-        rows = self.pending.batch.rows
-        return sum(rows[i].n for i in self.rows)
-
-    def requests(self) -> list[GenerationRequest]:
-        rows = self.pending.batch.rows
-        return [GenerationRequest(rows[i].prompt_token_ids, rows[i].params) for i in self.rows]
+        return self.size()
 
 
 @dataclass
@@ -369,18 +405,21 @@ FINISH_REASONS = ("stop", "length", "error")  # always counted in the summary, i
 
 
 class _JobRun:
-    """One pass over the batches: admit, submit, collect, write, record.
+    """One pass over the shards: admit, submit, collect, record.
 
     Bookkeeping: `queue` holds pieces waiting for a worker (retries first, in order),
-    `in_flight` maps each task's ObjectRef to what was sent. `_submit` is the one place a piece is
-    sent; `_collect_one` (with `_worker_died` for deaths) the one place a finished or
-    failed piece is handled; `_write` the one place a part is written. A row's result is
-    stored once in its batch's `_Pending`, and a batch is written once when all its rows
-    have one: no row is lost or written twice, whatever dies.
+    `in_flight` maps each task's ObjectRef to what was sent. `_submit` is the one place a
+    piece is sent; `_collect_one` (with `_worker_died` for deaths) the one place a finished
+    or failed piece is handled; `_write` the one place a shard's part is recorded in the
+    manifest (written by its worker, or here from its pieces). A shard is recorded once,
+    when all its rows are answered: no row is lost or written twice, whatever dies (a
+    worker that wrote a part and died before answering wrote it under the shard's name:
+    the shard's next run replaces it whole).
 
     Failures:
-    - the model raising on a piece (a Python exception in `run_batch`): its rows become
-      `error` rows (the worker already isolates bad rows, so this is rare);
+    - the task raising on a piece (a Python exception in `run_shard`): its rows become
+      `error` rows, made here (`local`: the same walk without an engine); an input that
+      became unreadable since the scan stops the job (InputError);
     - a worker dying (its process killed, crashed, its node lost): every piece in flight
       on it ends, and the worker is replaced. The earliest sent of those that failed was
       most likely running (an actor runs its tasks in order; the one before may have
@@ -389,27 +428,27 @@ class _JobRun:
       piece blamed MAX_BATCH_ATTEMPTS times (once, if already a split piece) is cut in
       halves; a single row blamed becomes an `error` row saying the worker died while
       processing it. The guess (earliest sent) only ever blames a piece that was not yet
-      a suspect, i.e. a whole batch with no death yet, and one death is below
+      a suspect, i.e. a whole shard with no death yet, and one death is below
       MAX_BATCH_ATTEMPTS: a wrong guess never cuts a piece or makes an error row;
     - `max_deaths_in_a_row` deaths without any piece finishing on a worker between them
       stop the job (NanoserveError): workers that die on everything are not a row's fault.
     """
 
-    def __init__(self, opts: JobOptions, plan: ColumnPlan, folder: OutputDir, manifest: Manifest,
+    BAR_DESCRIPTION = "nanoserve batch"
+
+    def __init__(self, opts: JobOptions, folder: OutputDir, manifest: Manifest,
                  start_pool: Callable[[], WorkerPool], total_rows: int,
                  timeline: Timeline, retry: set[int] = frozenset(),
-                 controls: tuple[str, ...] = (), reasoning: Any = None) -> None:
+                 local: ShardRunner | None = None) -> None:
         """`start_pool` is called when the first piece is sent: a rerun with nothing left
-        to compute starts neither Ray nor a worker. `retry`: batch ids an earlier run wrote
-        that are computed again (their parts are replaced), never adopted. `controls`: the
-        output-control columns the parts have (`prepare.output_controls`)."""
+        to compute starts neither Ray nor a worker. `retry`: shard ids an earlier run wrote
+        that are computed again (their parts are replaced), never adopted. `local`: the
+        shard walk without an engine, for error rows made here."""
         from tqdm import tqdm
 
         self.opts = opts
-        self.reasoning = reasoning  # a nanoserve.reasoning.ReasoningParser, or None
         self.retry = retry
-        self.schema = plan.output_schema(controls)
-        self.input_fields = plan.passthrough_fields(controls)
+        self.local = local
         self.folder = folder
         self.manifest = manifest
         self.start_pool = start_pool
@@ -418,14 +457,16 @@ class _JobRun:
         self.in_flight: dict[Any, _Sent] = {}
         self.sent = 0
         self.deaths_in_a_row = 0
-        self.rows = self.error_rows = self.rows_resumed = self.num_batches = 0
+        self.rows = self.error_rows = self.num_batches = 0
+        self.rows_resumed = manifest.rows_done  # output rows earlier runs wrote and kept
         self.input_rows = 0
+        self.truncated_rows = 0
         self.finish_reasons: Counter = Counter()
         self.cut_constrained: Counter = Counter()  # constrained rows ended by length, by max_tokens
         self.results_back = 0  # answers (or deaths) of pieces collected
         self.input_tokens = self.output_tokens = 0
         self.padded_slots = self.padded_real = 0
-        self.cached_tokens = self.cached_prompt_tokens = 0  # batches from prefix-caching engines
+        self.cached_tokens = self.cached_prompt_tokens = 0  # pieces from prefix-caching engines
         self.any_prefix_cache = False
         self.oom_errors = 0
         self.report = ReportLog()  # what the job report shows (`ray_jobs.report`)
@@ -434,23 +475,21 @@ class _JobRun:
         self.bar = tqdm(total=total_rows, unit="row", file=sys.stderr, disable=not opts.progress,
                         dynamic_ncols=True, desc=self.BAR_DESCRIPTION)
 
-    BAR_DESCRIPTION = "nanoserve batch"
-
-    def execute(self, batches: Iterator[Batch]) -> None:
+    def execute(self, shards: Iterator[Shard]) -> None:
         """Hold what each live worker may take (`hold_limits`) plus the queue; take the next
-        batch from `batches` only when the queue is empty and a worker has room."""
-        source = iter(batches)
+        shard from `shards` only when the queue is empty and a worker has room."""
+        source = iter(shards)
         more = True
         try:
             while True:
                 while self.queue and (index := self._worker_for(self.queue[0])) is not None:
                     self._submit(self.queue.popleft(), index)
                 if more and not self.queue and self._has_room():
-                    batch = next(source, None)
-                    if batch is None:
+                    shard = next(source, None)
+                    if shard is None:
                         more = False
                     else:
-                        self._admit(batch)
+                        self._admit(shard)
                     continue
                 if not self.in_flight:
                     break  # every worker idle, so any piece could go: the queue is empty too
@@ -464,7 +503,7 @@ class _JobRun:
             self.bar.close()
 
     def _has_room(self) -> bool:
-        """Whether a new batch could be sent now (before the pool starts: yes)."""
+        """Whether a new shard could be sent now (before the pool starts: yes)."""
         if self.pool is None:
             return True
         return self.pool.pick(False) is not None
@@ -476,23 +515,23 @@ class _JobRun:
             self.pool = self.start_pool()
         return self.pool.pick(piece.suspect, piece.prefix())
 
-    def _admit(self, batch: Batch) -> None:
-        """Skip a batch an earlier run wrote (unless it is to be retried), write an error
-        batch, or queue the batch."""
-        n = len(batch.rows)
-        if batch.batch_id not in self.retry and (batch.batch_id in self.manifest.done or adopt_part(
-                self.folder, self.manifest, batch.batch_id, batch.digest(), batch.num_samples)):
-            self.rows_resumed += batch.num_samples
-            self.bar.update(n)
-        elif batch.is_error:
-            self._write(batch, [error_rows(r.error, 0, r.n) for r in batch.rows])
-        else:
-            self.queue.append(_Piece(_Pending(batch, [None] * n, n), tuple(range(n))))
+    def _admit(self, shard: Shard) -> None:
+        """Skip a shard an earlier run wrote (unless it is to be retried), or queue it."""
+        if shard.shard_id not in self.retry:
+            before = self.manifest.rows_done
+            if shard.shard_id in self.manifest.done or adopt_part(
+                    self.folder, self.manifest, shard.shard_id, shard.digest()):
+                self.rows_resumed += self.manifest.rows_done - before
+                self.bar.update(shard.num_rows)
+                return
+        self.queue.append(_Piece(_Pending(shard, shard.num_rows), (0, shard.num_rows)))
 
     def _submit(self, piece: _Piece, index: int) -> None:
         """The one place a piece is sent to a worker (`index`, from `_worker_for`)."""
         worker = self.pool.workers[index]
-        ref = worker.handle.run_batch.remote(piece.requests())
+        shard = piece.pending.shard
+        whole = not piece.split
+        ref = worker.handle.run_shard.remote(shard, None if whole else piece.rows, whole)
         worker.in_flight += 1
         worker.rows_in_flight += piece.samples()
         worker.holds_suspect = piece.suspect
@@ -502,7 +541,7 @@ class _JobRun:
 
     def _collect_one(self) -> None:
         """The one place a finished or failed piece is handled: wait for any piece in
-        flight, then store its rows' results, or handle its worker's death."""
+        flight, then count and record its rows, or handle its worker's death."""
         import ray
 
         self.pool.grow()  # workers on GPUs that joined the cluster (ray_jobs.autoscale)
@@ -528,41 +567,43 @@ class _JobRun:
         return sent
 
     def _settle(self, sent: _Sent, outcome: str, value: Any) -> None:
-        """A piece the worker answered: with a table, or with an exception it raised."""
+        """A piece the worker answered: with its `ShardOutcome`, or with an exception."""
         worker = self.pool.workers[sent.worker]
         piece = sent.piece
-        rows = piece.pending.batch.rows
         if outcome == "raised":
-            message = f"generation failed: {first_line(str(value.cause or value))}"
-            self._answer(piece, [error_rows(message, rows[i].num_prompt_tokens, rows[i].n)
-                                 for i in piece.rows])
+            cause = value.cause if isinstance(value.cause, Exception) else None
+            if isinstance(cause, InputError):
+                raise cause
+            message = f"{self.local.task.verb} failed: {first_line(str(cause or value))}"
+            self._answer(piece, self.local.run(piece.pending.shard, piece.rows, write=False,
+                                               error=message))
             return
-        meta = value.schema.metadata or {}
+        meta = value.meta
         if ENGINE_KEY in meta:  # the actor's counters so far (its answers come in any order)
             counters = json.loads(meta[ENGINE_KEY])
             if counters.get("up_s", 0) >= worker.engine.get("up_s", 0):
                 worker.engine = counters
         self.padded_slots += int(meta.get(PREFILL_SLOTS_KEY, 0))
         self.padded_real += int(meta.get(PREFILL_TOKENS_KEY, 0))
-        answered = _per_row(value.to_pylist(), [rows[i].n for i in piece.rows])
         if PROMPT_TOKENS_CACHED_KEY in meta:
             self.any_prefix_cache = True
             self.cached_tokens += int(meta[PROMPT_TOKENS_CACHED_KEY])
-            self.cached_prompt_tokens += sum(r[0]["num_input_tokens"] or 0 for r in answered)
+            self.cached_prompt_tokens += value.answered_prompt_tokens
         ooms = int(meta.get(OOM_KEY, 0))
         if ooms:
             self.oom_errors += ooms
             log(f"nanoserve: worker {sent.worker} ran out of device memory {ooms} time(s) on "
-                 f"batch {piece.pending.batch.batch_id}; the engine retried it in smaller "
-                 f"sub-batches")
+                f"batch {piece.pending.shard.shard_id}; the engine retried it in smaller "
+                f"sub-batches")
         worker.batches += 1
-        worker.rows += len(piece.rows)
+        worker.rows += piece.size()
         worker.last_result_s = self.timeline.now()
         worker.result_s.append(worker.last_result_s)
-        self.report.add(piece_record(piece.pending.batch.batch_id, sent.worker,
-                                     worker.last_result_s, value))
+        if value.record is not None:
+            self.report.add(dataclasses.replace(value.record, worker=sent.worker,
+                                                finished_s=worker.last_result_s))
         self.deaths_in_a_row = 0
-        self._answer(piece, answered)
+        self._answer(piece, value)
 
     def _worker_died(self, sent: _Sent, error: Exception) -> None:
         """Every piece in flight on the dead worker ends now: those that ran before the
@@ -593,9 +634,9 @@ class _JobRun:
                 f"workers died {self.deaths_in_a_row} times in a row without finishing a "
                 f"batch (last: {cause}); the job stopped (rerun it to resume)"
             )
-        batch = suspect.pending.batch
-        log(f"nanoserve: worker {index} died while running batch {batch.batch_id} "
-             f"({len(suspect.rows)} of its {len(batch.rows)} rows): {cause}; replacing it")
+        shard = suspect.pending.shard
+        log(f"nanoserve: worker {index} died while running batch {shard.shard_id} "
+            f"({suspect.size()} of its {shard.num_rows} rows): {cause}; replacing it")
         self.pool.replace(index)
         retry = [s.piece for s in failed[1:]] + self._blame(suspect, cause)
         self.queue.extendleft(reversed(retry))
@@ -606,72 +647,53 @@ class _JobRun:
         piece.deaths += 1
         if piece.deaths < (1 if piece.split else MAX_BATCH_ATTEMPTS):
             return [piece]
-        if len(piece.rows) > 1:
-            half = len(piece.rows) // 2
-            return [_Piece(piece.pending, piece.rows[:half], split=True, suspect=True),
-                    _Piece(piece.pending, piece.rows[half:], split=True, suspect=True)]
-        row = piece.pending.batch.rows[piece.rows[0]]
-        self._answer(piece, [error_rows(
-            f"the worker died while processing this row ({cause}); isolated after its batch "
-            f"killed the worker {MAX_BATCH_ATTEMPTS} times", row.num_prompt_tokens, row.n)])
+        lo, hi = piece.rows
+        if hi - lo > 1:
+            mid = lo + (hi - lo) // 2
+            return [_Piece(piece.pending, (lo, mid), split=True, suspect=True),
+                    _Piece(piece.pending, (mid, hi), split=True, suspect=True)]
+        message = (f"the worker died while processing this row ({cause}); isolated after its "
+                   f"batch killed the worker {MAX_BATCH_ATTEMPTS} times")
+        self._answer(piece, self.local.run(piece.pending.shard, piece.rows, write=False,
+                                           error=message))
         return []
 
-    def _answer(self, piece: _Piece, results: list[list[dict[str, Any]]]) -> None:
-        """Store a piece's results (per row, its samples'); write the batch once every row
-        has them."""
+    def _answer(self, piece: _Piece, outcome: ShardOutcome) -> None:
+        """Count a piece's rows; record its shard once every row is answered (the worker
+        wrote the part of a whole shard; the pieces of a cut one are joined here)."""
         pending = piece.pending
-        for i, res in zip(piece.rows, results, strict=True):
-            pending.results[i] = res
-        pending.left -= len(piece.rows)
+        self._count(outcome)
+        pending.left -= piece.size()
+        if outcome.table is not None:
+            pending.tables[piece.rows[0]] = outcome.table
         if pending.left == 0:
-            self._write(pending.batch, pending.results)
+            self._write(pending.shard, pending.tables)
 
-    def _write(self, batch: Batch, results: list[list[dict[str, Any]]]) -> None:
-        """The one place a part is written (then recorded in the manifest), its rows in
-        input order (the digest keeps the batch's own order, by prompt length)."""
-        if self.reasoning is not None:
-            results = [[split_reasoning(self.reasoning, r.prompt_token_ids, res) for res in samples]
-                       for r, samples in zip(batch.rows, results)]
-        order = sorted(range(len(batch.rows)), key=lambda i: batch.rows[i].position)
-        in_order = dataclasses.replace(batch, rows=tuple(batch.rows[i] for i in order))
-        table = self._assemble(in_order, [results[i] for i in order])
-        table = table.replace_schema_metadata({PART_DIGEST_KEY: batch.digest().encode()})
-        self.folder.write_parquet(part_name(batch.batch_id), table)  # visible once complete
-        self.manifest.record(batch.batch_id, table.num_rows)
+    def _write(self, shard: Shard, tables: dict[int, pa.Table]) -> None:
+        """The one place a shard's part is recorded in the manifest: written by its worker
+        (`tables` empty), or written here first from its pieces' rows, in input order."""
+        if tables:
+            table = pa.concat_tables([tables[k] for k in sorted(tables)])
+            self.folder.write_parquet(part_name(shard.shard_id), with_digest(table, shard))
+            rows = table.num_rows
+        else:
+            rows = self.folder.parquet_num_rows(part_name(shard.shard_id))
+        self.manifest.record(shard.shard_id, rows)
         self.manifest.save(self.folder)
-        self._count(batch, results)
-        self.report.written(batch.batch_id, [res for samples in results for res in samples])
-
-    def _assemble(self, batch: Batch, results: list[list[dict[str, Any]]]) -> pa.Table:
-        """`id`, the input columns, then the results: one output row per sample of each
-        batch row (its id and input columns repeated)."""
-        rows = [r for r, samples in zip(batch.rows, results) for _ in samples]
-        flat = [res for samples in results for res in samples]
-        arrays = [pa.array([r.id for r in rows], type=self.schema.field("id").type)]
-        arrays += [pa.array([r.values[f.name] for r in rows], type=f.type)
-                   for f in self.input_fields]
-        result_fields = list(self.schema)[len(arrays):]
-        arrays += [pa.array([res.get(f.name) for res in flat], type=f.type)
-                   for f in result_fields]
-        return pa.Table.from_arrays(arrays, schema=self.schema)
-
-    def _count(self, batch: Batch, results: list[list[dict[str, Any]]]) -> None:
-        n = len(batch.rows)
-        flat = [res for samples in results for res in samples]
-        self.rows += len(flat)
-        self.input_rows += n
         self.num_batches += 1
-        self.error_rows += sum(res["finish_reason"] == "error" for res in flat)
-        self.finish_reasons.update(res["finish_reason"] for res in flat)
-        for row, samples in zip(batch.rows, results):
-            if row.params is not None and row.params.structured_outputs is not None:
-                cut = sum(res["finish_reason"] == "length" for res in samples)
-                if cut:
-                    self.cut_constrained[row.params.max_tokens] += cut
-        self.input_tokens += sum(samples[0]["num_input_tokens"] or 0 for samples in results)
-        self.output_tokens += sum(res["num_generated_tokens"] or 0 for res in flat)
+
+    def _count(self, out: ShardOutcome) -> None:
+        self.rows += out.rows
+        self.input_rows += out.input_rows
+        self.error_rows += out.error_rows
+        self.finish_reasons.update(out.finish_reasons)
+        self.cut_constrained.update(out.cut_constrained)
+        self.input_tokens += out.input_tokens
+        self.output_tokens += out.output_tokens
+        self.truncated_rows += out.truncated
+        self.report.written_rows(out.rows, out.errors)
         elapsed = max(time.perf_counter() - self.t0, 1e-9)
-        self.bar.update(n)
+        self.bar.update(out.input_rows)
         self.bar.set_postfix_str(self._rates(elapsed), refresh=False)
 
     def _rates(self, elapsed: float) -> str:
@@ -709,19 +731,6 @@ class _JobRun:
         )
 
 
-def _per_row(table_rows: list[dict[str, Any]], samples: list[int]) -> list[list[dict[str, Any]]]:
-    """A worker's result rows (one per sample, a row's samples consecutive) grouped per
-    input row; a worker that answered another number of rows is a NanoserveError."""
-    if len(table_rows) != sum(samples):
-        raise NanoserveError(f"a worker answered {len(table_rows)} result rows for "
-                             f"{sum(samples)} samples; rerun to resume")
-    out, at = [], 0
-    for n in samples:
-        out.append(table_rows[at:at + n])
-        at += n
-    return out
-
-
 def _fetch(ref: Any, timeout: float | None = None) -> tuple[str, Any]:
     """A task's outcome: ('ok', table), ('raised', RayTaskError) when `run_batch` raised,
     or ('died', error) when its worker died (or did not answer within `timeout`)."""
@@ -737,13 +746,3 @@ def _fetch(ref: Any, timeout: float | None = None) -> tuple[str, Any]:
 
 __all__ = ["JobOptions", "JobSummary", "WorkerReport", "run_batch_job"]
 
-
-def split_reasoning(parser: Any, prompt_ids: Any, res: dict[str, Any]) -> dict[str, Any]:
-    """A result row with its think block split off (`nanoserve.reasoning`): `reasoning`
-    (null where the output has no block), `num_reasoning_tokens`, and `generated_text` the
-    answer only (empty when the block never closed: finish_reason stays as the row ended,
-    'length' when it hit max_tokens while thinking). Error rows pass unchanged."""
-    if res["finish_reason"] == "error" or res["generated_token_ids"] is None:
-        return res
-    reasoning, answer, n, _ = parser.split_text(prompt_ids, res["generated_token_ids"])
-    return {**res, "generated_text": answer, "reasoning": reasoning, "num_reasoning_tokens": n}

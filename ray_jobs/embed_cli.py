@@ -1,6 +1,9 @@
 """`nanoserve embed INPUT -o OUTPUT_DIR [options]`: the embedding job's command line
 (`ray_jobs.embed_job`). Exit status as `nanoserve batch`: 0 when the job completed (error
-rows included); 2 with one line `error: <message>` for a job-level problem."""
+rows included); 2 with one line `error: <message>` for a job-level problem.
+
+Entry point of the job pipeline (docs/modules.md).
+"""
 
 from __future__ import annotations
 

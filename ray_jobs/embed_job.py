@@ -1,6 +1,8 @@
 """Embedding jobs: `ray_jobs.run_batch_job(..., task="embed")` (= `run_embed_job`),
 `nanoserve embed INPUT -o OUT`.
 
+Stage 3, workers (and the embedding task's entry) of the job pipeline (docs/modules.md).
+
     from ray_jobs import run_batch_job
     summary = run_batch_job("docs.parquet", "vectors/", task="embed", dimensions=256)
 
@@ -33,6 +35,7 @@ import pyarrow as pa
 from nanoserve.errors import InputError, NanoserveError
 from ray_jobs.io import InputChunk
 from ray_jobs.prepare import MESSAGES, TEXT, ColumnPlan, load_model_meta, plan_columns
+from ray_jobs.tasks import JobSpec, ShardOutcome, ShardWorker
 
 # The options an embedding job adds to `JobOptions` (run_batch_job's keyword arguments).
 EMBED_OPTIONS = ("task", "pooling", "normalize", "dimensions", "instruction",
@@ -279,26 +282,44 @@ def embed_error_rows(message: str, num_input_tokens: int = 0, n: int = 1) -> lis
     return [embed_row(None, num_input_tokens, message) for _ in range(n)]
 
 
-class RayEmbedWorker(EmbedWorker):
-    """The actor form: a model that fails to load is reported by `info()` as a message."""
+class EmbedTask:
+    """The embedding task of the job pipeline (`ray_jobs.tasks`): rows prepared by
+    `EmbedPreparer`, run by `EmbedWorker.run_batch`, one vector a row."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        from ray_jobs.pool import first_line
+    verb = "embedding"
 
-        self.load_error: str | None = None
-        try:
-            super().__init__(*args, **kwargs)
-        except NanoserveError as e:
-            self.load_error = str(e)
-        except Exception as e:
-            self.load_error = f"{type(e).__name__}: {first_line(str(e))}"
+    def __init__(self, spec: JobSpec, tokenizer: Any, config: Any, engine: Any = None,
+                 grammars: Any = None, preparer: Any = None) -> None:
+        opts = spec.task_options
+        self.preparer = preparer or EmbedPreparer(
+            spec.plan, tokenizer, config.vocab_size, opts["limit"], opts.get("instruction"),
+            opts.get("truncate", True))
+        self.engine = engine
+        self.dtype = opts.get("embedding_dtype", "float32")
 
-    def info(self) -> dict[str, Any]:
-        import ray
+    def groups(self, rows: list[Any]) -> list[list[int]]:
+        """One engine call (the embedder packs its rows by tokens itself)."""
+        return [list(range(len(rows)))]
 
-        if self.load_error is not None:
-            return {"load_error": self.load_error}
-        return {**super().info(), "node_id": ray.get_runtime_context().get_node_id()}
+    def requests(self, rows: list[Any]) -> list[Any]:
+        return rows
+
+    def results(self, table: pa.Table, rows: list[Any]) -> list[list[dict[str, Any]]]:
+        return [[res] for res in FastRows(table, self.dtype).to_pylist()]
+
+    def error_results(self, message: str, row: Any) -> list[dict[str, Any]]:
+        return embed_error_rows(message, row.num_prompt_tokens)
+
+    def count(self, out: ShardOutcome, row: Any, samples: list[dict[str, Any]]) -> None:
+        out.truncated += bool(getattr(row, "truncated", False))
+
+
+class RayEmbedWorker(ShardWorker, EmbedWorker):
+    """The embedding job's actor: an `EmbedWorker` that runs shards (`ShardWorker`)."""
+
+    def make_task(self, spec: Any) -> EmbedTask:
+        return EmbedTask(spec, self.embedder.tokenizer, self.embedder.config,
+                         engine=self.run_batch)
 
 
 @dataclass(frozen=True)
@@ -334,25 +355,15 @@ def embed_settings(model_path: Path, config: Any, options: dict[str, Any]) -> Em
 def run_embed_job(input: str | Path, output_dir: str | Path, **options: Any) -> Any:
     """`run_batch_job(..., task="embed")`: see the module docstring. Returns an
     `EmbedJobSummary`."""
-    from contextlib import ExitStack
-
     from nanoserve.model_store import DEFAULT_MODEL, resolve_model
-    from ray_jobs.batching import BatchLimits, make_batches
-    from ray_jobs.driver import _job_settings
-    from ray_jobs.io import iter_chunks, scan_input
-    from ray_jobs.local_ray import RaySession
-    from ray_jobs.manifest import (
-        hold_output_dir,
-        mark_complete,
-        open_output_dir,
-        reopen_batches_with_errors,
-    )
+    from ray_jobs.batching import BatchLimits
+    from ray_jobs.driver import Pipeline, _job_settings, run_pipeline
+    from ray_jobs.io import scan_input
     from ray_jobs.options import JobOptions
-    from ray_jobs.placement import check_output_reachable
-    from ray_jobs.pool import WorkerPool, first_line, log
     from ray_jobs.prepare import PROMPT_COLUMNS
-    from ray_jobs.report import report_data, write_report
-    from ray_jobs.storage import OutputDir, is_uri
+    from ray_jobs.shards import InputSpec
+    from ray_jobs.storage import OutputDir
+    from ray_jobs.tasks import JobSpec, ShardRunner
     from ray_jobs.timeline import Timeline
 
     timeline = Timeline(time.perf_counter())
@@ -364,7 +375,9 @@ def run_embed_job(input: str | Path, output_dir: str | Path, **options: Any) -> 
     config, tokenizer = load_model_meta(model_path)
     settings = embed_settings(model_path, config, options)
     opts = JobOptions(**options)
-    info = scan_input(input, opts.chunk_rows, opts.id_column)
+    limits = BatchLimits(opts.batch_size, opts.max_batch_tokens,
+                         opts.window_batches * opts.batch_size)  # (checked before the scan)
+    info = scan_input(input, opts.chunk_rows, opts.id_column, shard_rows=opts.batch_size)
     prompt_column = opts.prompt_column
     names = info.schema.names
     if prompt_column is None and not any(c in names for c in PROMPT_COLUMNS) \
@@ -376,8 +389,6 @@ def run_embed_job(input: str | Path, output_dir: str | Path, **options: Any) -> 
                          "name; rename it")
     schema = pa.schema([pa.field("id", plan.id_type)] + plan.passthrough_fields()
                        + list(embed_result_schema(settings.dim, settings.embedding_dtype)))
-    limits = BatchLimits(opts.batch_size, opts.max_batch_tokens,
-                         opts.window_batches * opts.batch_size)
     limit = settings.pooling.max_input_tokens
     preparer = EmbedPreparer(plan, tokenizer, config.vocab_size, limit,
                              settings.pooling.instruction, settings.truncate)
@@ -387,60 +398,25 @@ def run_embed_job(input: str | Path, output_dir: str | Path, **options: Any) -> 
                              "embedding_dtype": settings.embedding_dtype}
     job_settings["columns"]["prompt_column"] = prompt_column
     folder = OutputDir.open(output_dir)
-    if folder.local:
-        check_output_reachable(folder.path if is_uri(output_dir) else Path(output_dir))
-    with ExitStack() as stack:
-        stack.enter_context(hold_output_dir(folder))
-        manifest = open_output_dir(folder, job_settings, opts.overwrite)
-        retry = (reopen_batches_with_errors(folder, manifest) if opts.retry_errors
-                 else set())
-        if manifest.complete:
-            timeline.mark("prepare")
-            return EmbedJobSummary(str(folder), 0, 0, manifest.rows_done, 0, 0,
-                                   timeline.marks["prepare"], 0.0, 0.0, 0,
-                                   timings=timeline.timings())
+    spec = JobSpec("embed", InputSpec.of(info, opts.chunk_rows), plan, schema, folder, (),
+                   {"limit": limit, "instruction": settings.pooling.instruction,
+                    "truncate": settings.truncate, "embedding_dtype": settings.embedding_dtype})
+    local = ShardRunner(spec, EmbedTask(spec, tokenizer, config, preparer=preparer))
 
-        def start_pool() -> WorkerPool:
-            timeline.mark("prepare")
-            stack.enter_context(RaySession(opts.address))
-            timeline.mark("ray")
-            kwargs = {"pooling": settings.pooling.as_dict(),
-                      "max_batch_tokens": opts.max_batch_tokens}
-            pool = WorkerPool.start(opts, timeline, actor=RayEmbedWorker, actor_kwargs=kwargs)
-            stack.callback(pool.shutdown)
-            timeline.mark("workers")
-            return pool
+    def finish(summary: Any, run: Any) -> EmbedJobSummary:
+        return EmbedJobSummary(**{f.name: getattr(summary, f.name)
+                                  for f in dataclasses.fields(EmbedJobSummary)
+                                  if hasattr(summary, f.name)},
+                               truncated_rows=run.truncated_rows, dimensions=settings.dim)
 
-        run = _EmbedJobRun(opts, plan, folder, manifest, start_pool, info.num_rows, timeline,
-                           retry)
-        run.schema = schema
-        run.embedding_dtype = settings.embedding_dtype
-        run.input_fields = plan.passthrough_fields()
-
-        def rows():
-            position = 0
-            for chunk in iter_chunks(info, opts.chunk_rows):
-                yield from preparer.prepare(chunk, position)
-                position += chunk.batch.num_rows
-
-        run.execute(make_batches(rows(), limits))
-        mark_complete(folder, manifest)
-    timeline.mark("shutdown")
-    summary = run.summary(timeline.marks["shutdown"])
-    summary = EmbedJobSummary(**{f.name: getattr(summary, f.name)
-                                 for f in dataclasses.fields(EmbedJobSummary)
-                                 if hasattr(summary, f.name)},
-                              truncated_rows=run.truncated_rows, dimensions=settings.dim)
-    report_settings = {"options": dataclasses.asdict(opts), "model": job_settings["model"],
-                       "input": job_settings["input"], "embed": job_settings["embed"]}
-    try:
-        path = write_report(folder, report_data(run.report, summary, report_settings,
-                                                opts.batch_size))
-    except Exception as e:
-        log(f"nanoserve: the job report could not be written: {type(e).__name__}: "
-            f"{first_line(str(e))}")
-        return summary
-    return dataclasses.replace(summary, report=str(path))
+    return run_pipeline(Pipeline(
+        opts, info, output_dir, folder, job_settings, spec, local, _EmbedJobRun,
+        EmbedJobSummary, actor=RayEmbedWorker,
+        actor_kwargs={"pooling": settings.pooling.as_dict(),
+                      "max_batch_tokens": opts.max_batch_tokens},
+        report_settings={"options": dataclasses.asdict(opts), "model": job_settings["model"],
+                         "input": job_settings["input"], "embed": job_settings["embed"]},
+        finish=finish), timeline)
 
 
 @dataclass(frozen=True)
@@ -499,8 +475,7 @@ def _embed_job_run_class() -> type:
     from ray_jobs.driver import _JobRun
 
     class EmbedJobRun(_JobRun):
-        """The generation job's run with embedding rows: error batches and isolated rows
-        get embedding error rows, and rows cut to the limit are counted."""
+        """The generation job's run, with the embedding job's progress bar."""
 
         truncated_rows = 0
         embedding_dtype = "float32"
@@ -510,49 +485,6 @@ def _embed_job_run_class() -> type:
             return (f"{self.input_rows / elapsed:.1f} rows/s, "
                     f"{self.input_tokens / elapsed:.1f} input tok/s")
 
-        def _admit(self, batch: Any) -> None:
-            from ray_jobs.driver import _Pending, _Piece
-            from ray_jobs.manifest import adopt_part
-
-            n = len(batch.rows)
-            if batch.batch_id not in self.retry and (
-                    batch.batch_id in self.manifest.done or adopt_part(
-                        self.folder, self.manifest, batch.batch_id, batch.digest(),
-                        batch.num_samples)):
-                self.rows_resumed += batch.num_samples
-                self.bar.update(n)
-            elif batch.is_error:
-                self._write(batch, [embed_error_rows(r.error) for r in batch.rows])
-            else:
-                self.queue.append(_Piece(_Pending(batch, [None] * n, n), tuple(range(n))))
-
-        def _count(self, batch: Any, results: list[list[dict[str, Any]]]) -> None:
-            super()._count(batch, results)
-            self.truncated_rows += sum(getattr(r, "truncated", False) for r in batch.rows)
-
-        def _settle(self, sent: Any, outcome: str, value: Any) -> None:
-            if outcome == "ok":
-                value = FastRows(value, self.embedding_dtype)
-            if outcome == "raised":
-                rows = sent.piece.pending.batch.rows
-                message = f"embedding failed: {driver_first_line(str(value.cause or value))}"
-                self._answer(sent.piece, [embed_error_rows(message, rows[i].num_prompt_tokens)
-                                          for i in sent.piece.rows])
-                return
-            super()._settle(sent, outcome, value)
-
-        def _blame(self, piece: Any, cause: str) -> list[Any]:
-            from ray_jobs.driver import MAX_BATCH_ATTEMPTS
-
-            if len(piece.rows) == 1 and piece.deaths + 1 >= (
-                    1 if piece.split else MAX_BATCH_ATTEMPTS):
-                row = piece.pending.batch.rows[piece.rows[0]]
-                piece.deaths += 1
-                self._answer(piece, [embed_error_rows(
-                    f"the worker died while embedding this row ({cause})",
-                    row.num_prompt_tokens)])
-                return []
-            return super()._blame(piece, cause)
 
     return EmbedJobRun
 

@@ -1,6 +1,8 @@
 """Dataset I/O for the batch job: input files read as a stream of Arrow record batches, and
 output parts written atomically.
 
+Stage 1, input of the job pipeline (docs/modules.md).
+
 Input: a `.parquet` file, a JSON Lines file (`.jsonl`, `.ndjson`, or `.json` holding one
 object a line; any of them may be compressed: `.gz`, `.zst`), or a folder of them, local or
 on any filesystem `ray_jobs.storage` resolves (`s3://bucket/prefix/`, `gs://...`). A folder is
@@ -56,6 +58,7 @@ Invariants:
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import re
@@ -77,6 +80,7 @@ INPUT_SUFFIXES = (".parquet", ".jsonl", ".ndjson", ".json")
 COMPRESSIONS = {".gz": "gzip", ".zst": "zstd"}  # JSON Lines only (Parquet compresses inside)
 _EXPECTED = ".parquet or JSON Lines (.jsonl, .ndjson, .json; also .gz, .zst)"
 DEFAULT_CHUNK_ROWS = 1024
+DEFAULT_SHARD_ROWS = 1024  # rows of a shard (`ray_jobs.shards`) unless the job says
 DEFAULT_ID_COLUMN = "id"  # the id column when the job names none
 
 # The columns every output row gets after `id` and the input's own columns.
@@ -162,6 +166,9 @@ class InputInfo:
     id_column: str | None = None
     input_format: str = "auto"  # 'auto', 'openai' (every line an OpenAI batch request), 'plain'
     openai_rows: int = 0  # lines read as OpenAI batch requests (`ray_jobs.openai_batch`)
+    file_rows: tuple[int, ...] = ()  # rows per file, in `files`' order
+    cuts: tuple[Any, ...] = ()  # per file: its `FileCuts` (JSONL), None (Parquet)
+    shard_rows: int = 0  # the rows between two cuts
 
 
 @dataclass(frozen=True)
@@ -239,7 +246,8 @@ def list_input_files(path: str | Path) -> list[InputFile]:
 
 
 def scan_input(path: str | Path, chunk_rows: int = DEFAULT_CHUNK_ROWS,
-               id_column: str | None = None, input_format: str = "auto") -> InputInfo:
+               id_column: str | None = None, input_format: str = "auto",
+               shard_rows: int = DEFAULT_SHARD_ROWS) -> InputInfo:
     """Check every input file, unify their schemas and check the ids.
 
     Types: nulls and ints widen. A JSONL column takes the type most of its values have
@@ -247,7 +255,9 @@ def scan_input(path: str | Path, chunk_rows: int = DEFAULT_CHUNK_ROWS,
     not agree with that type, or an id column whose values disagree, is an InputError.
     `id_column`: the column of row ids; None means `id` where the input has one (the rule
     `prepare.plan_columns` follows). JSONL files are parsed once here, streaming; Parquet
-    files have their footers and id column read."""
+    files have their footers and id column read. `shard_rows`: the scan records where
+    every `shard_rows`-th row of a JSONL file starts (`InputInfo.cuts`), so that a worker
+    reads its shard from there (`ray_jobs.shards`)."""
     files = list_input_files(path)
     check_input_format(input_format, files)
     id_name = id_column or DEFAULT_ID_COLUMN
@@ -256,8 +266,12 @@ def scan_input(path: str | Path, chunk_rows: int = DEFAULT_CHUNK_ROWS,
     layouts: list[pa.Schema | list[str]] = []  # per file: its schema, or (JSONL) its columns
     jsonl_types: dict[str, dict[pa.DataType, int]] = {}  # column -> {type: values of it}
     num_rows = 0
+    file_rows: list[int] = []
+    cuts: list[FileCuts | None] = []
     for f in files:
+        before = num_rows
         if f.kind == "parquet":
+            cuts.append(None)
             pfile = _parquet_file(f)
             schema = _with_partition_fields(pfile.schema_arrow.remove_metadata(), f)
             layouts.append(schema)
@@ -267,8 +281,8 @@ def scan_input(path: str | Path, chunk_rows: int = DEFAULT_CHUNK_ROWS,
             num_rows += n
         else:
             names: dict[str, None] = {}
-            for chunk in _iter_jsonl(f, chunk_rows, schema=None, id_column=id_name,
-                                     input_format=input_format):
+            cuts.append(FileCuts(shard_rows))
+            for chunk in _scan_jsonl(f, chunk_rows, id_name, input_format, cuts[-1]):
                 openai_rows += chunk.openai_rows
                 for fld, col in zip(chunk.batch.schema, chunk.batch.columns):
                     names.setdefault(fld.name)
@@ -277,6 +291,7 @@ def scan_input(path: str | Path, chunk_rows: int = DEFAULT_CHUNK_ROWS,
                 ids.add(f, _chunk_ids(chunk, id_name))
                 num_rows += chunk.batch.num_rows
             layouts.append(list(names))
+        file_rows.append(num_rows - before)
     try:
         types = {name: _column_type(name, counts, strict=name == id_name)
                  for name, counts in jsonl_types.items()}
@@ -293,7 +308,8 @@ def scan_input(path: str | Path, chunk_rows: int = DEFAULT_CHUNK_ROWS,
         ids.check(schema.field(id_name).type, custom_ids=openai_rows > 0 and id_name == "id")
     return InputInfo(root=str(path), files=tuple(files), schema=schema, num_rows=num_rows,
                      id_column=id_name if has_ids else None, input_format=input_format,
-                     openai_rows=openai_rows)
+                     openai_rows=openai_rows, file_rows=tuple(file_rows), cuts=tuple(cuts),
+                     shard_rows=shard_rows)
 
 
 def _parquet_ids(pfile: pq.ParquetFile, f: InputFile, id_name: str, chunk_rows: int
@@ -435,7 +451,8 @@ class _IdScan:
     is a row-level problem, left to `prepare`.)
 
     Memory: 8 bytes a row (a 64-bit hash of each id), not the ids: a million string ids
-    held as Arrow arrays, one per chunk, cost about 100 MiB of the driver's memory. A
+    held as Arrow arrays, one per chunk, cost about 100 MiB of the driver's memory; none
+    while every id so far is null (an input without ids: rows are numbered). A
     repeated hash is confirmed, and named, by reading the ids at its rows again
     (`reread(file)` yields a file's id arrays as `add` was given them)."""
 
@@ -443,13 +460,24 @@ class _IdScan:
         self.name = name
         self.reread = reread
         self.files: list[tuple[InputFile, int]] = []  # (file, position of its first row)
-        self.hashes = array("Q")  # per row; 0: null
+        self.hashes = array("Q")  # per row from the first id that is not null; 0: null
+        self.nulls_before = 0  # rows before that, all null (not held)
         self._file: InputFile | None = None
+
+    @property
+    def rows(self) -> int:
+        return self.nulls_before + len(self.hashes)
 
     def add(self, file: InputFile, values: pa.Array) -> None:
         if file is not self._file:
-            self.files.append((file, len(self.hashes)))
+            self.files.append((file, self.rows))
             self._file = file
+        if not self.hashes and values.null_count == len(values):
+            self.nulls_before += len(values)
+            return
+        if not self.hashes:
+            self.hashes.extend([0] * self.nulls_before)
+            self.nulls_before = 0
         self.hashes.extend(_id_hash(v) for v in values.to_pylist())
 
     def check(self, typ: pa.DataType, custom_ids: bool = False) -> None:
@@ -502,7 +530,7 @@ class _IdScan:
     def _values_at(self, positions: set[int]) -> dict[int, Any]:
         out = {}
         for k, (file, start) in enumerate(self.files):
-            end = self.files[k + 1][1] if k + 1 < len(self.files) else len(self.hashes)
+            end = self.files[k + 1][1] if k + 1 < len(self.files) else self.rows
             if not any(start <= p < end for p in positions):
                 continue
             at = start
@@ -550,31 +578,47 @@ def _jsonl_line_of_row(path: InputFile, row: int) -> int:
 
 
 def _iter_jsonl(path: InputFile, chunk_rows: int, schema: pa.Schema | None,
-                id_column: str | None = None, input_format: str = "auto"
-                ) -> Iterator[InputChunk]:
+                id_column: str | None = None, input_format: str = "auto",
+                start: tuple[int, int] = (0, 1), limit: int | None = None,
+                cuts: FileCuts | None = None, stream: Any = None) -> Iterator[InputChunk]:
     """Parse a JSONL file line by line into chunks (a compressed one decompressed as a
     stream). Blank lines are skipped; a UTF-8 byte order mark at the start is allowed. With
     `schema` None each chunk's types are inferred (the scan); otherwise rows are built in
     `schema`. `id_column` is read strictly (a value of another type is an InputError, not a
     row error). The file's partition keys are added to each row that lacks them. A line
     that is an OpenAI batch request (or, with `input_format` 'openai', any line) becomes the
-    row `ray_jobs.openai_batch.flatten_request` makes of it."""
+    row `ray_jobs.openai_batch.flatten_request` makes of it.
+
+    A shard (`ray_jobs.shards`) reads from `start` (the byte offset in the decompressed
+    stream of a row's line, and that line's number) at most `limit` rows; the scan passes
+    `cuts` to have the offset and line of every `cuts.every`-th row recorded. `stream`: read
+    these lines instead (a block of the file that starts at `start`: `_scan_jsonl`)."""
     from ray_jobs.openai_batch import flatten_request, is_request
 
     rows: list[dict] = []
     openai_rows = 0
     lines: list[int] = []
     row_errors: dict[int, str] = {}
+    offset, first_line = start
+    taken = 0
     try:
-        f = open_lines(path.loc, path.compression)
+        f = stream if stream is not None else open_lines(path.loc, path.compression)
     except OSError as e:
         raise InputError(f"{path}: cannot read ({e.strerror})") from None
     with f:
-        for lineno, raw in enumerate(_lines(f, path), start=1):
+        if stream is None:
+            _skip_bytes(f, offset, path)
+        for lineno, raw in enumerate(_lines(f, path), start=first_line):
+            at, offset = offset, offset + len(raw)
             if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
                 raw = raw[3:]
             if not raw.strip():
                 continue
+            if limit is not None and taken == limit:
+                break
+            if cuts is not None:
+                cuts.seen(at, lineno)
+            taken += 1
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as e:
@@ -621,6 +665,127 @@ def _iter_jsonl(path: InputFile, chunk_rows: int, schema: pa.Schema | None,
     if rows:
         batch = _rows_to_batch(rows, lines, path, schema, id_column, row_errors)
         yield InputChunk(batch, path, row_errors, tuple(lines), openai_rows)
+
+
+SCAN_BLOCK_BYTES = 4 << 20  # the scan's unit: whole lines, about this many bytes
+_FAST_TYPES = (pa.string(), pa.int64(), pa.float64(), pa.bool_(), pa.null())
+_BLANK_LINE = re.compile(rb"\n[ \t\r]*\n|\n[ \t\r]+\Z")  # (and a blank first line)
+_SURROGATE_ESCAPE_BYTES = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _scan_jsonl(path: InputFile, chunk_rows: int, id_name: str, input_format: str,
+                cuts: FileCuts) -> Iterator[InputChunk]:
+    """The scan's read of a JSONL file: chunks whose columns have the types `_iter_jsonl`
+    infers (rows not yet in the job's schema), and `cuts` recorded. Blocks of whole lines
+    are parsed by Arrow's JSON reader (C++, no Python object a row) where that gives the
+    same answer: every line an object (its first byte `{`), no blank line, no byte order mark, no surrogate
+    escape, no OpenAI request (`custom_id`), no partition key, every column a string,
+    integer, float, boolean or null. Any other block is read line by line by `_iter_jsonl`,
+    which also names a bad line."""
+    import numpy as np
+
+    if path.partition or input_format == "openai":
+        yield from _iter_jsonl(path, chunk_rows, schema=None, id_column=id_name,
+                               input_format=input_format, cuts=cuts)
+        return
+    try:
+        f = open_lines(path.loc, path.compression)
+    except OSError as e:
+        raise InputError(f"{path}: cannot read ({e.strerror})") from None
+    offset, line, rest = 0, 1, b""
+    with f:
+        while True:
+            try:
+                data = f.read(SCAN_BLOCK_BYTES)
+            except (OSError, pa.ArrowException, EOFError) as e:
+                raise InputError(f"{path}: cannot read ({' '.join(str(e).split())})") from None
+            block = rest + data
+            end = block.rfind(b"\n") + 1 if data else len(block)
+            block, rest = block[:end], block[end:]
+            if block:
+                ends = np.flatnonzero(np.frombuffer(block, np.uint8) == 10)
+                lines = len(ends) + (not block.endswith(b"\n"))
+                starts = np.concatenate(([0], ends[:lines - 1] + 1))
+                table = None  # a line that does not start with "{" is read line by line
+                if (np.frombuffer(block, np.uint8)[starts] == ord("{")).all():
+                    table = _arrow_block(block, line == 1, input_format)
+                if table is None:
+                    yield from _iter_jsonl(path, chunk_rows, schema=None, id_column=id_name,
+                                           input_format=input_format, cuts=cuts,
+                                           start=(offset, line), stream=io.BytesIO(block))
+                else:
+                    cuts.seen_all(starts + offset, line)
+                    for batch in table.to_batches(chunk_rows):
+                        yield InputChunk(batch, path)
+                offset, line = offset + len(block), line + lines
+            if not data:
+                return
+
+
+def _arrow_block(block: bytes, first: bool, input_format: str) -> pa.Table | None:
+    """A block of JSON lines read by Arrow, or None where `_scan_jsonl` reads it line by
+    line (see there)."""
+    import pyarrow.json as pj
+
+    head = block[:block.find(b"\n") + 1 or len(block)]
+    if (first and block.startswith(b"\xef\xbb\xbf")) or not head.strip() or _BLANK_LINE.search(block) \
+            or _SURROGATE_ESCAPE_BYTES.search(block) or (
+                input_format == "auto" and b'"custom_id"' in block):
+        return None
+    try:
+        table = pj.read_json(io.BytesIO(block), read_options=pj.ReadOptions(
+            use_threads=False, block_size=len(block) + 1))
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+        return None
+    if not table.num_columns or any(t not in _FAST_TYPES for t in table.schema.types) or any(
+            name in JSON_TEXT_COLUMNS for name in table.schema.names):
+        return None
+    return table.combine_chunks()
+
+
+def _skip_bytes(f: Any, offset: int, path: InputFile) -> None:
+    """Move a fresh line reader to `offset`: a seek where the file allows it, else (a
+    compressed or remote stream) by reading and dropping the bytes before it."""
+    if not offset:
+        return
+    if path.loc.local and path.compression is None:
+        f.seek(offset)
+        return
+    left = offset
+    while left:
+        block = f.read(min(left, 1 << 20))
+        if not block:
+            raise InputError(f"{path}: shorter than when it was scanned (it changed?)")
+        left -= len(block)
+
+
+class FileCuts:
+    """Where a JSONL file's shards start: the byte offset (in the decompressed stream) and
+    line number of every `every`-th row, recorded by the scan's one parse pass. Two int64
+    arrays: 16 bytes a shard."""
+
+    def __init__(self, every: int) -> None:
+        self.every = every
+        self.offsets = array("q")
+        self.lines = array("q")
+        self.rows = 0
+
+    def seen(self, offset: int, line: int) -> None:
+        if self.rows % self.every == 0:
+            self.offsets.append(offset)
+            self.lines.append(line)
+        self.rows += 1
+
+    def seen_all(self, offsets: Any, first_line: int) -> None:
+        """`seen` for consecutive rows, one a line from `first_line` (numpy int64 offsets)."""
+        k = (-self.rows) % self.every
+        self.offsets.extend(offsets[k::self.every].tolist())
+        self.lines.extend(range(first_line + k, first_line + len(offsets), self.every))
+        self.rows += len(offsets)
+
+    def start(self, k: int) -> tuple[int, int]:
+        """(offset, line) of the first row of the file's `k`-th shard."""
+        return self.offsets[k], self.lines[k]
 
 
 INPUT_FORMATS = ("auto", "openai", "plain")

@@ -1,5 +1,7 @@
 """The output folder's manifest: what job wrote it and which batches are done.
 
+Stage 4, output of the job pipeline (docs/modules.md).
+
 `OUTPUT_DIR/_nanoserve_manifest.json` records the job's settings (model identity, input
 identity, sampling defaults, batching and column options) and the ids of the batches whose
 parts (`part-<batch id>.parquet`) are written; `OUTPUT_DIR/_SUCCESS` appears only once every
@@ -270,16 +272,18 @@ def part_digest(folder: Path | OutputDir, name: str | None = None) -> str | None
 
 
 def adopt_part(folder: Path | OutputDir, manifest: Manifest, batch_id: int, digest: str,
-               num_rows: int) -> bool:
+               num_rows: int | None = None) -> bool:
     """Record an unrecorded part already in the folder as done, if it holds exactly this
-    batch (same digest and row count); then the batch is not computed again."""
+    batch or shard (same digest, and row count when given); then it is not computed
+    again."""
     folder = OutputDir.open(folder)
     name = part_name(batch_id)
     if batch_id in manifest.done or part_digest(folder, name) != digest:
         return False
-    if folder.parquet_num_rows(name) != num_rows:
+    found = folder.parquet_num_rows(name)
+    if num_rows is not None and found != num_rows:
         return False
-    manifest.record(batch_id, num_rows)
+    manifest.record(batch_id, found)
     manifest.save(folder)
     return True
 

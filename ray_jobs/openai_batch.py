@@ -1,6 +1,8 @@
 """OpenAI Batch API files in and out: request lines read as input rows, and the job's parts
 assembled into `output.jsonl` / `errors.jsonl` in OpenAI's batch output shape.
 
+Stage 4, output (and OpenAI request lines read at stage 1) of the job pipeline (docs/modules.md).
+
 Input. A JSON Lines line `{"custom_id", "method": "POST", "url", "body"}` (recognised by
 its `custom_id` and `body` keys; with `--input-format openai` every line is read as one)
 becomes an ordinary input row (`flatten_request`): `id` is the custom_id, `url` is kept, and

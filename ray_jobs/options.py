@@ -1,5 +1,8 @@
 """The batch job's options (`JobOptions`, the `nanoserve batch` flags), checked once when
-built. Its own module so that the driver and the worker pool both read it, one way."""
+built. Its own module so that the driver and the worker pool both read it, one way.
+
+Stage 2, dispatch of the job pipeline (docs/modules.md).
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
 """Where a job's output goes on a multi-node cluster, checked before any work.
 
+Stage 2, dispatch of the job pipeline (docs/modules.md).
+
 The driver writes every output part and the manifest itself (workers return Arrow tables
 to it; they never touch the output folder), so OUTPUT_DIR must be writable from the
 machine the driver runs on: the machine where `nanoserve batch` was typed, or the head

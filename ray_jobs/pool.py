@@ -2,6 +2,8 @@
 they are started and replaced, which one takes the next piece of work, and what each did
 (`WorkerReport`).
 
+Stage 2, dispatch of the job pipeline (docs/modules.md).
+
 How much work a worker holds (`hold_limits`) follows its engine, not a count of batches: a
 continuous engine is sent batches until it holds HOLD_FACTOR times the rows it runs at once.
 A batch comes back only when its longest row ends, so about half the rows of the batches a
@@ -31,9 +33,10 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from nanoserve.errors import ModelError, NanoserveError
+from nanoserve.errors import ModelError, NanoserveError, first_line
 from nanoserve.running_rows import CPU_DEFAULT_ROWS, MAX_DEFAULT_ROWS
 from ray_jobs.autoscale import GROW_POLL_S, LostNode, node_lost, parse_num_workers, wait_for_gpus
+from ray_jobs.tasks import GenerateTask, ShardWorker
 from ray_jobs.worker import FAULT_ENV_PREFIX, BatchWorker
 
 if TYPE_CHECKING:
@@ -43,6 +46,17 @@ if TYPE_CHECKING:
 
 HOLD_FACTOR = 3  # a continuous engine's worker holds this many times its running rows
 MAX_ACTOR_THREADS = 256  # calls one actor runs at once (each a thread waiting on its engine)
+
+
+# The object stores' client settings forwarded from the driver's environment to its actors
+# (through Ray's runtime_env, so visible to whoever can read the cluster's job metadata):
+# the workers reach the store the driver reached. Nodes with their own credentials (an
+# instance role) need none of these set on the driver.
+STORAGE_ENV = frozenset({
+    "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION",
+    "AWS_PROFILE", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
+    "AWS_EC2_METADATA_DISABLED", "GOOGLE_APPLICATION_CREDENTIALS",
+    "AZURE_STORAGE_ACCOUNT_NAME", "AZURE_STORAGE_ACCOUNT_KEY"})
 
 
 def _batches_for(rows: int, opts: JobOptions) -> int:
@@ -124,25 +138,14 @@ class WorkerReport:
         return self.decode_row_steps / self.decode_steps if self.decode_steps else None
 
 
-class RayBatchWorker(BatchWorker):
-    """The actor form of `BatchWorker`: a model that fails to load is reported by `info()`
-    as a message (a clean job-level error) rather than as a crashed actor."""
+class RayBatchWorker(ShardWorker, BatchWorker):
+    """The generation job's actor: a `BatchWorker` that runs shards (`ShardWorker`)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.load_error: str | None = None
-        try:
-            super().__init__(*args, **kwargs)
-        except NanoserveError as e:
-            self.load_error = str(e)
-        except Exception as e:  # torch, CUDA, files: whatever stops the model loading here
-            self.load_error = f"{type(e).__name__}: {first_line(str(e))}"
-
-    def info(self) -> dict[str, Any]:
-        import ray
-
-        if self.load_error is not None:
-            return {"load_error": self.load_error}
-        return {**super().info(), "node_id": ray.get_runtime_context().get_node_id()}
+    def make_task(self, spec: Any) -> GenerateTask:
+        static = getattr(self.llm, "scheduler", "static") == "static"
+        return GenerateTask(spec, self.llm.tokenizer, self.llm.config, engine=self.run_batch,
+                            grammars=self.llm.grammars,
+                            static_rows=self.llm.max_batch_size if static else None)
 
 
 ENGINE_COUNTERS = ("up_s", "busy_s", "decode_steps", "decode_row_steps")
@@ -284,9 +287,12 @@ class WorkerPool:
         else:
             actor_options = {"num_cpus": 1}
             num_threads = max(1, num_cpus // count)
-        fault_env = {k: v for k, v in os.environ.items() if k.startswith(FAULT_ENV_PREFIX)}
-        if fault_env:  # testing hooks (see ray_jobs.worker), forwarded to the actors
-            actor_options["runtime_env"] = {"env_vars": fault_env}
+        # Testing hooks (see ray_jobs.worker), and the object store's settings: the workers
+        # read the input and write the parts with the driver's store (`STORAGE_ENV`).
+        env = {k: v for k, v in os.environ.items()
+               if k.startswith(FAULT_ENV_PREFIX) or k in STORAGE_ENV}
+        if env:
+            actor_options["runtime_env"] = {"env_vars": env}
         # Threaded actor: a worker holds several batches at once (`hold_limits`), so its
         # engine (continuous scheduler) admits the next batches' rows as rows finish. A
         # static engine still runs one batch at a time (a lock).
@@ -582,11 +588,6 @@ def death_reason(error: Exception) -> str:
         if match:
             return match.group(1).strip()
     return first_line(str(error))
-
-
-def first_line(text: str) -> str:
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    return lines[0] if lines else text
 
 
 def ready_line(infos: list[dict[str, Any]]) -> str:

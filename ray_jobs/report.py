@@ -1,5 +1,7 @@
 """The job report: one self-contained HTML file per run, `OUTPUT_DIR/_nanoserve_report.html`.
 
+Stage 4, output of the job pipeline (docs/modules.md).
+
 Each answered piece of a batch is read into a `PieceRecord` (when it came back, from which
 worker, its rows, output tokens and the engine's counts from the table's schema metadata)
 and folded at once into the driver's `ReportLog`: exact running totals plus sums over at
@@ -206,14 +208,18 @@ class ReportLog:
             self.early_finish_bins[_share_bin(p.finished_row_steps, p.decode_row_steps)] += 1
 
     def written(self, batch_id: int, results: list[dict[str, Any]]) -> None:
-        self.batches_written += 1
-        self.rows_written += len(results)
-        for res in results:
-            if res["finish_reason"] == "error":
-                cause = error_cause(res["error"] or "")
-                if cause not in self.error_causes and len(self.error_causes) >= MAX_ERROR_CAUSES:
-                    cause = OTHER_CAUSES
-                self.error_causes[cause] += 1
+        self.written_rows(len(results), [res["error"] or "" for res in results
+                                         if res["finish_reason"] == "error"])
+
+    def written_rows(self, rows: int, errors: list[str], parts: int = 1) -> None:
+        """`rows` output rows answered, `errors` the messages of the error rows among them."""
+        self.batches_written += parts
+        self.rows_written += rows
+        for message in errors:
+            cause = error_cause(message)
+            if cause not in self.error_causes and len(self.error_causes) >= MAX_ERROR_CAUSES:
+                cause = OTHER_CAUSES
+            self.error_causes[cause] += 1
 
 
 def report_data(log: ReportLog, summary: Any, settings: dict[str, Any],

@@ -1,6 +1,8 @@
 """Where a job's files live: a local path or a URI (`s3://`, `gs://`, any fsspec protocol),
 resolved to a `pyarrow.fs` filesystem, and the output location built on it.
 
+Stage 1, input (and the output's storage) of the job pipeline (docs/modules.md).
+
     loc = resolve("s3://bucket/prompts/")      # Location(fs, path, uri)
     out = OutputDir.open("s3://bucket/out/")   # the output folder or prefix of a job
 
@@ -165,11 +167,20 @@ class OutputDir:
 
     def __init__(self, loc: Location) -> None:
         self.loc = loc
-        self.lease: ObjectLease | None = None
+        self.lease: ObjectLease | LeaseView | None = None
 
     @classmethod
     def open(cls, target: str | Path | OutputDir) -> OutputDir:
         return target if isinstance(target, OutputDir) else cls(resolve(target))
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The copy a worker gets (its parts are written there): the lease stays with the
+        driver that holds it (a thread, a store client); the copy checks it by reading the
+        lock object before each write (`LeaseView`)."""
+        lease = self.lease
+        if isinstance(lease, ObjectLease):
+            lease = LeaseView(self / LOCK_NAME, lease.owner, str(self))
+        return {"loc": self.loc, "lease": lease}
 
     @property
     def local(self) -> bool:
@@ -551,6 +562,27 @@ class ObjectLease:
                 except Exception:  # the lease expires by itself
                     pass
             self.version = None
+
+
+@dataclass(frozen=True)
+class LeaseView:
+    """A worker's check of its driver's lease: the lock object still names the driver's
+    lease (`owner`) and has not expired; one read of the lock object a write."""
+
+    loc: Location
+    owner: str
+    out: str
+
+    def check(self) -> None:
+        try:
+            with self.loc.fs.open_input_stream(self.loc.path) as f:
+                holder = _parse(f.read())
+        except (OSError, pa.ArrowException):
+            holder = {}
+        if holder.get("owner") != self.owner or float(holder.get("expires", 0)) < time.time():
+            raise NanoserveError(f"output {self.out}: this job lost the lock (another job "
+                                 f"took it over, or its lease expired); it stopped writing "
+                                 f"(rerun it to resume)")
 
 
 def _parse(body: bytes) -> dict[str, Any]:

@@ -1,4 +1,7 @@
-"""A job's phases and when each ended (`JobSummary.timings`)."""
+"""A job's phases and when each ended (`JobSummary.timings`).
+
+Stage 2, dispatch of the job pipeline (docs/modules.md).
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,9 @@
 """The batch worker: one `LLM` held for the life of the process, fed whole batches.
 
-`BatchWorker` is a plain class (usable without Ray); the driver wraps it as a Ray actor,
+Stage 3, workers of the job pipeline (docs/modules.md).
+
+`BatchWorker` is a plain class (usable without Ray); the job wraps it as a Ray actor
+that runs shards (`ray_jobs.pool.RayBatchWorker`, `ray_jobs.tasks.ShardWorker`),
 one per GPU (`num_gpus=1`) or on the CPU (`num_cpus=1`) where the cluster has no GPUs.
 The device is chosen inside the worker: `cuda` when Ray gave it a GPU and torch sees one,
 else `cpu` (so logical GPUs on a CPU machine still work, on the CPU).

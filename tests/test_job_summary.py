@@ -78,11 +78,13 @@ def test_report_shows_finish_reasons_and_the_warning(cut_job):
 
 
 def test_each_part_holds_its_rows_in_input_order(cut_job):
+    """A part holds one shard: consecutive input rows, in input order, its error row in its
+    place, whatever order the engine ran them in."""
     _, out = cut_job
     parts = sorted(out.glob("part-*.parquet"))
-    assert len(parts) == 2  # the error row's batch, then the others
+    assert len(parts) == 1  # 6 rows, shards of up to batch_size (16) rows
     ids = [pq.read_table(p, columns=["id"])["id"].to_pylist() for p in parts]
-    assert ids == [[2], [0, 1, 3, 4, 5]]  # ids are positions; batched longest first
+    assert ids == [[0, 1, 2, 3, 4, 5]]  # ids are positions
 
 
 def test_a_single_computed_batch_is_one_generate_phase(cut_job):

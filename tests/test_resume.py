@@ -110,7 +110,10 @@ def test_driver_killed_mid_job_resumes_keeping_written_parts(tiny_job_model, tin
     env.pop("RAY_ADDRESS", None)
     command = [sys.executable, "-m", "nanoserve_cli", "batch", str(path), "-o", str(out),
                "--model", str(tiny_job_model), "--batch-size", "2", "--max-tokens", str(MAX_TOKENS),
-               "--address", "local", "--no-progress"]
+               "--address", "local", "--no-progress",
+               # a static engine holds two shards at a time (a continuous one would hold all
+               # 60 of these and write every part before the kill lands)
+               "--scheduler", "static"]
     with open(tmp_path / "first.log", "w") as log:
         first = subprocess.Popen(command, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                                  start_new_session=True)
