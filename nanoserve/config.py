@@ -53,6 +53,9 @@ FAMILIES = {
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
+# A mixture-of-experts layer's stacked expert tensors, under `mlp.experts.` (gate and up
+# fused): what nanoserve/moe_weights.py stacks a checkpoint's experts into.
+STACKED = ("gate_up_proj", "down_proj")
 # The same families without an LM head (embedding checkpoints, e.g. Qwen3-Embedding saved
 # by sentence-transformers): they load for `embed`, not for generation.
 HEADLESS = {"LlamaModel": "llama", "MistralModel": "mistral", "Qwen2Model": "qwen2",

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from nanoserve.config import ModelConfig
+from nanoserve.config import STACKED, ModelConfig
 from nanoserve.fp8 import Fp8Linear, fuse_activation_quant, layer_projections, quantize_per_channel
 from nanoserve.model import LlamaForCausalLM, build_model
 from nanoserve.moe import MoeExperts
-from nanoserve.moe_weights import STACKED
 from nanoserve.weights import expected_shapes
 
 STD = 0.02

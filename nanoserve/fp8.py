@@ -29,11 +29,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nanoserve.config import ModelConfig
+from nanoserve.config import STACKED, ModelConfig
 from nanoserve.errors import ModelError
 from nanoserve.model import FP8Out, LlamaForCausalLM, QuantizedRows, ScaledRows, build_model
 from nanoserve.moe import MoeExperts, SparseMoeBlock
-from nanoserve.moe_weights import STACKED
 from nanoserve.quantization import Fp8Scheme, check_online
 from nanoserve_kernels import backend as kernel_backend
 from nanoserve_kernels.fp8_quant import quantize_rows as quantize_rows_triton

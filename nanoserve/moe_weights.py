@@ -27,7 +27,7 @@ import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from nanoserve.config import ModelConfig
+from nanoserve.config import STACKED, ModelConfig
 from nanoserve.errors import ModelError
 
 if TYPE_CHECKING:
@@ -35,7 +35,6 @@ if TYPE_CHECKING:
 
 # per-expert checkpoint names: (gate, up, down)
 _PER_EXPERT = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
-STACKED = ("gate_up_proj", "down_proj")
 
 
 def _renamed(name: str) -> str:

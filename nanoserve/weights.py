@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING
 
 from safetensors import SafetensorError, safe_open
 
-from nanoserve.config import ModelConfig
+from nanoserve.config import STACKED, ModelConfig
 from nanoserve.errors import ModelError
-from nanoserve.moe_weights import STACKED, expert_shapes, stack_experts, stacked_shapes
+from nanoserve.moe_weights import expert_shapes, stack_experts, stacked_shapes
 from nanoserve.quantization import scale_names
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: a job's driver reads no weights

@@ -126,7 +126,7 @@ class DatasetGenerator:
             if at != len(flat):
                 raise RuntimeError(f"the worker answered {len(flat)} rows for {at} samples")
         if self.reasoning is not None:
-            from ray_jobs.driver import split_reasoning
+            from ray_jobs.tasks import split_reasoning
 
             results = [[split_reasoning(self.reasoning, r.prompt_token_ids, res)
                         for res in samples] for r, samples in zip(rows, results)]
