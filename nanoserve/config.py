@@ -39,7 +39,7 @@ from typing import Any
 
 from nanoserve.errors import ModelError
 from nanoserve.quantization import Fp8Scheme, read_scheme
-from nanoserve.vision_model import VisionConfig
+from nanoserve.vision_config import VisionConfig
 
 # architecture (config.json's `architectures[0]`) -> its `model_type`
 FAMILIES = {

@@ -68,7 +68,7 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     if not config.tie_word_embeddings and not config.headless:
         shapes["lm_head.weight"] = (v, d)
     if config.vision is not None:
-        from nanoserve.vision_model import vision_shapes
+        from nanoserve.vision_config import vision_shapes
 
         shapes.update({f"visual.{n}": s for n, s in vision_shapes(config.vision).items()})
     return shapes
