@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_oracle import hf_greedy
 from transformers import (
     MistralConfig,
     MistralForCausalLM,
@@ -140,17 +141,6 @@ def test_logits_equal_transformers(family_pair):
     assert (ours - ref).abs().max().item() <= 1e-4
 
 
-def _hf_greedy(hf, prompt: list[int], new_tokens: int) -> list[int]:
-    """transformers' greedy tokens from its plain forward over the whole sequence at each
-    step (no cache). Its `generate` is not used: with a Mistral `sliding_window` of 4096 and
-    these tiny shapes it picked a token its own forward ranks second (checked on the CPU)."""
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(new_tokens):
-            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
-
-
 def test_greedy_tokens_equal_transformers_dense_paged_batched(family_pair):
     """Prompts shorter and longer than the window, 24 new tokens: decode steps cross the
     window's edge. transformers' generate is the oracle of each path: dense cache, paged
@@ -159,7 +149,7 @@ def test_greedy_tokens_equal_transformers_dense_paged_batched(family_pair):
     rng = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, VOCAB, (n,), generator=rng).tolist() for n in (3, 11, 17)]
     new = 24
-    want = [_hf_greedy(hf, p, new) for p in prompts]
+    want = [hf_greedy(hf, p, new) for p in prompts]
     assert [greedy_generate(model, p, new) for p in prompts] == want
     assert greedy_generate_batch(model, prompts[1:2], new) == want[1:2]  # paged, one row
     assert greedy_generate_batch(model, prompts, new, (), pool_for(model, prompts, new, 4)) == want
@@ -256,7 +246,7 @@ def test_gpu_kernels_greedy_equals_transformers(tmp_path, monkeypatch, family, w
     rng = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, VOCAB, (n,), generator=rng).tolist() for n in (1, 6, 15, 33, 70)]
     new = 40
-    want = [_hf_greedy(hf, p, new) for p in prompts]
+    want = [hf_greedy(hf, p, new) for p in prompts]
     pool = pool_for(model, prompts, new, 16)
     _assert_greedy_near(hf, prompts, greedy_generate_batch(model, prompts, new, (), pool), want)
     params = [SamplingParams(max_tokens=new, temperature=0.0)] * len(prompts)

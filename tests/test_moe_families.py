@@ -10,6 +10,7 @@ import json
 
 import pytest
 import torch
+from hf_oracle import hf_greedy
 from safetensors.torch import save_file
 from transformers import (
     MixtralConfig,
@@ -124,14 +125,6 @@ def test_logits_equal_transformers(moe_pair):
     assert (ours - ref).abs().max().item() <= 1e-4
 
 
-def _hf_greedy(hf, prompt: list[int], new_tokens: int) -> list[int]:
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(new_tokens):
-            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
-
-
 def test_greedy_tokens_equal_transformers_dense_paged_batched(moe_pair):
     """Every path's rows equal transformers' tokens for the prompt alone: routing is per
     token, so a row never depends on the rows beside it."""
@@ -139,7 +132,7 @@ def test_greedy_tokens_equal_transformers_dense_paged_batched(moe_pair):
     rng = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, VOCAB, (n,), generator=rng).tolist() for n in (3, 11, 17)]
     new = 16
-    want = [_hf_greedy(hf, p, new) for p in prompts]
+    want = [hf_greedy(hf, p, new) for p in prompts]
     assert [greedy_generate(model, p, new) for p in prompts] == want
     assert greedy_generate_batch(model, prompts[1:2], new) == want[1:2]
     assert greedy_generate_batch(model, prompts, new, (), pool_for(model, prompts, new, 4)) == want
