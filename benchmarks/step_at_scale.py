@@ -3,11 +3,14 @@ the engine's captured step, for each weight/cache variant.
 
 Two `LLM.generate` calls of the same R rows (prompts of C random tokens, prefix caching
 off) are profiled, one for 2 output tokens and one for 2 + S: the kernels the second runs
-beyond the first are S decode steps of R rows at contexts C + 1 .. C + S. Their time by kind
-and by kernel, per step, with the K/V bytes a step reads and the bandwidth that makes, and
-the step's wall time (the two calls' difference over S). Where a step's time goes at the
-running-set sizes of a batch job (`benchmarks/vs_vllm.py --workloads batch4096`), which
-the 256-row profile (`benchmarks/step_profile.py`) does not reach.
+beyond the first are each row's S more tokens at contexts C + 1 .. C + S, printed per S
+(as "a step"). The rows join in admissions of up to 8,192 prompt tokens, so those tokens
+run in decode steps of mixed sizes, not S steps of R rows: the GEMMs' share depends on
+that grouping and is only indicative; the decode attention's total does not (the same
+bytes however the rows are grouped), and its bandwidth is the figure to read. Where the
+attention's time goes at the context lengths of a batch job (`benchmarks/vs_vllm.py
+--workloads batch4096`), which the 256-row profile (`benchmarks/step_profile.py`) does not
+reach.
 
     python3 -m benchmarks.step_at_scale [--shape 8b] [--rows 768] [--context 700]
         [--steps 10] [--variants bf16,fp8+fp8kv]
