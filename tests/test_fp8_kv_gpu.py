@@ -35,6 +35,9 @@ What the attention tests catch (GPU-only mutations of
 `nanoserve_kernels/paged_attention.py` in `tests/mutations.py`, skipped without a GPU):
 - a decode kernel that leaves out the last 16 cached tokens of rows longer than 512;
 - the query split into one e4m3 term instead of two (`_split_query`'s `lo` dropped).
+- the "f16" form's widening of V's words with its even and odd columns swapped. The decode
+  test runs both forms (`fp8_form`): "f16", the default, within its own bound (float16
+  probabilities, an exact query), and "e4m3".
 """
 
 from __future__ import annotations
