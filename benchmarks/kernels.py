@@ -20,6 +20,13 @@ Then: prefill kernel time against its reference, and the KV store kernel.
 (e4m3, scales 0.5 / 2.0; `nanoserve_kernels/kv_quant.py`): time, bandwidth on the bytes each reads,
 and the speedup (about a minute); `--head-dim 128` the 8B shape's heads; `--fp8-sweep`
 adds the FP8 kernel at forced tilings (tokens per step, warps, stages) against bfloat16.
+`--batch-scale` times the decode kernel at the 8B engine's batch-scale shapes (32 query /
+8 KV heads, head_dim 128, block 16; 256, 656 and 1,024 rows, each row's context a prompt
+and part of an output, both uniform in [100, 1,024], as a decode step of
+`benchmarks/vs_vllm.py --workloads batch4096` meets them) over a bfloat16 cache, over
+its FP8 copy with the kernel's "e4m3" form (the earlier one) and with its "f16" form (the
+default), side by side: per call in a 16-call CUDA graph, TB/s of K/V bytes read, and the
+ratios (about two minutes).
 `--sweep` adds a tuning sweep of the decode kernel (program order, tile size, warps, stages,
 splits) and the host cost of one call;
 `default_tiling` and `choose_num_splits` in `nanoserve_kernels/paged_attention.py` encode its findings.
@@ -301,6 +308,99 @@ def fp8_decode_row(batch: int, ctx: int, copy_bw: float) -> str:
             f"{bf16_us / fp8_us:.2f}x | {err:.2e} |")
 
 
+BATCH_SCALE_ROWS = (256, 656, 1024)
+# (name, cache, keyword arguments of paged_decode_attention): the engine's decode read
+# (even splits, as `nanoserve/step_cache.py` passes them) over each cache and FP8 form
+BATCH_SCALE_VARIANTS = (
+    ("bf16 cache", "bf16", {}),
+    ("fp8, e4m3 form", "fp8", {"fp8_form": "e4m3"}),
+    ("fp8, f16 form", "fp8", {"fp8_form": "f16"}),
+    ("fp8, f16 form, 2 stages", "fp8", {"fp8_form": "f16", "num_stages": 2}),
+)
+
+
+def batch_scale_contexts(rows: int, seed: int = 7) -> list[int]:
+    """Context lengths of `rows` running rows of the batch4096 workload: a prompt and the
+    part of an output generated so far (prompt and output uniform in [100, 1,024]), +1 for
+    the token the step appends."""
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randint(100, 1024) + rng.randrange(rng.randint(100, 1024)) + 1
+            for _ in range(rows)]
+
+
+def kv_read_bytes(context_lens, num_kv_heads: int, head_dim: int, bytes_per_entry: int) -> int:
+    """Bytes of K and V one decode call reads: each row's own context, both caches."""
+    return 2 * sum(context_lens) * num_kv_heads * head_dim * bytes_per_entry
+
+
+def batch_scale_case(context_lens: list[int], seed: int = 0):
+    """q [B, 32, 128] bfloat16, a bfloat16 cache and its FP8 copy (scales 0.5 / 2.0), block
+    tables over shuffled blocks (block 0 the padding), the lengths on the device."""
+    from nanoserve_kernels.kv_quant import quantize_reference
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    blocks = [-(-n // BLOCK) for n in context_lens]
+    num_blocks = 1 + sum(blocks)
+    shape = (num_blocks, BLOCK, 8, 128)
+    k = torch.randn(shape, generator=gen, device="cuda", dtype=DTYPE)
+    v = torch.randn(shape, generator=gen, device="cuda", dtype=DTYPE)
+    order = (torch.randperm(num_blocks - 1, generator=gen, device="cuda") + 1).tolist()
+    tables = torch.zeros((len(context_lens), max(blocks)), dtype=torch.int32)
+    for row, n in enumerate(blocks):
+        tables[row, :n] = torch.tensor(order[:n], dtype=torch.int32)
+        order = order[n:]
+    lens = torch.tensor(context_lens, dtype=torch.int32, device="cuda")
+    q = torch.randn((len(context_lens), 32, 128), generator=gen, device="cuda", dtype=DTYPE)
+    caches = {"bf16": (k, v), "fp8": (quantize_reference(k, 0.5), quantize_reference(v, 2.0))}
+    return q, caches, tables.cuda(), lens
+
+
+def run_batch_scale(copy_bw: float, rows_list=BATCH_SCALE_ROWS) -> None:
+    """The decode kernel at batch scale, each variant per call in a GRAPH_CALLS-call graph
+    over distinct cache copies; TB/s = K/V bytes read / time; error on the first 64 rows
+    against the reference over the same cache."""
+    from nanoserve_kernels.paged_attention import (
+        paged_decode_attention,
+        paged_decode_attention_reference,
+    )
+
+    print("\n| rows | mean context | variant | K/V GB | us | TB/s | % copy | vs bf16 time | "
+          "vs e4m3 time | max abs err (64 rows) |\n|---|---|---|---|---|---|---|---|---|---|")
+    for rows in rows_list:
+        lens_list = batch_scale_contexts(rows)
+        q, caches, tables, lens = batch_scale_case(lens_list)
+        times = {}
+        for name, cache, extra in BATCH_SCALE_VARIANTS:
+            k, v = caches[cache]
+            fp8 = {"k_scale": 0.5, "v_scale": 2.0} if cache == "fp8" else {}
+            kwargs = {"max_context_len": max(lens_list), "even_splits": True, **fp8, **extra}
+            expected = paged_decode_attention_reference(
+                q[:64], k, v, tables[:64], lens[:64], 1 / math.sqrt(128), **fp8).float()
+            sets = copies_of([k, v])
+
+            def call(k, v, q=q, tables=tables, lens=lens, kwargs=kwargs):
+                return paged_decode_attention(q, k, v, tables, lens, 1 / math.sqrt(128),
+                                              **kwargs)
+
+            us, err = per_call_us_in_graph(call, sets, expected, lambda out: out[:64])
+            del sets
+            torch.cuda.empty_cache()
+            nbytes = kv_read_bytes(lens_list, 8, 128, 1 if cache == "fp8" else 2)
+            times[name] = us
+            e4m3 = times.get("fp8, e4m3 form")
+            print(f"| {rows} | {sum(lens_list) / rows:.0f} | {name} | {nbytes / 1e9:.2f} | "
+                  f"{us:.1f} | {nbytes / (us * 1e-6) / 1e12:.2f} | "
+                  f"{nbytes / (us * 1e-6) / copy_bw:.0%} | {times['bf16 cache'] / us:.2f}x | "
+                  f"{'' if e4m3 is None or cache != 'fp8' else f'{e4m3 / us:.2f}x'} | "
+                  f"{err:.2e} |", flush=True)
+        caches.clear()
+        torch.cuda.empty_cache()
+    print("\n(\"vs bf16 time\": the bfloat16 cache's time / this variant's, 2.00x = half "
+          "the bytes in half the time; \"vs e4m3 time\": the e4m3 form's time / this one's)")
+
+
 def verdicts(decode: list[dict]) -> list[str]:
     """One line per target cell (batch >= 8, context >= 1024), judged by the 16-call graph."""
     lines = []
@@ -523,8 +623,7 @@ def markdown(copy_bw: float, decode: list[dict], prefill: list[dict], store: dic
     return "\n".join(lines)
 
 
-def main() -> int:
-    global HQ, HEAD_DIM
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also run a decode tuning sweep")
     parser.add_argument("--fp8-kv", action="store_true",
@@ -536,8 +635,15 @@ def main() -> int:
     parser.add_argument("--heads", type=int, default=HQ, help="with --fp8-kv: query heads")
     parser.add_argument("--sweep-shapes", default=None, metavar="BxCTX,...",
                         help="sweep only these shapes, e.g. 8x1024,64x1024 (default: six shapes)")
-    args = parser.parse_args()
-    shapes = None
+    parser.add_argument("--batch-scale", action="store_true",
+                        help="only the decode kernel at the 8B engine's batch-scale shapes: "
+                             "bf16 cache, FP8 cache in the e4m3 and f16 forms")
+    parser.add_argument("--rows", type=int, nargs="+", default=list(BATCH_SCALE_ROWS),
+                        help="with --batch-scale: running rows (default 256 656 1024)")
+    args = parser.parse_args(argv)
+    if any(r < 64 for r in args.rows):
+        parser.error(f"--rows takes at least 64 rows each (the error check reads 64), got {args.rows}")
+    args.shapes = None
     if args.sweep_shapes:
         try:
             shapes = [tuple(int(x) for x in item.split("x")) for item in args.sweep_shapes.split(",")]
@@ -545,6 +651,14 @@ def main() -> int:
                 raise ValueError
         except ValueError:
             parser.error(f"--sweep-shapes takes BxCTX pairs like 8x1024,64x1024, got {args.sweep_shapes!r}")
+        args.shapes = shapes
+    return args
+
+
+def main() -> int:
+    global HQ, HEAD_DIM
+    args = parse_args()
+    shapes = args.shapes
     if not torch.cuda.is_available():
         print("benchmarks/kernels.py needs a CUDA device", file=sys.stderr)
         return 2
@@ -558,6 +672,9 @@ def main() -> int:
     )
     copy_bw = copy_bandwidth()
     print(f"copy bandwidth: {copy_bw / 1e12:.2f} TB/s (read + write)", flush=True)
+    if args.batch_scale:
+        run_batch_scale(copy_bw, args.rows)
+        return 0
     if args.fp8_kv:
         HQ, HEAD_DIM = args.heads, args.head_dim
         run_decode_fp8(copy_bw)

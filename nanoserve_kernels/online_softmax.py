@@ -35,10 +35,9 @@ def online_softmax_step(q, k, v, visible, qk_scale, m_i, l_i, acc, DOT_FP32: tl.
 
 
 @triton.jit
-def online_softmax_update(s, v, m_i, l_i, acc, DOT_FP32: tl.constexpr):
-    """The step after the scores: s [M, N] float32 in log2 units, -inf where hidden; v
-    [N, D] (float8 e4m3 too: p is then cast to e4m3 for the product, while l sums the
-    unrounded p); returns the new (m_i, l_i, acc)."""
+def online_softmax_probs(s, m_i, l_i):
+    """The step's weights: s [M, N] float32 in log2 units, -inf where hidden -> (m', l',
+    alpha [M], p [M, N] float32); the caller adds p·v to acc * alpha."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # A row with no visible key so far (a sliding window's tile can hide a whole row) keeps
     # m = -inf; subtracting 0 instead keeps alpha and p at 0 rather than NaN (-inf - -inf).
@@ -46,6 +45,15 @@ def online_softmax_update(s, v, m_i, l_i, acc, DOT_FP32: tl.constexpr):
     alpha = tl.exp2(m_i - m_sub)
     p = tl.exp2(s - m_sub[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
+    return m_new, l_i, alpha, p
+
+
+@triton.jit
+def online_softmax_update(s, v, m_i, l_i, acc, DOT_FP32: tl.constexpr):
+    """The step after the scores: s [M, N] float32 in log2 units, -inf where hidden; v
+    [N, D] (float8 e4m3 too: p is then cast to e4m3 for the product, while l sums the
+    unrounded p); returns the new (m_i, l_i, acc)."""
+    m_new, l_i, alpha, p = online_softmax_probs(s, m_i, l_i)
     if DOT_FP32:
         pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
     else:
@@ -54,4 +62,4 @@ def online_softmax_update(s, v, m_i, l_i, acc, DOT_FP32: tl.constexpr):
     return m_new, l_i, acc
 
 
-__all__ = ["online_softmax_step", "online_softmax_update"]
+__all__ = ["online_softmax_probs", "online_softmax_step", "online_softmax_update"]

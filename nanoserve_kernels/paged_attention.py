@@ -23,16 +23,44 @@ Two implementations with one signature (the CPU engine runs
   neighbouring bytes of each `[block_size, Hkv, D]` cache block. With more than one
   split (flash-decoding) each program covers one partition of the context and writes a
   partial output with its log-sum-exp; a second kernel combines the partitions.
-  From an FP8 cache with float16/bfloat16 queries both products run on FP8 tensor cores
-  (no per-element conversion of the entries): each query head is split once per program
-  into two e4m3 terms with their own scales (`_split_query`: about bfloat16's precision),
-  q·kᵀ is the two terms' products summed, and the probabilities are cast to e4m3 for p·v
-  (float32 sums; the softmax's sum l adds the unrounded p). The e4m3 p (3 mantissa bits,
-  0 below 2^-9) is the one rounding the reference does not have: about 1% of the largest
-  value read in `tests/test_fp8_kv_gpu.py`'s peaked cases (an emulation on the CPU).
-  With float32 queries, under the CPU interpreter, or with head_dim or tokens a step
-  under 32 (the e4m3 dots' least depth), the entries are cast to q's dtype in registers
-  instead (exact: every e4m3 value is a float16/bfloat16/float32 value). Either way the
+  From an FP8 cache with float16/bfloat16 queries the kernel takes one of two forms
+  (`fp8_form`):
+  - "f16" (the default): K and V entries widened to float16 in registers (exact: every e4m3
+    value is a float16), q in float16 at a power-of-two scale per query head
+    (`_float16_query`: exact for bfloat16 queries), p rounded to float16 for p·v (within
+    2^-11 of p; the softmax's sum l adds the unrounded p), float32 sums. V is read as 16-bit
+    words, each two neighbouring entries of a token (`_widen_pairs`), and its product is
+    two dots, even and odd columns.
+  - "e4m3" (the earlier form, kept to compare): each query head split once per program into
+    two e4m3 terms with their own scales (`_split_query`: about bfloat16's precision),
+    q·kᵀ the two terms' products summed, the probabilities cast to e4m3 for p·v: about 1%
+    of the largest value read in `tests/test_fp8_kv_gpu.py`'s peaked cases.
+  Why "f16" is the default (Triton 3.6, sm_90; counted by compiling both for the 8B heads:
+  Hq 32, Hkv 8, head_dim 128, 128-token steps, and reading the SASS). On sm_90 Triton's
+  dots of 16-row tiles are mma.sync, which has no FP8 form: the "e4m3" form's operands are
+  widened to float16 in registers anyway, so its FP8 products save nothing and its two
+  q·kᵀ terms cost a third dot. Its V operand (the p·v product reduces over tokens; V is
+  contiguous along head_dim) is transposed from shared memory one byte at a time: 128
+  byte loads and about 190 packing instructions a thread a step. It takes 248 registers a
+  thread: 2 programs an SM, 8 warps, 2 x 32 KiB of K/V in flight; its loop runs 1,459
+  instructions a warp a step, 0.18 a byte of cache (the bfloat16 kernel: 512 a 64-token
+  step, 0.06 a byte, 107 registers, 4 programs an SM, 4 x 32 KiB in flight). At 256 x 1,024
+  both kernels took ~4 us a loop step on the H200 (62 steps a program slot either way):
+  equal steps over half the bytes, the 1.7 against 3.55 TB/s of the engine at scale.
+  The "f16" form reads V's words with ldmatrix (a 16-bit transpose) and widens them with
+  two byte permutes and two paired conversions (`_widen_pairs`' PTX), one dot for q·kᵀ:
+  851 instructions a warp a step (0.10 a byte, 1.7x fewer), 156 registers, so 3 programs
+  an SM (12 warps; 65,536 / (160 x 128)). Five stages (`F16_TILING`) put the K/V loads two
+  steps ahead of their use (three and four stages pipeline only the block-table load:
+  the K/V loads depend on it): 73 KiB of shared memory a program, 3 x 74 = 222 of the
+  SM's 228 KiB, 3 x 2 x 32 KiB = 192 KiB in flight against the bfloat16 kernel's 128. If
+  the instruction rate bound the old form, 1.7x fewer instructions a byte and 1.5x the
+  warps raise it; if the bytes in flight did, they are 3x. `benchmarks/kernels.py
+  --batch-scale` measures both forms side by side.
+  With float32 queries, head_dim under 32 or odd, steps under 16 tokens (under 32 for
+  "e4m3"), or "e4m3" under the CPU interpreter, the entries are cast to q's dtype in
+  registers instead (exact). The interpreter runs the "f16" form (its float16 dots
+  multiply exactly and sum in float32) with `_widen_pairs`' integer form. Either way the
   scales' multiplies are folded into the softmax scale (K) and the output's normalisation
   (V), since
   softmax(q·(s k)ᵀ c) = softmax(q·kᵀ (s c)) and Σ p (s v) = s Σ p v.
@@ -46,16 +74,26 @@ import torch
 
 from nanoserve_kernels._triton import HAS_TRITON, interpret_requested, next_power_of_2, tl, triton
 from nanoserve_kernels.kv_quant import check_kv_scales, dequantize_reference, is_fp8
-from nanoserve_kernels.online_softmax import online_softmax_step, online_softmax_update
+from nanoserve_kernels.online_softmax import (
+    online_softmax_probs,
+    online_softmax_step,
+    online_softmax_update,
+)
 
 # Decided when this module is imported, like Triton's own choice in `@triton.jit` below.
 INTERPRETED = HAS_TRITON and interpret_requested()
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_F16_QUERY_DTYPES = (torch.float16, torch.bfloat16)  # exact in float16 at a power-of-two scale
 _FLOAT_DTYPES = (*_KERNEL_DTYPES, torch.float64)  # float64: the reference only
 _LOG2E = 1.4426950408889634
 NO_WINDOW = 2**31 - 1  # the kernels' "no window": longer than any int32 context
+# How the decode kernel multiplies an FP8 cache's entries (module docstring): "f16" widens
+# them to float16 (the default), "e4m3" splits q into two e4m3 terms (the earlier form).
+FP8_FORMS = ("f16", "e4m3")
+# The "f16" form's tiling on CUDA (see `default_tiling`): tokens a step, warps, stages.
+F16_TILING = (128, 4, 5)
 
 # Split heuristics: aim for this many programs per SM, never split below this many tokens.
 _PROGRAMS_PER_SM = 4
@@ -215,10 +253,42 @@ def _split_query(q):
 
 
 @triton.jit
+def _float16_query(q):
+    """q [M, D] -> (q16 [M, D] float16, s [M]) with q = q16 * s: s a power of two that puts
+    a row's largest |q| in [2^14, 2^15), so that every bfloat16 or float16 entry down to
+    2^-28 of it is a float16 normal and converts exactly. An all-zero row gets s = 1."""
+    qf = q.to(tl.float32)
+    amax = tl.max(tl.abs(qf), 1)
+    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2(amax))
+    e = tl.minimum(tl.maximum(e - 14, -126), 127)
+    s = ((e + 127) << 23).to(tl.float32, bitcast=True)  # 2^e
+    s = tl.where(amax > 0.0, s, 1.0)
+    return (qf / s[:, None]).to(tl.float16), s
+
+
+@triton.jit
+def _widen_pairs(w, PTX: tl.constexpr):
+    """w: 16-bit words, each two neighbouring e4m3 entries of a token's value (low byte: the
+    even column) -> (even, odd) as float16, exactly. PTX: two byte permutes and two paired
+    conversions per two words, in whatever layout w is in (the compiler's own lowering of
+    the integer form takes about twice the instructions); the interpreter runs the form
+    below it, the same function."""
+    if PTX:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 e, o; .reg .b16 e16, o16, x; prmt.b32 e, $2, 0, 0x20; "
+            "prmt.b32 o, $2, 0, 0x31; mov.b32 {e16, x}, e; mov.b32 {o16, x}, o; "
+            "cvt.rn.f16x2.e4m3x2 $0, e16; cvt.rn.f16x2.e4m3x2 $1, o16; }",
+            "=r,=r,r", [w], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+    even = w.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    odd = (w >> 8).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    return even, odd
+
+
+@triton.jit
 def _paged_decode_kernel(
     q_ptr,  # [B, Hq, D]
     k_ptr,  # [num_blocks, block_size, Hkv, D]
-    v_ptr,  # [num_blocks, block_size, Hkv, D]
+    v_ptr,  # [num_blocks, block_size, Hkv, D] (KV_F16: 16-bit words [..., D / 2])
     block_tables_ptr,  # [B, max_blocks]
     context_lens_ptr,  # [B]
     out_ptr,  # [B, Hq, D] (one split) or partial outputs [B, Hq, S, D] float32
@@ -259,6 +329,8 @@ def _paged_decode_kernel(
     EVEN_SPLITS: tl.constexpr,  # each row's own span cut into num_splits equal partitions
     KV_FP8: tl.constexpr,  # the cache is float8 e4m3
     FP8_PRODUCTS: tl.constexpr,  # KV_FP8, not DOT_FP32, D_PAD and BLOCK_N >= 32: e4m3 dots
+    KV_F16: tl.constexpr,  # KV_FP8, float16/bfloat16 q: entries widened to float16, V as words
+    PTX: tl.constexpr,  # compiled for a GPU (not the interpreter): `_widen_pairs`' PTX form
 ):
     if HEADS_FASTEST:  # the KV heads of one row run side by side and read adjacent bytes
         kv_head = tl.program_id(0)
@@ -289,6 +361,13 @@ def _paged_decode_kernel(
         s_hi = s_hi[:, None] * qk_scale  # [GROUP_PAD, 1]
         s_lo = s_lo[:, None] * qk_scale
 
+    if KV_F16:  # q exactly in float16, at a power-of-two scale per query head
+        q, s_q = _float16_query(q)
+        s_q = s_q[:, None] * qk_scale  # [GROUP_PAD, 1]
+        w = tl.arange(0, D_PAD // 2)  # V's 16-bit words: columns 2w (low byte) and 2w + 1
+        acc_even = tl.zeros([GROUP_PAD, D_PAD // 2], dtype=tl.float32)
+        acc_odd = tl.zeros([GROUP_PAD, D_PAD // 2], dtype=tl.float32)
+
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)  # running max (log2 units)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)  # running sum of exp2
     acc = tl.zeros([GROUP_PAD, D_PAD], dtype=tl.float32)
@@ -304,19 +383,33 @@ def _paged_decode_kernel(
         k_ptrs = k_head + block[:, None] * stride_kb + offset[:, None] * stride_ko
         v_ptrs = v_head + block[:, None] * stride_vb + offset[:, None] * stride_vo
         k = tl.load(k_ptrs + d[None, :] * stride_kd, mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
-        v = tl.load(v_ptrs + d[None, :] * stride_vd, mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
-        if KV_FP8 and not FP8_PRODUCTS:  # exact casts; the scales: in qk_scale, v_scale
-            k = k.to(q_ptr.dtype.element_ty)
-            v = v.to(q_ptr.dtype.element_ty)
-        if FP8_PRODUCTS:  # both products on FP8 tensor cores, float32 sums
-            k_t = tl.trans(k)
-            s = tl.dot(q_hi, k_t) * s_hi + tl.dot(q_lo, k_t) * s_lo  # [GROUP_PAD, BLOCK_N]
+        if KV_F16:  # both products in float16 over exactly widened entries, float32 sums
+            s = tl.dot(q, tl.trans(k.to(tl.float16))) * s_q  # [GROUP_PAD, BLOCK_N]
             s = tl.where(t_mask[None, :], s, float("-inf"))
-            m_i, l_i, acc = online_softmax_update(s, v, m_i, l_i, acc, DOT_FP32)
+            m_i, l_i, alpha, p = online_softmax_probs(s, m_i, l_i)
+            # V as words [BLOCK_N, D_PAD / 2]: the p·v operand's transpose moves 16-bit
+            # words (ldmatrix) instead of single bytes
+            vw_mask = t_mask[:, None] & (w < HEAD_DIM // 2)[None, :]
+            v_words = tl.load(v_ptrs + w[None, :] * stride_vd, mask=vw_mask, other=0)
+            v_even, v_odd = _widen_pairs(v_words, PTX)
+            p = p.to(tl.float16)
+            acc_even = acc_even * alpha[:, None] + tl.dot(p, v_even)
+            acc_odd = acc_odd * alpha[:, None] + tl.dot(p, v_odd)
         else:
-            m_i, l_i, acc = online_softmax_step(q, k, v, t_mask[None, :], qk_scale, m_i, l_i,
-                                                acc, DOT_FP32)
-
+            v = tl.load(v_ptrs + d[None, :] * stride_vd, mask=kv_mask, other=0.0)  # [N, D_PAD]
+            if KV_FP8 and not FP8_PRODUCTS:  # exact casts; the scales: in qk_scale, v_scale
+                k = k.to(q_ptr.dtype.element_ty)
+                v = v.to(q_ptr.dtype.element_ty)
+            if FP8_PRODUCTS:  # e4m3 operands, float32 sums (module docstring)
+                k_t = tl.trans(k)
+                s = tl.dot(q_hi, k_t) * s_hi + tl.dot(q_lo, k_t) * s_lo  # [GROUP_PAD, N]
+                s = tl.where(t_mask[None, :], s, float("-inf"))
+                m_i, l_i, acc = online_softmax_update(s, v, m_i, l_i, acc, DOT_FP32)
+            else:
+                m_i, l_i, acc = online_softmax_step(q, k, v, t_mask[None, :], qk_scale, m_i,
+                                                    l_i, acc, DOT_FP32)
+    if KV_F16:  # columns 2w and 2w + 1 side by side again
+        acc = tl.reshape(tl.join(acc_even, acc_odd), [GROUP_PAD, D_PAD])
     has_tokens = l_i > 0.0  # False only for an empty partition (or a row of length 0)
     out = acc / tl.where(has_tokens, l_i, 1.0)[:, None] * v_scale
     out_mask = g_mask[:, None] & d_mask[None, :]
@@ -409,17 +502,32 @@ def choose_num_splits(
 
 
 def default_tiling(programs: int, head_dim: int, device: torch.device,
-                   fp8_products: bool = False) -> tuple[int, int | None]:
-    """Tokens per loop step and software-pipelining depth, as measured best on an H200 with
-    `benchmarks/kernels.py --sweep`: two stages (three hold more shared memory per program and
-    leave fewer programs per SM), and 128-token steps when fewer than 8 programs per SM
-    (head_dim <= 64), else 64. FP8 products (`fp8_products`) always take 128-token steps
-    (1.10-1.41x faster than 64-token steps at head_dim 128). Off CUDA: 64 tokens, Triton's
-    default stages."""
+                   fp8_products: bool = False, kv_f16: bool = False
+                   ) -> tuple[int, int | None, int]:
+    """(tokens per loop step, software-pipelining depth, warps) on CUDA.
+
+    A bfloat16/float16 cache, as measured best on an H200 with `benchmarks/kernels.py
+    --sweep`: two stages (three hold more shared memory per program and leave fewer
+    programs per SM), 4 warps, and 128-token steps when fewer than 8 programs per SM
+    (head_dim <= 64), else 64. The "e4m3" form of an FP8 cache (`fp8_products`): 128-token
+    steps (1.10-1.41x faster than 64-token steps at head_dim 128), two stages. The "f16"
+    form (`kv_f16`): `F16_TILING`, reasoned in the module docstring. Off CUDA: 64 tokens,
+    Triton's default stages, 4 warps."""
     if device.type != "cuda":
-        return 64, None
+        return 64, None, 4
+    if kv_f16:
+        return F16_TILING[0], F16_TILING[2], F16_TILING[1]
     few = programs < 8 * _num_sms(device.index if device.index is not None else 0)
-    return (128 if fp8_products or (few and head_dim <= 64) else 64), 2
+    return (128 if fp8_products or (few and head_dim <= 64) else 64), 2, 4
+
+
+def uses_f16_form(q_dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int,
+                  block_n: int, fp8_form: str) -> bool:
+    """Whether the decode kernel runs the "f16" form: an FP8 cache read by float16/bfloat16
+    queries, an even head_dim padding to >= 32 (V's words: >= 16 a dot's side) and steps of
+    >= 16 tokens."""
+    return (is_fp8(cache_dtype) and fp8_form == "f16" and q_dtype in _F16_QUERY_DTYPES
+            and head_dim % 2 == 0 and next_power_of_2(head_dim) >= 32 and block_n >= 16)
 
 
 def paged_decode_attention(
@@ -440,6 +548,7 @@ def paged_decode_attention(
     even_splits: bool = False,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    fp8_form: str = "f16",
 ) -> torch.Tensor:  # [B, Hq, D], dtype of q
     """Triton paged decode attention; same contract as `paged_decode_attention_reference`.
 
@@ -460,9 +569,15 @@ def paged_decode_attention(
       least `_MIN_TOKENS_PER_SPLIT` tokens), instead of partitions sized for
       `max_context_len`: a short row's programs are short, a long row's are not longer
       than the rest, whatever the lengths a captured step meets.
+    - `fp8_form`: how an FP8 cache's entries meet the queries (`FP8_FORMS`, module
+      docstring): "f16" (default) or "e4m3" (the earlier form, kept to compare the two).
+      Where a form does not apply (float32 queries, head_dim under 32, the interpreter for
+      "e4m3") the entries are cast to q's dtype instead.
     Values are not checked on the device: a row with `context_lens[i] == 0` yields zeros,
     and a length beyond the row's blocks reads whatever its padding blocks hold.
     """
+    if fp8_form not in FP8_FORMS:
+        raise ValueError(f"fp8_form must be one of {FP8_FORMS}, got {fp8_form!r}")
     if not HAS_TRITON:
         raise RuntimeError("paged_decode_attention needs Triton; use the reference instead")
     check_decode_args(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
@@ -482,13 +597,18 @@ def paged_decode_attention(
         num_splits = choose_num_splits(batch, num_kv_heads, max_ctx, q.device)
     dot_fp32 = INTERPRETED or q.dtype == torch.float32
     # FP8 tensor-core products need both reduction sides (head_dim, tokens a step) >= 32
-    fp8_products = is_fp8(k_cache.dtype) and not dot_fp32 and next_power_of_2(head_dim) >= 32
-    default_block_n, default_stages = default_tiling(
-        batch * num_kv_heads * num_splits, head_dim, q.device, fp8_products
+    fp8_products = (is_fp8(k_cache.dtype) and fp8_form == "e4m3" and not dot_fp32
+                    and next_power_of_2(head_dim) >= 32)
+    kv_f16 = (uses_f16_form(q.dtype, k_cache.dtype, head_dim, block_n or 16, fp8_form)
+              and v_cache.stride(-1) == 1
+              and all(x % 2 == 0 for x in (*v_cache.stride()[:-1], v_cache.storage_offset())))
+    default_block_n, default_stages, default_warps = default_tiling(
+        batch * num_kv_heads * num_splits, head_dim, q.device, fp8_products, kv_f16
     )
     block_n = block_n or default_block_n
     fp8_products = fp8_products and block_n >= 32
     num_stages = num_stages or default_stages
+    num_warps = num_warps or default_warps
     if even_splits:  # `partition`: the least partition, each row computes its own
         partition = _cdiv(_MIN_TOKENS_PER_SPLIT, block_n) * block_n
         num_splits = max(1, min(int(num_splits), _cdiv(max_ctx, partition)))
@@ -497,7 +617,7 @@ def paged_decode_attention(
         partition = _cdiv(_cdiv(max_ctx, num_splits), block_n) * block_n  # of BLOCK_N
         num_splits = _cdiv(max_ctx, partition)
     d_pad = next_power_of_2(head_dim)
-    launch = {"num_warps": num_warps or 4}
+    launch = {"num_warps": num_warps}
     if num_stages is not None:
         launch["num_stages"] = num_stages
 
@@ -516,10 +636,12 @@ def paged_decode_attention(
     if heads_fastest is None:
         heads_fastest = _HEADS_FASTEST
     grid = (num_kv_heads, batch, num_splits) if heads_fastest else (batch, num_kv_heads, num_splits)
+    # the "f16" form reads V as 16-bit words: two neighbouring entries of a token each
+    v_arg = v_cache.view(torch.uint16) if kv_f16 else v_cache
     _paged_decode_kernel[grid](
         q,
         k_cache,
-        v_cache,
+        v_arg,
         block_tables,
         context_lens,
         target,
@@ -531,7 +653,7 @@ def paged_decode_attention(
         num_splits,
         *q.stride(),
         *k_cache.stride(),
-        *v_cache.stride(),
+        *v_arg.stride(),
         *block_tables.stride(),
         *t_strides,
         *l_strides,
@@ -547,6 +669,8 @@ def paged_decode_attention(
         EVEN_SPLITS=bool(even_splits),
         KV_FP8=is_fp8(k_cache.dtype),
         FP8_PRODUCTS=fp8_products,
+        KV_F16=kv_f16,
+        PTX=not INTERPRETED,
         **launch,
     )
     if num_splits > 1:
@@ -575,6 +699,8 @@ def paged_decode_attention(
 
 
 __all__ = [
+    "FP8_FORMS",
+    "F16_TILING",
     "NO_WINDOW",
     "check_decode_args",
     "check_window",
@@ -582,4 +708,5 @@ __all__ = [
     "default_tiling",
     "paged_decode_attention",
     "paged_decode_attention_reference",
+    "uses_f16_form",
 ]

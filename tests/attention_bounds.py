@@ -13,7 +13,10 @@ queries, e4m3 entries times their scales). Against it, a kernel that reads an FP
   e(P) = min(P, max(2^-4 P, 2^-10)) |v| (e4m3) or 2^-8 P |v| (bfloat16), whatever the
   tiles and splits; the token holding M has p = 2^0 = 1 in its own tile, exact in either
   format, when it leads the next score by more than the scores' own error;
-- splits each query head into two e4m3 terms on that path (`_split_query`: hi at scale
+- on the decode kernel's "f16" form (the default on a GPU), rounds p to float16 instead
+  (10 mantissa bits: within 2^-11 p down to 2^-14, then within 2^-25 absolute; below 2^-25
+  it becomes 0) and multiplies q exactly (float16 at a power-of-two scale);
+- splits each query head into two e4m3 terms on the "e4m3" path (`_split_query`: hi at scale
   amax/448, lo the remainder at its own max/448), so the query it multiplies is within
   2^-8 |q_d| + 2^-22 amax of q (each term within half an e4m3 step of what it encodes);
   to first order that moves output j by sum_d dq_d * dO_j/dq_d, where
@@ -39,6 +42,8 @@ LAMBDA = 6.0
 E4M3_HALF_STEP = 2.0**-4  # relative, normal range
 E4M3_FLOOR = 2.0**-10  # half the subnormal spacing 2^-9 (p in [0, 1]: unscaled)
 BF16_HALF_STEP = 2.0**-8
+F16_HALF_STEP = 2.0**-11  # relative, normal range (p >= 2^-14)
+F16_FLOOR = 2.0**-25  # half the float16 subnormal spacing 2^-24
 SUM_EPS = 2.0**-12  # float32 sums on tensor cores, relative to the sum of |terms|
 SLACK = 1.25
 
@@ -50,8 +55,15 @@ def uses_fp8_products(head_dim: int, block_n: int) -> bool:
     return 1 << (head_dim - 1).bit_length() >= 32 and block_n >= 32
 
 
+def uses_f16_form(head_dim: int, block_n: int) -> bool:
+    """Whether the decode kernel runs its "f16" form (on a GPU, from an FP8 cache with
+    bfloat16 queries, `fp8_form="f16"`): an even head_dim padding to >= 32, steps >= 16
+    (`nanoserve_kernels.paged_attention.uses_f16_form`)."""
+    return head_dim % 2 == 0 and 1 << (head_dim - 1).bit_length() >= 32 and block_n >= 16
+
+
 def head_bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *,
-               fp8_products: bool) -> torch.Tensor:
+               fp8_products: bool, f16_products: bool = False) -> torch.Tensor:
     """q [D] (the kernel's input, e.g. bfloat16 values), k, v [n, D] (the values read: entries
     times their scales) -> [D] float64: the most the kernel's output for this query head may
     differ from the exact attention (see the module docstring)."""
@@ -78,9 +90,11 @@ def head_bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, 
 
     # the probabilities' rounding
     Pg = P * grow
-    if fp8_products:
-        e = torch.clamp(Pg * E4M3_HALF_STEP, min=E4M3_FLOOR)
-        flush = P / grow <= E4M3_FLOOR  # may round to 0: a biased error, worst case only
+    if fp8_products or f16_products:
+        step, floor = (F16_HALF_STEP, F16_FLOOR) if f16_products else (E4M3_HALF_STEP,
+                                                                       E4M3_FLOOR)
+        e = torch.clamp(Pg * step, min=floor)
+        flush = P / grow <= floor  # may round to 0: a biased error, worst case only
         biased = (Pg * flush) @ va
         e = torch.where(flush, torch.zeros_like(e), e)
     else:
@@ -111,7 +125,7 @@ def gather_row(cache: torch.Tensor, table: torch.Tensor, n: int) -> torch.Tensor
 
 
 def decode_bound(q, k8, v8, tables, lens, scale, k_scale, v_scale, *, fp8_products,
-                 window=None) -> torch.Tensor:
+                 f16_products=False, window=None) -> torch.Tensor:
     """[B, Hq, D] float64 on the CPU: `head_bound` of every row and query head of a paged
     decode attention over an FP8 pool (each row's query sees its last `window` tokens)."""
     q, k8, v8, tables, lens = (x.cpu() for x in (q, k8, v8, tables, lens))
@@ -125,7 +139,7 @@ def decode_bound(q, k8, v8, tables, lens, scale, k_scale, v_scale, *, fp8_produc
         vr = gather_row(v8, tables[r], n)[lo:].double() * v_scale
         for h in range(Hq):
             out[r, h] = head_bound(q[r, h], kr[:, h // group], vr[:, h // group], scale,
-                                   fp8_products=fp8_products)
+                                   fp8_products=fp8_products, f16_products=f16_products)
     return out
 
 
@@ -232,14 +246,16 @@ def needle_queries(k8, tables, lens, group: int, k_scale: float, generator: torc
 
 def emulate_fp8_decode(q, k8, v8, tables, lens, scale, k_scale, v_scale, *,
                        partition: int = 256, block_n: int = 128, drop: int = 0,
-                       drop_after: int = 512, one_term: bool = False) -> torch.Tensor:
+                       drop_after: int = 512, one_term: bool = False,
+                       f16: bool = False) -> torch.Tensor:
     """The decode kernel's FP8 tensor-core path in PyTorch on the CPU: each query head split
     into two e4m3 terms (`_split_query`), scores from e4m3 products summed in float32, an
     online softmax over `block_n`-token steps within `partition`-token splits, each step's
     probabilities rounded to e4m3 for p·v (the sum l of the unrounded ones), the splits
     combined by their log-sum-exp, the output rounded to bfloat16. `drop`: a broken kernel
     that leaves out the last `drop` tokens of rows longer than `drop_after`; `one_term`: one
-    that keeps only the query's first e4m3 term. Returns [B, Hq, D] float64."""
+    that keeps only the query's first e4m3 term; `f16`: the "f16" form instead (the query
+    exact, probabilities rounded to float16). Returns [B, Hq, D] float64."""
     e4m3 = torch.float8_e4m3fn
     log2e = 1.4426950408889634
     B, Hq, D = q.shape
@@ -261,6 +277,9 @@ def emulate_fp8_decode(q, k8, v8, tables, lens, scale, k_scale, v_scale, *,
             r_max = rest.abs().amax(1)
             s_lo = torch.where(r_max > 0, r_max / 448.0, torch.ones_like(r_max))
             lo = (rest / s_lo[:, None]).to(e4m3).float() * (not one_term)
+            if f16:  # float16 at a power-of-two scale holds a bfloat16 query exactly
+                hi, s_hi, lo = qf, torch.ones_like(s_hi), torch.zeros_like(lo)
+            p_format = torch.float16 if f16 else e4m3
             outs, lses = [], []
             for p0 in range(0, n, partition):
                 m = torch.full((group,), -math.inf)
@@ -275,7 +294,7 @@ def emulate_fp8_decode(q, k8, v8, tables, lens, scale, k_scale, v_scale, *,
                     alpha = torch.exp2(m - m_new)
                     p = torch.exp2(s - m_new[:, None])
                     l_sum = l_sum * alpha + p.sum(1)
-                    acc = acc * alpha[:, None] + p.to(e4m3).float() @ v
+                    acc = acc * alpha[:, None] + p.to(p_format).float() @ v
                     m = m_new
                 outs.append(acc / l_sum[:, None] * v_scale)
                 lses.append(m + torch.log2(l_sum))

@@ -98,6 +98,11 @@ MUTATIONS = [
              "lo = (rest * 0.0).to(tl.float8e4nv)",
              "tests/test_fp8_kv_gpu.py::test_fp8_decode_kernel_matches_reference", gpu=True,
              why="the FP8 products' query in one e4m3 term instead of two"),
+    Mutation("fp8-decode-f16-columns-swapped", "nanoserve_kernels/paged_attention.py",
+             '"cvt.rn.f16x2.e4m3x2 $0, e16; cvt.rn.f16x2.e4m3x2 $1, o16; }"',
+             '"cvt.rn.f16x2.e4m3x2 $1, e16; cvt.rn.f16x2.e4m3x2 $0, o16; }"',
+             "tests/test_fp8_kv_gpu.py::test_fp8_decode_kernel_matches_reference", gpu=True,
+             why="the f16 form's PTX widening swaps V's even and odd columns"),
     # GPU only: FP8 GEMMs (tests/test_fp8_gpu.py)
     Mutation("fp8-static-input-scale-off", "nanoserve/fp8.py",
              "xq = _cast(x2 / self.input_scale)", "xq = _cast(x2 / (self.input_scale * 1.03))",

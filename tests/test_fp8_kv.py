@@ -163,27 +163,30 @@ def test_paged_prefill_over_an_fp8_pool_stays_within_e4m3s_bound():
                 assert bool(((fp8[tok, h] - exact[tok, h]).abs() <= bound * (1 + 1e-5)).all())
 
 
+@pytest.mark.parametrize("f16", [False, True])
 @pytest.mark.parametrize("k_scale,v_scale", [(1.0, 1.0), (0.37, 2.5)])
 @pytest.mark.parametrize("group,head_dim,block_size", [(1, 64, 16), (4, 128, 16), (8, 64, 32)])
 def test_gpu_decode_bound_holds_for_an_emulation_of_the_fp8_kernel(group, head_dim, block_size,
-                                                                   k_scale, v_scale):
+                                                                   k_scale, v_scale, f16):
     """tests/test_fp8_kv_gpu.py holds the decode kernel's FP8 tensor-core path (query in two
     e4m3 terms, e4m3 probabilities; off under the interpreter) to `decode_bound` on these
     cases. The same bound against a PyTorch emulation of that arithmetic: the emulation,
     with splits of 128, 256 and 4,096 tokens, within it everywhere (measured: at most 0.62
     of it); a kernel leaving out the last 16 tokens of the 1,000- and 2,048-token rows
-    outside it on both (measured: 30x and more)."""
+    outside it on both (measured: 30x and more). `f16`: the same for the "f16" form (exact
+    query, float16 probabilities) against its own, tighter bound."""
     from attention_bounds import decode_bound, decode_case, emulate_fp8_decode
 
     q, k8, v8, tables, lens = decode_case(group, head_dim, block_size, k_scale, v_scale)
     scale, scales = head_dim ** -0.5, {"k_scale": k_scale, "v_scale": v_scale}
     exact = paged_decode_attention_reference(q.double(), k8, v8, tables, lens, scale, **scales)
-    bound = decode_bound(q, k8, v8, tables, lens, scale, k_scale, v_scale, fp8_products=True)
+    bound = decode_bound(q, k8, v8, tables, lens, scale, k_scale, v_scale,
+                         fp8_products=not f16, f16_products=f16)
     args = (q, k8, v8, tables, lens, scale, k_scale, v_scale)
     for partition in (128, 256, 4096):
-        share = (emulate_fp8_decode(*args, partition=partition) - exact).abs() / bound
+        share = (emulate_fp8_decode(*args, partition=partition, f16=f16) - exact).abs() / bound
         assert float(share.max()) <= 1.0, (partition, share.flatten(1).amax(1))
-    dropped = (emulate_fp8_decode(*args, drop=16) - exact).abs() / bound
+    dropped = (emulate_fp8_decode(*args, drop=16, f16=f16) - exact).abs() / bound
     long_rows = (lens > 512).nonzero().flatten()
     assert len(long_rows) == 2 and bool((dropped[long_rows].flatten(1).amax(1) > 1).all())
 

@@ -35,6 +35,9 @@ What the attention tests catch (GPU-only mutations of
 `nanoserve_kernels/paged_attention.py` in `tests/mutations.py`, skipped without a GPU):
 - a decode kernel that leaves out the last 16 cached tokens of rows longer than 512;
 - the query split into one e4m3 term instead of two (`_split_query`'s `lo` dropped).
+- the "f16" form's widening of V's words with its even and odd columns swapped. The decode
+  test runs both forms (`fp8_form`): "f16", the default, within its own bound (float16
+  probabilities, an exact query), and "e4m3".
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ from attention_bounds import (  # noqa: E402
     decode_case,
     paged_case,
     prefill_bound,
+    uses_f16_form,
     uses_fp8_products,
 )
 
@@ -131,22 +135,26 @@ DECODE_SHAPES = [(1, 64, 16), (4, 128, 16), (8, 64, 32), (2, 16, 16)]
 def test_fp8_decode_kernel_matches_reference(group, head_dim, block_size, k_scale, v_scale):
     q, k8, v8, tables, lens = decode_case(group, head_dim, block_size, k_scale, v_scale)
     scale, scales = head_dim ** -0.5, {"k_scale": k_scale, "v_scale": v_scale}
-    bounds = {}  # (window, FP8 products) -> bound
+    bounds = {}  # (window, FP8 products, float16 products) -> bound
     qd, k8d, v8d, tablesd, lensd = (x.to(DEVICE) for x in (q, k8, v8, tables, lens))
-    # head_dim 16 and 16-token steps: the entries converted to bfloat16 (the FP8 products
-    # need 32 on both reduction sides); the rest: FP8 products
-    for kwargs in ({}, {"num_splits": 1}, {"num_splits": 6}, {"even_splits": True},
-                   {"window": 100}, {"block_n": 16}):
-        window = kwargs.get("window")
-        fp8 = uses_fp8_products(head_dim, kwargs.get("block_n", 128))
-        if (window, fp8) not in bounds:
-            bounds[window, fp8] = decode_bound(q, k8, v8, tables, lens, scale, k_scale,
-                                               v_scale, fp8_products=fp8, window=window)
-        exact = paged_decode_attention_reference(qd.double(), k8d, v8d, tablesd, lensd, scale,
-                                                 window=window, **scales)
-        out = paged_decode_attention(qd, k8d, v8d, tablesd, lensd, scale, **kwargs, **scales)
-        assert out.dtype == torch.bfloat16
-        assert_within_bound(out, exact, bounds[window, fp8], f"{kwargs}")
+    # both forms: "f16" (float16 products; head_dim 16: entries converted to bfloat16) and
+    # "e4m3" (FP8 products; head_dim 16 and 16-token steps: converted to bfloat16)
+    for form in ("f16", "e4m3"):
+        for kwargs in ({}, {"num_splits": 1}, {"num_splits": 6}, {"even_splits": True},
+                       {"window": 100}, {"block_n": 16}):
+            window, block_n = kwargs.get("window"), kwargs.get("block_n", 128)
+            fp8 = form == "e4m3" and uses_fp8_products(head_dim, block_n)
+            f16 = form == "f16" and uses_f16_form(head_dim, block_n)
+            if (window, fp8, f16) not in bounds:
+                bounds[window, fp8, f16] = decode_bound(
+                    q, k8, v8, tables, lens, scale, k_scale, v_scale, fp8_products=fp8,
+                    f16_products=f16, window=window)
+            exact = paged_decode_attention_reference(qd.double(), k8d, v8d, tablesd, lensd,
+                                                     scale, window=window, **scales)
+            out = paged_decode_attention(qd, k8d, v8d, tablesd, lensd, scale, **kwargs,
+                                         fp8_form=form, **scales)
+            assert out.dtype == torch.bfloat16
+            assert_within_bound(out, exact, bounds[window, fp8, f16], f"{form} {kwargs}")
 
 
 @pytest.mark.parametrize("k_scale,v_scale", SCALES)

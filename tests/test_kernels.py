@@ -1363,6 +1363,47 @@ def test_interp_fp8_decode_kernel_matches_reference(
     torch.testing.assert_close(dirty, clean, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("group,head_dim,block_size", [(4, 128, 16), (3, 64, 32)])
+def test_interp_fp8_decode_f16_form_matches_reference(interp, group, head_dim, block_size, dtype):
+    """The decode kernel's "f16" form over an FP8 pool (the GPU's default: entries widened to
+    float16, V read as 16-bit words, q in float16 at a power-of-two scale; here with
+    `_widen_pairs`' integer form) against the reference: splits, a window, steps of 16-128
+    tokens, and bfloat16 queries of 2^-30 and 2^20 (the softmax scale compensating) that
+    float16 would flush to zero or overflow without the scale. The output is in q's dtype: the
+    float16 tolerance, relative 2^-7 for bfloat16 (its rounding is 2^-9)."""
+    paged = interp["paged_attention"]
+    assert paged.uses_f16_form(dtype, torch.float8_e4m3fn, head_dim, 16, "f16")
+    (q, k_cache, v_cache, tables, lens), used = make_decode_case(
+        seed=7 * group + head_dim, context_lens=[1, 17, 2 * block_size, 5 * block_size - 3],
+        num_kv_heads=2, group=group, head_dim=head_dim, block_size=block_size,
+        dtype=torch.float32,
+    )  # fmt: skip
+    k8, v8 = _fp8_pool(k_cache, 0.37), _fp8_pool(v_cache, 2.5)
+    scales = {"k_scale": 0.37, "v_scale": 2.5}
+    atol, rtol = TOLERANCE[torch.float16] if dtype == torch.float16 else (2e-3, 2**-7)
+    biggest = float(v8.float().abs().max()) * 2.5
+    sizes = (1.0, 2.0**-30, 2.0**20) if dtype == torch.bfloat16 else (1.0, 2.0**-8, 2.0**8)
+    for q_size in sizes:
+        qs = (q / 40 * q_size).to(dtype)
+        scale = 1.0 / math.sqrt(head_dim) / q_size
+        for kwargs in ({}, {"num_splits": 3, "block_n": 16}, {"window": 9, "block_n": 32},
+                       {"num_splits": 2, "even_splits": True, "block_n": 128}):
+            expected = paged_decode_attention_reference(
+                qs, k8, v8, tables, lens, scale, window=kwargs.get("window"), **scales)
+            out = paged.paged_decode_attention(qs, k8, v8, tables, lens, scale, **kwargs,
+                                               **scales)
+            assert out.dtype == dtype
+            torch.testing.assert_close(out.float(), expected.float(), atol=atol * biggest,
+                                       rtol=rtol, msg=lambda m, kw=kwargs: f"{kw}: {m}")
+    # padding, spare blocks and partly filled blocks' tails are never read
+    k_bad, v_bad = (poison_unused(c.float(), used, 448.0).to(c.dtype) for c in (k8, v8))
+    qs = (q / 40).to(dtype)
+    dirty = paged.paged_decode_attention(qs, k_bad, v_bad, tables, lens, 0.1, **scales)
+    clean = paged.paged_decode_attention(qs, k8, v8, tables, lens, 0.1, **scales)
+    torch.testing.assert_close(dirty, clean, atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("k_scale,v_scale", FP8_SCALES)
 @pytest.mark.parametrize("group,head_dim,block_size,dtype", [
     (1, 64, 16, torch.float32), (4, 64, 32, torch.float16),

@@ -36,7 +36,8 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
 POINTER = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32",
-           torch.int32: "*i32", torch.int64: "*i64", torch.float8_e4m3fn: "*fp8e4nv"}
+           torch.int32: "*i32", torch.int64: "*i64", torch.float8_e4m3fn: "*fp8e4nv",
+           torch.uint16: "*u16"}
 
 
 def _launches(monkeypatch, calls) -> list[tuple[JITFunction, tuple, dict]]:
@@ -148,7 +149,7 @@ def test_every_kernel_compiles_for_hopper(monkeypatch, dtype):
 def _fp8_wrapper_calls(dtype: torch.dtype):
     """The kernels that read or write an FP8 (e4m3) KV pool, with scales."""
     from nanoserve_kernels.kv_store import store_kv
-    from nanoserve_kernels.paged_attention import paged_decode_attention
+    from nanoserve_kernels.paged_attention import F16_TILING, paged_decode_attention
     from nanoserve_kernels.paged_prefill import paged_prefill_attention
     from nanoserve_kernels.rotary_store import rotary_store
 
@@ -164,10 +165,18 @@ def _fp8_wrapper_calls(dtype: torch.dtype):
     cos, sin = torch.randn(30, d).to(dtype), torch.randn(30, d).to(dtype)
     slots = torch.arange(30, dtype=torch.int64)
     s = {"k_scale": 0.5, "v_scale": 2.0}
+    block_n, warps, stages = F16_TILING  # the "f16" form as it launches on CUDA
+    f16 = {"block_n": block_n, "num_warps": warps, "num_stages": stages}
     return [
         lambda: paged_decode_attention(q, kc, vc, tables, lens, 0.125, num_splits=1, **s),
         lambda: paged_decode_attention(q, kc, vc, tables, lens, 0.125, num_splits=3,
                                        block_n=16, **s),
+        lambda: paged_decode_attention(q, kc, vc, tables, lens, 0.125, num_splits=1, **f16, **s),
+        lambda: paged_decode_attention(q, kc, vc, tables, lens, 0.125, num_splits=2,
+                                       even_splits=True, **f16, **s),
+        # the "e4m3" form as it launches on CUDA (128-token steps, two stages)
+        lambda: paged_decode_attention(q, kc, vc, tables, lens, 0.125, num_splits=1,
+                                       block_n=128, num_stages=2, fp8_form="e4m3", **s),
         lambda: paged_prefill_attention(qkv[:, :hq], kc, vc, tables, cu, lens, 18, 0.125, **s),
         lambda: store_kv(qkv[:, hq:hq + hkv], qkv[:, hq + hkv:], kc, vc, slots, **s),
         lambda: rotary_store(qkv, cos, sin, kc, vc, slots, hq, **s),
