@@ -1366,7 +1366,7 @@ def test_interp_fp8_decode_kernel_matches_reference(
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("group,head_dim,block_size", [(4, 128, 16), (3, 64, 32)])
 def test_interp_fp8_decode_f16_form_matches_reference(interp, group, head_dim, block_size, dtype):
-    """The decode kernel's "f16" form over an FP8 pool (the GPU's default: entries widened to
+    """The decode kernel's "f16" form over an FP8 pool (`fp8_form="f16"`: entries widened to
     float16, V read as 16-bit words, q in float16 at a power-of-two scale; here with
     `_widen_pairs`' integer form) against the reference: splits, a window, steps of 16-128
     tokens, and bfloat16 queries of 2^-30 and 2^20 (the softmax scale compensating) that
@@ -1392,7 +1392,7 @@ def test_interp_fp8_decode_f16_form_matches_reference(interp, group, head_dim, b
             expected = paged_decode_attention_reference(
                 qs, k8, v8, tables, lens, scale, window=kwargs.get("window"), **scales)
             out = paged.paged_decode_attention(qs, k8, v8, tables, lens, scale, **kwargs,
-                                               **scales)
+                                               fp8_form="f16", **scales)
             assert out.dtype == dtype
             torch.testing.assert_close(out.float(), expected.float(), atol=atol * biggest,
                                        rtol=rtol, msg=lambda m, kw=kwargs: f"{kw}: {m}")

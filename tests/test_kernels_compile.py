@@ -166,7 +166,7 @@ def _fp8_wrapper_calls(dtype: torch.dtype):
     slots = torch.arange(30, dtype=torch.int64)
     s = {"k_scale": 0.5, "v_scale": 2.0}
     block_n, warps, stages = F16_TILING  # the "f16" form as it launches on CUDA
-    f16 = {"block_n": block_n, "num_warps": warps, "num_stages": stages}
+    f16 = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "fp8_form": "f16"}
     return [
         lambda: paged_decode_attention(q, kc, vc, tables, lens, 0.125, num_splits=1, **s),
         lambda: paged_decode_attention(q, kc, vc, tables, lens, 0.125, num_splits=3,
