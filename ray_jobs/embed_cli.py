@@ -1,5 +1,5 @@
 """`nanoserve embed INPUT -o OUTPUT_DIR [options]`: the embedding job's command line
-(`ray_jobs.embed_job`). Exit status as `nanoserve batch`: 0 when the job completed (error
+(`ray_jobs.task_embed`). Exit status as `nanoserve batch`: 0 when the job completed (error
 rows included); 2 with one line `error: <message>` for a job-level problem.
 
 Entry point of the job pipeline (docs/modules.md).
@@ -87,7 +87,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 def run_embed_cli(args: argparse.Namespace) -> int:
     """Run the embedding job; print the summary on stdout. NanoserveError propagates (one
     line, exit status 2, from `nanoserve.cli.run_command`)."""
-    from ray_jobs.embed_job import run_embed_job
+    from ray_jobs.driver import run_embed_job
 
     summary = run_embed_job(
         args.input, args.output_dir, model=args.model, pooling=args.pooling,
