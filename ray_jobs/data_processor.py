@@ -1,5 +1,5 @@
-"""The engine as a Ray Data stage: a `ray.data.Dataset` of prompts in, the same rows with
-the result columns out.
+"""The engine as a Ray Data stage, for either task: a `ray.data.Dataset` of prompts (or
+texts) in, the same rows with the task's result columns out.
 
 Entry point (Ray Data) of the job pipeline (docs/modules.md).
 
@@ -10,6 +10,7 @@ Entry point (Ray Data) of the job pipeline (docs/modules.md).
                               max_tokens=64)
     out = process(ray.data.read_parquet("prompts/"))   # lazy, streaming
     out.write_parquet("out/")
+    vectors = build_processor(task="embed", num_gpus=1)(ray.data.read_parquet("docs/"))
 
 Contract (see docs/interfaces.md):
 - input rows as `nanoserve batch` reads them: a `prompt` (text), `messages` (chat) or
@@ -37,11 +38,18 @@ Contract (see docs/interfaces.md):
 - streaming: Ray Data feeds the actors block by block and each batch is answered from its
   own rows alone, so a dataset larger than memory flows through.
 
-The same per-row steps as the batch job, reused: `RowPreparer` (rows to token ids and
+The same per-row steps as the batch job, reused: the task's plug-in answers a batch as the
+job answers a shard (`ray_jobs.tasks.answer_rows`): `RowPreparer` (rows to token ids and
 `SamplingParams`, or error rows; constraints compiled once per actor) and
 `BatchWorker.run_batch` (token ids to an Arrow table with a row per sample, error rows for
 what does not fit). Nothing else is written: no manifest, no resume (Ray Data's own
 execution decides what runs again).
+
+With `task="embed"` the stage is the embedding task's (`ray_jobs.task_embed`):
+`DatasetEmbedder` actors, an `EmbedWorker` each, append `embedding`, `num_input_tokens` and
+`error` to every row (the `text` column is read when no prompt column is there), with the
+embedding options of `nanoserve embed` checked against the model's files before any actor
+starts.
 """
 
 from __future__ import annotations
@@ -62,12 +70,53 @@ from ray_jobs.prepare import (
     output_controls,
     plan_columns,
 )
-from ray_jobs.worker import BatchWorker, GenerationRequest, error_rows
+from ray_jobs.task_embed import (
+    EMBED_BATCH_TOKENS,
+    EMBED_OPTIONS,
+    EmbedTask,
+    EmbedWorker,
+    embed_result_schema,
+    embed_settings,
+    take_options,
+)
+from ray_jobs.task_embed import prompt_column as embed_prompt_column
+from ray_jobs.task_generate import GenerateTask
+from ray_jobs.tasks import answer_rows, result_column
+from ray_jobs.worker import BatchWorker
 
 
-class DatasetGenerator:
-    """The callable class Ray Data runs in each actor of the pool: loads the model once,
-    then answers `__call__(batch: pa.Table) -> pa.Table` for every batch it is given."""
+class DatasetStage:
+    """The callable classes Ray Data runs in each actor of the pool (the model loaded once,
+    in the constructor): `__call__(batch: pa.Table) -> pa.Table` answers every batch it is
+    given with the task's plug-in, as the job answers a shard's rows. A subclass gives the
+    task and its result columns for a batch's schema (`_task`)."""
+
+    def _task(self, schema: pa.Schema) -> tuple[Any, pa.Schema]:
+        raise NotImplementedError
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        """`batch`'s rows, in order, each once per result row (a row's n samples), with the
+        result columns appended (an input column of the same name replaced)."""
+        batch = batch.combine_chunks()
+        record = pa.RecordBatch.from_arrays(
+            [c.chunk(0) if c.num_chunks else pa.array([], c.type) for c in batch.columns],
+            schema=batch.schema)
+        task, schema = self._task(batch.schema)
+        rows = task.preparer.prepare(InputChunk(record, Path("<dataset>")), 0)
+        results, _, _ = answer_rows(task, rows)
+        repeat = [i for i, samples in enumerate(results) for _ in samples]
+        out = batch.take(pa.array(repeat, pa.int64())) if repeat != list(range(len(rows))) \
+            else batch
+        out = out.drop_columns([c for c in schema.names if c in out.column_names])
+        flat = [res for samples in results for res in samples]
+        for field in schema:
+            out = out.append_column(field, result_column([res.get(field.name) for res in flat],
+                                                         field.type))
+        return out
+
+
+class DatasetGenerator(DatasetStage):
+    """Generation's stage: a `BatchWorker` per actor, rows prepared by `RowPreparer`."""
 
     def __init__(self, model: str = DEFAULT_MODEL, sampling: dict[str, Any] | None = None,
                  prompt_column: str | None = None, dtype: str = "auto",
@@ -104,42 +153,42 @@ class DatasetGenerator:
             self._preparers[schema] = (preparer, controls)
         return self._preparers[schema]
 
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        """`batch`'s rows, in order, each once per sample, with the result columns
-        appended."""
-        batch = batch.combine_chunks()
-        record = pa.RecordBatch.from_arrays(
-            [c.chunk(0) if c.num_chunks else pa.array([], c.type) for c in batch.columns],
-            schema=batch.schema)
-        preparer, controls = self._preparer(batch.schema)
-        rows = preparer.prepare(InputChunk(record, Path("<dataset>")), 0)
-        results: list[list[dict[str, Any]] | None] = [
-            error_rows(r.error, 0, r.n) if r.error is not None else None for r in rows]
-        todo = [i for i, r in enumerate(rows) if r.error is None]
-        if todo:
-            answered = self.worker.run_batch(
-                [GenerationRequest(rows[i].prompt_token_ids, rows[i].params) for i in todo])
-            flat, at = answered.to_pylist(), 0
-            for i in todo:
-                results[i] = flat[at:at + rows[i].n]
-                at += rows[i].n
-            if at != len(flat):
-                raise RuntimeError(f"the worker answered {len(flat)} rows for {at} samples")
-        if self.reasoning is not None:
-            from ray_jobs.tasks import split_reasoning
+    def _task(self, schema: pa.Schema) -> tuple[GenerateTask, pa.Schema]:
+        preparer, controls = self._preparer(schema)
+        options = {"defaults": self.sampling,
+                   "reasoning_parser": self.reasoning.name if self.reasoning else None}
+        task = GenerateTask(preparer.plan, options, self.tokenizer, self.config,
+                            engine=self.worker.run_batch, preparer=preparer)
+        return task, result_schema(controls)
 
-            results = [[split_reasoning(self.reasoning, r.prompt_token_ids, res)
-                        for res in samples] for r, samples in zip(rows, results)]
-        repeat = [i for i, samples in enumerate(results) for _ in samples]
-        out = batch.take(pa.array(repeat, pa.int64())) if repeat != list(range(len(rows))) \
-            else batch
-        out = out.drop_columns([c for c in controls if c in out.column_names])
-        schema = result_schema(controls)
-        table = pa.Table.from_pylist([res for samples in results for res in samples],
-                                     schema=schema)
-        for field, column in zip(schema, table.columns):
-            out = out.append_column(field, column)
-        return out
+
+class DatasetEmbedder(DatasetStage):
+    """The embedding task's stage: an `EmbedWorker` per actor, rows prepared by
+    `EmbedPreparer`. `options`: `EmbedTask`'s (`EmbedSettings.task_options`)."""
+
+    def __init__(self, model: str, options: dict[str, Any], pooling: dict[str, Any],
+                 prompt_column: str | None = None, dtype: str = "auto",
+                 num_threads: int | None = None,
+                 max_batch_tokens: int = EMBED_BATCH_TOKENS) -> None:
+        path = resolve_model(model)
+        self.config, self.tokenizer = load_model_meta(path)
+        self.options = dict(options)
+        self.prompt_column = prompt_column
+        self.worker = EmbedWorker(str(path), dtype=dtype, num_threads=num_threads,
+                                  pooling=pooling, max_batch_tokens=max_batch_tokens)
+        self._tasks: dict[pa.Schema, tuple[EmbedTask, pa.Schema]] = {}
+
+    def _task(self, schema: pa.Schema) -> tuple[EmbedTask, pa.Schema]:
+        """One task per input schema seen; row ids play no part (rows are never matched
+        back by id)."""
+        if schema not in self._tasks:
+            column = embed_prompt_column(self.prompt_column, schema.names)
+            plan = dataclasses.replace(plan_columns(schema, column), id_column=None)
+            task = EmbedTask(plan, self.options, self.tokenizer, self.config,
+                             engine=self.worker.run_batch)
+            self._tasks[schema] = (task, embed_result_schema(self.worker.embedder.dim,
+                                                             self.options["embedding_dtype"]))
+        return self._tasks[schema]
 
 
 def build_processor(model: str = DEFAULT_MODEL, *, concurrency: int = 1,
@@ -160,21 +209,26 @@ def build_processor(model: str = DEFAULT_MODEL, *, concurrency: int = 1,
     "qwen3" or "deepseek_r1": the think block in a `reasoning` column (and
     `num_reasoning_tokens`), `generated_text` the answer; constraints apply after the block,
     `max_thinking_tokens` (an option or a column) bounds it. Options are checked here, before any actor starts (InputError, ValueError);
-    a default structured output is compiled with the model's tokenizer here too."""
+    a default structured output is compiled with the model's tokenizer here too.
+
+    `task="embed"`: the embedding task's stage instead (`DatasetEmbedder`); the other
+    keyword arguments are then `pooling`, `normalize`, `dimensions`, `instruction`,
+    `max_input_tokens`, `truncate`, `embedding_dtype` (see `run_job`) and
+    `max_batch_tokens` (default 65,536), resolved against the model's files here."""
     from nanoserve.errors import InputError
     from nanoserve.sampling import SamplingParams
 
-    if sampling.get("task", "generate") != "generate":  # task="embed": ray_jobs/embed_job.py
-        from ray_jobs.embed_job import build_embed_processor
-
-        return build_embed_processor(model, concurrency=concurrency, num_gpus=num_gpus,
-                                     num_cpus=num_cpus, batch_size=batch_size,
-                                     prompt_column=prompt_column, dtype=dtype, **sampling)
-    sampling.pop("task", None)
+    task = sampling.pop("task", "generate")
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if task == "embed":
+        return _actor_pool(DatasetEmbedder, {"model": model, "prompt_column": prompt_column,
+                                             "dtype": dtype, **_embedding_options(model, sampling)},
+                           concurrency, num_gpus, num_cpus, batch_size)
+    if task != "generate":
+        raise InputError(f"task must be 'generate' or 'embed', got {task!r}")
     sampling = {"max_tokens": 256, **sampling}
     if "stop" in sampling:
         sampling["stop"] = tuple(sampling["stop"] or ())
@@ -194,27 +248,54 @@ def build_processor(model: str = DEFAULT_MODEL, *, concurrency: int = 1,
         plan = ColumnPlan((("prompt", "text"),), None, (), pa.schema([("prompt", pa.string())]))
         RowPreparer(plan, tokenizer, config.max_position_embeddings, config.vocab_size,
                     sampling)  # InputError if it does not compile
+    constructor = {"model": model, "sampling": sampling, "prompt_column": prompt_column,
+                   "dtype": dtype, "kv_cache_fraction": kv_cache_fraction,
+                   "kv_cache_bytes": kv_cache_bytes, "scheduler": scheduler,
+                   "chat_template_kwargs": chat_template_kwargs,
+                   "reasoning_parser": reasoning_parser}
+    return _actor_pool(DatasetGenerator, constructor, concurrency, num_gpus, num_cpus,
+                       batch_size)
+
+
+def _actor_pool(stage: type, constructor: dict[str, Any], concurrency: int, num_gpus: float,
+                num_cpus: float | None, batch_size: int) -> Callable[[Any], Any]:
+    """The stage as a fixed pool of `concurrency` actors of class `stage` (built with
+    `constructor` and its thread count), `batch_size` rows a call."""
     if num_gpus:
         resources: dict[str, Any] = {"num_gpus": num_gpus, "num_cpus": num_cpus or 0}
         num_threads = None
     else:
         resources = {"num_cpus": num_cpus or 1}
         num_threads = max(1, int(num_cpus or 1))
-    constructor = {"model": model, "sampling": sampling, "prompt_column": prompt_column,
-                   "dtype": dtype, "kv_cache_fraction": kv_cache_fraction,
-                   "kv_cache_bytes": kv_cache_bytes, "scheduler": scheduler,
-                   "num_threads": num_threads, "chat_template_kwargs": chat_template_kwargs,
-                   "reasoning_parser": reasoning_parser}
+    constructor = {**constructor, "num_threads": num_threads}
 
     def process(ds: Any) -> Any:
         from ray.data import ActorPoolStrategy
 
         return ds.map_batches(
-            DatasetGenerator, fn_constructor_kwargs=constructor, batch_format="pyarrow",
+            stage, fn_constructor_kwargs=constructor, batch_format="pyarrow",
             batch_size=batch_size, compute=ActorPoolStrategy(size=concurrency),
             zero_copy_batch=True, **resources)
 
     return process
 
 
-__all__ = ["DatasetGenerator", "build_processor"]
+def _embedding_options(model: str, options: dict[str, Any]) -> dict[str, Any]:
+    """`DatasetEmbedder`'s `options`, `pooling` and `max_batch_tokens`, resolved against the
+    model's files (InputError for an unknown or a bad option)."""
+    from nanoserve.errors import InputError
+
+    options = dict(options)
+    max_batch_tokens = options.pop("max_batch_tokens", EMBED_BATCH_TOKENS)
+    unknown = sorted(set(options) - set(EMBED_OPTIONS))
+    if unknown:
+        raise InputError(f"not an embedding option: {', '.join(unknown)}")
+    own = take_options(options)
+    path = resolve_model(model)
+    config, _ = load_model_meta(path)
+    settings = embed_settings(path, config, own)
+    return {"options": settings.task_options(), "pooling": settings.pooling.as_dict(),
+            "max_batch_tokens": max_batch_tokens}
+
+
+__all__ = ["DatasetEmbedder", "DatasetGenerator", "DatasetStage", "build_processor"]

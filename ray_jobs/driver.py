@@ -1,12 +1,17 @@
-"""Stage 2, dispatch: the batch job's driver. It moves descriptors, never rows: it scans
-the input, hands shards to the Ray workers, and records the shards whose parts are written.
+"""Stage 2, dispatch: the job's driver, one for both tasks (generation, embedding). It moves
+descriptors, never rows: it scans the input, hands shards to the Ray workers, and records
+the shards whose parts are written.
 
-    summary = run_batch_job("prompts.jsonl", "out/", max_tokens=64)
+    summary = run_job("prompts.jsonl", "out/", max_tokens=64)     # = run_batch_job
+    summary = run_job("docs.jsonl", "vectors/", task="embed")     # = run_embed_job
 
 Order of work (every job-level check comes before any model loads on a worker):
-1. scan the input (files, schema, row count, where every `batch_size`-th JSONL row starts)
-   and plan its columns;
+1. take the task's own options (`TaskKind.take_options`: `ray_jobs.task_generate`,
+   `ray_jobs.task_embed`), check the job's (`JobOptions`); scan the input (files, schema,
+   row count, where every `batch_size`-th JSONL row starts) and plan its columns;
 2. resolve the model and load its tokenizer and config on the driver (cheap: no weights);
+   the task plans the rest (`TaskKind.plan`: its rows' preparer, output schema, settings,
+   actor);
 3. open the output folder: fresh, or resume an earlier run with equal settings;
 4. start (or join) Ray and one actor per GPU (one CPU worker without GPUs), when the first
    shard needs a worker (a rerun with nothing left to compute starts none);
@@ -61,9 +66,8 @@ import pyarrow as pa
 
 from nanoserve.errors import InputError, NanoserveError
 from nanoserve.model_store import resolve_model
-from ray_jobs import openai_batch
 from ray_jobs.batching import BatchLimits
-from ray_jobs.io import InputInfo, iter_chunks, scan_input
+from ray_jobs.io import InputInfo, scan_input
 from ray_jobs.local_ray import RaySession
 from ray_jobs.manifest import (
     Manifest,
@@ -79,11 +83,13 @@ from ray_jobs.manifest import (
 from ray_jobs.options import JobOptions
 from ray_jobs.placement import check_output_reachable
 from ray_jobs.pool import WorkerPool, WorkerReport, first_line, log
-from ray_jobs.prepare import RowPreparer, load_model_meta, output_controls, plan_columns
+from ray_jobs.prepare import load_model_meta, plan_columns
 from ray_jobs.report import ReportLog, report_data, write_report
 from ray_jobs.shards import InputSpec, Shard, iter_shards
 from ray_jobs.storage import OutputDir, is_uri
-from ray_jobs.tasks import GenerateTask, JobSpec, ShardOutcome, ShardRunner, with_digest
+from ray_jobs.task_embed import EMBED
+from ray_jobs.task_generate import GENERATE
+from ray_jobs.tasks import JobSpec, ShardOutcome, ShardRunner, TaskKind, TaskPlan, with_digest
 from ray_jobs.timeline import PHASES, Timeline
 from ray_jobs.worker import (
     ENGINE_KEY,
@@ -96,12 +102,14 @@ from ray_jobs.worker import (
 MAX_BATCH_ATTEMPTS = 2  # deaths of its worker a batch may cause before it is cut in halves
 PREFIX_KEY_TOKENS = 32  # leading prompt tokens that name a piece's prefix for dispatch
 DEATH_SETTLE_TIMEOUT_S = 60.0  # wait for the other tasks of a dead actor to end
+TASKS = {kind.name: kind for kind in (GENERATE, EMBED)}  # run_job's `task`
 
 
 @dataclass(frozen=True)
 class JobSummary:
-    """What one run did. Counts cover this run; `rows_resumed` rows were written by earlier
-    runs into the same folder."""
+    """What one run did, for either task (`task`: its own lines in `format`, its own
+    counters). Counts cover this run; `rows_resumed` rows were written by earlier runs into
+    the same folder."""
 
     output_dir: str
     rows: int  # output rows written: one per sample of each input row
@@ -131,6 +139,9 @@ class JobSummary:
     # "reasoning parser: qwen3 (auto: ...)": which parser split the rows and why (None: the
     # model has no think tags and none was asked for)
     reasoning: str | None = None
+    task: str = "generate"  # run_job's: "generate" or "embed"
+    truncated_rows: int = 0  # embedding: inputs cut to the input limit
+    dimensions: int | None = None  # embedding: the vectors' (None: generation)
 
     def format(self) -> str:
         samples = (f" for {self.input_rows} input rows"
@@ -140,11 +151,7 @@ class JobSummary:
         lines = [
             f"rows: {self.rows}{samples} ({reasons})"
             + (f", {self.rows_resumed} done by an earlier run" if self.rows_resumed else ""),
-            f"tokens: {self.input_tokens} input, {self.output_tokens} output",
-            f"wall time: {self.wall_time_s:.1f} s, {self.output_tokens_per_s:.1f} output tokens/s",
-            f"padding waste: {self.padding_waste:.1%} of the padded prefill",
-            *([f"prefix cache: {self.prefix_hit_rate:.1%} of prompt tokens served from it"]
-              if self.prefix_hit_rate is not None else []),
+            *TASKS[self.task].summary_lines(self),
             f"batches: {self.num_batches} on {len(self.workers)} worker(s); output: {self.output_dir}",
         ]
         if self.reasoning:
@@ -183,74 +190,55 @@ def busy_line(workers: tuple[WorkerReport, ...]) -> str | None:
     return line
 
 
-def run_batch_job(input: str | Path, output_dir: str | Path, **options: Any) -> JobSummary:
-    """Run the batch job of `nanoserve batch INPUT -o OUTPUT_DIR`; see the module docstring.
-    Job-level problems raise `NanoserveError` (InputError, ModelError) before any worker
-    starts; row-level problems become `error` rows."""
+def run_job(input: str | Path, output_dir: str | Path, task: str = "generate",
+            **options: Any) -> JobSummary:
+    """Run the job of `nanoserve batch` (task "generate") or `nanoserve embed` (task
+    "embed") on INPUT into OUTPUT_DIR; see the module docstring. `options`: `JobOptions`'
+    fields and the task's own (`EMBED_OPTIONS`). Job-level problems raise `NanoserveError`
+    (InputError, ModelError) before any worker starts; row-level problems become `error`
+    rows."""
     timeline = Timeline(time.perf_counter())
+    if task not in TASKS:
+        raise InputError(f"task must be 'generate' or 'embed', got {task!r}")
+    kind = TASKS[task]
+    options = dict(options)
+    own = kind.take_options(options)
     opts = JobOptions(**options)
     limits = BatchLimits(opts.batch_size, opts.max_batch_tokens,
                          opts.window_batches * opts.batch_size)  # (checked before the scan)
     info = scan_input(input, opts.chunk_rows, opts.id_column, opts.input_format,
                       shard_rows=opts.batch_size)
-    openai_out = openai_batch.wants_openai_output(opts.output_format, info.openai_rows)
+    opts = dataclasses.replace(opts, prompt_column=kind.prompt_column(opts.prompt_column,
+                                                                      info.schema.names))
     plan = plan_columns(info.schema, opts.prompt_column, opts.id_column)
     model_path = resolve_model(opts.model)
     config, tokenizer = load_model_meta(model_path)
-    eos = tuple(sorted(set(config.eos_token_ids) | set(tokenizer.eos_token_ids)))
-    preparer = RowPreparer(plan, tokenizer, config.max_position_embeddings, config.vocab_size,
-                           opts.sampling_defaults(), eos_token_ids=eos,
-                           chat_template_kwargs=opts.chat_template_kwargs)
-    from nanoserve.reasoning import has_think_tags, resolve_parser
-
-    try:
-        reasoning, reasoning_line = resolve_parser(opts.reasoning_parser, config.architecture,
-                                                   tokenizer)
-    except ValueError as e:
-        raise InputError(f"--reasoning-parser: {e}") from None
-    if opts.reasoning_parser in (None, "none", "auto") and not has_think_tags(tokenizer):
-        reasoning_line = None  # a model that cannot think: nothing to say
-    # The workers' engines run the parser picked here (budgets, constraints after thinking).
-    opts = dataclasses.replace(opts, reasoning_parser=reasoning.name if reasoning else "none")
-    if reasoning is None and (opts.max_thinking_tokens is not None
-                              or "max_thinking_tokens" in plan.override_columns):
-        raise InputError("--max-thinking-tokens / a 'max_thinking_tokens' column needs a "
-                         "reasoning parser (--reasoning-parser qwen3|deepseek_r1)")
-    controls = output_controls(plan, opts.sampling_defaults(), reasoning=reasoning is not None)
-    schema = plan.output_schema(controls)  # an input column that clashes is refused here
-    settings = _job_settings(opts, info, model_path, limits)
+    part = kind.plan(opts, own, info, plan, model_path, config, tokenizer)
+    settings = {**_job_settings(part.opts, info, model_path, limits), **part.settings}
     folder = OutputDir.open(output_dir)  # a local folder or an object-store prefix
-    spec = JobSpec("generate", InputSpec.of(info, opts.chunk_rows), plan, schema, folder,
-                   controls, {"defaults": opts.sampling_defaults(),
-                              "chat_template_kwargs": opts.chat_template_kwargs,
-                              "reasoning_parser": reasoning.name if reasoning else None,
-                              "max_batch_tokens": opts.max_batch_tokens})
-    local = ShardRunner(spec, GenerateTask(spec, tokenizer, config, preparer=preparer))
+    spec = JobSpec(kind.name, InputSpec.of(info, opts.chunk_rows), plan, part.schema, folder,
+                   part.controls, part.task_options)
+    return run_pipeline(Pipeline(part.opts, info, output_dir, folder, settings, spec,
+                                 ShardRunner(spec, part.task), kind, part), timeline)
 
-    def openai_outputs(done_before: bool) -> None:  # output.jsonl / errors.jsonl, from the parts
-        if openai_out and not (done_before and folder.exists(openai_batch.OUTPUT_NAME)):
-            openai_batch.write_outputs(folder, iter_chunks(info, opts.chunk_rows), plan,
-                                       tokenizer, opts.model, settings)
 
-    summary = run_pipeline(Pipeline(
-        opts, info, output_dir, folder, settings, spec, local, _JobRun, JobSummary,
-        report_settings={"options": dataclasses.asdict(opts), "model": settings["model"],
-                         "input": settings["input"]},
-        before_complete=openai_outputs,
-        finish=lambda summary, run: dataclasses.replace(summary, reasoning=reasoning_line)),
-        timeline)
-    return summary
+def run_batch_job(input: str | Path, output_dir: str | Path, **options: Any) -> JobSummary:
+    """`run_job`: the batch job, generation unless `task="embed"` says otherwise."""
+    return run_job(input, output_dir, **options)
+
+
+def run_embed_job(input: str | Path, output_dir: str | Path, **options: Any) -> JobSummary:
+    """`run_job(..., task="embed")`: a vector per row (`ray_jobs.task_embed`)."""
+    return run_job(input, output_dir, task="embed", **options)
 
 
 @dataclass
 class Pipeline:
-    """One job's task as the shared walk (`run_pipeline`) needs it: the scanned input, the
-    output folder and the settings its manifest compares, the spec the workers get, the
-    walk without an engine (`local`, for error rows made on the driver), the run's class
-    and summary class, the actor class and its extra arguments (None: the generation
-    worker), what the report shows, `before_complete(done_before)` (called before the
-    folder is marked complete, and on a rerun of a complete job with `done_before` True),
-    and `finish(summary, run)`, the summary the task returns."""
+    """One job as the walk (`run_pipeline`) needs it: the scanned input, the output folder
+    and the settings its manifest compares, the spec the workers get, the walk without an
+    engine (`local`, for error rows made on the driver), the task (`kind`) and its part of
+    the job (`part`: its actor, what the report shows, its summary fields, what it writes
+    before the folder is marked complete)."""
 
     opts: JobOptions
     info: InputInfo
@@ -259,16 +247,11 @@ class Pipeline:
     settings: dict[str, Any]
     spec: JobSpec
     local: ShardRunner
-    run_class: type
-    summary_class: type
-    actor: type | None = None
-    actor_kwargs: dict[str, Any] = field(default_factory=dict)
-    report_settings: dict[str, Any] = field(default_factory=dict)
-    before_complete: Callable[[bool], None] | None = None
-    finish: Callable[[Any, Any], Any] | None = None
+    kind: TaskKind
+    part: TaskPlan
 
 
-def run_pipeline(p: Pipeline, timeline: Timeline) -> Any:
+def run_pipeline(p: Pipeline, timeline: Timeline) -> JobSummary:
     """The job's walk, the same for every task: hold and open the output folder (fresh, or
     resumed with equal settings), hand the shards out, mark it complete, write the report.
     Ray and the workers start when the first shard needs one."""
@@ -283,37 +266,37 @@ def run_pipeline(p: Pipeline, timeline: Timeline) -> Any:
             log(f"nanoserve: --retry-errors: computing again {len(retry)} batch(es) of an "
                 f"earlier run that hold error rows")
         if manifest.complete:
-            if p.before_complete is not None:
-                p.before_complete(True)
+            if p.part.after_parts is not None:
+                p.part.after_parts(folder, p.settings, True)
             timeline.mark("prepare")
-            return p.summary_class(str(folder), 0, 0, manifest.rows_done, 0, 0,
-                                   timeline.marks["prepare"], 0.0, 0.0, 0,
-                                   timings=timeline.timings())
+            return JobSummary(str(folder), 0, 0, manifest.rows_done, 0, 0,
+                              timeline.marks["prepare"], 0.0, 0.0, 0,
+                              timings=timeline.timings(), task=p.kind.name, **p.part.summary)
 
         def start_pool() -> WorkerPool:  # on the first shard that needs a worker
             timeline.mark("prepare")
             stack.enter_context(RaySession(opts.address))
             timeline.mark("ray")
-            pool = WorkerPool.start(opts, timeline, actor=p.actor,
-                                    actor_kwargs={**p.actor_kwargs, "spec": p.spec})
+            pool = WorkerPool.start(opts, timeline, actor=p.part.actor,
+                                    actor_kwargs={**p.part.actor_kwargs, "spec": p.spec})
             stack.callback(pool.shutdown)
             timeline.mark("workers")
             return pool
 
-        run = p.run_class(opts, folder, manifest, start_pool, p.info.num_rows, timeline, retry,
-                          p.local)
+        run = _JobRun(opts, folder, manifest, start_pool, p.info.num_rows, timeline, retry,
+                      p.local, p.kind)
         run.execute(iter_shards(p.info))
-        if p.before_complete is not None:
-            p.before_complete(False)
+        if p.part.after_parts is not None:
+            p.part.after_parts(folder, p.settings, False)
         mark_complete(folder, manifest)
     timeline.mark("shutdown")
-    summary = run.summary(timeline.marks["shutdown"])
-    if p.finish is not None:
-        summary = p.finish(summary, run)
-    for warning in getattr(summary, "warnings", ()):
+    summary = dataclasses.replace(run.summary(timeline.marks["shutdown"]), **p.part.summary)
+    for warning in summary.warnings:
         log(warning)
+    report_settings = {"options": dataclasses.asdict(opts), "model": p.settings["model"],
+                       "input": p.settings["input"], **p.part.report_settings}
     try:
-        path = write_report(folder, report_data(run.report, summary, p.report_settings,
+        path = write_report(folder, report_data(run.report, summary, report_settings,
                                                 opts.batch_size))
     except Exception as e:  # the rows are written and recorded: a failed report loses nothing
         log(f"nanoserve: the job report could not be written: {type(e).__name__}: "
@@ -401,9 +384,6 @@ class _Sent:
     seq: int  # order of sending: an actor runs its tasks in that order
 
 
-FINISH_REASONS = ("stop", "length", "error")  # always counted in the summary, in this order
-
-
 class _JobRun:
     """One pass over the shards: admit, submit, collect, record.
 
@@ -434,19 +414,18 @@ class _JobRun:
       stop the job (NanoserveError): workers that die on everything are not a row's fault.
     """
 
-    BAR_DESCRIPTION = "nanoserve batch"
-
     def __init__(self, opts: JobOptions, folder: OutputDir, manifest: Manifest,
                  start_pool: Callable[[], WorkerPool], total_rows: int,
-                 timeline: Timeline, retry: set[int] = frozenset(),
-                 local: ShardRunner | None = None) -> None:
+                 timeline: Timeline, retry: set[int], local: ShardRunner, kind: TaskKind) -> None:
         """`start_pool` is called when the first piece is sent: a rerun with nothing left
         to compute starts neither Ray nor a worker. `retry`: shard ids an earlier run wrote
         that are computed again (their parts are replaced), never adopted. `local`: the
-        shard walk without an engine, for error rows made here."""
+        shard walk without an engine, for error rows made here. `kind`: the task (its
+        progress rates, its summary's finish reasons)."""
         from tqdm import tqdm
 
         self.opts = opts
+        self.kind = kind
         self.retry = retry
         self.local = local
         self.folder = folder
@@ -473,7 +452,7 @@ class _JobRun:
         self.timeline = timeline
         self.t0 = time.perf_counter()
         self.bar = tqdm(total=total_rows, unit="row", file=sys.stderr, disable=not opts.progress,
-                        dynamic_ncols=True, desc=self.BAR_DESCRIPTION)
+                        dynamic_ncols=True, desc=f"nanoserve {kind.command}")
 
     def execute(self, shards: Iterator[Shard]) -> None:
         """Hold what each live worker may take (`hold_limits`) plus the queue; take the next
@@ -697,8 +676,8 @@ class _JobRun:
         self.bar.set_postfix_str(self._rates(elapsed), refresh=False)
 
     def _rates(self, elapsed: float) -> str:
-        """The progress bar's rates after `elapsed` seconds."""
-        return f"{self.output_tokens / elapsed:.1f} out tok/s"
+        """The progress bar's rates after `elapsed` seconds (the task's)."""
+        return self.kind.progress(self, elapsed)
 
     def _warnings(self) -> tuple[str, ...]:
         cut = sum(self.cut_constrained.values())
@@ -712,6 +691,7 @@ class _JobRun:
 
     def summary(self, wall_time_s: float) -> JobSummary:
         waste = 1 - self.padded_real / self.padded_slots if self.padded_slots else 0.0
+        reasons = self.kind.finish_reasons
         return JobSummary(
             output_dir=str(self.folder), rows=self.rows, error_rows=self.error_rows,
             rows_resumed=self.rows_resumed, input_tokens=self.input_tokens,
@@ -726,8 +706,8 @@ class _JobRun:
             device_oom_errors=self.oom_errors, timings=self.timeline.timings(),
             nodes_lost=self.pool.lost_nodes() if self.pool is not None else (),
             input_rows=self.input_rows,
-            finish_reasons={**{k: 0 for k in FINISH_REASONS}, **self.finish_reasons},
-            warnings=self._warnings(),
+            finish_reasons={**dict.fromkeys(reasons, 0), **self.finish_reasons} if reasons else {},
+            warnings=self._warnings(), task=self.kind.name, truncated_rows=self.truncated_rows,
         )
 
 
@@ -744,5 +724,6 @@ def _fetch(ref: Any, timeout: float | None = None) -> tuple[str, Any]:
         return "died", e
 
 
-__all__ = ["JobOptions", "JobSummary", "WorkerReport", "run_batch_job"]
+__all__ = ["TASKS", "JobOptions", "JobSummary", "WorkerReport", "run_batch_job",
+           "run_embed_job", "run_job"]
 

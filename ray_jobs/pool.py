@@ -1,5 +1,6 @@
-"""The job's workers: one `BatchWorker` actor per GPU (or CPU actors without GPUs), how
-they are started and replaced, which one takes the next piece of work, and what each did
+"""The job's workers: one actor per GPU (or CPU actors without GPUs), of the task's class
+(`task_generate.RayBatchWorker`, `task_embed.RayEmbedWorker`), how they are started and
+replaced, which one takes the next piece of work, and what each did
 (`WorkerReport`).
 
 Stage 2, dispatch of the job pipeline (docs/modules.md).
@@ -36,8 +37,7 @@ from typing import TYPE_CHECKING, Any
 from nanoserve.errors import ModelError, NanoserveError, first_line
 from nanoserve.running_rows import CPU_DEFAULT_ROWS, MAX_DEFAULT_ROWS
 from ray_jobs.autoscale import GROW_POLL_S, LostNode, node_lost, parse_num_workers, wait_for_gpus
-from ray_jobs.tasks import GenerateTask, ShardWorker
-from ray_jobs.worker import FAULT_ENV_PREFIX, BatchWorker
+from ray_jobs.worker import FAULT_ENV_PREFIX
 
 if TYPE_CHECKING:
     from ray_jobs.options import JobOptions
@@ -136,16 +136,6 @@ class WorkerReport:
     def rows_per_step(self) -> float | None:
         """Rows its engine decoded a step, on average (None: no decode step counted)."""
         return self.decode_row_steps / self.decode_steps if self.decode_steps else None
-
-
-class RayBatchWorker(ShardWorker, BatchWorker):
-    """The generation job's actor: a `BatchWorker` that runs shards (`ShardWorker`)."""
-
-    def make_task(self, spec: Any) -> GenerateTask:
-        static = getattr(self.llm, "scheduler", "static") == "static"
-        return GenerateTask(spec, self.llm.tokenizer, self.llm.config, engine=self.run_batch,
-                            grammars=self.llm.grammars,
-                            static_rows=self.llm.max_batch_size if static else None)
 
 
 ENGINE_COUNTERS = ("up_s", "busy_s", "decode_steps", "decode_row_steps")
@@ -257,10 +247,11 @@ class WorkerPool:
         return GROW_POLL_S if self.grows or self.pending else None
 
     @classmethod
-    def start(cls, opts: JobOptions, timeline: Timeline, actor: type | None = None,
+    def start(cls, opts: JobOptions, timeline: Timeline, actor: type,
               actor_kwargs: dict[str, Any] | None = None) -> WorkerPool:
-        """`actor`: the actor class (default `RayBatchWorker`; an embedding job's
-        `RayEmbedWorker`), built with the job's worker arguments and `actor_kwargs`."""
+        """`actor`: the task's actor class (`task_generate.RayBatchWorker`,
+        `task_embed.RayEmbedWorker`), built with the job's worker arguments and
+        `actor_kwargs`."""
         import ray
 
         wanted = parse_num_workers(opts.num_workers)
@@ -296,7 +287,7 @@ class WorkerPool:
         # Threaded actor: a worker holds several batches at once (`hold_limits`), so its
         # engine (continuous scheduler) admits the next batches' rows as rows finish. A
         # static engine still runs one batch at a time (a lock).
-        actor_cls = ray.remote(actor or RayBatchWorker).options(
+        actor_cls = ray.remote(actor).options(
             max_restarts=0, max_task_retries=0, max_concurrency=actor_threads(opts, bool(num_gpus)),
             **actor_options)
         kwargs = {"model": opts.model, "dtype": opts.dtype,
@@ -310,7 +301,7 @@ class WorkerPool:
                   **(actor_kwargs or {})}
         pool = cls(actor_cls, kwargs, opts.worker_start_timeout_s, timeline,
                    opts.max_deaths_in_a_row, opts)
-        if actor is None and (warning := starve_warning(opts)) is not None:
+        if actor.admits_rows and (warning := starve_warning(opts)) is not None:
             log(warning)
         if opts.progress:
             where = f"{num_gpus} GPU(s)" if num_gpus else "CPU"
@@ -624,6 +615,6 @@ def log(message: str) -> None:
     tqdm.write(message, file=sys.stderr)
 
 
-__all__ = ["HOLD_FACTOR", "RayBatchWorker", "WorkerPool", "WorkerReport", "WorkerSlot",
+__all__ = ["HOLD_FACTOR", "WorkerPool", "WorkerReport", "WorkerSlot",
            "actor_threads", "death_reason", "died_while_loading", "first_line", "hold_limits",
            "log", "ready_line", "starve_warning"]

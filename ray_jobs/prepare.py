@@ -53,6 +53,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -367,25 +368,17 @@ class RowPreparer:
                              f"{e}") from None
 
     def prepare(self, chunk: InputChunk, first_position: int) -> list[PreparedRow]:
-        rows = chunk.batch.to_pylist()
         out = []
-        for i, values in enumerate(rows):
-            position = first_position + i
-            row_id = position if self.plan.id_column is None else values[self.plan.id_column]
-            error = chunk.row_errors.get(i)
-            if error is None and row_id is None:
-                error = f"the row has no id (column {self.plan.id_column!r} is null)"
-            ids: tuple[int, ...] = ()
-            params = None
-            if error is None:
-                try:
-                    ids = self._prompt_ids(values)
-                    params = self._params(values, len(ids))
-                except (ValueError, TypeError) as e:  # the row's own data is at fault
-                    error, ids, params = str(e), (), None
+        for position, row_id, values, error, parsed in read_rows(
+                chunk, first_position, self.plan.id_column, self._request):
+            ids, params = parsed or ((), None)
             n = params.n if params is not None else self._asked_n(values)
             out.append(PreparedRow(position, row_id, values, ids, params, error, n))
         return out
+
+    def _request(self, values: dict[str, Any]) -> tuple[tuple[int, ...], SamplingParams]:
+        ids = self._prompt_ids(values)
+        return ids, self._params(values, len(ids))
 
     def _asked_n(self, values: dict[str, Any]) -> int:
         """The samples an error row asked for (its `n`, else the job's), or 1 if that is not
@@ -418,24 +411,14 @@ class RowPreparer:
     def _encode(self, value: Any, kind: str, column: str,
                 values: dict[str, Any] | None = None) -> tuple[int, ...]:
         if kind == TEXT:
-            if isinstance(value, bytes):
-                try:
-                    value = value.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    raise ValueError(f"column {column!r} is not valid UTF-8 ({e.reason})") from None
+            value = text_of(value, column)
             if value and value.isspace():
                 raise ValueError(f"empty prompt (column {column!r} holds only whitespace)")
             return tuple(self.tokenizer.encode(value)) if value else ()
         if kind == MESSAGES:
             text = self._render_chat(value, self._row_template_kwargs(values or {}))
             return tuple(self.tokenizer.encode(text, add_special_tokens=False))
-        bad = [t for t in value if t is None or not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(
-                f"column {column!r} holds token id {bad[0]}, outside the vocabulary "
-                f"[0, {self.vocab_size})"
-            )
-        return tuple(int(t) for t in value)
+        return token_ids_of(value, column, self.vocab_size)
 
     def _row_template_kwargs(self, values: dict[str, Any]) -> dict[str, Any]:
         """The job's chat-template options, updated key by key with the row's
@@ -540,6 +523,50 @@ class RowPreparer:
                 if best[j] + 1 < best[i] and data[j:i] in pieces:
                     best[i] = best[j] + 1
         return best[-1] if best[-1] <= len(data) else 1 << 30
+
+
+def read_rows(chunk: InputChunk, first_position: int, id_column: str | None,
+              parse: Callable[[dict[str, Any]], Any]
+              ) -> Iterator[tuple[int, Any, dict[str, Any], str | None, Any]]:
+    """Each row of `chunk` as every task's preparer reads it: (its position in the input,
+    its id: the position when `id_column` is None, its values, its error, `parse(values)`).
+    A row that could not be read or has a null id has that error and is not parsed; one
+    whose `parse` raises ValueError or TypeError (the row's own data is at fault) has its
+    message; either way the parse is None."""
+    for i, values in enumerate(chunk.batch.to_pylist()):
+        position = first_position + i
+        row_id = position if id_column is None else values[id_column]
+        error = chunk.row_errors.get(i)
+        if error is None and row_id is None:
+            error = f"the row has no id (column {id_column!r} is null)"
+        parsed = None
+        if error is None:
+            try:
+                parsed = parse(values)
+            except (ValueError, TypeError) as e:
+                error = str(e)
+        yield position, row_id, values, error, parsed
+
+
+def text_of(value: Any, column: str) -> str:
+    """A text cell as a string: bytes decoded as UTF-8 (ValueError, the row's error, when
+    they are not)."""
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"column {column!r} is not valid UTF-8 ({e.reason})") from None
+    return value
+
+
+def token_ids_of(value: Any, column: str, vocab_size: int) -> tuple[int, ...]:
+    """A token-ids cell as ints, each in the vocabulary (ValueError, the row's error, for
+    one that is not)."""
+    bad = [t for t in value if t is None or not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"column {column!r} holds token id {bad[0]}, outside the vocabulary "
+                         f"[0, {vocab_size})")
+    return tuple(int(t) for t in value)
 
 
 def _json_value(value: Any) -> Any:

@@ -1,5 +1,6 @@
-"""Stage 3, workers: a shard's walk on the worker that holds the engine, and the job's two
-tasks (generation, embedding) as plug-ins of it.
+"""Stage 3, workers: a shard's walk on the worker that holds the engine, and what a task of
+the job (generation, `ray_jobs.task_generate`; embedding, `ray_jobs.task_embed`) plugs
+into it and into the driver.
 
     read (ray_jobs.shards.read_shard) -> prepare (the task's preparer: tokenize, chat
     template, constraints) -> run (the task's engine call) -> assemble (`id`, the input
@@ -10,20 +11,26 @@ tasks (generation, embedding) as plug-ins of it.
 hundred bytes whatever its rows, and the table itself only when asked (a piece of a shard
 that was cut after killing its workers: the driver joins the pieces and writes the part).
 The driver runs the same walk without an engine (`error=`) to make the `error` rows of a
-row isolated as a worker killer: the rows are read again there, a shard at a time.
+row isolated as a worker killer: the rows are read again there, a shard at a time. The Ray
+Data processor (`ray_jobs.data_processor`) answers a dataset's batch with the same
+`answer_rows`.
 
-A task (`GenerateTask` here, `ray_jobs.embed_job.EmbedTask`) says only what differs: how rows are prepared, how
-the prepared rows are run, and what a row's result columns hold (its error rows included).
-Everything else (reading, ids, error rows never sent to the engine, input order, counts,
-the report's record, the part and its digest) is this module's, once.
+A task says only what differs, on the worker (its plug-in: `GenerateTask`, `EmbedTask`):
+how rows are prepared, how the prepared rows are run, and what a row's result columns hold
+(its error rows included); and on the driver (`TaskKind`, `TaskPlan`): its own options, its
+output schema and manifest settings, its actor, its progress and summary lines. Everything
+else (reading, ids, error rows never sent to the engine, input order, counts, the report's
+record, the part and its digest; the driver's walk, `ray_jobs.driver.run_pipeline`) is the
+job's, once.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
@@ -32,6 +39,9 @@ from ray_jobs.manifest import PART_DIGEST_KEY, part_name
 from ray_jobs.prepare import ColumnPlan
 from ray_jobs.shards import InputSpec, Shard, read_shard
 from ray_jobs.storage import OutputDir
+
+if TYPE_CHECKING:
+    from ray_jobs.options import JobOptions
 
 
 @dataclass(frozen=True)
@@ -70,74 +80,74 @@ class ShardOutcome:
     table: pa.Table | None = None  # the rows, when not written by the worker
 
 
-class GenerateTask:
-    """Generation: rows prepared by `ray_jobs.prepare.RowPreparer`, run by
-    `BatchWorker.run_batch`, one result row per sample; a reasoning parser splits the
-    think block off after."""
+@dataclass(frozen=True)
+class TaskPlan:
+    """A task's part of one job, planned on the driver once the input is scanned and the
+    model's config and tokenizer are read (`TaskKind.plan`)."""
 
-    verb = "generation"  # in the message of rows whose run raised
-
-    def __init__(self, spec: JobSpec, tokenizer: Any, config: Any, engine: Any = None,
-                 grammars: Any = None, preparer: Any = None,
-                 static_rows: int | None = None) -> None:
-        """`static_rows`: the most rows a static engine runs at once (None: a continuous
-        engine, or none)."""
-        from ray_jobs.prepare import RowPreparer
-
-        opts = spec.task_options
-        eos = tuple(sorted(set(config.eos_token_ids) | set(tokenizer.eos_token_ids)))
-        self.preparer = preparer or RowPreparer(
-            spec.plan, tokenizer, config.max_position_embeddings, config.vocab_size,
-            opts["defaults"], eos_token_ids=eos, grammars=grammars,
-            chat_template_kwargs=opts.get("chat_template_kwargs"))
-        self.engine = engine
-        self.static_rows = static_rows
-        self.max_batch_tokens = opts.get("max_batch_tokens")
-        self.reasoning = None
-        if opts.get("reasoning_parser"):
-            from nanoserve.reasoning import ReasoningParser
-
-            self.reasoning = ReasoningParser(opts["reasoning_parser"], tokenizer)
-
-    def groups(self, rows: list[Any]) -> list[list[int]]:
-        """The engine calls for `rows` (indices into them): one of all the rows, in input
-        order, for a continuous engine (it admits rows as others finish); for a static one
-        the rows sorted by prompt length, longest first, and cut at `static_rows` samples
-        and the job's `max_batch_tokens` (`ray_jobs.batching.cut_window`): a static batch
-        is padded to its longest row and runs until its last row ends."""
-        if self.static_rows is None:
-            return [list(range(len(rows)))]
-        from ray_jobs.batching import BatchLimits, cut_window
-
-        limits = BatchLimits(self.static_rows, self.max_batch_tokens, max(1, len(rows)))
-        at = {id(r): i for i, r in enumerate(rows)}
-        return [[at[id(r)] for r in group] for group in cut_window(rows, limits)]
-
-    def requests(self, rows: list[Any]) -> list[Any]:
-        from ray_jobs.worker import GenerationRequest
-
-        return [GenerationRequest(r.prompt_token_ids, r.params) for r in rows]
-
-    def results(self, table: pa.Table, rows: list[Any]) -> list[list[dict[str, Any]]]:
-        """The engine's table as each row's samples' results."""
-        out = _per_row(table.to_pylist(), [r.n for r in rows])
-        if self.reasoning is not None:
-            out = [[split_reasoning(self.reasoning, r.prompt_token_ids, res) for res in samples]
-                   for r, samples in zip(rows, out)]
-        return out
-
-    def error_results(self, message: str, row: Any) -> list[dict[str, Any]]:
-        from ray_jobs.worker import error_rows
-
-        return error_rows(message, row.num_prompt_tokens, row.n)
-
-    def count(self, out: ShardOutcome, row: Any, samples: list[dict[str, Any]]) -> None:
-        if row.params is not None and row.params.structured_outputs is not None:
-            cut = sum(res["finish_reason"] == "length" for res in samples)
-            if cut:
-                out.cut_constrained[row.params.max_tokens] += cut
+    opts: JobOptions  # the job's options as the workers get them
+    schema: pa.Schema  # the parts' schema: id, input columns, the task's result columns
+    task: Any  # the task plug-in for the driver's own walk (its error rows)
+    actor: type  # the job's actor class (a `ShardWorker`)
+    controls: tuple[str, ...] = ()  # generation's output controls (`prepare.output_controls`)
+    task_options: dict[str, Any] = field(default_factory=dict)  # `JobSpec.task_options`
+    actor_kwargs: dict[str, Any] = field(default_factory=dict)  # beside the job's worker options
+    settings: dict[str, Any] = field(default_factory=dict)  # the manifest's, beside the job's
+    report_settings: dict[str, Any] = field(default_factory=dict)  # the report's, beside the job's
+    summary: dict[str, Any] = field(default_factory=dict)  # `JobSummary` fields the task sets
+    # called before the output folder is marked complete (`done_before`: on a rerun of a
+    # complete job): generation's OpenAI output files
+    after_parts: Callable[[OutputDir, dict[str, Any], bool], None] | None = None
 
 
+@dataclass(frozen=True)
+class TaskKind:
+    """A task as the job's driver sees it (`ray_jobs.driver.run_job` calls these in this
+    order): `take_options(options)` pops the task's own options from the job's keyword
+    arguments, checks them and sets its defaults of the job's (embedding batches are
+    larger); `prompt_column(given, names)` the input column to read when none is given
+    (before any column is planned); `plan(opts, own, info, plan, model_path, config,
+    tokenizer)` the rest, a `TaskPlan`. `progress(run, elapsed)`: the progress bar's rates
+    from the run's counts; `summary_lines(summary)`: what the summary says between its rows
+    line and its batches line."""
+
+    name: str  # `run_job(task=...)`: "generate" or "embed"
+    command: str  # its `nanoserve` subcommand (the progress bar's name)
+    # the finish reasons the summary counts, always, in this order (none: the task's output
+    # has no finish_reason column)
+    finish_reasons: tuple[str, ...]
+    take_options: Callable[[dict[str, Any]], dict[str, Any]]
+    prompt_column: Callable[[str | None, list[str]], str | None]
+    plan: Callable[..., TaskPlan]
+    progress: Callable[[Any, float], str]
+    summary_lines: Callable[[Any], list[str]]
+
+
+def answer_rows(task: Any, rows: list[Any], error: str | None = None
+                ) -> tuple[list[list[dict[str, Any]]], pa.Table | None, list[int]]:
+    """Each prepared row's results (a row's samples), in input order: error rows for the
+    rows that failed preparation (never sent to the engine) and, with `error`, for every
+    row; the others run by the task's engine in its groups. Returns (results, the engine's
+    joined table or None, the indices of the rows the engine answered)."""
+    results: list[list[dict[str, Any]] | None] = [None] * len(rows)
+    todo = []
+    for i, r in enumerate(rows):
+        if r.error is not None:
+            results[i] = task.error_results(r.error, r)
+        elif error is not None:
+            results[i] = task.error_results(error, r)
+        else:
+            todo.append(i)
+    if not todo:
+        return results, None, []
+    run_rows = [rows[i] for i in todo]
+    groups = task.groups(run_rows)
+    order = [i for g in groups for i in g]
+    table = join_tables([task.engine(task.requests([run_rows[i] for i in g])) for g in groups])
+    todo, run_rows = [todo[i] for i in order], [run_rows[i] for i in order]
+    for i, res in zip(todo, task.results(table, run_rows), strict=True):
+        results[i] = res
+    return results, table, todo
 
 
 class ShardRunner:
@@ -155,29 +165,14 @@ class ShardRunner:
         becomes an error row with that message (the driver's isolated rows)."""
         prepared = self._prepare(shard, rows)
         out = ShardOutcome(shard.shard_id)
-        results: list[list[dict[str, Any]] | None] = [None] * len(prepared)
-        todo = []
-        for i, r in enumerate(prepared):
-            if r.error is not None:
-                results[i] = self.task.error_results(r.error, r)
-            elif error is not None:
-                results[i] = self.task.error_results(error, r)
-            else:
-                todo.append(i)
-        if todo:
-            run_rows = [prepared[i] for i in todo]
-            groups = self.task.groups(run_rows)
-            order = [i for g in groups for i in g]
-            table = join_tables([self.task.engine(self.task.requests([run_rows[i] for i in g]))
-                                 for g in groups])
-            todo, run_rows = [todo[i] for i in order], [run_rows[i] for i in order]
+        results, table, answered = answer_rows(self.task, prepared, error)
+        if table is not None:
             out.meta = dict(table.schema.metadata or {})
             from ray_jobs.report import piece_record
 
             out.record = piece_record(shard.shard_id, 0, 0.0, table)
-            for i, res in zip(todo, self.task.results(table, run_rows), strict=True):
-                results[i] = res
-                out.answered_prompt_tokens += res[0]["num_input_tokens"] or 0
+            out.answered_prompt_tokens = sum(results[i][0]["num_input_tokens"] or 0
+                                             for i in answered)
         table = self._assemble(prepared, results)
         self._count(out, prepared, results)
         if write:
@@ -211,7 +206,7 @@ class ShardRunner:
         arrays = [pa.array([r.id for r in repeated], type=schema.field("id").type)]
         arrays += [pa.array([r.values[f.name] for r in repeated], type=f.type)
                    for f in self.input_fields]
-        arrays += [_column([res.get(f.name) for res in flat], f.type)
+        arrays += [result_column([res.get(f.name) for res in flat], f.type)
                    for f in list(schema)[len(arrays):]]
         return pa.Table.from_arrays(arrays, schema=schema)
 
@@ -230,7 +225,7 @@ class ShardRunner:
             self.task.count(out, row, samples)
 
 
-def _column(values: list[Any], typ: pa.DataType) -> pa.Array:
+def result_column(values: list[Any], typ: pa.DataType) -> pa.Array:
     """A result column; vectors (numpy rows, None for a failed row) as one buffer."""
     if pa.types.is_fixed_size_list(typ) and values and any(v is not None for v in values):
         import numpy as np
@@ -274,35 +269,15 @@ def _slice_chunk(chunk: Any, a: int, b: int) -> Any:
                       chunk.openai_rows)
 
 
-def _per_row(table_rows: list[dict[str, Any]], samples: list[int]) -> list[list[dict[str, Any]]]:
-    """A worker's result rows (one per sample, a row's samples consecutive) grouped per
-    input row; a worker that answered another number of rows is a NanoserveError."""
-    if len(table_rows) != sum(samples):
-        raise NanoserveError(f"a worker answered {len(table_rows)} result rows for "
-                             f"{sum(samples)} samples; rerun to resume")
-    out, at = [], 0
-    for n in samples:
-        out.append(table_rows[at:at + n])
-        at += n
-    return out
-
-
-def split_reasoning(parser: Any, prompt_ids: Any, res: dict[str, Any]) -> dict[str, Any]:
-    """A result row with its think block split off (`nanoserve.reasoning`): `reasoning`
-    (null where the output has no block), `num_reasoning_tokens`, and `generated_text` the
-    answer only (empty when the block never closed: finish_reason stays as the row ended,
-    'length' when it hit max_tokens while thinking). Error rows pass unchanged."""
-    if res["finish_reason"] == "error" or res["generated_token_ids"] is None:
-        return res
-    reasoning, answer, n, _ = parser.split_text(prompt_ids, res["generated_token_ids"])
-    return {**res, "generated_text": answer, "reasoning": reasoning, "num_reasoning_tokens": n}
-
-
 class ShardWorker:
     """What makes an engine worker (`BatchWorker`, `EmbedWorker`) a job actor: the job's
     spec given at start (`spec`), `run_shard`, and a model that fails to load reported by
     `info()` as a message (a clean job-level error) rather than as a crashed actor. The
-    engine class says which task it runs (`make_task`)."""
+    actor class says which task it runs (`make_task`), and whether its engine admits rows
+    as others finish (`admits_rows`: then a worker holding too few rows starves it, and
+    the pool warns when the user's settings do)."""
+
+    admits_rows = False
 
     def __init__(self, *args: Any, spec: JobSpec | None = None, **kwargs: Any) -> None:
         self.spec = spec

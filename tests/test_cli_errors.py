@@ -1,5 +1,6 @@
 """The command line's own errors: an unknown flag is its subcommand's error, with that
-subcommand's usage and the closest known flag; an invalid choice names the closest one."""
+subcommand's usage and the closest known flag; an invalid choice names the closest one. And
+the flags both job subcommands have, read alike."""
 
 from __future__ import annotations
 
@@ -57,3 +58,23 @@ def test_batch_module_alone_suggests_too(capsys):
     assert usage.startswith("usage: nanoserve batch ")
     assert line == ("nanoserve batch: error: unrecognized arguments: --retry-erors "
                     "(did you mean --retry-errors?)")
+
+
+def test_batch_and_embed_read_the_flags_they_share_alike():
+    """`nanoserve batch` and `nanoserve embed` share their input, columns, cluster and rerun
+    flags (one set of arguments, the same job options); each keeps its batch defaults."""
+    from nanoserve_cli import build_parser
+    from ray_jobs.cli import _job_options
+
+    shared = ["in.jsonl", "-o", "out", "--model", "m", "--prompt-column", "p", "--id-column",
+              "i", "--dtype", "float32", "--num-workers", "2", "--worker-start-timeout", "5",
+              "--address", "local", "--overwrite", "--retry-errors", "--no-progress"]
+    parser = build_parser()
+    batch, embed = (_job_options(parser.parse_args([command, *shared]))
+                    for command in ("batch", "embed"))
+    assert batch == {**embed, "batch_size": 64, "max_batch_tokens": None}
+    assert (embed["batch_size"], embed["max_batch_tokens"]) == (1024, 65536)
+    assert embed == {"model": "m", "prompt_column": "p", "id_column": "i", "dtype": "float32",
+                     "batch_size": 1024, "max_batch_tokens": 65536, "num_workers": "2",
+                     "worker_start_timeout_s": 5.0, "address": "local", "overwrite": True,
+                     "retry_errors": True, "progress": False}

@@ -1,6 +1,6 @@
 """What a batch job tells its user: rows by finish reason, a warning for constrained rows cut
 by max_tokens (summary, stderr, report), parts in input order, phases named for what ran,
-and the embedding job's progress rates.
+and what each task (generation, embedding) adds to the progress bar and the summary.
 
 One job on the tiny random model (default model's tokenizer): its JSON-schema rows cannot
 finish in 3-4 tokens, so they end by length."""
@@ -110,11 +110,37 @@ def test_no_warning_without_constrained_rows():
     assert driver._JobRun._warnings(run) == ()
 
 
-def test_progress_rates_of_the_generation_and_embedding_jobs():
-    from ray_jobs.embed_job import _embed_job_run_class
+def test_progress_rates_of_the_generation_and_embedding_tasks():
+    from ray_jobs.task_embed import EMBED
+    from ray_jobs.task_generate import GENERATE
 
-    run = SimpleNamespace(output_tokens=30, input_rows=10, input_tokens=250)
-    assert driver._JobRun._rates(run, 2.0) == "15.0 out tok/s"
-    embed = _embed_job_run_class()
-    assert embed._rates(run, 2.0) == "5.0 rows/s, 125.0 input tok/s"
-    assert embed.BAR_DESCRIPTION == "nanoserve embed"
+    counts = dict(output_tokens=30, input_rows=10, input_tokens=250)
+    assert driver._JobRun._rates(SimpleNamespace(kind=GENERATE, **counts), 2.0) == \
+        "15.0 out tok/s"
+    assert driver._JobRun._rates(SimpleNamespace(kind=EMBED, **counts), 2.0) == \
+        "5.0 rows/s, 125.0 input tok/s"
+    assert (GENERATE.command, EMBED.command) == ("batch", "embed")  # "nanoserve embed" bar
+
+
+def test_one_summary_says_each_tasks_own_lines():
+    """One `JobSummary` for both tasks: the rows line, the task's own lines, then the
+    lines every job has."""
+    common = dict(output_dir="out", rows=6, error_rows=1, rows_resumed=2, input_tokens=100,
+                  output_tokens=40, wall_time_s=2.0, output_tokens_per_s=20.0,
+                  padding_waste=0.25, num_batches=3, worker_restarts=1)
+    generate = driver.JobSummary(**common, finish_reasons={"stop": 4, "length": 1, "error": 1})
+    assert generate.format().splitlines() == [
+        "rows: 6 (stop 4, length 1, error 1), 2 done by an earlier run",
+        "tokens: 100 input, 40 output",
+        "wall time: 2.0 s, 20.0 output tokens/s",
+        "padding waste: 25.0% of the padded prefill",
+        "batches: 3 on 0 worker(s); output: out",
+        "recovered: 1 worker restart(s), 0 device out-of-memory error(s)"]
+    embed = driver.JobSummary(**common, task="embed", truncated_rows=2, dimensions=64)
+    assert embed.format().splitlines() == [
+        "rows: 6 (1 error rows), 2 done by an earlier run",
+        "truncated: 2 row(s) cut to the input limit",
+        "vectors: 64 dimensions; tokens: 100 input",
+        "wall time: 2.0 s, 3.0 rows/s, 50.0 tokens/s",
+        "batches: 3 on 0 worker(s); output: out",
+        "recovered: 1 worker restart(s), 0 device out-of-memory error(s)"]

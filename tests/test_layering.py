@@ -59,3 +59,25 @@ def test_no_import_cycle_inside_a_package(package):
     for node in graph:
         if node not in state:
             visit(node, [])
+
+
+# Inside the job (ray_jobs), from the top: the entry points, the driver (the one job), the
+# two tasks, then the shard walk and everything it reads. Modules not named: the bottom.
+JOB_LEVELS = {"ray_jobs.cli": 0, "ray_jobs.data_processor": 0, "ray_jobs.driver": 1,
+              "ray_jobs.task_generate": 2, "ray_jobs.task_embed": 2}
+BOTTOM = max(JOB_LEVELS.values()) + 1
+
+
+def test_the_tasks_plug_into_one_job_from_above():
+    """A ray_jobs module imports only from the levels below its own (the package's
+    `__init__`, which imports lazily by name, aside): the driver from no entry point, a task
+    from neither the driver nor the other task, the shard walk, the pool and the workers
+    from no task."""
+    def level(name: str) -> int:
+        return JOB_LEVELS.get(name, BOTTOM)
+
+    mods = modules("ray_jobs")
+    bad = [(name, imp) for name, path in mods.items() if name != "ray_jobs"
+           for imp in imports_of(path) if imp in mods and imp not in (name, "ray_jobs")
+           and (level(imp) < level(name) or level(imp) == level(name) < BOTTOM)]
+    assert bad == []

@@ -1,0 +1,208 @@
+"""The generation task of the job pipeline: a completion per row (`nanoserve batch`,
+`run_job(..., task="generate")`, the default).
+
+Stage 3, workers (and the generation task's part on the driver) of the job pipeline
+(docs/modules.md).
+
+What generation adds to the job's walk (`ray_jobs.tasks`, `ray_jobs.driver.run_pipeline`):
+- on the driver (`plan_job`): the rows' `RowPreparer` (sampling defaults, a job-wide
+  structured output compiled, the chat template checked), the reasoning parser picked, the
+  output controls and the parts' schema (`prepare.ColumnPlan.output_schema`), the
+  OpenAI output files written from the parts when the input holds OpenAI batch requests;
+- on the workers (`GenerateTask`, `RayBatchWorker`): rows prepared, run by
+  `BatchWorker.run_batch` (one result row per sample), the think block split off after;
+- what the user sees: tokens, output tokens/s, padding waste and the prefix cache's hit rate
+  in the summary; output tokens/s on the progress bar.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from nanoserve.errors import InputError, NanoserveError
+from ray_jobs import openai_batch
+from ray_jobs.io import InputInfo, iter_chunks
+from ray_jobs.options import JobOptions
+from ray_jobs.prepare import ColumnPlan, RowPreparer, output_controls
+from ray_jobs.storage import OutputDir
+from ray_jobs.tasks import ShardOutcome, ShardWorker, TaskKind, TaskPlan
+from ray_jobs.worker import BatchWorker, GenerationRequest, error_rows
+
+
+class GenerateTask:
+    """Generation: rows prepared by `ray_jobs.prepare.RowPreparer`, run by
+    `BatchWorker.run_batch`, one result row per sample; a reasoning parser splits the
+    think block off after."""
+
+    verb = "generation"  # in the message of rows whose run raised
+
+    def __init__(self, plan: ColumnPlan, options: dict[str, Any], tokenizer: Any, config: Any,
+                 engine: Any = None, grammars: Any = None, preparer: Any = None,
+                 static_rows: int | None = None) -> None:
+        """`options`: the job's `JobSpec.task_options` (sampling `defaults`,
+        `chat_template_kwargs`, `reasoning_parser`, `max_batch_tokens`); `static_rows`: the
+        most rows a static engine runs at once (None: a continuous engine, or none)."""
+        eos = tuple(sorted(set(config.eos_token_ids) | set(tokenizer.eos_token_ids)))
+        self.preparer = preparer or RowPreparer(
+            plan, tokenizer, config.max_position_embeddings, config.vocab_size,
+            options["defaults"], eos_token_ids=eos, grammars=grammars,
+            chat_template_kwargs=options.get("chat_template_kwargs"))
+        self.engine = engine
+        self.static_rows = static_rows
+        self.max_batch_tokens = options.get("max_batch_tokens")
+        self.reasoning = None
+        if options.get("reasoning_parser"):
+            from nanoserve.reasoning import ReasoningParser
+
+            self.reasoning = ReasoningParser(options["reasoning_parser"], tokenizer)
+
+    def groups(self, rows: list[Any]) -> list[list[int]]:
+        """The engine calls for `rows` (indices into them): one of all the rows, in input
+        order, for a continuous engine (it admits rows as others finish); for a static one
+        the rows sorted by prompt length, longest first, and cut at `static_rows` samples
+        and the job's `max_batch_tokens` (`ray_jobs.batching.cut_window`): a static batch
+        is padded to its longest row and runs until its last row ends."""
+        if self.static_rows is None:
+            return [list(range(len(rows)))]
+        from ray_jobs.batching import BatchLimits, cut_window
+
+        limits = BatchLimits(self.static_rows, self.max_batch_tokens, max(1, len(rows)))
+        at = {id(r): i for i, r in enumerate(rows)}
+        return [[at[id(r)] for r in group] for group in cut_window(rows, limits)]
+
+    def requests(self, rows: list[Any]) -> list[Any]:
+        return [GenerationRequest(r.prompt_token_ids, r.params) for r in rows]
+
+    def results(self, table: pa.Table, rows: list[Any]) -> list[list[dict[str, Any]]]:
+        """The engine's table as each row's samples' results."""
+        out = _per_row(table.to_pylist(), [r.n for r in rows])
+        if self.reasoning is not None:
+            out = [[split_reasoning(self.reasoning, r.prompt_token_ids, res) for res in samples]
+                   for r, samples in zip(rows, out)]
+        return out
+
+    def error_results(self, message: str, row: Any) -> list[dict[str, Any]]:
+        return error_rows(message, row.num_prompt_tokens, row.n)
+
+    def count(self, out: ShardOutcome, row: Any, samples: list[dict[str, Any]]) -> None:
+        if row.params is not None and row.params.structured_outputs is not None:
+            cut = sum(res["finish_reason"] == "length" for res in samples)
+            if cut:
+                out.cut_constrained[row.params.max_tokens] += cut
+
+
+class RayBatchWorker(ShardWorker, BatchWorker):
+    """The generation task's actor: a `BatchWorker` that runs shards (`ShardWorker`)."""
+
+    admits_rows = True  # its continuous engine does
+
+    def make_task(self, spec: Any) -> GenerateTask:
+        static = getattr(self.llm, "scheduler", "static") == "static"
+        return GenerateTask(spec.plan, spec.task_options, self.llm.tokenizer, self.llm.config,
+                            engine=self.run_batch, grammars=self.llm.grammars,
+                            static_rows=self.llm.max_batch_size if static else None)
+
+
+def _per_row(table_rows: list[dict[str, Any]], samples: list[int]) -> list[list[dict[str, Any]]]:
+    """A worker's result rows (one per sample, a row's samples consecutive) grouped per
+    input row; a worker that answered another number of rows is a NanoserveError."""
+    if len(table_rows) != sum(samples):
+        raise NanoserveError(f"a worker answered {len(table_rows)} result rows for "
+                             f"{sum(samples)} samples; rerun to resume")
+    out, at = [], 0
+    for n in samples:
+        out.append(table_rows[at:at + n])
+        at += n
+    return out
+
+
+def split_reasoning(parser: Any, prompt_ids: Any, res: dict[str, Any]) -> dict[str, Any]:
+    """A result row with its think block split off (`nanoserve.reasoning`): `reasoning`
+    (null where the output has no block), `num_reasoning_tokens`, and `generated_text` the
+    answer only (empty when the block never closed: finish_reason stays as the row ended,
+    'length' when it hit max_tokens while thinking). Error rows pass unchanged."""
+    if res["finish_reason"] == "error" or res["generated_token_ids"] is None:
+        return res
+    reasoning, answer, n, _ = parser.split_text(prompt_ids, res["generated_token_ids"])
+    return {**res, "generated_text": answer, "reasoning": reasoning, "num_reasoning_tokens": n}
+
+
+def take_options(options: dict[str, Any]) -> dict[str, Any]:
+    """Generation's options are the job's own (`JobOptions`): none to take."""
+    return {}
+
+
+def prompt_column(given: str | None, names: list[str]) -> str | None:
+    """The prompt column named by the user, else each row's first of `prepare.PROMPT_COLUMNS`."""
+    return given
+
+
+def plan_job(opts: JobOptions, own: dict[str, Any], info: InputInfo, plan: ColumnPlan,
+             model_path: Path, config: Any, tokenizer: Any) -> TaskPlan:
+    """Generation's part of the job (see the module docstring). InputError for the job's
+    sampling options, a structured output that does not compile, a chat template that is
+    missing or broken for chat rows, or a reasoning parser the model cannot run."""
+    eos = tuple(sorted(set(config.eos_token_ids) | set(tokenizer.eos_token_ids)))
+    preparer = RowPreparer(plan, tokenizer, config.max_position_embeddings, config.vocab_size,
+                           opts.sampling_defaults(), eos_token_ids=eos,
+                           chat_template_kwargs=opts.chat_template_kwargs)
+    from nanoserve.reasoning import has_think_tags, resolve_parser
+
+    try:
+        reasoning, reasoning_line = resolve_parser(opts.reasoning_parser, config.architecture,
+                                                   tokenizer)
+    except ValueError as e:
+        raise InputError(f"--reasoning-parser: {e}") from None
+    if opts.reasoning_parser in (None, "none", "auto") and not has_think_tags(tokenizer):
+        reasoning_line = None  # a model that cannot think: nothing to say
+    # The workers' engines run the parser picked here (budgets, constraints after thinking).
+    opts = dataclasses.replace(opts, reasoning_parser=reasoning.name if reasoning else "none")
+    if reasoning is None and (opts.max_thinking_tokens is not None
+                              or "max_thinking_tokens" in plan.override_columns):
+        raise InputError("--max-thinking-tokens / a 'max_thinking_tokens' column needs a "
+                         "reasoning parser (--reasoning-parser qwen3|deepseek_r1)")
+    controls = output_controls(plan, opts.sampling_defaults(), reasoning=reasoning is not None)
+    schema = plan.output_schema(controls)  # an input column that clashes is refused here
+    options = {"defaults": opts.sampling_defaults(),
+               "chat_template_kwargs": opts.chat_template_kwargs,
+               "reasoning_parser": reasoning.name if reasoning else None,
+               "max_batch_tokens": opts.max_batch_tokens}
+    openai_out = openai_batch.wants_openai_output(opts.output_format, info.openai_rows)
+
+    def openai_outputs(folder: OutputDir, settings: dict[str, Any], done_before: bool) -> None:
+        """output.jsonl / errors.jsonl, from the parts (kept on a rerun of a complete job)."""
+        if openai_out and not (done_before and folder.exists(openai_batch.OUTPUT_NAME)):
+            openai_batch.write_outputs(folder, iter_chunks(info, opts.chunk_rows), plan,
+                                       tokenizer, opts.model, settings)
+
+    return TaskPlan(opts, schema, GenerateTask(plan, options, tokenizer, config,
+                                               preparer=preparer),
+                    RayBatchWorker, controls, options, after_parts=openai_outputs,
+                    summary={"reasoning": reasoning_line})
+
+
+def progress(run: Any, elapsed: float) -> str:
+    """The progress bar's rates after `elapsed` seconds."""
+    return f"{run.output_tokens / elapsed:.1f} out tok/s"
+
+
+def summary_lines(s: Any) -> list[str]:
+    """The summary's generation lines (`ray_jobs.driver.JobSummary.format`)."""
+    return [
+        f"tokens: {s.input_tokens} input, {s.output_tokens} output",
+        f"wall time: {s.wall_time_s:.1f} s, {s.output_tokens_per_s:.1f} output tokens/s",
+        f"padding waste: {s.padding_waste:.1%} of the padded prefill",
+        *([f"prefix cache: {s.prefix_hit_rate:.1%} of prompt tokens served from it"]
+          if s.prefix_hit_rate is not None else []),
+    ]
+
+
+GENERATE = TaskKind("generate", "batch", ("stop", "length", "error"), take_options,
+                    prompt_column, plan_job, progress, summary_lines)
+
+
+__all__ = ["GENERATE", "GenerateTask", "RayBatchWorker", "split_reasoning"]
