@@ -10,7 +10,7 @@ a child process, which is the driver:
 
 with a private local Ray of W CPU workers. When the job ends the child prints its own CPU
 time (utime + stime of the driver process, `getrusage(RUSAGE_SELF)`: Ray's processes and
-the workers are other processes) and its peak resident set (`ru_maxrss`). The model is a
+the workers are other processes) and its peak resident set (`VmHWM`, see `benchmarks.common.own_peak_kib`). The model is a
 tiny random Llama (hidden 64, 2 layers) with the default model's tokenizer, at one output
 token: the "engine that answers instantly" of the question asked.
 
@@ -37,7 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import ROOT, git_commit, load_average, markdown_table
+from benchmarks.common import ROOT, git_commit, load_average, markdown_table, own_peak_kib
 
 CHILD_FLAG = "--as-driver"
 SCAN_FLAG = "--scan-only"
@@ -71,7 +71,7 @@ def as_driver(argv: list[str]) -> int:
         rc = main(argv)
     usage = resource.getrusage(resource.RUSAGE_SELF)
     print(RESULT_PREFIX + json.dumps({"cpu_s": usage.ru_utime + usage.ru_stime,
-                                      "peak_kib": usage.ru_maxrss}), flush=True)
+                                      "peak_kib": own_peak_kib()}), flush=True)
     return rc
 
 
