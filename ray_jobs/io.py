@@ -446,7 +446,7 @@ def _parquet_batches(pfile: pq.ParquetFile, path: InputFile, chunk_rows: int,
 # --- ids ---------------------------------------------------------------------------------------
 
 
-ID_SPILL_ROWS = 1 << 20  # ids held in memory before they go to the buckets on disk (16 MiB)
+ID_SPILL_ROWS = 1 << 16  # ids held in memory before they go to the buckets on disk (1 MiB)
 ID_BUCKETS = 256  # the buckets of spilled ids, by a hash's top byte
 
 
