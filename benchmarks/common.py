@@ -118,3 +118,19 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> 
     rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     body = ["| " + " | ".join(c.rjust(w) for c, w in zip(r, widths)) + " |" for r in cells]
     return "\n".join([line, rule, *body])
+
+
+def own_peak_kib() -> int:
+    """This process's peak resident set in KiB: `VmHWM` of /proc/self/status, the high-water
+    mark of this program's own memory. (`ru_maxrss` is not: Linux carries it over from the
+    parent through fork and exec, so a child of a parent that loaded torch reports at least
+    the parent's size.) `ru_maxrss` where /proc is missing."""
+    try:
+        for line in pathlib.Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -7,8 +7,8 @@ prompts and runs the real command in a child process,
         --address local --no-progress
 
 with a private local Ray. The child is the driver: it runs `nanoserve_cli.main` and, when
-the job ends, prints its own peak resident set (`ru_maxrss`, RUSAGE_SELF: the driver process
-only, not Ray's processes or the worker). While it runs, the parent samples the child's
+the job ends, prints its own peak resident set (`VmHWM`, `benchmarks.common.own_peak_kib`:
+the driver process only, not Ray's processes or the worker). While it runs, the parent samples the child's
 /proc/PID/status (VmHWM, the peak so far) with the rows written so far (the manifest's
 `rows_done`), which gives the driver's peak at 20k, 100k and 200k rows within the largest run.
 
@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -50,6 +49,7 @@ from benchmarks.common import (
     load_average,
     markdown_table,
     mem_gib,
+    own_peak_kib,
 )
 
 CHILD_FLAG = "--as-driver"
@@ -136,7 +136,7 @@ def as_driver(argv: list[str]) -> int:
     from nanoserve_cli import main
 
     rc = main(argv)
-    print(f"{PEAK_PREFIX}{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}", flush=True)
+    print(f"{PEAK_PREFIX}{own_peak_kib()}", flush=True)
     return rc
 
 
@@ -195,7 +195,7 @@ def main() -> None:
     print(f"model: {args.model or 'tiny random Llama (hidden 64, 2 layers, default tokenizer)'}, "
           f"--max-tokens 1, --batch-size {args.batch_size}, one CPU worker, private local Ray")
     print()
-    print("Driver peak RSS per run (ru_maxrss of the driver process at exit):")
+    print("Driver peak RSS per run (VmHWM of the driver process at exit):")
     print(markdown_table(
         ["input", "input rows", "file size (MiB)", "driver peak RSS (MiB)", "wall time (s)",
          "rows/s"],

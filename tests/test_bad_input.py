@@ -139,6 +139,25 @@ def test_duplicate_ids_name_an_example(tmp_path, capsys, no_ray):
                           "in.jsonl line 4 and in.jsonl line 6")
 
 
+def test_duplicate_ids_found_through_the_buckets_on_disk(tmp_path, capsys, no_ray, monkeypatch):
+    """Ids spilled to disk every 4 rows (not every million): the same answer as in memory,
+    the first repeated id by position named, nulls skipped, and the spill folder removed."""
+    import tempfile
+
+    import ray_jobs.io as io
+
+    monkeypatch.setattr(io, "ID_SPILL_ROWS", 4)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    rows = [{"id": None if i % 10 == 3 else f"q{i}", "prompt": "hi"} for i in range(100)]
+    rows += [{"id": "q37", "prompt": "a"}, {"id": "q5", "prompt": "b"}, {"id": None, "prompt": "c"}]
+    path = write_jsonl(tmp_path / "in.jsonl", rows)
+    rc, err, _ = run_cli(capsys, path, "-o", tmp_path / "out")
+    assert_one_error_line(rc, err, "'q5' appears 2 times", "in.jsonl line 6 and in.jsonl line 102",
+                          "(1 other ids repeat too)")
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
 def test_duplicate_ids_across_parquet_files(tmp_path, capsys, no_ray):
     data = tmp_path / "data"
     data.mkdir()
