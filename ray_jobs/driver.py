@@ -81,6 +81,7 @@ from ray_jobs.placement import check_output_reachable
 from ray_jobs.pool import WorkerPool, WorkerReport, first_line, log
 from ray_jobs.prepare import RowPreparer, load_model_meta, output_controls, plan_columns
 from ray_jobs.report import ReportLog, report_data, write_report
+from ray_jobs.row_images import ModelImages
 from ray_jobs.shards import InputSpec, Shard, iter_shards
 from ray_jobs.storage import OutputDir, is_uri
 from ray_jobs.tasks import GenerateTask, JobSpec, ShardOutcome, ShardRunner, with_digest
@@ -198,9 +199,11 @@ def run_batch_job(input: str | Path, output_dir: str | Path, **options: Any) -> 
     model_path = resolve_model(opts.model)
     config, tokenizer = load_model_meta(model_path)
     eos = tuple(sorted(set(config.eos_token_ids) | set(tokenizer.eos_token_ids)))
+    # (the driver's preparer makes error rows only: it never reads an image)
     preparer = RowPreparer(plan, tokenizer, config.max_position_embeddings, config.vocab_size,
                            opts.sampling_defaults(), eos_token_ids=eos,
-                           chat_template_kwargs=opts.chat_template_kwargs)
+                           chat_template_kwargs=opts.chat_template_kwargs,
+                           images=ModelImages.of(config, model_path))
     from nanoserve.reasoning import has_think_tags, resolve_parser
 
     try:
@@ -218,7 +221,7 @@ def run_batch_job(input: str | Path, output_dir: str | Path, **options: Any) -> 
                          "reasoning parser (--reasoning-parser qwen3|deepseek_r1)")
     controls = output_controls(plan, opts.sampling_defaults(), reasoning=reasoning is not None)
     schema = plan.output_schema(controls)  # an input column that clashes is refused here
-    settings = _job_settings(opts, info, model_path, limits)
+    settings = _job_settings(opts, info, model_path, limits, plan)
     folder = OutputDir.open(output_dir)  # a local folder or an object-store prefix
     spec = JobSpec("generate", InputSpec.of(info, opts.chunk_rows), plan, schema, folder,
                    controls, {"defaults": opts.sampling_defaults(),
@@ -323,11 +326,12 @@ def run_pipeline(p: Pipeline, timeline: Timeline) -> Any:
 
 
 def _job_settings(opts: JobOptions, info: InputInfo, model_path: Path,
-                  limits: BatchLimits) -> dict[str, Any]:
+                  limits: BatchLimits, plan: Any = None) -> dict[str, Any]:
     """What the manifest compares on resume: everything that changes the output rows. The
     output controls appear only when set (`n` above 1, logprobs asked, a job-wide structured
-    output), and so does an FP8 KV cache, so the output of a job from before them still
-    resumes."""
+    output), and so do an FP8 KV cache and an `image` column read as the rows' images
+    (`plan.image_column`: a run from before images were read passed it through), so the
+    output of a job from before them still resumes."""
     sampling = opts.sampling_defaults()
     sampling["stop"] = list(sampling["stop"])
     for key in ("n", "logprobs", "prompt_logprobs", "structured_outputs"):
@@ -354,7 +358,9 @@ def _job_settings(opts: JobOptions, info: InputInfo, model_path: Path,
                     **({"chat_template_kwargs": opts.chat_template_kwargs}
                        if opts.chat_template_kwargs else {}),
                     **({"reasoning_parser": opts.reasoning_parser}
-                       if opts.reasoning_parser not in (None, "none") else {})},
+                       if opts.reasoning_parser not in (None, "none") else {}),
+                    **({"image_column": plan.image_column}
+                       if plan is not None and plan.image_column else {})},
     }
 
 

@@ -88,7 +88,10 @@ class EmbedPreparer:
                    if full[i:i + len(plain)] == plain), None)
         self.suffix = tuple(full[at + len(plain):]) if at is not None else ()
 
-    def prepare(self, chunk: InputChunk, first_position: int) -> list[EmbedRow]:
+    def prepare(self, chunk: InputChunk, first_position: int,
+                read_images: bool = True) -> list[EmbedRow]:
+        """The chunk's rows, tokenized (`read_images`: unused, an embedding job takes no
+        images)."""
         out = []
         for i, values in enumerate(chunk.batch.to_pylist()):
             position = first_position + i
@@ -114,6 +117,9 @@ class EmbedPreparer:
             raise ValueError(f"no input: {names} is null")
         column, kind = found
         value = values[column]
+        if self.plan.image_column and values.get(self.plan.image_column):
+            raise ValueError(f"the row has an image (column {self.plan.image_column!r}); an "
+                             f"embedding job embeds text or token ids")
         if kind == MESSAGES:
             raise ValueError(f"column {column!r} holds chat messages; an embedding job embeds "
                              f"text or token ids")
@@ -392,7 +398,7 @@ def run_embed_job(input: str | Path, output_dir: str | Path, **options: Any) -> 
     limit = settings.pooling.max_input_tokens
     preparer = EmbedPreparer(plan, tokenizer, config.vocab_size, limit,
                              settings.pooling.instruction, settings.truncate)
-    job_settings = _job_settings(opts, info, model_path, limits)
+    job_settings = _job_settings(opts, info, model_path, limits, plan)
     job_settings["sampling"] = None  # no sampling: the embedding settings instead
     job_settings["embed"] = {**settings.pooling.as_dict(), "truncate": settings.truncate,
                              "embedding_dtype": settings.embedding_dtype}

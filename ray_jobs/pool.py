@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 from nanoserve.errors import ModelError, NanoserveError, first_line
 from nanoserve.running_rows import CPU_DEFAULT_ROWS, MAX_DEFAULT_ROWS
 from ray_jobs.autoscale import GROW_POLL_S, LostNode, node_lost, parse_num_workers, wait_for_gpus
+from ray_jobs.row_images import ModelImages
 from ray_jobs.tasks import GenerateTask, ShardWorker
 from ray_jobs.worker import FAULT_ENV_PREFIX, BatchWorker
 
@@ -145,7 +146,8 @@ class RayBatchWorker(ShardWorker, BatchWorker):
         static = getattr(self.llm, "scheduler", "static") == "static"
         return GenerateTask(spec, self.llm.tokenizer, self.llm.config, engine=self.run_batch,
                             grammars=self.llm.grammars,
-                            static_rows=self.llm.max_batch_size if static else None)
+                            static_rows=self.llm.max_batch_size if static else None,
+                            images=ModelImages.of_engine(self.llm))
 
 
 ENGINE_COUNTERS = ("up_s", "busy_s", "decode_steps", "decode_row_steps")

@@ -1,10 +1,10 @@
 """Stage 3, workers: a shard's walk on the worker that holds the engine, and the job's two
 tasks (generation, embedding) as plug-ins of it.
 
-    read (ray_jobs.shards.read_shard) -> prepare (the task's preparer: tokenize, chat
-    template, constraints) -> run (the task's engine call) -> assemble (`id`, the input
-    columns, the task's result columns, in input order) -> write the part (the job's
-    OutputDir, local or object storage)
+    read (ray_jobs.shards.read_shard) -> prepare (the task's preparer: images read and
+    decoded, tokenize, chat template, constraints) -> run (the task's engine call) ->
+    assemble (`id`, the input columns, the task's result columns, in input order) -> write
+    the part (the job's OutputDir, local or object storage)
 
 `ShardRunner.run` is that walk; it returns the shard's counts (`ShardOutcome`), a few
 hundred bytes whatever its rows, and the table itself only when asked (a piece of a shard
@@ -79,9 +79,10 @@ class GenerateTask:
 
     def __init__(self, spec: JobSpec, tokenizer: Any, config: Any, engine: Any = None,
                  grammars: Any = None, preparer: Any = None,
-                 static_rows: int | None = None) -> None:
+                 static_rows: int | None = None, images: Any = None) -> None:
         """`static_rows`: the most rows a static engine runs at once (None: a continuous
-        engine, or none)."""
+        engine, or none); `images`: the model's `ray_jobs.row_images.ModelImages` (None: it
+        takes no images)."""
         from ray_jobs.prepare import RowPreparer
 
         opts = spec.task_options
@@ -89,7 +90,7 @@ class GenerateTask:
         self.preparer = preparer or RowPreparer(
             spec.plan, tokenizer, config.max_position_embeddings, config.vocab_size,
             opts["defaults"], eos_token_ids=eos, grammars=grammars,
-            chat_template_kwargs=opts.get("chat_template_kwargs"))
+            chat_template_kwargs=opts.get("chat_template_kwargs"), images=images)
         self.engine = engine
         self.static_rows = static_rows
         self.max_batch_tokens = opts.get("max_batch_tokens")
@@ -116,7 +117,7 @@ class GenerateTask:
     def requests(self, rows: list[Any]) -> list[Any]:
         from ray_jobs.worker import GenerationRequest
 
-        return [GenerationRequest(r.prompt_token_ids, r.params) for r in rows]
+        return [GenerationRequest(r.prompt_token_ids, r.params, r.images) for r in rows]
 
     def results(self, table: pa.Table, rows: list[Any]) -> list[list[dict[str, Any]]]:
         """The engine's table as each row's samples' results."""
@@ -152,8 +153,9 @@ class ShardRunner:
             error: str | None = None) -> ShardOutcome:
         """Read, prepare and run the shard's rows [rows[0], rows[1]) (None: all), then
         write its part (`write`) or return the table. `error`: run nothing, every row
-        becomes an error row with that message (the driver's isolated rows)."""
-        prepared = self._prepare(shard, rows)
+        becomes an error row with that message (the driver's isolated rows; their images
+        are not read)."""
+        prepared = self._prepare(shard, rows, read_images=error is None)
         out = ShardOutcome(shard.shard_id)
         results: list[list[dict[str, Any]] | None] = [None] * len(prepared)
         todo = []
@@ -186,7 +188,8 @@ class ShardRunner:
             out.table = table
         return out
 
-    def _prepare(self, shard: Shard, rows: tuple[int, int] | None) -> list[Any]:
+    def _prepare(self, shard: Shard, rows: tuple[int, int] | None,
+                 read_images: bool = True) -> list[Any]:
         prepared, position = [], shard.first_position
         lo, hi = rows if rows is not None else (0, shard.num_rows)
         for chunk in read_shard(self.spec.input, shard):
@@ -195,7 +198,7 @@ class ShardRunner:
             if at + n > lo and at < hi:
                 a, b = max(lo - at, 0), min(hi - at, n)
                 keep = chunk if (a, b) == (0, n) else _slice_chunk(chunk, a, b)
-                prepared += self.task.preparer.prepare(keep, position + a)
+                prepared += self.task.preparer.prepare(keep, position + a, read_images)
             position += n
         if len(prepared) != hi - lo:
             raise NanoserveError(f"shard {shard.shard_id} read {len(prepared)} rows, expected "
