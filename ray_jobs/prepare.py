@@ -29,11 +29,12 @@ still run), an image of it cannot be used (missing, broken, over the size caps, 
 URL; or the model takes no images), its token ids are out of range, its prompt leaves no
 room in the model's context (prompt tokens + 1 > max_position_embeddings), its per-row
 sampling values are invalid (`n` outside 1-128, `logprobs` / `prompt_logprobs` outside
-0-20, an empty stop string, ...), or its structured output cannot be used: a malformed `response_format`, a schema that is not JSON
-or not a schema, a JSON-schema feature the grammar engine does not enforce, a regex or
-grammar that does not compile, an empty choice list, or a choice list whose every choice
-needs more tokens than the row's `max_tokens`. A row that asked for n samples and fails as
-a whole gives n error rows (one when its `n` itself is invalid).
+0-20, an empty stop string, ...), or its structured output cannot be used: a malformed
+`response_format`, a schema that is not JSON or not a schema, a JSON-schema feature the
+grammar engine does not enforce, a regex or grammar that does not compile, an empty choice
+list, or a choice list whose every choice needs more tokens than the row's `max_tokens`. A
+row that asked for n samples and fails as a whole gives n error rows (one when its `n`
+itself is invalid).
 
 Structured outputs per row: OpenAI's `response_format` or vLLM's `guided_json`,
 `guided_regex`, `guided_choice`, `guided_grammar` columns

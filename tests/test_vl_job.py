@@ -80,6 +80,10 @@ def _image(source) -> dict:
     return {"type": "image", "image": source}
 
 
+def _image_url(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
 def _text(text: str) -> dict:
     return {"type": "text", "text": text}
 
@@ -136,25 +140,20 @@ def _assert_rows_equal_oracle(out_rows: list[dict], rows: dict, llm: LLM) -> Non
 def jsonl_job(tmp_path_factory, vl_model, pictures, ray_session):
     p = {k: str(v) for k, v in pictures.items()}
     rows = [
-        {"id": 0, "messages": _user({"type": "image_url", "image_url": {"url": _url(_png(84, 56, 9))}},
-                                    _text("What is it?"))},
+        {"id": 0, "messages": _user(_image_url(_url(_png(84, 56, 9))), _text("What is it?"))},
         {"id": 1, "messages": [{"role": "user", "content": "No image here."}]},
         {"id": 2, "messages": [{"role": "system", "content": "Be short."},
-                               {"role": "user", "content": [
-                                   _text("Compare "), {"type": "image_url", "image_url": {"url": p["b.png"]}},
-                                   _text(" and "),
-                                   {"type": "image_url", "image_url": {"url": "file://" + p["rotated.jpg"]}}]}]},
+                               *_user(_text("Compare "), _image_url(p["b.png"]), _text(" and "),
+                                      _image_url("file://" + p["rotated.jpg"]))]},
         {"id": 3, "prompt": "Describe.", "image": p["a.png"]},
         {"id": 4, "prompt": "Plain text, no template."},
         {"id": 5, "prompt": "Both, in order.", "image": [p["alpha.png"], p["rotated.jpg"]]},
         {"id": 6, "prompt": "Describe.", "image": p["b.png"]},
-        {"id": 7, "messages": _user({"type": "image_url",
-                                     "image_url": {"url": _url(b"not an image at all")}}, _text("?"))},
+        {"id": 7, "messages": _user(_image_url(_url(b"not an image at all")), _text("?"))},
         {"id": 8, "prompt": "Too big.", "image": p["huge.png"]},
         {"id": 9, "prompt": "Cut short.", "image": p["broken.png"]},
         {"id": 10, "prompt": "Gone.", "image": p["a.png"] + ".missing"},
-        {"id": 11, "messages": _user({"type": "image_url",
-                                      "image_url": {"url": "https://example.invalid/cat.png"}})},
+        {"id": 11, "messages": _user(_image_url("https://example.invalid/cat.png"))},
         {"id": 12, "messages": [{"role": "user", "content": "x"}], "image": p["a.png"]},
     ]
     folder = tmp_path_factory.mktemp("vl-jsonl")
@@ -336,8 +335,9 @@ def test_a_text_model_makes_image_rows_error_rows(tiny_job_model, pictures):
     from ray_jobs.io import InputChunk
     from ray_jobs.prepare import RowPreparer, plan_columns
 
-    batch = pa.RecordBatch.from_pylist([{"prompt": "With a picture.", "image": str(pictures["a.png"])},
-                                        {"prompt": "Without.", "image": None}])
+    batch = pa.RecordBatch.from_pylist([
+        {"prompt": "With a picture.", "image": str(pictures["a.png"])},
+        {"prompt": "Without.", "image": None}])
     tok = Tokenizer.from_path(tiny_job_model)
     preparer = RowPreparer(plan_columns(batch.schema), tok, 256, 49152, {"max_tokens": 4})
     rows = preparer.prepare(InputChunk(batch, None), 0)
