@@ -218,6 +218,8 @@ def decode_image(data: bytes, max_pixels: int = MAX_IMAGE_PIXELS):
         raise ImageError(f"image refused as a decompression bomb: {e}") from None
     except (OSError, ValueError, SyntaxError, Image.UnidentifiedImageError) as e:
         raise ImageError(f"image does not decode: {e}") from None
+    except Exception as e:  # a decoder's own failure on crafted bytes (struct.error, ...)
+        raise ImageError(f"image does not decode: {type(e).__name__}: {e}") from None
     if "A" in img.getbands() or img.info.get("transparency") is not None:
         rgba = img.convert("RGBA")
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))

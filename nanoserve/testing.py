@@ -402,13 +402,18 @@ VL_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_st
 
 
 def save_tiny_qwen2_5_vl(folder: str | Path, seed: int = 0, *, vision_depth: int = 3,
-                         min_pixels: int = 28 * 28 * 4, max_pixels: int = 28 * 28 * 24) -> Path:
+                         min_pixels: int = 28 * 28 * 4, max_pixels: int = 28 * 28 * 24,
+                         weight_scale: float = 1.0) -> Path:
     """A tiny random Qwen2_5_VLForConditionalGeneration saved by transformers (LM hidden 64,
     2 layers, GQA 4:2, mrope_section [2, 3, 3]; vision hidden 32, `vision_depth` blocks, the
     last one full attention, windows of 2 x 2 merged blocks; random norm weights and biases)
     with a byte-level tokenizer of its own (ids 0..255 the bytes, 256.. `VL_SPECIAL_TOKENS`;
     EOS <|im_end|>), Qwen2-VL's chat template and a real `preprocessor_config.json` (the
-    Qwen2-VL image processor with small min/max pixels: images of a few tokens)."""
+    Qwen2-VL image processor with small min/max pixels: images of a few tokens).
+    `weight_scale` multiplies every other weight: at the initializer's scale (1) the greedy
+    tokens hardly depend on the prompt (the same token again and again); at 10 they differ
+    from image to image and from text to text (what a test that a row's images reached the
+    model needs)."""
     import json
 
     import torch
@@ -441,6 +446,8 @@ def save_tiny_qwen2_5_vl(folder: str | Path, seed: int = 0, *, vision_depth: int
                 p.copy_(1 + 0.3 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.3 * torch.randn_like(p))
+            else:
+                p.mul_(weight_scale)
     model.save_pretrained(folder)
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     byte_char = sorted(alphabet, key=lambda c: _BYTE_ORDER(c))

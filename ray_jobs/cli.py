@@ -45,8 +45,16 @@ values override the flags below. A row asking for n samples gives n output rows,
 (id, sample_index); 'logprobs' / 'prompt_logprobs' output columns hold
 list<struct<token_id, logprob, rank, top: list<struct<token_id, logprob>>>>.
 
+Images (a vision-language model: Qwen2.5-VL): content parts in 'messages'
+({"type": "image_url", "image_url": {"url": ...}} with a data: URL, a local path or an
+object-store URI; nothing is fetched from the web), or an 'image' column beside 'prompt'
+(bytes, a path or URI, or a list of them: the row becomes one user turn, its images before
+its text). The workers read and decode them; a missing, broken or oversized image makes its
+row an error row. The output repeats an 'image' column of paths, not one of bytes.
+
 OpenAI Batch API files: a JSON Lines line {"custom_id", "method": "POST", "url":
-"/v1/chat/completions" or "/v1/completions", "body": {...}} is read as one request (its
+"/v1/chat/completions" (image_url parts too) or "/v1/completions", "body": {...}} is read
+as one request (its
 custom_id is the row id; duplicates are refused; a body field nanoserve does not apply is an
 error naming it), and when the job completes OUTPUT_DIR/output.jsonl and errors.jsonl hold
 OpenAI's batch output lines, in input order (--output-format openai writes them for any

@@ -15,7 +15,9 @@ Entry point (Ray Data) of the job pipeline (docs/modules.md).
 Contract (see docs/interfaces.md):
 - input rows as `nanoserve batch` reads them: a `prompt` (text), `messages` (chat) or
   `prompt_token_ids` column (or the one `prompt_column` names; a row uses the first of them
-  it has), and optional per-row `max_tokens`, `temperature`, `top_p`, `top_k`, `seed`, `n`,
+  it has), images for a vision-language model (image content parts in `messages`, or an
+  `image` column beside `prompt`: `ray_jobs.row_images`; read and decoded in the actor),
+  and optional per-row `max_tokens`, `temperature`, `top_p`, `top_k`, `seed`, `n`,
   `logprobs`, `prompt_logprobs` and structured outputs (`response_format`, `guided_json`,
   `guided_regex`, `guided_choice`, `guided_grammar`);
 - output: every input row, once per sample (n rows for a row asking for n samples, its
@@ -30,7 +32,8 @@ Contract (see docs/interfaces.md):
 - a bad row (empty prompt, malformed messages, token ids out of range, invalid sampling
   values, a structured output that is malformed or does not compile, a prompt the KV cache
   cannot hold, a generation failure) is an `error` row (n of them for n samples), as in
-  `nanoserve batch`; the dataset does not fail for it. A dataset whose columns hold no
+  `nanoserve batch` (an image that is missing, broken or too large included); the dataset
+  does not fail for it. A dataset whose columns hold no
   prompt at all is refused with an `InputError` when its first batch is read;
 - run by a fixed pool of `concurrency` actors, each holding one engine (`BatchWorker`) for
   its life: with `num_gpus=1` one GPU each (the CUDA device when torch sees one, else the
@@ -70,6 +73,7 @@ from ray_jobs.prepare import (
     output_controls,
     plan_columns,
 )
+from ray_jobs.row_images import ModelImages
 from ray_jobs.task_embed import (
     EMBED_BATCH_TOKENS,
     EMBED_OPTIONS,
@@ -121,7 +125,7 @@ class DatasetGenerator(DatasetStage):
     def __init__(self, model: str = DEFAULT_MODEL, sampling: dict[str, Any] | None = None,
                  prompt_column: str | None = None, dtype: str = "auto",
                  kv_cache_fraction: float = 0.5, kv_cache_bytes: int | None = None,
-                 scheduler: str = "static", num_threads: int | None = None,
+                 scheduler: str = "auto", num_threads: int | None = None,
                  chat_template_kwargs: dict[str, Any] | None = None,
                  reasoning_parser: str | None = "auto") -> None:
         path = resolve_model(model)
@@ -146,7 +150,8 @@ class DatasetGenerator(DatasetStage):
             preparer = RowPreparer(
                 plan, self.tokenizer, self.config.max_position_embeddings,
                 self.config.vocab_size, self.sampling, eos_token_ids=llm.eos_token_ids,
-                grammars=llm.grammars, chat_template_kwargs=self.chat_template_kwargs)
+                grammars=llm.grammars, chat_template_kwargs=self.chat_template_kwargs,
+                images=ModelImages.of_engine(llm))
             controls = output_controls(plan, self.sampling,
                                        reasoning=self.reasoning is not None)
             plan.output_schema(controls)  # InputError for a clashing column
@@ -195,12 +200,14 @@ def build_processor(model: str = DEFAULT_MODEL, *, concurrency: int = 1,
                     num_gpus: float = 1, num_cpus: float | None = None, batch_size: int = 64,
                     prompt_column: str | None = None, dtype: str = "auto",
                     kv_cache_fraction: float = 0.5, kv_cache_bytes: int | None = None,
-                    scheduler: str = "static", chat_template_kwargs: dict[str, Any] | None = None,
+                    scheduler: str = "auto", chat_template_kwargs: dict[str, Any] | None = None,
                     reasoning_parser: str | None = "auto", **sampling: Any) -> Callable[[Any], Any]:
     """A function `Dataset -> Dataset` that appends the result columns to every row (see
     the module docstring). `concurrency` actors, each with `num_gpus` GPUs (1: one engine
     per GPU; 0: on the CPU, `num_cpus` cores each, default 1); `batch_size` rows per call
-    of an engine; `sampling`: the `SamplingParams` fields (`max_tokens`, `temperature`,
+    of an engine; `scheduler`: each engine's batching, "auto" (continuous: a batch's rows
+    leave as they finish; rows with images need it) or "static"; `sampling`: the
+    `SamplingParams` fields (`max_tokens`, `temperature`,
     `top_p`, `top_k`, `seed`, `stop`, `ignore_eos`, `n`, `logprobs`, `prompt_logprobs`,
     `structured_outputs`: a `nanoserve.structured.StructuredOutputs`) that per-row columns
     override; `chat_template_kwargs`: chat-template options for every chat row (e.g.

@@ -214,7 +214,7 @@ def run_job(input: str | Path, output_dir: str | Path, task: str = "generate",
     model_path = resolve_model(opts.model)
     config, tokenizer = load_model_meta(model_path)
     part = kind.plan(opts, own, info, plan, model_path, config, tokenizer)
-    settings = {**_job_settings(part.opts, info, model_path, limits), **part.settings}
+    settings = {**_job_settings(part.opts, info, model_path, limits, plan), **part.settings}
     folder = OutputDir.open(output_dir)  # a local folder or an object-store prefix
     spec = JobSpec(kind.name, InputSpec.of(info, opts.chunk_rows), plan, part.schema, folder,
                    part.controls, part.task_options)
@@ -306,11 +306,12 @@ def run_pipeline(p: Pipeline, timeline: Timeline) -> JobSummary:
 
 
 def _job_settings(opts: JobOptions, info: InputInfo, model_path: Path,
-                  limits: BatchLimits) -> dict[str, Any]:
+                  limits: BatchLimits, plan: Any = None) -> dict[str, Any]:
     """What the manifest compares on resume: everything that changes the output rows. The
     output controls appear only when set (`n` above 1, logprobs asked, a job-wide structured
-    output), and so does an FP8 KV cache, so the output of a job from before them still
-    resumes."""
+    output), and so do an FP8 KV cache and an `image` column read as the rows' images
+    (`plan.image_column`: a run from before images were read passed it through), so the
+    output of a job from before them still resumes."""
     sampling = opts.sampling_defaults()
     sampling["stop"] = list(sampling["stop"])
     for key in ("n", "logprobs", "prompt_logprobs", "structured_outputs"):
@@ -337,7 +338,9 @@ def _job_settings(opts: JobOptions, info: InputInfo, model_path: Path,
                     **({"chat_template_kwargs": opts.chat_template_kwargs}
                        if opts.chat_template_kwargs else {}),
                     **({"reasoning_parser": opts.reasoning_parser}
-                       if opts.reasoning_parser not in (None, "none") else {})},
+                       if opts.reasoning_parser not in (None, "none") else {}),
+                    **({"image_column": plan.image_column}
+                       if plan is not None and plan.image_column else {})},
     }
 
 

@@ -20,7 +20,9 @@ to large_string, int32 and int64 to int64, ...) or refuses (InputError). In JSON
 values of `response_format` and `guided_json` (JSON documents: a schema, OpenAI's
 response format) are read as their JSON text (a string column), objects and strings alike:
 Arrow would merge objects of different keys into one struct, with nulls for the keys a row
-lacks.
+lacks. A conversation column may mix string contents with lists of content parts, and the
+`image` column one image with lists of them: such a column is read in the wider shape
+(`ray_jobs.json_shapes`: a string content as one text part, one image as a list of one).
 A JSONL line shaped as an OpenAI Batch API request (`custom_id` and `body`; every line with
 `input_format` 'openai', none with 'plain') is read as the row `ray_jobs.openai_batch.
 flatten_request` makes of it (its custom_id as `id`; a request that cannot run becomes a row
@@ -75,6 +77,7 @@ import pyarrow.parquet as pq
 import pyarrow.types as pat
 
 from nanoserve.errors import InputError
+from ray_jobs.json_shapes import drop_narrow, widen
 from ray_jobs.storage import Location, check_bucket, open_lines, resolve, storage_error
 
 INPUT_SUFFIXES = (".parquet", ".jsonl", ".ndjson", ".json")
@@ -348,7 +351,7 @@ def _column_type(name: str, counts: dict[pa.DataType, int], strict: bool) -> pa.
     the types that unify are merged, and the group holding the most values wins (ties: the
     first seen). `strict`: every type must unify (ArrowTypeError otherwise)."""
     groups: list[tuple[pa.DataType, int]] = []
-    for t, n in counts.items():
+    for t, n in drop_narrow(name, counts).items():
         for k, (group_type, group_n) in enumerate(groups):
             try:
                 merged = _unify(name, group_type, t)
@@ -923,7 +926,7 @@ def _rows_to_batch(rows: list[dict], lines: list[int], path: InputFile, schema: 
         names, types = schema.names, schema.types
     arrays = []
     for name, typ in zip(names, types):
-        values = [row.get(name) for row in rows]
+        values = widen(name, [row.get(name) for row in rows], typ)
         array = _plain_array(values, typ)
         if array is None:
             if name == id_column:

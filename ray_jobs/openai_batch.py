@@ -8,7 +8,10 @@ its `custom_id` and `body` keys; with `--input-format openai` every line is read
 becomes an ordinary input row (`flatten_request`): `id` is the custom_id, `url` is kept, and
 the body's fields become the job's per-row columns:
 
-- `/v1/chat/completions`: `messages` (content as a string or a list of text parts);
+- `/v1/chat/completions`: `messages` (content as a string or a list of content parts:
+  text parts, joined into one string where there is no image, and `image_url` parts, a
+  `data:` URL, a local path or an object-storage URI, `detail` "auto" or absent: read on the
+  worker for a vision-language model, `ray_jobs.row_images`);
   `logprobs` (true) with `top_logprobs` K become the row's `logprobs` K;
 - `/v1/completions`: `prompt` (a string, a list of one string, or a list of token ids);
   `logprobs` K;
@@ -185,23 +188,44 @@ def _messages(messages: Any) -> list[dict[str, Any]]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ValueError(f"body.messages[{i}] must be an object with a role")
         content = m.get("content")
-        if isinstance(content, list):  # content parts: text only
-            texts = []
-            for part in content:
-                kind = part.get("type") if isinstance(part, dict) else None
-                if kind != "text" or not isinstance(part.get("text"), str):
-                    raise ValueError(f"body.messages[{i}].content: a part of type "
-                                     f"{json.dumps(kind)} is not supported (text parts only)")
-                texts.append(part["text"])
-            content = "".join(texts)
-        if not isinstance(content, str):
+        if isinstance(content, list):  # content parts
+            content = [_part(part, i) for part in content]
+            if all(p["type"] == "text" for p in content):
+                content = "".join(p["text"] for p in content)
+        if not isinstance(content, (str, list)):
             raise ValueError(f"body.messages[{i}].content must be a string or a list of "
-                             f"text parts")
+                             f"content parts")
         extra = [k for k in m if k not in ("role", "content", "name")]
         if extra:
             raise ValueError(f"body.messages[{i}] has unsupported field(s) {_names(extra)}")
         out.append({"role": m["role"], "content": content})
     return out
+
+
+def _part(part: Any, i: int) -> dict[str, Any]:
+    """One content part of body.messages[i]: a text part, or an image_url part whose url
+    is a data: URL, a path or an object-storage URI (read on the worker,
+    `ray_jobs.row_images`); its `detail` may be "auto" (images are sized by the model's
+    image processor)."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    where = f"body.messages[{i}].content"
+    if kind == "text" and isinstance(part.get("text"), str) and set(part) <= {"type", "text"}:
+        return {"type": "text", "text": part["text"]}
+    if kind == "image_url" and set(part) <= {"type", "image_url"}:
+        image = part.get("image_url")
+        if not isinstance(image, dict) or not isinstance(image.get("url"), str):
+            raise ValueError(f"{where}: an image_url part needs image_url.url (a string)")
+        extra = [k for k in image if k not in ("url", "detail") or (
+            k == "detail" and image[k] not in ("auto", None))]
+        if extra:
+            raise ValueError(f"{where}: image_url field(s) {_names(extra)} not supported "
+                             f"(nanoserve does not apply them; detail may be \"auto\")")
+        return {"type": "image_url", "image_url": {"url": image["url"]}}
+    if kind in ("text", "image_url"):
+        raise ValueError(f"{where}: a malformed {kind} part (text: {{type, text}}; "
+                         f"image_url: {{type, image_url: {{url}}}})")
+    raise ValueError(f"{where}: a part of type {json.dumps(kind)} is not supported (text and "
+                     f"image_url parts are)")
 
 
 def _names(keys: list[str]) -> str:

@@ -15,21 +15,26 @@ Which column is the prompt (`plan_columns`):
 How a prompt becomes tokens: text is `tokenizer.encode(text)` (the model's BOS rule);
 chat messages are rendered with the model's chat template (generation prompt added) and
 encoded without adding special tokens (the template writes them); token ids are used as
-given (each must be in the vocabulary).
+given (each must be in the vocabulary). Images (a vision-language model): a chat row's
+image content parts, or a `prompt` row's `image` column (the row then becomes one user
+turn, its images before its text), are read and decoded while the row is prepared, on the
+worker, and each image's placeholder is widened to its token count
+(`ray_jobs.row_images`, `nanoserve.multimodal`).
 
 A row becomes an error row (`PreparedRow.error` set) when it could not be read (the
 chunk's row errors), its id is null, its prompt is null, empty or only whitespace (text),
 its bytes are not UTF-8, its messages are malformed or the template fails on them (an
 unsafe operation included: a template problem touches only the chat rows, plain prompts
-still run), its token ids are out of range, its prompt leaves no room in the model's
-context (prompt tokens + 1 > max_position_embeddings), its per-row sampling values are
-invalid (`n` outside 1-128, `logprobs` / `prompt_logprobs` outside 0-20, an empty stop
-string, ...), or its
-structured output cannot be used: a malformed `response_format`, a schema that is not JSON
-or not a schema, a JSON-schema feature the grammar engine does not enforce, a regex or
-grammar that does not compile, an empty choice list, or a choice list whose every choice
-needs more tokens than the row's `max_tokens`. A row that asked for n samples and fails as
-a whole gives n error rows (one when its `n` itself is invalid).
+still run), an image of it cannot be used (missing, broken, over the size caps, a web
+URL; or the model takes no images), its token ids are out of range, its prompt leaves no
+room in the model's context (prompt tokens + 1 > max_position_embeddings), its per-row
+sampling values are invalid (`n` outside 1-128, `logprobs` / `prompt_logprobs` outside
+0-20, an empty stop string, ...), or its structured output cannot be used: a malformed
+`response_format`, a schema that is not JSON or not a schema, a JSON-schema feature the
+grammar engine does not enforce, a regex or grammar that does not compile, an empty choice
+list, or a choice list whose every choice needs more tokens than the row's `max_tokens`. A
+row that asked for n samples and fails as a whole gives n error rows (one when its `n`
+itself is invalid).
 
 Structured outputs per row: OpenAI's `response_format` or vLLM's `guided_json`,
 `guided_regex`, `guided_choice`, `guided_grammar` columns
@@ -72,6 +77,16 @@ from ray_jobs.io import (
     InputChunk,
     result_schema,
 )
+from ray_jobs.row_images import (
+    IMAGE_COLUMN,
+    ModelImages,
+    check_takes_images,
+    copies_image_column,
+    image_column_kind,
+    image_sources,
+    plain_conversation,
+    prompt_turn,
+)
 
 PROMPT_COLUMNS = ("prompt", "messages", "prompt_token_ids")  # default candidates, in order
 INT_OVERRIDES = ("max_tokens", "top_k", "seed", "n", "logprobs", "prompt_logprobs",
@@ -110,6 +125,7 @@ class ColumnPlan:
     input_schema: pa.Schema
     constraint_columns: tuple[str, ...] = ()  # the CONSTRAINT_COLUMNS the input has
     template_kwargs_column: bool = False  # the input has a `chat_template_kwargs` column
+    image_column: str | None = None  # the `image` column, where the input has one (not all null)
 
     @property
     def id_type(self) -> pa.DataType:
@@ -118,10 +134,12 @@ class ColumnPlan:
         return self.input_schema.field(self.id_column).type
 
     def passthrough_fields(self, controls: tuple[str, ...] = ()) -> list[pa.Field]:
-        """The input columns an output row repeats: all but `id` (written first) and the
+        """The input columns an output row repeats: all but `id` (written first), the
         request columns `logprobs` / `prompt_logprobs` where `controls` has result columns of
-        those names (the number asked is the length of each entry's `top`)."""
-        return [f for f in self.input_schema if f.name != "id" and f.name not in controls]
+        those names (the number asked is the length of each entry's `top`), and an `image`
+        column of bytes (`ray_jobs.row_images`: paths are repeated, bytes are not)."""
+        return [f for f in self.input_schema if f.name != "id" and f.name not in controls
+                and not (f.name == self.image_column and not copies_image_column(f.type))]
 
     def output_schema(self, controls: tuple[str, ...] = ()) -> pa.Schema:
         """`id`, then the input columns (`passthrough_fields`), then the results
@@ -257,7 +275,10 @@ def plan_columns(schema: pa.Schema, prompt_column: str | None = None,
         if not (pat.is_null(t) or _is_text(t) or pat.is_struct(t)):
             raise InputError(f"column {TEMPLATE_KWARGS_COLUMN!r} (per-row chat-template "
                              f"options) must hold JSON text (a string) or an object, not {t}")
-    return ColumnPlan(prompts, id_column, overrides, schema, constraints, has_kwargs)
+    images = None
+    if IMAGE_COLUMN in names and image_column_kind(schema.field(IMAGE_COLUMN).type):
+        images = IMAGE_COLUMN
+    return ColumnPlan(prompts, id_column, overrides, schema, constraints, has_kwargs, images)
 
 
 def _is_text(t: pa.DataType) -> bool:
@@ -280,6 +301,9 @@ class PreparedRow:
     # Output rows (samples) it gives: params.n; for an error row the n it asked for, or 1
     # when that is not a valid n.
     n: int = 1
+    # The prompt's images (`nanoserve.image_input.ImageInput`), in the order of their
+    # placeholders in `prompt_token_ids` (each already its image's token count long).
+    images: tuple[Any, ...] = ()
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -300,15 +324,19 @@ class RowPreparer:
     whose choices all need more tokens than the job's, and chat rows for a model whose chat
     template is missing or does not compile (a tokenizer without a `chat_template`
     attribute is not checked). `eos_token_ids`: the model's (xgrammar's stop tokens);
-    `grammars`: a grammar cache to share (an engine's), else one is made when needed."""
+    `grammars`: a grammar cache to share (an engine's), else one is made when needed;
+    `images`: a vision-language model's image token and image settings (None: the model
+    takes no images, and a row with images is an error row)."""
 
     def __init__(self, plan: ColumnPlan, tokenizer: Any, max_context: int, vocab_size: int,
                  defaults: dict[str, Any], eos_token_ids: tuple[int, ...] = (),
                  grammars: GrammarCache | None = None,
-                 chat_template_kwargs: dict[str, Any] | str | None = None) -> None:
+                 chat_template_kwargs: dict[str, Any] | str | None = None,
+                 images: ModelImages | None = None) -> None:
         from nanoserve.chat_template import template_kwargs
 
         self.plan = plan
+        self.images = images
         try:
             self.template_kwargs = template_kwargs(chat_template_kwargs,
                                                    "--chat-template-kwargs")
@@ -367,18 +395,25 @@ class RowPreparer:
             raise InputError(f"the input has chat messages (column {chat_columns[0]!r}) but "
                              f"{e}") from None
 
-    def prepare(self, chunk: InputChunk, first_position: int) -> list[PreparedRow]:
+    def prepare(self, chunk: InputChunk, first_position: int,
+                read_images: bool = True) -> list[PreparedRow]:
+        """The chunk's rows, prepared. A row's images are read and decoded here (on the
+        worker that runs it); with `read_images` False they are not read at all, and a row
+        with images gets no prompt tokens: only for rows that are made error rows without
+        running (the driver's, `ray_jobs.tasks.ShardRunner.run(error=...)`)."""
         out = []
         for position, row_id, values, error, parsed in read_rows(
-                chunk, first_position, self.plan.id_column, self._request):
-            ids, params = parsed or ((), None)
+                chunk, first_position, self.plan.id_column,
+                lambda values: self._request(values, read_images)):
+            ids, images, params = parsed or ((), (), None)
             n = params.n if params is not None else self._asked_n(values)
-            out.append(PreparedRow(position, row_id, values, ids, params, error, n))
+            out.append(PreparedRow(position, row_id, values, ids, params, error, n, images))
         return out
 
-    def _request(self, values: dict[str, Any]) -> tuple[tuple[int, ...], SamplingParams]:
-        ids = self._prompt_ids(values)
-        return ids, self._params(values, len(ids))
+    def _request(self, values: dict[str, Any], read_images: bool
+                 ) -> tuple[tuple[int, ...], tuple[Any, ...], SamplingParams]:
+        ids, images = self._prompt(values, read_images)
+        return ids, images, self._params(values, len(ids))
 
     def _asked_n(self, values: dict[str, Any]) -> int:
         """The samples an error row asked for (its `n`, else the job's), or 1 if that is not
@@ -390,15 +425,34 @@ class RowPreparer:
             n = int(n)
         return n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_N else 1
 
-    def _prompt_ids(self, values: dict[str, Any]) -> tuple[int, ...]:
-        for column, kind in self.plan.prompt_columns:
-            value = values.get(column)
-            if value is not None:
-                ids = self._encode(value, kind, column, values)
-                break
-        else:
+    def _prompt(self, values: dict[str, Any], read_images: bool
+                ) -> tuple[tuple[int, ...], tuple[Any, ...]]:
+        """The row's prompt token ids and images (see `prepare` for `read_images`)."""
+        found = next(((c, k) for c, k in self.plan.prompt_columns
+                      if values.get(c) is not None), None)
+        if found is None:
             names = " / ".join(c for c, _ in self.plan.prompt_columns)
             raise ValueError(f"no prompt: {names} is null")
+        column, kind = found
+        value = values[column]
+        image = values.get(self.plan.image_column) if self.plan.image_column else None
+        images: tuple[Any, ...] = ()
+        if image is not None and not (isinstance(image, list) and not image):
+            if kind != TEXT:
+                raise ValueError(f"column {IMAGE_COLUMN!r} goes with a 'prompt' (text) row, and "
+                                 f"this row's prompt is column {column!r}: put a chat row's "
+                                 f"images in its messages' content parts")
+            text = self._text(value, column)
+            if not text:
+                raise ValueError(f"empty prompt (column {column!r})")
+            ids, images = self._chat(prompt_turn(text, image_sources(image)), values,
+                                     read_images)
+        elif kind == MESSAGES:
+            ids, images = self._chat(value, values, read_images)
+        else:
+            ids = self._encode(value, kind, column)
+        if ids is None:  # images not read: no tokens
+            return (), ()
         if not ids:
             raise ValueError(f"empty prompt (column {column!r})")
         if len(ids) + 1 > self.max_context:
@@ -406,18 +460,41 @@ class RowPreparer:
                 f"prompt has {len(ids)} tokens; the model's context is {self.max_context} "
                 f"tokens, which leaves no room to generate"
             )
-        return ids
+        return ids, images
 
-    def _encode(self, value: Any, kind: str, column: str,
-                values: dict[str, Any] | None = None) -> tuple[int, ...]:
+    def _text(self, value: Any, column: str) -> str:
+        """A text prompt's string ('' when empty); ValueError for bytes that are not UTF-8
+        or only whitespace."""
+        value = text_of(value, column)
+        if value and value.isspace():
+            raise ValueError(f"empty prompt (column {column!r} holds only whitespace)")
+        return value
+
+    def _chat(self, messages: Any, values: dict[str, Any], read_images: bool
+              ) -> tuple[tuple[int, ...] | None, tuple[Any, ...]]:
+        """A conversation's prompt token ids and images (`nanoserve.multimodal.chat_prompt`:
+        each image read, decoded and its placeholder widened), or (None, ()) for one with
+        images when `read_images` is False."""
+        plain, has_images = plain_conversation(messages)
+        kwargs = self._row_template_kwargs(values)
+        if not has_images:
+            text = self._in_template(lambda: self.tokenizer.apply_chat_template(
+                plain, add_generation_prompt=True, **kwargs))
+            return tuple(self.tokenizer.encode(text, add_special_tokens=False)), ()
+        check_takes_images(self.images)
+        if not read_images:
+            return None, ()
+        from nanoserve.multimodal import chat_prompt
+
+        images = self.images
+        prompt = self._in_template(lambda: chat_prompt(
+            self.tokenizer, images.image_token_id, images.config, plain, **kwargs))
+        return tuple(prompt.token_ids), prompt.images
+
+    def _encode(self, value: Any, kind: str, column: str) -> tuple[int, ...]:
         if kind == TEXT:
-            value = text_of(value, column)
-            if value and value.isspace():
-                raise ValueError(f"empty prompt (column {column!r} holds only whitespace)")
+            value = self._text(value, column)
             return tuple(self.tokenizer.encode(value)) if value else ()
-        if kind == MESSAGES:
-            text = self._render_chat(value, self._row_template_kwargs(values or {}))
-            return tuple(self.tokenizer.encode(text, add_special_tokens=False))
         return token_ids_of(value, column, self.vocab_size)
 
     def _row_template_kwargs(self, values: dict[str, Any]) -> dict[str, Any]:
@@ -432,16 +509,13 @@ class RowPreparer:
             row = _json_value(row)
         return {**self.template_kwargs, **template_kwargs(row, TEMPLATE_KWARGS_COLUMN)}
 
-    def _render_chat(self, messages: Any, kwargs: dict[str, Any] | None = None) -> str:
-        """The chat template's text for one row's messages. Keys whose value is null are
-        dropped first (Arrow gives every message every key any message has). The template is
-        untrusted code: whatever it raises is this row's error, never the job's."""
-        if isinstance(messages, list):
-            messages = [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict)
-                        else m for m in messages]
+    @staticmethod
+    def _in_template(render: Any) -> Any:
+        """`render()`, which runs the chat template over a row's messages (null keys already
+        dropped: `plain_conversation`). The template is untrusted code: whatever it raises
+        is this row's error, never the job's."""
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                      **(kwargs or {}))
+            return render()
         except (ValueError, TypeError, NanoserveError):
             raise
         except Exception as e:  # e.g. ZeroDivisionError, RecursionError inside the template

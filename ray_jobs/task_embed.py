@@ -97,7 +97,10 @@ class EmbedPreparer:
                    if full[i:i + len(plain)] == plain), None)
         self.suffix = tuple(full[at + len(plain):]) if at is not None else ()
 
-    def prepare(self, chunk: InputChunk, first_position: int) -> list[EmbedRow]:
+    def prepare(self, chunk: InputChunk, first_position: int,
+                read_images: bool = True) -> list[EmbedRow]:
+        """The chunk's rows, tokenized (`read_images`: unused, an embedding job takes no
+        images)."""
         out = []
         for position, row_id, values, error, parsed in read_rows(
                 chunk, first_position, self.plan.id_column, self._ids):
@@ -113,6 +116,9 @@ class EmbedPreparer:
             raise ValueError(f"no input: {names} is null")
         column, kind = found
         value = values[column]
+        if self.plan.image_column and values.get(self.plan.image_column):
+            raise ValueError(f"the row has an image (column {self.plan.image_column!r}); an "
+                             f"embedding job embeds text or token ids")
         if kind == MESSAGES:
             raise ValueError(f"column {column!r} holds chat messages; an embedding job embeds "
                              f"text or token ids")

@@ -28,6 +28,7 @@ from ray_jobs import openai_batch
 from ray_jobs.io import InputInfo, iter_chunks
 from ray_jobs.options import JobOptions
 from ray_jobs.prepare import ColumnPlan, RowPreparer, output_controls
+from ray_jobs.row_images import ModelImages
 from ray_jobs.storage import OutputDir
 from ray_jobs.tasks import ShardOutcome, ShardWorker, TaskKind, TaskPlan
 from ray_jobs.worker import BatchWorker, GenerationRequest, error_rows
@@ -42,15 +43,16 @@ class GenerateTask:
 
     def __init__(self, plan: ColumnPlan, options: dict[str, Any], tokenizer: Any, config: Any,
                  engine: Any = None, grammars: Any = None, preparer: Any = None,
-                 static_rows: int | None = None) -> None:
+                 static_rows: int | None = None, images: Any = None) -> None:
         """`options`: the job's `JobSpec.task_options` (sampling `defaults`,
         `chat_template_kwargs`, `reasoning_parser`, `max_batch_tokens`); `static_rows`: the
-        most rows a static engine runs at once (None: a continuous engine, or none)."""
+        most rows a static engine runs at once (None: a continuous engine, or none);
+        `images`: the model's `ray_jobs.row_images.ModelImages` (None: it takes no images)."""
         eos = tuple(sorted(set(config.eos_token_ids) | set(tokenizer.eos_token_ids)))
         self.preparer = preparer or RowPreparer(
             plan, tokenizer, config.max_position_embeddings, config.vocab_size,
             options["defaults"], eos_token_ids=eos, grammars=grammars,
-            chat_template_kwargs=options.get("chat_template_kwargs"))
+            chat_template_kwargs=options.get("chat_template_kwargs"), images=images)
         self.engine = engine
         self.static_rows = static_rows
         self.max_batch_tokens = options.get("max_batch_tokens")
@@ -75,7 +77,7 @@ class GenerateTask:
         return [[at[id(r)] for r in group] for group in cut_window(rows, limits)]
 
     def requests(self, rows: list[Any]) -> list[Any]:
-        return [GenerationRequest(r.prompt_token_ids, r.params) for r in rows]
+        return [GenerationRequest(r.prompt_token_ids, r.params, r.images) for r in rows]
 
     def results(self, table: pa.Table, rows: list[Any]) -> list[list[dict[str, Any]]]:
         """The engine's table as each row's samples' results."""
@@ -104,7 +106,8 @@ class RayBatchWorker(ShardWorker, BatchWorker):
         static = getattr(self.llm, "scheduler", "static") == "static"
         return GenerateTask(spec.plan, spec.task_options, self.llm.tokenizer, self.llm.config,
                             engine=self.run_batch, grammars=self.llm.grammars,
-                            static_rows=self.llm.max_batch_size if static else None)
+                            static_rows=self.llm.max_batch_size if static else None,
+                            images=ModelImages.of_engine(self.llm))
 
 
 def _per_row(table_rows: list[dict[str, Any]], samples: list[int]) -> list[list[dict[str, Any]]]:
@@ -147,9 +150,11 @@ def plan_job(opts: JobOptions, own: dict[str, Any], info: InputInfo, plan: Colum
     sampling options, a structured output that does not compile, a chat template that is
     missing or broken for chat rows, or a reasoning parser the model cannot run."""
     eos = tuple(sorted(set(config.eos_token_ids) | set(tokenizer.eos_token_ids)))
+    # (the driver's preparer makes error rows only: it never reads an image)
     preparer = RowPreparer(plan, tokenizer, config.max_position_embeddings, config.vocab_size,
                            opts.sampling_defaults(), eos_token_ids=eos,
-                           chat_template_kwargs=opts.chat_template_kwargs)
+                           chat_template_kwargs=opts.chat_template_kwargs,
+                           images=ModelImages.of(config, model_path))
     from nanoserve.reasoning import has_think_tags, resolve_parser
 
     try:

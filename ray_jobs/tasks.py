@@ -2,10 +2,10 @@
 the job (generation, `ray_jobs.task_generate`; embedding, `ray_jobs.task_embed`) plugs
 into it and into the driver.
 
-    read (ray_jobs.shards.read_shard) -> prepare (the task's preparer: tokenize, chat
-    template, constraints) -> run (the task's engine call) -> assemble (`id`, the input
-    columns, the task's result columns, in input order) -> write the part (the job's
-    OutputDir, local or object storage)
+    read (ray_jobs.shards.read_shard) -> prepare (the task's preparer: images read and
+    decoded, tokenize, chat template, constraints) -> run (the task's engine call) ->
+    assemble (`id`, the input columns, the task's result columns, in input order) -> write
+    the part (the job's OutputDir, local or object storage)
 
 `ShardRunner.run` is that walk; it returns the shard's counts (`ShardOutcome`), a few
 hundred bytes whatever its rows, and the table itself only when asked (a piece of a shard
@@ -162,8 +162,9 @@ class ShardRunner:
             error: str | None = None) -> ShardOutcome:
         """Read, prepare and run the shard's rows [rows[0], rows[1]) (None: all), then
         write its part (`write`) or return the table. `error`: run nothing, every row
-        becomes an error row with that message (the driver's isolated rows)."""
-        prepared = self._prepare(shard, rows)
+        becomes an error row with that message (the driver's isolated rows; their images
+        are not read)."""
+        prepared = self._prepare(shard, rows, read_images=error is None)
         out = ShardOutcome(shard.shard_id)
         results, table, answered = answer_rows(self.task, prepared, error)
         if table is not None:
@@ -181,7 +182,8 @@ class ShardRunner:
             out.table = table
         return out
 
-    def _prepare(self, shard: Shard, rows: tuple[int, int] | None) -> list[Any]:
+    def _prepare(self, shard: Shard, rows: tuple[int, int] | None,
+                 read_images: bool = True) -> list[Any]:
         prepared, position = [], shard.first_position
         lo, hi = rows if rows is not None else (0, shard.num_rows)
         for chunk in read_shard(self.spec.input, shard):
@@ -190,7 +192,7 @@ class ShardRunner:
             if at + n > lo and at < hi:
                 a, b = max(lo - at, 0), min(hi - at, n)
                 keep = chunk if (a, b) == (0, n) else _slice_chunk(chunk, a, b)
-                prepared += self.task.preparer.prepare(keep, position + a)
+                prepared += self.task.preparer.prepare(keep, position + a, read_images)
             position += n
         if len(prepared) != hi - lo:
             raise NanoserveError(f"shard {shard.shard_id} read {len(prepared)} rows, expected "

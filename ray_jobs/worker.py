@@ -8,7 +8,8 @@ one per GPU (`num_gpus=1`) or on the CPU (`num_cpus=1`) where the cluster has no
 The device is chosen inside the worker: `cuda` when Ray gave it a GPU and torch sees one,
 else `cpu` (so logical GPUs on a CPU machine still work, on the CPU).
 
-`run_batch` takes `GenerationRequest`s (token ids and their `SamplingParams`) and returns an
+`run_batch` takes `GenerationRequest`s (token ids, images for a vision-language model, and
+their `SamplingParams`) and returns an
 Arrow table in `WORKER_RESULT_SCHEMA` with one row per sample: a request asking for n
 samples has n consecutive rows (`sample_index` 0..n-1), whether answered or failed; the
 `logprobs` / `prompt_logprobs` columns are null unless the request asked for them. Memory
@@ -80,8 +81,17 @@ FAULT_HOLD_LOAD_WHILE_FILE = "NANOSERVE_FAULT_HOLD_LOAD_WHILE_FILE"
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    prompt_token_ids: tuple[int, ...]
+    prompt_token_ids: tuple[int, ...]  # each image's placeholder already its token count long
     params: SamplingParams
+    images: tuple[Any, ...] = ()  # `nanoserve.image_input.ImageInput`s, in placeholder order
+
+    def prompt(self) -> Any:
+        """What the engine takes: the token ids, or a `MultimodalPrompt` with the images."""
+        if not self.images:
+            return list(self.prompt_token_ids)
+        from nanoserve.multimodal import MultimodalPrompt
+
+        return MultimodalPrompt(list(self.prompt_token_ids), self.images)
 
 
 def ray_gpu_ids() -> list:
@@ -197,7 +207,7 @@ class BatchWorker:
         # Per request, its samples' rows.
         results: list[list[dict[str, Any]] | None] = [self._cannot_run(r) for r in batch_rows]
         todo = [i for i, res in enumerate(results) if res is None]
-        prompts = [list(batch_rows[i].prompt_token_ids) for i in todo]
+        prompts = [batch_rows[i].prompt() for i in todo]
         params = [batch_rows[i].params for i in todo]
         stats = []
         try:
@@ -321,6 +331,12 @@ class BatchWorker:
         samples = r.params.n
         if n == 0:
             return error_rows("empty prompt: a row needs at least one token", 0, samples)
+        if r.images and self._loop is None:
+            return error_rows("a prompt with images runs on the continuous scheduler only "
+                              "(scheduler 'auto' or 'continuous')", n, samples)
+        if r.images and r.params.choice_scores:
+            return error_rows("choice scores are computed for prompts without images only",
+                              n, samples)
         if n >= self.llm.max_context:
             return error_rows(f"prompt has {n} tokens; the model's context is "
                               f"{self.llm.max_context} tokens, which leaves no room to "

@@ -274,6 +274,49 @@ def test_s3_worker_killed_then_retry_errors(s3, bucket, ray_session, tiny_job_mo
     assert_rows_match_oracle(tiny_llm, prompts, s3_rows(out).to_pylist())
 
 
+def test_image_uris_are_read_from_the_store_by_the_workers(s3, bucket, ray_session, tmp_path):
+    """Rows whose images are s3:// URIs (an `image` column, an image_url part): the workers
+    read them with the job's credentials and endpoint; each row equals `LLM.chat` on the
+    same image's bytes; a key that is not there is an error row naming it."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from nanoserve.llm import LLM
+    from nanoserve.sampling import SamplingParams
+    from nanoserve.testing import save_tiny_qwen2_5_vl
+
+    pictures = []
+    for seed, (w, h) in enumerate([(84, 56), (56, 112)]):
+        buf = io.BytesIO()
+        pixels = np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(buf, "PNG")
+        pictures.append(buf.getvalue())
+        put(s3, bucket, f"images/{seed}.png", buf.getvalue())
+    rows = [{"id": 0, "prompt": "Describe.", "image": f"s3://{bucket}/images/0.png"},
+            {"id": 1, "messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": f"s3://{bucket}/images/1.png"}},
+                {"type": "text", "text": "And this?"}]}]},
+            {"id": 2, "prompt": "Gone.", "image": f"s3://{bucket}/images/none.png"}]
+    (tmp_path / "rows.jsonl").write_bytes(jsonl(rows))
+    model = save_tiny_qwen2_5_vl(tmp_path / "vl", weight_scale=10.0)
+    run_batch_job(tmp_path / "rows.jsonl", tmp_path / "out", model=str(model),
+                  max_tokens=MAX_TOKENS + 4, ignore_eos=True, kv_cache_bytes=8 << 20,
+                  progress=False)
+    got = {r["id"]: r for r in ds.dataset(tmp_path / "out").to_table().to_pylist()}
+    llm = LLM(str(model), device="cpu", kv_cache_bytes=8 << 20)
+    params = SamplingParams(max_tokens=MAX_TOKENS + 4, ignore_eos=True)
+    for i, text in [(0, "Describe."), (1, "And this?")]:
+        want = llm.chat([{"role": "user", "content": [{"type": "image", "image": pictures[i]},
+                                                      {"type": "text", "text": text}]}],
+                        params)[0]
+        assert got[i]["error"] is None and list(got[i]["generated_token_ids"]) == want.token_ids
+        assert got[i]["num_input_tokens"] == want.num_prompt_tokens
+    assert got[0]["generated_token_ids"] != got[1]["generated_token_ids"]
+    assert got[2]["error"].startswith(f"cannot read image s3://{bucket}/images/none.png")
+
+
 # --- one clear line: missing bucket, bad credentials, a second job --------------------------
 
 

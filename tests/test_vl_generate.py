@@ -28,18 +28,21 @@ IMG = 256 + VL_SPECIAL_TOKENS.index("<|image_pad|>")
 NEW = 12
 
 
-@pytest.fixture(scope="module")
-def vl(tmp_path_factory):
+def _with_oracle(folder):
     from transformers import (
         AutoImageProcessor,
         AutoTokenizer,
         Qwen2_5_VLForConditionalGeneration,
     )
 
-    folder = save_tiny_qwen2_5_vl(tmp_path_factory.mktemp("tiny-vl"))
     hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None
     return folder, hf, AutoTokenizer.from_pretrained(folder), AutoImageProcessor.from_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def vl(tmp_path_factory):
+    return _with_oracle(save_tiny_qwen2_5_vl(tmp_path_factory.mktemp("tiny-vl")))
 
 
 def _png(w: int, h: int, seed: int) -> bytes:
@@ -107,6 +110,20 @@ def test_chat_equals_transformers_generate_mixed_batch(vl, tmp_path, decode_step
     assert [o.token_ids for o in together] == want
     for (m, _), w in zip(convs, want):  # each alone, on a pool with the others' blocks cached
         assert llm.chat(m, params)[0].token_ids == w
+
+
+def test_larger_weights_give_image_dependent_tokens_equal_to_transformers(tmp_path):
+    """The checkpoint the batch-job tests use (`weight_scale=10`: its greedy tokens differ
+    from image to image, where the default's barely depend on the prompt) equals
+    transformers as well, the mixed batch and each row alone."""
+    vl = _with_oracle(save_tiny_qwen2_5_vl(tmp_path / "tiny-vl-10", weight_scale=10.0))
+    convs = _conversations(tmp_path)
+    want = [_hf_generate(vl, m, imgs) for m, imgs in convs]
+    assert len({tuple(w) for w in want}) == len(want) and len(set(want[0])) > 2
+    llm = _llm(vl[0])
+    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    assert [o.token_ids for o in llm.chat([m for m, _ in convs], params)] == want
+    assert [llm.chat(m, params)[0].token_ids for m, _ in convs] == want
 
 
 def test_prefix_cache_keys_blocks_by_image_bytes(vl, tmp_path):
