@@ -50,10 +50,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import random
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -225,44 +222,18 @@ def run_nanoserve(model_dir: Path, rows: list, max_tokens: list[int], warm: tupl
 # --- vLLM, in a child process ---------------------------------------------------------------
 
 
-def _tail(path: Path, n: int = 40) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
-    except OSError:
-        return ""
-
-
 def run_vllm(model_dir: Path, rows: list, max_tokens: list[int], warm: tuple, work: Path,
              args) -> tuple[dict | None, str]:
     """Runs this file with --vllm-child under vLLM's environment; (results or None, error)."""
+    from benchmarks.vs_vllm import launch_vllm_child  # not at the top: the child has no repo
+
     spec = {"model": str(model_dir), "max_model_len": MAX_MODEL_LEN,
             "gpu_memory_utilization": args.gpu_memory_utilization,
             "allowed_local_media_path": str(work.resolve()), "rows": rows,
             "max_tokens": max_tokens, "warm_rows": warm[0], "warm_max_tokens": warm[1]}
-    spec_path, result_path = work / "vllm_vl_rows.json", work / "vllm_vl_result.json"
-    spec_path.write_text(json.dumps(spec))
-    result_path.unlink(missing_ok=True)
-    env = {**os.environ, "PYTHONPATH": args.vllm_site, "VLLM_USE_FLASHINFER_SAMPLER": "0"}
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("VLLM_NO_USAGE_STATS", "1")
-    out_log, err_log = work / "vllm_vl.stdout", work / "vllm_vl.stderr"
-    # -P: not even this file's folder (benchmarks/) on sys.path
-    cmd = [sys.executable, "-P", str(Path(__file__).resolve()), "--vllm-child",
-           "--vllm-spec", str(spec_path), "--vllm-result", str(result_path)]
-    print(f"vLLM child: PYTHONPATH={args.vllm_site} {' '.join(cmd)} (logs in {work})", flush=True)
-    with open(out_log, "w") as so, open(err_log, "w") as se:
-        proc = subprocess.Popen(cmd, env=env, cwd=work, stdout=so, stderr=se,
-                                start_new_session=True)
-        try:
-            rc = proc.wait(timeout=args.vllm_timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the child and its engine-core process
-            proc.wait()
-            rc = f"killed after {args.vllm_timeout} s"
-    result = json.loads(result_path.read_text()) if result_path.exists() else None
+    rc, result, tail = launch_vllm_child(Path(__file__), spec, work, "vllm_vl", args)
     if rc == 0 and result and "wall_s" in result:
         return result, ""
-    tail = _tail(err_log) or _tail(out_log)
     return result, f"vLLM child failed (exit {rc}); last 40 lines of its stderr:\n{tail}"
 
 

@@ -279,6 +279,38 @@ def timed_generate(llm, prompts: list[list[int]], max_tokens: list[int], device:
 # --- vLLM, in a child process ------------------------------------------------------------------
 
 
+def launch_vllm_child(script: Path, spec: dict, work: Path, stem: str,
+                      args) -> tuple[int | str, dict | None, str]:
+    """Run `script --vllm-child` under vLLM's environment (`args.vllm_site` alone on the
+    path, in its own session, killed with its engine-core process after
+    `args.vllm_timeout` s) with `spec` written to WORK/STEM.json; (its exit code or how it
+    was killed, the result it wrote or None, the tail of its stderr, else stdout)."""
+    spec_path, result_path = work / f"{stem}.json", work / f"{stem}_result.json"
+    spec_path.write_text(json.dumps(spec))
+    result_path.unlink(missing_ok=True)
+    # Keep the rest of the environment (NCCL_NVLS_ENABLE=0 and the like); only vLLM's site
+    # on the path: neither nanoserve's repository nor its wheels.
+    env = {**os.environ, "PYTHONPATH": args.vllm_site, "VLLM_USE_FLASHINFER_SAMPLER": "0"}
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("VLLM_NO_USAGE_STATS", "1")
+    out_log, err_log = work / f"{stem}.stdout", work / f"{stem}.stderr"
+    # -P: not even the script's folder (benchmarks/, with its kernels.py) on sys.path
+    cmd = [sys.executable, "-P", str(script.resolve()), "--vllm-child",
+           "--vllm-spec", str(spec_path), "--vllm-result", str(result_path)]
+    print(f"vLLM child: PYTHONPATH={args.vllm_site} {' '.join(cmd)} (logs in {work})", flush=True)
+    with open(out_log, "w") as so, open(err_log, "w") as se:
+        proc = subprocess.Popen(cmd, env=env, cwd=work, stdout=so, stderr=se,
+                                start_new_session=True)
+        try:
+            rc: int | str = proc.wait(timeout=args.vllm_timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the child and its engine-core process
+            proc.wait()
+            rc = f"killed after {args.vllm_timeout} s"
+    result = json.loads(result_path.read_text()) if result_path.exists() else None
+    return rc, result, _tail(err_log) or _tail(out_log)
+
+
 def run_vllm(model_dir: Path, workloads: dict, work: Path, args) -> tuple[dict | None, str]:
     """Runs this file with --vllm-child under vLLM's environment; (results or None, error)."""
     need = max(len(p) + m for prompts, max_tokens in workloads.values()
@@ -292,34 +324,9 @@ def run_vllm(model_dir: Path, workloads: dict, work: Path, args) -> tuple[dict |
                               "warmup_rows": (getattr(args, "warmup_rows", None)
                                               or WARMUP_ROWS.get(n, len(p)))}
                           for n, (p, m) in workloads.items()}}
-    spec_path, result_path = work / "vllm_workload.json", work / "vllm_result.json"
-    spec_path.write_text(json.dumps(spec))
-    result_path.unlink(missing_ok=True)
-    # Keep the rest of the environment (NCCL_NVLS_ENABLE=0 and the like); only vLLM's site
-    # on the path: neither nanoserve's repository nor its wheels.
-    env = {**os.environ, "PYTHONPATH": args.vllm_site, "VLLM_USE_FLASHINFER_SAMPLER": "0"}
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("VLLM_NO_USAGE_STATS", "1")
-    out_log, err_log = work / "vllm_child.stdout", work / "vllm_child.stderr"
-    # -P: not even this file's folder (benchmarks/, with its kernels.py) on sys.path
-    cmd = [sys.executable, "-P", str(Path(__file__).resolve()), "--vllm-child",
-           "--vllm-spec", str(spec_path), "--vllm-result", str(result_path)]
-    print(f"vLLM child: PYTHONPATH={args.vllm_site} {' '.join(cmd)} (logs in {work})", flush=True)
-    with open(out_log, "w") as so, open(err_log, "w") as se:
-        proc = subprocess.Popen(cmd, env=env, cwd=work, stdout=so, stderr=se,
-                                start_new_session=True)
-        try:
-            rc = proc.wait(timeout=args.vllm_timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the child and its engine-core process
-            proc.wait()
-            rc = f"killed after {args.vllm_timeout} s"
-    result = None
-    if result_path.exists():
-        result = json.loads(result_path.read_text())
+    rc, result, tail = launch_vllm_child(Path(__file__), spec, work, "vllm_workload", args)
     if rc == 0 and result and set(result["workloads"]) == set(workloads):
         return result, ""
-    tail = _tail(err_log) or _tail(out_log)
     return result, f"vLLM child failed (exit {rc}); last 40 lines of its stderr:\n{tail}"
 
 

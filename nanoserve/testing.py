@@ -471,3 +471,17 @@ def save_tiny_qwen2_5_vl(folder: str | Path, seed: int = 0, *, vision_depth: int
         "min_pixels": min_pixels, "max_pixels": max_pixels, "patch_size": 14,
         "temporal_patch_size": 2, "merge_size": 2}))
     return folder
+
+
+def png_header(w: int, h: int) -> bytes:
+    """A PNG (8-bit RGB) whose header claims w x h pixels and whose data holds a few: an
+    oversized image, or a decompression bomb, without the memory of one."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return (struct.pack(">I", len(body)) + kind + body
+                + struct.pack(">I", zlib.crc32(kind + body)))
+
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b""))

@@ -133,6 +133,15 @@ class ColumnPlan:
             return pa.int64()
         return self.input_schema.field(self.id_column).type
 
+    def prompt_of(self, values: dict[str, Any], what: str) -> tuple[str, str]:
+        """(column, kind) of the first prompt column a row's `values` fill; ValueError (the
+        row's error: no `what`) when every one is null."""
+        for column, kind in self.prompt_columns:
+            if values.get(column) is not None:
+                return column, kind
+        names = " / ".join(c for c, _ in self.prompt_columns)
+        raise ValueError(f"no {what}: {names} is null")
+
     def passthrough_fields(self, controls: tuple[str, ...] = ()) -> list[pa.Field]:
         """The input columns an output row repeats: all but `id` (written first), the
         request columns `logprobs` / `prompt_logprobs` where `controls` has result columns of
@@ -428,12 +437,7 @@ class RowPreparer:
     def _prompt(self, values: dict[str, Any], read_images: bool
                 ) -> tuple[tuple[int, ...], tuple[Any, ...]]:
         """The row's prompt token ids and images (see `prepare` for `read_images`)."""
-        found = next(((c, k) for c, k in self.plan.prompt_columns
-                      if values.get(c) is not None), None)
-        if found is None:
-            names = " / ".join(c for c, _ in self.plan.prompt_columns)
-            raise ValueError(f"no prompt: {names} is null")
-        column, kind = found
+        column, kind = self.plan.prompt_of(values, "prompt")
         value = values[column]
         image = values.get(self.plan.image_column) if self.plan.image_column else None
         images: tuple[Any, ...] = ()

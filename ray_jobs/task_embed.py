@@ -109,12 +109,7 @@ class EmbedPreparer:
         return out
 
     def _ids(self, values: dict[str, Any]) -> tuple[tuple[int, ...], bool]:
-        found = next(((c, k) for c, k in self.plan.prompt_columns
-                      if values.get(c) is not None), None)
-        if found is None:
-            names = " / ".join(c for c, _ in self.plan.prompt_columns)
-            raise ValueError(f"no input: {names} is null")
-        column, kind = found
+        column, kind = self.plan.prompt_of(values, "input")
         value = values[column]
         if self.plan.image_column and values.get(self.plan.image_column):
             raise ValueError(f"the row has an image (column {self.plan.image_column!r}); an "

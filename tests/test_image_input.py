@@ -21,6 +21,7 @@ from nanoserve.image_input import (
     read_image_bytes,
     smart_resize,
 )
+from nanoserve.testing import png_header
 
 SMALL = dict(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 24)  # tiny grids, fast tests
 
@@ -114,23 +115,10 @@ def test_oversized_and_bomb_refused_before_decoding():
         read_image_bytes(_png(30, 30), max_bytes=100)
     # a PNG header claiming 9,000 x 9,000 pixels (243 MB decoded): refused from the header
     with pytest.raises(ImageError, match="refused before decoding"):
-        decode_image(_png_header(9000, 9000), max_pixels=10_000_000)
+        decode_image(png_header(9000, 9000), max_pixels=10_000_000)
     # past Pillow's own bomb limit too, whatever our cap
     with pytest.raises(ImageError, match="bomb|over"):
-        decode_image(_png_header(100000, 100000), max_pixels=1 << 40)
-
-
-def _png_header(w: int, h: int) -> bytes:
-    """A PNG (8-bit RGB) whose header claims w x h pixels and whose data holds a few."""
-    import struct
-    import zlib
-
-    def chunk(kind: bytes, body: bytes) -> bytes:
-        return (struct.pack(">I", len(body)) + kind + body
-                + struct.pack(">I", zlib.crc32(kind + body)))
-
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
-            + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b""))
+        decode_image(png_header(100000, 100000), max_pixels=1 << 40)
 
 
 def test_object_storage_uris_read_through_pyarrow(tmp_path, monkeypatch):

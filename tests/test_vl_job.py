@@ -28,7 +28,7 @@ from PIL import Image
 
 from nanoserve.llm import LLM
 from nanoserve.sampling import SamplingParams
-from nanoserve.testing import save_tiny_qwen2_5_vl
+from nanoserve.testing import png_header, save_tiny_qwen2_5_vl
 from ray_jobs import run_batch_job
 
 NEW = 8
@@ -53,19 +53,6 @@ def _jpeg_rotated(w: int, h: int, seed: int) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(arr).save(buf, "JPEG", exif=exif, quality=90)
     return buf.getvalue()
-
-
-def _png_header(w: int, h: int) -> bytes:
-    """A PNG whose header claims w x h pixels (its data holds a few)."""
-    import struct
-    import zlib
-
-    def chunk(kind: bytes, body: bytes) -> bytes:
-        return (struct.pack(">I", len(body)) + kind + body
-                + struct.pack(">I", zlib.crc32(kind + body)))
-
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
-            + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b""))
 
 
 def _url(data: bytes) -> str:
@@ -103,7 +90,7 @@ def pictures(tmp_path_factory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("pictures")
     files = {"a.png": _png(84, 56, 1), "b.png": _png(56, 140, 2),
              "rotated.jpg": _jpeg_rotated(112, 56, 3), "alpha.png": _png(70, 70, 4, "RGBA"),
-             "huge.png": _png_header(9000, 9000), "broken.png": _png(40, 40, 5)[:80]}
+             "huge.png": png_header(9000, 9000), "broken.png": _png(40, 40, 5)[:80]}
     for name, data in files.items():
         (folder / name).write_bytes(data)
     return {name: folder / name for name in files}
