@@ -57,6 +57,7 @@ starts.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
@@ -89,14 +90,15 @@ from ray_jobs.tasks import answer_rows, result_column
 from ray_jobs.worker import BatchWorker
 
 
-class DatasetStage:
+class DatasetStage(abc.ABC):
     """The callable classes Ray Data runs in each actor of the pool (the model loaded once,
     in the constructor): `__call__(batch: pa.Table) -> pa.Table` answers every batch it is
     given with the task's plug-in, as the job answers a shard's rows. A subclass gives the
     task and its result columns for a batch's schema (`_task`)."""
 
+    @abc.abstractmethod
     def _task(self, schema: pa.Schema) -> tuple[Any, pa.Schema]:
-        raise NotImplementedError
+        """The task's plug-in for a batch of this schema, and its result columns."""
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         """`batch`'s rows, in order, each once per result row (a row's n samples), with the
