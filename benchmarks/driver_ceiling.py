@@ -58,10 +58,10 @@ def write_prompts(path: Path, rows: int, ids: bool = False) -> None:
 
 def as_driver(argv: list[str]) -> int:
     """The child: the `nanoserve` command itself (or, after `SCAN_FLAG`, only the driver's
-    scan of the input: `ray_jobs.io.scan_input`, the ids' check included), then this
+    scan of the input: `ray_jobs.input.io.scan_input`, the ids' check included), then this
     process's CPU and peak RSS."""
     if argv[0] == SCAN_FLAG:
-        from ray_jobs.io import scan_input
+        from ray_jobs.input.io import scan_input
 
         scan_input(argv[1], shard_rows=int(argv[2]))
         rc = 0
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> dict[int, dict]:
     print(f"commit: {git_commit()}; {os.cpu_count()}-core {platform.machine()} CPU; "
           f"load average at the end: {load_average()}")
     if args.scan_only:
-        print(f"the driver's scan alone (ray_jobs.io.scan_input, shards of {args.batch_size} "
+        print(f"the driver's scan alone (ray_jobs.input.io.scan_input, shards of {args.batch_size} "
               f"rows){', ids checked' if args.ids else ''}")
     else:
         print(f"nanoserve batch ... --max-tokens 1 --batch-size {args.batch_size} "

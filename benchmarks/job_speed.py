@@ -43,7 +43,7 @@ RAY_CHILD = r"""
 import json, os, sys, time
 t0 = time.perf_counter()
 import ray
-from ray_jobs.local_ray import start_local_ray, stop_local_ray
+from ray_jobs.dispatch.local_ray import start_local_ray, stop_local_ray
 t1 = time.perf_counter()
 temp = start_local_ray(**json.loads(sys.argv[1]))
 t2 = time.perf_counter()

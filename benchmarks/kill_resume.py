@@ -47,7 +47,7 @@ from benchmarks.driver_ceiling import write_prompts
 SMOKE_ROWS = 2000
 WORKER_TITLE = "ray::RayBatchWorker"
 LIMIT_S = 6 * 3600
-REPLACED = "; replacing it"  # the driver's line for a worker that died (ray_jobs.driver)
+REPLACED = "; replacing it"  # the driver's line for a worker that died (ray_jobs.dispatch.driver)
 
 
 @dataclass

@@ -104,14 +104,14 @@ def main() -> None:
     if args.shared_ray:
         import torch
 
-        from ray_jobs.local_ray import start_local_ray
+        from ray_jobs.dispatch.local_ray import start_local_ray
 
         ray_dir = start_local_ray(num_gpus=torch.cuda.device_count())
     try:
         results = run_all(args)
     finally:
         if ray_dir is not None:
-            from ray_jobs.local_ray import stop_local_ray
+            from ray_jobs.dispatch.local_ray import stop_local_ray
 
             stop_local_ray(ray_dir)
     report(results, "shared (started before the runs)" if args.shared_ray else "private per job")

@@ -68,7 +68,7 @@ def run_once(mode: str, workers: int, input_path: Path, out: Path, model: Path,
     """One job; seconds per phase (Ray's start and stop included), and when the last
     worker was ready."""
     from ray_jobs import run_batch_job
-    from ray_jobs.local_ray import start_local_ray, stop_local_ray
+    from ray_jobs.dispatch.local_ray import start_local_ray, stop_local_ray
 
     options = {"model": str(model), "max_tokens": max_tokens, "batch_size": 2,
                "num_workers": workers, "kv_cache_bytes": 32 << 20, "progress": False,

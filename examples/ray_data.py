@@ -22,7 +22,7 @@ import ray.data
 
 from nanoserve.model_store import DEFAULT_MODEL
 from ray_jobs.data_processor import build_processor
-from ray_jobs.local_ray import RaySession
+from ray_jobs.dispatch.local_ray import RaySession
 
 HERE = Path(__file__).resolve().parent
 

@@ -23,7 +23,7 @@ __all__ = ["JobOptions", "JobSummary", "run_batch_job", "run_embed_job", "run_jo
 
 def __getattr__(name: str) -> Any:
     if name in __all__:
-        from ray_jobs import driver
+        from ray_jobs.dispatch import driver
 
         return getattr(driver, name)
     raise AttributeError(f"module 'ray_jobs' has no attribute {name!r}")

@@ -289,7 +289,7 @@ def run_batch_cli(args: argparse.Namespace) -> int:
     sampling options are checked first, so a typo is refused before the model's files are
     read."""
     from nanoserve.sampling import SamplingParams
-    from ray_jobs.driver import run_job
+    from ray_jobs.dispatch.driver import run_job
 
     try:
         SamplingParams(**{"max_tokens": args.max_tokens, "temperature": args.temperature,
@@ -324,7 +324,7 @@ def run_batch_cli(args: argparse.Namespace) -> int:
 
 def run_embed_cli(args: argparse.Namespace) -> int:
     """Run the embedding job; print the summary on stdout (errors as `run_batch_cli`)."""
-    from ray_jobs.driver import run_job
+    from ray_jobs.dispatch.driver import run_job
 
     summary = run_job(
         args.input, args.output_dir, task="embed", **_job_options(args), pooling=args.pooling,

@@ -16,13 +16,13 @@ Contract (see docs/interfaces.md):
 - input rows as `nanoserve batch` reads them: a `prompt` (text), `messages` (chat) or
   `prompt_token_ids` column (or the one `prompt_column` names; a row uses the first of them
   it has), images for a vision-language model (image content parts in `messages`, or an
-  `image` column beside `prompt`: `ray_jobs.row_images`; read and decoded in the actor),
+  `image` column beside `prompt`: `ray_jobs.preparation.row_images`; read and decoded in the actor),
   and optional per-row `max_tokens`, `temperature`, `top_p`, `top_k`, `seed`, `n`,
   `logprobs`, `prompt_logprobs` and structured outputs (`response_format`, `guided_json`,
   `guided_regex`, `guided_choice`, `guided_grammar`);
 - output: every input row, once per sample (n rows for a row asking for n samples, its
   columns repeated), with its columns unchanged and the result columns of
-  `ray_jobs.io.RESULT_SCHEMA` appended (`generated_text`, `generated_token_ids`,
+  `ray_jobs.input.io.RESULT_SCHEMA` appended (`generated_text`, `generated_token_ids`,
   `num_input_tokens`, `num_generated_tokens`, `finish_reason`, `error`), then the output
   controls the batch can need (`prepare.output_controls`): `sample_index` when the default
   `n` is above 1 or the batch has an `n` column, `logprobs` / `prompt_logprobs` when the
@@ -42,13 +42,13 @@ Contract (see docs/interfaces.md):
   own rows alone, so a dataset larger than memory flows through.
 
 The same per-row steps as the batch job, reused: the task's plug-in answers a batch as the
-job answers a shard (`ray_jobs.tasks.answer_rows`): `RowPreparer` (rows to token ids and
+job answers a shard (`ray_jobs.workers.tasks.answer_rows`): `RowPreparer` (rows to token ids and
 `SamplingParams`, or error rows; constraints compiled once per actor) and
 `BatchWorker.run_batch` (token ids to an Arrow table with a row per sample, error rows for
 what does not fit). Nothing else is written: no manifest, no resume (Ray Data's own
 execution decides what runs again).
 
-With `task="embed"` the stage is the embedding task's (`ray_jobs.task_embed`):
+With `task="embed"` the stage is the embedding task's (`ray_jobs.tasks.embed`):
 `DatasetEmbedder` actors, an `EmbedWorker` each, append `embedding`, `num_input_tokens` and
 `error` to every row (the `text` column is read when no prompt column is there), with the
 embedding options of `nanoserve embed` checked against the model's files before any actor
@@ -66,16 +66,16 @@ from typing import Any
 import pyarrow as pa
 
 from nanoserve.model_store import DEFAULT_MODEL, resolve_model
-from ray_jobs.io import InputChunk, result_schema
-from ray_jobs.prepare import (
+from ray_jobs.input.io import InputChunk, result_schema
+from ray_jobs.preparation.prepare import (
     ColumnPlan,
     RowPreparer,
     load_model_meta,
     output_controls,
     plan_columns,
 )
-from ray_jobs.row_images import ModelImages
-from ray_jobs.task_embed import (
+from ray_jobs.preparation.row_images import ModelImages
+from ray_jobs.tasks.embed import (
     EMBED_BATCH_TOKENS,
     EMBED_OPTIONS,
     EmbedTask,
@@ -84,10 +84,10 @@ from ray_jobs.task_embed import (
     embed_settings,
     take_options,
 )
-from ray_jobs.task_embed import prompt_column as embed_prompt_column
-from ray_jobs.task_generate import GenerateTask
-from ray_jobs.tasks import answer_rows, result_column
-from ray_jobs.worker import BatchWorker
+from ray_jobs.tasks.embed import prompt_column as embed_prompt_column
+from ray_jobs.tasks.generate import GenerateTask
+from ray_jobs.workers.tasks import answer_rows, result_column
+from ray_jobs.workers.worker import BatchWorker
 
 
 class DatasetStage(abc.ABC):

@@ -74,12 +74,12 @@ def tiny_model(tiny_model_dir):
 def ray_session():
     """One local Ray shared by the batch-job tests, started the way the job starts its own:
     on 127.0.0.1 only, no dashboard, token authentication off, session files in a private
-    temp dir (see `ray_jobs.local_ray.start_local_ray`). Shut down at the end."""
+    temp dir (see `ray_jobs.dispatch.local_ray.start_local_ray`). Shut down at the end."""
     import shutil
 
     import ray
 
-    from ray_jobs.local_ray import start_local_ray
+    from ray_jobs.dispatch.local_ray import start_local_ray
 
     temp_dir = start_local_ray(num_cpus=2)
     yield ray
@@ -109,7 +109,7 @@ class RaySessionReached(AssertionError):
 @pytest.fixture
 def no_ray(monkeypatch):
     """Fail the test if the job joins or starts Ray (where its workers would start)."""
-    from ray_jobs.local_ray import RaySession
+    from ray_jobs.dispatch.local_ray import RaySession
 
     def refuse(*args, **kwargs):
         raise RaySessionReached("a job-level error must be found before Ray is started")

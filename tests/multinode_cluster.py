@@ -46,8 +46,8 @@ os.environ.pop("RAY_ADDRESS", None)
 import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
-import ray_jobs.driver as driver  # noqa: E402
-import ray_jobs.pool as pool  # noqa: E402
+import ray_jobs.dispatch.driver as driver  # noqa: E402
+import ray_jobs.dispatch.pool as pool  # noqa: E402
 from ray_jobs import run_batch_job  # noqa: E402
 
 MAX_TOKENS = 3

@@ -144,7 +144,7 @@ def test_duplicate_ids_found_through_the_buckets_on_disk(tmp_path, capsys, no_ra
     the first repeated id by position named, nulls skipped, and the spill folder removed."""
     import tempfile
 
-    import ray_jobs.io as io
+    import ray_jobs.input.io as io
 
     monkeypatch.setattr(io, "ID_SPILL_ROWS", 4)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))

@@ -21,13 +21,14 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 
-import ray_jobs.driver as driver
+import ray_jobs.dispatch.driver as driver
 from nanoserve.errors import InputError
 from nanoserve.sampling import SamplingParams
 from ray_jobs import run_batch_job
 from ray_jobs.cli import main as batch_main
-from ray_jobs.io import WORKER_RESULT_SCHEMA
-from ray_jobs.manifest import (
+from ray_jobs.dispatch.pool import WorkerPool
+from ray_jobs.input.io import WORKER_RESULT_SCHEMA
+from ray_jobs.output.manifest import (
     LOCK_NAME,
     MANIFEST_NAME,
     REPORT_NAME,
@@ -35,8 +36,7 @@ from ray_jobs.manifest import (
     Manifest,
     part_name,
 )
-from ray_jobs.pool import WorkerPool
-from ray_jobs.worker import BatchWorker, GenerationRequest
+from ray_jobs.workers.worker import BatchWorker, GenerationRequest
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_TOKENS = 4
@@ -247,7 +247,7 @@ GPU_SCRIPT = textwrap.dedent("""
     import dataclasses, json, shutil, sys
     import ray
     from ray_jobs import run_batch_job
-    from ray_jobs.local_ray import start_local_ray
+    from ray_jobs.dispatch.local_ray import start_local_ray
     temp_dir = start_local_ray(num_cpus=2, num_gpus=2)  # two logical GPUs on a CPU machine
     try:
         summary = run_batch_job(sys.argv[1], sys.argv[2], max_tokens=1, batch_size=1,
@@ -365,8 +365,8 @@ def test_ready_line_says_batching_steps_and_pool(smollm2_llm):
     """The progress line once workers load: from a real worker's `info()` (CPU: continuous
     batching, no graphs), and for continuous workers whose graphs were captured on one and
     did not fit on the other."""
-    from ray_jobs.pool import ready_line
-    from ray_jobs.worker import BatchWorker
+    from ray_jobs.dispatch.pool import ready_line
+    from ray_jobs.workers.worker import BatchWorker
 
     info = BatchWorker.from_llm(smollm2_llm).info()
     tokens = smollm2_llm.pool.num_blocks * smollm2_llm.pool.block_size

@@ -1,4 +1,4 @@
-"""ray_jobs.batching: bounds, every row exactly once, determinism, length bucketing."""
+"""ray_jobs.preparation.batching: bounds, every row exactly once, determinism, length bucketing."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nanoserve.errors import InputError
-from ray_jobs.batching import BatchLimits, batch_cost, make_batches
+from ray_jobs.preparation.batching import BatchLimits, batch_cost, make_batches
 
 
 @dataclass(frozen=True)

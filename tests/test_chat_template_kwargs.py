@@ -14,10 +14,10 @@ import pytest
 from nanoserve.chat_template import ChatTemplate, template_kwargs
 from nanoserve.errors import InputError
 from nanoserve.sampling import SamplingParams
-from ray_jobs.io import InputChunk
-from ray_jobs.openai_batch import flatten_request
-from ray_jobs.options import JobOptions
-from ray_jobs.prepare import RowPreparer, plan_columns
+from ray_jobs.input.io import InputChunk
+from ray_jobs.input.openai_batch import flatten_request
+from ray_jobs.preparation.prepare import RowPreparer, plan_columns
+from ray_jobs.workers.options import JobOptions
 
 QWEN3 = (Path(__file__).parent / "chat_templates" / "qwen3.jinja").read_text()
 EMPTY_THINK = "<|im_start|>assistant\n<think>\n\n</think>\n\n"

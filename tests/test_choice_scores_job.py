@@ -13,7 +13,7 @@ import pytest
 
 from nanoserve.errors import InputError
 from ray_jobs import run_batch_job
-from ray_jobs.options import JobOptions
+from ray_jobs.workers.options import JobOptions
 
 LABELS = ["positive", "positive outlook", "negative"]
 KV_BYTES = 32 << 20

@@ -21,7 +21,7 @@ import pytest
 from nanoserve.errors import InputError
 from ray_jobs import run_batch_job
 from ray_jobs.data_processor import build_processor
-from ray_jobs.io import RESULT_COLUMNS
+from ray_jobs.input.io import RESULT_COLUMNS
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_TOKENS = 4
@@ -102,8 +102,8 @@ TWO_GPU_SCRIPT = textwrap.dedent("""
     import ray
 
     from ray_jobs.data_processor import DatasetGenerator, build_processor
-    from ray_jobs.local_ray import start_local_ray
-    from ray_jobs.worker import ray_gpu_ids
+    from ray_jobs.dispatch.local_ray import start_local_ray
+    from ray_jobs.workers.worker import ray_gpu_ids
 
     model, report_dir = sys.argv[1], sys.argv[2]
 

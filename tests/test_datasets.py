@@ -21,7 +21,7 @@ import pytest
 
 from nanoserve.errors import InputError
 from ray_jobs import run_batch_job
-from ray_jobs.io import iter_chunks, list_input_files, scan_input
+from ray_jobs.input.io import iter_chunks, list_input_files, scan_input
 
 
 def jsonl(rows):

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from nanoserve.errors import NanoserveError
-from ray_jobs.pool import WorkerPool, WorkerSlot
-from ray_jobs.timeline import Timeline
+from ray_jobs.dispatch.pool import WorkerPool, WorkerSlot
+from ray_jobs.report.timeline import Timeline
 
 A, B = (1, 2, 3), (4, 5, 6)
 

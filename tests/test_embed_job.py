@@ -1,4 +1,4 @@
-"""Embedding jobs (`run_batch_job(..., task="embed")`, ray_jobs/task_embed.py) and the Ray
+"""Embedding jobs (`run_batch_job(..., task="embed")`, ray_jobs/tasks/embed.py) and the Ray
 Data processor with task="embed", on the tests' local Ray (CPU). Oracle: transformers' base
 model over each row alone + the pooling its sentence-transformers files name, on the ids
 of transformers' tokenizer cut to the limit (the model's tokenizer closes every text with

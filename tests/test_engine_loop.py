@@ -90,7 +90,7 @@ def test_a_failing_step_fails_the_groups_in_it_and_the_loop_goes_on(cont_llm, mo
 def test_batch_worker_runs_two_batches_at_once(cont_llm):
     """The actor's two in-flight batches, as two threads calling `run_batch`: each table
     equals its rows alone, in order."""
-    from ray_jobs.worker import BatchWorker, GenerationRequest
+    from ray_jobs.workers.worker import BatchWorker, GenerationRequest
 
     worker = BatchWorker.from_llm(cont_llm)
     batches = [rows(5, 4), rows(7, 5)]

@@ -8,7 +8,7 @@ so a worker starts in a few seconds and a restart is cheap. Oracle: every answer
 must equal `LLM.generate` on that prompt alone (same model files, greedy), the prompt
 tokenized here independently of the job; every input row must be in the output exactly
 once. Faults are injected through the worker's documented testing hooks
-(`NANOSERVE_FAULT_*`, see `ray_jobs.worker`) or by SIGKILLing a worker's process by pid.
+(`NANOSERVE_FAULT_*`, see `ray_jobs.workers.worker`) or by SIGKILLing a worker's process by pid.
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ from pathlib import Path
 import pyarrow.dataset as ds
 import pytest
 
-import ray_jobs.driver as driver
+import ray_jobs.dispatch.driver as driver
 from nanoserve.errors import ModelError, NanoserveError
 from nanoserve.sampling import SamplingParams
 from nanoserve.testing import assert_rows_match_engine
 from ray_jobs import run_batch_job
 from ray_jobs.cli import main as batch_main
-from ray_jobs.worker import FAULT_HOLD_LOAD_WHILE_FILE
+from ray_jobs.workers.worker import FAULT_HOLD_LOAD_WHILE_FILE
 
 MAX_TOKENS = 3
 KV_BYTES = 32 << 20  # a small KV pool: workers start faster than with the 1 GiB CPU default

@@ -63,7 +63,7 @@ def test_batch_refuses_fp8_compute_without_gpus_in_one_line(tmp_path, capsys, ra
 
 
 def test_job_options_refuse_an_unknown_quantization():
-    from ray_jobs.options import JobOptions
+    from ray_jobs.workers.options import JobOptions
 
     with pytest.raises(NanoserveError, match="unknown quantization 'int4'; choose fp8"):
         JobOptions(quantization="int4")

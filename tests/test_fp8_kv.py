@@ -372,7 +372,7 @@ def attentive_model(tiny_model_dir):
 
 def test_flags_and_job_options_carry_the_kv_cache_dtype(tmp_path):
     from nanoserve_cli import build_parser
-    from ray_jobs.options import JobOptions
+    from ray_jobs.workers.options import JobOptions
 
     parser = build_parser()
     args = parser.parse_args(["generate", "hi", "--kv-cache-dtype", "fp8"])

@@ -1,4 +1,5 @@
-"""ray_jobs.io: input files as a stream of record batches, schema unification, atomic parts."""
+"""ray_jobs.input.io: input files as a stream of record batches, schema unification, atomic
+parts."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from nanoserve.errors import InputError
-from ray_jobs.io import iter_chunks, list_input_files, scan_input, write_part_atomic
+from ray_jobs.input.io import iter_chunks, list_input_files, scan_input, write_part_atomic
 
 
 def write_jsonl(path, rows):

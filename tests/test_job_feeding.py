@@ -1,4 +1,4 @@
-"""A worker keeps its engine full whatever the batch size (`ray_jobs.pool.hold_limits`).
+"""A worker keeps its engine full whatever the batch size (`ray_jobs.dispatch.pool.hold_limits`).
 
 A batch comes back only when its longest row ends. With every batch holding one long row,
 a worker fed two batches at a time runs two long rows and little else while the rows of
@@ -16,8 +16,8 @@ import pytest
 
 from nanoserve.sampling import SamplingParams
 from ray_jobs import run_batch_job
-from ray_jobs.options import JobOptions
-from ray_jobs.pool import HOLD_FACTOR, actor_threads, hold_limits, starve_warning
+from ray_jobs.dispatch.pool import HOLD_FACTOR, actor_threads, hold_limits, starve_warning
+from ray_jobs.workers.options import JobOptions
 
 BATCH = 4  # rows a batch: one long row and three short ones
 BATCHES = 12

@@ -21,15 +21,15 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pytest
 
-import ray_jobs.driver as driver
+import ray_jobs.dispatch.driver as driver
 from nanoserve.errors import InputError
 from nanoserve.sampling import SamplingParams
 from nanoserve.structured import StructuredOutputs
 from nanoserve_cli import main as nanoserve_main
 from ray_jobs import run_batch_job
-from ray_jobs.io import LOGPROBS_TYPE, RESULT_COLUMNS
-from ray_jobs.manifest import REPORT_NAME, Manifest
-from ray_jobs.worker import BatchWorker, GenerationRequest
+from ray_jobs.input.io import LOGPROBS_TYPE, RESULT_COLUMNS
+from ray_jobs.output.manifest import REPORT_NAME, Manifest
+from ray_jobs.workers.worker import BatchWorker, GenerationRequest
 
 KV_BYTES = 32 << 20
 

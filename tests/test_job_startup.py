@@ -12,7 +12,8 @@ import pytest
 def test_the_driver_imports_no_engine():
     """The command line and the job's driver (everything up to sending token ids to the
     workers) load without torch, Triton, gguf or transformers."""
-    code = ("import sys, nanoserve_cli, ray_jobs.driver, ray_jobs.cli, ray_jobs.report\n"
+    code = ("import sys, nanoserve_cli, ray_jobs.dispatch.driver, ray_jobs.cli\n"
+            "import ray_jobs.report.report\n"
             "from nanoserve.sampling import SamplingParams\n"
             "from nanoserve.weights import validate_checkpoint\n"
             "from nanoserve.tokenizer import Tokenizer\n"

@@ -24,7 +24,7 @@ from pathlib import Path
 import pyarrow.dataset as ds
 import pytest
 
-from ray_jobs.manifest import SUCCESS_NAME
+from ray_jobs.output.manifest import SUCCESS_NAME
 
 REPO = Path(__file__).resolve().parents[1]
 RAY = Path(sys.executable).with_name("ray")

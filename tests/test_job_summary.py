@@ -14,9 +14,9 @@ from types import SimpleNamespace
 import pyarrow.parquet as pq
 import pytest
 
-import ray_jobs.driver as driver
+import ray_jobs.dispatch.driver as driver
 from ray_jobs import run_batch_job
-from ray_jobs.manifest import REPORT_NAME
+from ray_jobs.output.manifest import REPORT_NAME
 
 KV_BYTES = 32 << 20
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}},
@@ -111,8 +111,8 @@ def test_no_warning_without_constrained_rows():
 
 
 def test_progress_rates_of_the_generation_and_embedding_tasks():
-    from ray_jobs.task_embed import EMBED
-    from ray_jobs.task_generate import GENERATE
+    from ray_jobs.tasks.embed import EMBED
+    from ray_jobs.tasks.generate import GENERATE
 
     counts = dict(output_tokens=30, input_rows=10, input_tokens=250)
     assert driver._JobRun._rates(SimpleNamespace(kind=GENERATE, **counts), 2.0) == \

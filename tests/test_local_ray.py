@@ -1,4 +1,4 @@
-"""ray_jobs.local_ray: the private Ray's temp folders, and which leftovers are removed."""
+"""ray_jobs.dispatch.local_ray: the private Ray's temp folders, and which leftovers are removed."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from ray_jobs.local_ray import OWNER_FILE, TEMP_PREFIX, _owner_line, remove_stale_temp_dirs
+from ray_jobs.dispatch.local_ray import OWNER_FILE, TEMP_PREFIX, _owner_line, remove_stale_temp_dirs
 
 
 def dead_pid() -> int:
@@ -58,7 +58,7 @@ def test_private_ray_workers_sleep_between_parallel_regions(tmp_path):
     the driver and Ray); a value the user set is kept."""
     script = (
         "import os, ray\n"
-        "from ray_jobs.local_ray import start_local_ray, stop_local_ray\n"
+        "from ray_jobs.dispatch.local_ray import start_local_ray, stop_local_ray\n"
         "d = start_local_ray(num_cpus=1)\n"
         "f = ray.remote(lambda: os.environ.get('OMP_WAIT_POLICY'))\n"
         "print('POLICY', ray.get(f.remote()))\n"

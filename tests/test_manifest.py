@@ -1,4 +1,4 @@
-"""ray_jobs.manifest: fresh, resumed and refused output folders; identities by content."""
+"""ray_jobs.output.manifest: fresh, resumed and refused output folders; identities by content."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 
-import ray_jobs.manifest as manifest_mod
+import ray_jobs.output.manifest as manifest_mod
 from nanoserve.errors import InputError
-from ray_jobs.manifest import (
+from ray_jobs.output.manifest import (
     MANIFEST_NAME,
     SUCCESS_NAME,
     Manifest,

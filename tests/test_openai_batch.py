@@ -15,7 +15,7 @@ lines naming the problem; duplicate custom_ids are refused before Ray; a driver 
 mid-job and run again gives the same files as an uninterrupted run. Model: the tiny random
 Llama with the default model's tokenizer and chat template.
 
-What these tests catch (each is a mutation of `ray_jobs/openai_batch.py` in
+What these tests catch (each is a mutation of `ray_jobs/input/openai_batch.py` in
 `tests/mutations.py`, run there to see it fail):
 - chat `top_logprobs` values not the engine's (e.g. all 0.0): the job test's top-K check;
 - completion `top_logprobs` dicts emptied: the same test's dict check;
@@ -46,10 +46,10 @@ from nanoserve.sampling import SamplingParams
 from nanoserve.structured import structured_from_request
 from nanoserve_cli import main as nanoserve_main
 from ray_jobs import run_batch_job
-from ray_jobs.io import scan_input
-from ray_jobs.manifest import SUCCESS_NAME
-from ray_jobs.openai_batch import ERRORS_NAME, OUTPUT_NAME, flatten_request, is_request
-from ray_jobs.storage import OutputDir
+from ray_jobs.input.io import scan_input
+from ray_jobs.input.openai_batch import ERRORS_NAME, OUTPUT_NAME, flatten_request, is_request
+from ray_jobs.input.storage import OutputDir
+from ray_jobs.output.manifest import SUCCESS_NAME
 
 REPO = Path(__file__).resolve().parents[1]
 KV_BYTES = 32 << 20
@@ -535,7 +535,7 @@ def test_s3_request_file_in_and_openai_files_out(s3, ray_session, chat_model, tm
 
 
 def test_per_row_stop_and_ignore_eos_columns_are_typed():
-    from ray_jobs.prepare import plan_columns
+    from ray_jobs.preparation.prepare import plan_columns
 
     plan = plan_columns(pa.schema([("prompt", pa.string()), ("stop", pa.list_(pa.string())),
                                    ("ignore_eos", pa.bool_())]))

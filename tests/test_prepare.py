@@ -1,4 +1,4 @@
-"""ray_jobs.prepare: the prompt column rule, job-level column errors, and error rows.
+"""ray_jobs.preparation.prepare: the prompt column rule, job-level column errors, and error rows.
 
 The tokenizer here is a stand-in with an obvious rule (BOS 1, then one id per UTF-8 byte),
 so every expected token list is computed by hand; the real tokenizer is exercised by the
@@ -11,8 +11,8 @@ import pytest
 
 from nanoserve.errors import InputError
 from nanoserve.sampling import SamplingParams
-from ray_jobs.io import InputChunk
-from ray_jobs.prepare import RowPreparer, plan_columns
+from ray_jobs.input.io import InputChunk
+from ray_jobs.preparation.prepare import RowPreparer, plan_columns
 
 DEFAULTS = {"max_tokens": 8, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None,
             "stop": (), "ignore_eos": False}
@@ -185,7 +185,7 @@ def test_constraint_columns_must_have_their_type():
 
 
 def test_output_controls_follow_the_job_options_and_the_columns():
-    from ray_jobs.prepare import output_controls
+    from ray_jobs.preparation.prepare import output_controls
 
     plain = plan_columns(pa.schema([("prompt", pa.string())]))
     assert output_controls(plain, DEFAULTS) == ()
@@ -211,7 +211,7 @@ def test_structured_output_columns_are_read_checked_and_override_the_default(
     every key), OpenAI's response_format, vLLM's guided_* fields; a row that sets none gets
     the job's default, `{"type": "text"}` asks for none; bad ones are error rows."""
     from nanoserve.structured import StructuredOutputs
-    from ray_jobs.prepare import load_model_meta
+    from ray_jobs.preparation.prepare import load_model_meta
 
     config, tokenizer = load_model_meta(smollm2_gguf_path)
     schema_a = {"type": "object", "properties": {"a": {"type": "integer"}}}

@@ -1,4 +1,4 @@
-"""The job report (`ray_jobs.report`): written by every batch job into its output folder,
+"""The job report (`ray_jobs.report.report`): written by every batch job into its output folder,
 checked against the manifest and the Parquet parts (the independent record of what was
 written), and rendered in a real headless Chromium (Debian's `chromium`; `.ci/run`
 installs it, and sets NANOSERVE_REQUIRE_CHROMIUM=1 so a missing browser fails there
@@ -18,8 +18,8 @@ import pyarrow.dataset as ds
 import pytest
 
 from ray_jobs import run_batch_job
-from ray_jobs.manifest import REPORT_NAME, Manifest
-from ray_jobs.report import (
+from ray_jobs.output.manifest import REPORT_NAME, Manifest
+from ray_jobs.report.report import (
     MAX_ERROR_CAUSES,
     MAX_TIME_BINS,
     REPORT_DATA_ID,
@@ -33,7 +33,7 @@ from ray_jobs.report import (
 ROWS = ([{"prompt": f"Item number {i} is", "max_tokens": 1 + i % 4} for i in range(10)]
         + [{"prompt": ""}, {"prompt": "  "}, {"prompt": "Hello", "temperature": -1.0}])
 CAUSES = {"empty prompt": 2, "invalid sampling values": 1}
-# The solid fill colours of bars in the report's plots (ray_jobs.report), as RGB.
+# The solid fill colours of bars in the report's plots (ray_jobs.report.report), as RGB.
 PLOT_COLOURS = {"throughput": (0x4C, 0x72, 0xB0), "batch fill": (0x55, 0xA8, 0x68),
                 "early-finish waste": (0x81, 0x72, 0xB3), "error rows": (0xC4, 0x4E, 0x52)}
 DATA_RE = re.compile(rf'<script type="application/json" id="{REPORT_DATA_ID}">(.*?)</script>',

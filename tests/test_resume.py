@@ -25,20 +25,20 @@ from pathlib import Path
 import pyarrow.dataset as ds
 import pytest
 
-import ray_jobs.driver as driver
+import ray_jobs.dispatch.driver as driver
 from nanoserve.errors import InputError
 from nanoserve.testing import assert_rows_match_engine
 from ray_jobs import run_batch_job
 from ray_jobs.cli import main as batch_main
-from ray_jobs.local_ray import OWNER_FILE, TEMP_PREFIX
-from ray_jobs.manifest import (
+from ray_jobs.dispatch.local_ray import OWNER_FILE, TEMP_PREFIX
+from ray_jobs.dispatch.pool import WorkerPool
+from ray_jobs.output.manifest import (
     MANIFEST_NAME,
     SUCCESS_NAME,
     Manifest,
     hold_output_dir,
     part_name,
 )
-from ray_jobs.pool import WorkerPool
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_TOKENS = 2

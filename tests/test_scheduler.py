@@ -388,7 +388,7 @@ def test_batch_job_reports_the_prefix_hit_rate(ray_session, tiny_job_model, tiny
 
 def test_unknown_scheduler_is_refused():
     from nanoserve.errors import NanoserveError
-    from ray_jobs.driver import JobOptions
+    from ray_jobs.dispatch.driver import JobOptions
 
     with pytest.raises(NanoserveError, match="unknown scheduler 'fifo'"):
         JobOptions(scheduler="fifo")

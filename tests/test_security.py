@@ -258,8 +258,8 @@ def test_every_probe_is_an_error_row_not_a_job_failure(tmp_path, chat_model, pro
     """The row preparation the job runs on the driver, with the model's real tokenizer: each
     probe ends its row with a clear error, and the probe's side effect never happens."""
     from nanoserve.tokenizer import Tokenizer
-    from ray_jobs.io import InputChunk
-    from ray_jobs.prepare import RowPreparer, plan_columns
+    from ray_jobs.input.io import InputChunk
+    from ray_jobs.preparation.prepare import RowPreparer, plan_columns
 
     marker = tmp_path / "PWNED"
     model = model_variant(tmp_path, chat_model, malicious_template(probe, marker))
@@ -301,8 +301,8 @@ def test_template_failing_at_render_is_a_row_error_not_a_crash(tmp_path, chat_mo
     """A template that raises something other than a template error (division by zero, the
     sandbox's range limit) still ends only its row."""
     from nanoserve.tokenizer import Tokenizer
-    from ray_jobs.io import InputChunk
-    from ray_jobs.prepare import RowPreparer, plan_columns
+    from ray_jobs.input.io import InputChunk
+    from ray_jobs.preparation.prepare import RowPreparer, plan_columns
 
     model = model_variant(tmp_path, chat_model, body + CHATML)
     batch = pa.RecordBatch.from_pylist([{"messages": [{"role": "user", "content": "hi"}]}])
@@ -315,7 +315,7 @@ def test_template_failing_at_render_is_a_row_error_not_a_crash(tmp_path, chat_mo
 def test_model_without_template_is_refused_only_for_chat_rows(chat_model, tmp_path):
     """Without chat rows, a model without a template is fine: prompt rows need none."""
     from nanoserve.tokenizer import Tokenizer
-    from ray_jobs.prepare import RowPreparer, plan_columns
+    from ray_jobs.preparation.prepare import RowPreparer, plan_columns
 
     model = model_variant(tmp_path, chat_model, None)
     tokenizer = Tokenizer.from_path(model)
@@ -332,8 +332,8 @@ def test_model_without_template_is_refused_only_for_chat_rows(chat_model, tmp_pa
 LISTEN_SCRIPT = textwrap.dedent("""
     import json, sys
     import psutil
-    import ray_jobs.driver as driver
-    from ray_jobs.pool import WorkerPool
+    import ray_jobs.dispatch.driver as driver
+    from ray_jobs.dispatch.pool import WorkerPool
 
     seen = []
     start = WorkerPool.start.__func__

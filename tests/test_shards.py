@@ -1,8 +1,8 @@
-"""ray_jobs.shards and the scan's JSONL read: Arrow's block reader (the driver's fast path)
+"""ray_jobs.input.shards and the scan's JSONL read: Arrow's block reader (the driver's fast path)
 gives the line-by-line scan's answer (schema, row count, cut points, OpenAI rows), and the
 shards cover every row exactly once, in input order.
 
-The oracle is the line-by-line scan itself (`ray_jobs.io._iter_jsonl`, every block sent
+The oracle is the line-by-line scan itself (`ray_jobs.input.io._iter_jsonl`, every block sent
 there) and `iter_chunks`, which reads the whole input in one stream."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import json
 
 import pytest
 
-import ray_jobs.io as io
-from ray_jobs.io import iter_chunks, scan_input
-from ray_jobs.shards import InputSpec, iter_shards, num_shards, read_shard
+import ray_jobs.input.io as io
+from ray_jobs.input.io import iter_chunks, scan_input
+from ray_jobs.input.shards import InputSpec, iter_shards, num_shards, read_shard
 
 PLAIN = [{"prompt": f"row {i} " + "word " * (i % 7), "max_tokens": i % 3 or None,
           "temperature": 0.5 if i % 4 else 1} for i in range(40)]

@@ -31,9 +31,8 @@ from nanoserve.errors import InputError, NanoserveError
 from nanoserve.testing import assert_rows_match_engine
 from ray_jobs import run_batch_job
 from ray_jobs.cli import main as batch_main
-from ray_jobs.io import iter_chunks, scan_input
-from ray_jobs.manifest import MANIFEST_NAME, SUCCESS_NAME
-from ray_jobs.storage import (
+from ray_jobs.input.io import iter_chunks, scan_input
+from ray_jobs.input.storage import (
     LOCK_NAME,
     LockHeld,
     ObjectLease,
@@ -41,6 +40,7 @@ from ray_jobs.storage import (
     _S3Conditional,
     resolve,
 )
+from ray_jobs.output.manifest import MANIFEST_NAME, SUCCESS_NAME
 
 REPO = Path(__file__).resolve().parents[1]
 SECRET = "nanoserve-test-secret-7f3a91"  # must never appear in any output or message

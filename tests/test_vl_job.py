@@ -182,7 +182,7 @@ def test_job_output_repeats_paths_and_messages(jsonl_job):
     got = {r["id"]: r for r in ds.dataset(out).to_table().to_pylist()}
     for row in rows:
         image = row.get("image")
-        # a column mixing one path and lists of them reads as lists (ray_jobs/json_shapes.py)
+        # a column mixing one path and lists of them reads as lists (ray_jobs/input/json_shapes.py)
         assert got[row["id"]]["image"] == (None if image is None else
                                            image if isinstance(image, list) else [image])
     # a string content sits beside content parts: it reads as one text part
@@ -191,12 +191,12 @@ def test_job_output_repeats_paths_and_messages(jsonl_job):
 
 
 def test_rerun_resumes_and_the_manifest_names_the_image_column(jsonl_job, vl_model, tmp_path):
-    from ray_jobs.batching import BatchLimits
-    from ray_jobs.driver import _job_settings
-    from ray_jobs.io import scan_input
-    from ray_jobs.manifest import MANIFEST_NAME
-    from ray_jobs.options import JobOptions
-    from ray_jobs.prepare import plan_columns
+    from ray_jobs.dispatch.driver import _job_settings
+    from ray_jobs.input.io import scan_input
+    from ray_jobs.output.manifest import MANIFEST_NAME
+    from ray_jobs.preparation.batching import BatchLimits
+    from ray_jobs.preparation.prepare import plan_columns
+    from ray_jobs.workers.options import JobOptions
 
     rows, path, out, _ = jsonl_job
     again = run_batch_job(path, out, model=str(vl_model), **JOB)
@@ -319,8 +319,8 @@ def test_openai_request_file_with_image_parts(vl_model, vl_llm, pictures, ray_se
 
 def test_a_text_model_makes_image_rows_error_rows(tiny_job_model, pictures):
     from nanoserve.tokenizer import Tokenizer
-    from ray_jobs.io import InputChunk
-    from ray_jobs.prepare import RowPreparer, plan_columns
+    from ray_jobs.input.io import InputChunk
+    from ray_jobs.preparation.prepare import RowPreparer, plan_columns
 
     batch = pa.RecordBatch.from_pylist([
         {"prompt": "With a picture.", "image": str(pictures["a.png"])},
@@ -334,7 +334,7 @@ def test_a_text_model_makes_image_rows_error_rows(tiny_job_model, pictures):
 
 def test_image_column_types(tmp_path):
     from nanoserve.errors import InputError
-    from ray_jobs.prepare import plan_columns
+    from ray_jobs.preparation.prepare import plan_columns
 
     for typ, copied in [(pa.string(), True), (pa.list_(pa.string()), True),
                         (pa.binary(), False), (pa.list_(pa.large_binary()), False),
@@ -351,13 +351,13 @@ def test_image_column_types(tmp_path):
 def test_the_driver_makes_error_rows_without_reading_images(vl_model, pictures, tmp_path):
     """The driver's walk for rows it makes error rows of (a task that raised, a row that
     killed its worker) does not read their images: a missing file does not show."""
-    from ray_jobs.io import scan_input
-    from ray_jobs.prepare import load_model_meta, plan_columns
-    from ray_jobs.row_images import ModelImages
-    from ray_jobs.shards import InputSpec, iter_shards, read_shard
-    from ray_jobs.storage import OutputDir
-    from ray_jobs.task_generate import GenerateTask
-    from ray_jobs.tasks import JobSpec, ShardRunner
+    from ray_jobs.input.io import scan_input
+    from ray_jobs.input.shards import InputSpec, iter_shards, read_shard
+    from ray_jobs.input.storage import OutputDir
+    from ray_jobs.preparation.prepare import load_model_meta, plan_columns
+    from ray_jobs.preparation.row_images import ModelImages
+    from ray_jobs.tasks.generate import GenerateTask
+    from ray_jobs.workers.tasks import JobSpec, ShardRunner
 
     path = tmp_path / "rows.jsonl"
     path.write_text(json.dumps({"prompt": "x", "image": str(tmp_path / "none.png")}) + "\n")

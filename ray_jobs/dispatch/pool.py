@@ -36,12 +36,18 @@ from typing import TYPE_CHECKING, Any
 
 from nanoserve.errors import ModelError, NanoserveError, first_line
 from nanoserve.running_rows import CPU_DEFAULT_ROWS, MAX_DEFAULT_ROWS
-from ray_jobs.autoscale import GROW_POLL_S, LostNode, node_lost, parse_num_workers, wait_for_gpus
-from ray_jobs.worker import FAULT_ENV_PREFIX
+from ray_jobs.dispatch.autoscale import (
+    GROW_POLL_S,
+    LostNode,
+    node_lost,
+    parse_num_workers,
+    wait_for_gpus,
+)
+from ray_jobs.workers.worker import FAULT_ENV_PREFIX
 
 if TYPE_CHECKING:
-    from ray_jobs.options import JobOptions
-    from ray_jobs.timeline import Timeline
+    from ray_jobs.report.timeline import Timeline
+    from ray_jobs.workers.options import JobOptions
 
 
 HOLD_FACTOR = 3  # a continuous engine's worker holds this many times its running rows
@@ -214,7 +220,7 @@ class WorkerPool:
     naming the likely cause); when that leaves no worker the job stops with that line. A
     slot given up is not refilled by `grow`.
 
-    Nodes come and go (ray_jobs.autoscale): a worker whose node is lost is not replaced
+    Nodes come and go (ray_jobs.dispatch.autoscale): a worker whose node is lost is not replaced
     on the spot (`replace`; the driver sends its batches to the others); on GPUs the pool
     then asks the cluster every GROW_POLL_S for GPUs beyond its workers (`grow`): up to
     `--num-workers`' MAX for a range or `auto`, up to the number started for a plain number
@@ -278,7 +284,7 @@ class WorkerPool:
         else:
             actor_options = {"num_cpus": 1}
             num_threads = max(1, num_cpus // count)
-        # Testing hooks (see ray_jobs.worker), and the object store's settings: the workers
+        # Testing hooks (see ray_jobs.workers.worker), and the object store's settings: the workers
         # read the input and write the parts with the driver's store (`STORAGE_ENV`).
         env = {k: v for k, v in os.environ.items()
                if k.startswith(FAULT_ENV_PREFIX) or k in STORAGE_ENV}

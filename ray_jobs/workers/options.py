@@ -13,9 +13,9 @@ from typing import Any
 from nanoserve.errors import InputError, NanoserveError, check_positive_int
 from nanoserve.model_store import DEFAULT_MODEL
 from nanoserve.quantization import check_online
-from ray_jobs.autoscale import parse_num_workers
-from ray_jobs.io import DEFAULT_CHUNK_ROWS, INPUT_FORMATS
-from ray_jobs.openai_batch import OUTPUT_FORMATS
+from ray_jobs.dispatch.autoscale import parse_num_workers
+from ray_jobs.input.io import DEFAULT_CHUNK_ROWS, INPUT_FORMATS
+from ray_jobs.input.openai_batch import OUTPUT_FORMATS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULERS = ("auto", "static", "continuous")  # as nanoserve.llm.SCHEDULERS (no torch here)
@@ -57,7 +57,7 @@ class JobOptions:
     dtype: str = "auto"  # bfloat16 on GPU, float32 on CPU
     quantization: str | None = None  # "fp8": projections quantized at load (GPU workers)
     # None: one per GPU of the cluster, 1 without GPUs; or "MIN-MAX" / "auto": GPU workers
-    # that grow as GPUs join (see ray_jobs.autoscale)
+    # that grow as GPUs join (see ray_jobs.dispatch.autoscale)
     num_workers: int | str | None = None
     batch_size: int = 64  # rows per batch
     max_batch_tokens: int | None = None  # rows x max(prompt + max_tokens) per batch
@@ -65,7 +65,7 @@ class JobOptions:
     prompt_column: str | None = None
     id_column: str | None = None
     # 'auto': JSONL lines shaped as OpenAI batch requests are read as such; 'openai': every
-    # line must be one; 'plain': none is (ray_jobs.openai_batch)
+    # line must be one; 'plain': none is (ray_jobs.input.openai_batch)
     input_format: str = "auto"
     # 'auto': output.jsonl / errors.jsonl too when the input holds OpenAI batch requests;
     # 'openai': always; 'parquet': the parts only
@@ -77,7 +77,7 @@ class JobOptions:
     kv_cache_bytes: int | None = None  # the KV pool's exact size per worker (else the above)
     kv_cache_dtype: str = "auto"  # the model's dtype, or "fp8" (e4m3, sm_89+ GPUs)
     # each worker's engine: the most rows decoding at once (LLM's max_batch_size); a worker
-    # holds a few times that many rows (`ray_jobs.pool.hold_limits`); None: the engine's
+    # holds a few times that many rows (`ray_jobs.dispatch.pool.hold_limits`); None: the engine's
     # default (`nanoserve.model_runner.default_max_rows`: from its KV pool, 256-1,024 on a GPU)
     max_running_rows: int | None = None
     scheduler: str = "auto"  # each worker's engine: continuous (nanoserve.llm.LLM)

@@ -19,7 +19,7 @@ given (each must be in the vocabulary). Images (a vision-language model): a chat
 image content parts, or a `prompt` row's `image` column (the row then becomes one user
 turn, its images before its text), are read and decoded while the row is prepared, on the
 worker, and each image's placeholder is widened to its token count
-(`ray_jobs.row_images`, `nanoserve.multimodal`).
+(`ray_jobs.preparation.row_images`, `nanoserve.multimodal`).
 
 A row becomes an error row (`PreparedRow.error` set) when it could not be read (the
 chunk's row errors), its id is null, its prompt is null, empty or only whitespace (text),
@@ -70,14 +70,14 @@ from nanoserve.config import ModelConfig
 from nanoserve.errors import InputError, ModelError, NanoserveError
 from nanoserve.sampling import MAX_N, SamplingParams
 from nanoserve.structured import GrammarCache, StructuredOutputs, structured_from_request
-from ray_jobs.io import (
+from ray_jobs.input.io import (
     CONTROL_COLUMNS,
     DEFAULT_ID_COLUMN,
     RESULT_COLUMNS,
     InputChunk,
     result_schema,
 )
-from ray_jobs.row_images import (
+from ray_jobs.preparation.row_images import (
     IMAGE_COLUMN,
     ModelImages,
     check_takes_images,
@@ -146,13 +146,13 @@ class ColumnPlan:
         """The input columns an output row repeats: all but `id` (written first), the
         request columns `logprobs` / `prompt_logprobs` where `controls` has result columns of
         those names (the number asked is the length of each entry's `top`), and an `image`
-        column of bytes (`ray_jobs.row_images`: paths are repeated, bytes are not)."""
+        column of bytes (`ray_jobs.preparation.row_images`: paths are repeated, bytes are not)."""
         return [f for f in self.input_schema if f.name != "id" and f.name not in controls
                 and not (f.name == self.image_column and not copies_image_column(f.type))]
 
     def output_schema(self, controls: tuple[str, ...] = ()) -> pa.Schema:
         """`id`, then the input columns (`passthrough_fields`), then the results
-        (`ray_jobs.io.result_schema(controls)`). InputError if an input column clashes with
+        (`ray_jobs.input.io.result_schema(controls)`). InputError if an input column clashes with
         an output-control column."""
         if "sample_index" in controls and "sample_index" in self.input_schema.names:
             raise InputError("input column 'sample_index' clashes with the output column of "
@@ -163,7 +163,7 @@ class ColumnPlan:
 
 def output_controls(plan: ColumnPlan, defaults: dict[str, Any],
                     reasoning: bool = False) -> tuple[str, ...]:
-    """The output-control columns a job's output has (see `ray_jobs.io.CONTROL_SCHEMA`):
+    """The output-control columns a job's output has (see `ray_jobs.input.io.CONTROL_SCHEMA`):
     `sample_index` when the default n is above 1 or the input has an `n` column, `logprobs`
     / `prompt_logprobs` when the job's default asks for them or the input has the column.
     A function of the options and the input's columns, never of the rows' values, so every
@@ -409,7 +409,7 @@ class RowPreparer:
         """The chunk's rows, prepared. A row's images are read and decoded here (on the
         worker that runs it); with `read_images` False they are not read at all, and a row
         with images gets no prompt tokens: only for rows that are made error rows without
-        running (the driver's, `ray_jobs.tasks.ShardRunner.run(error=...)`)."""
+        running (the driver's, `ray_jobs.workers.tasks.ShardRunner.run(error=...)`)."""
         out = []
         for position, row_id, values, error, parsed in read_rows(
                 chunk, first_position, self.plan.id_column,

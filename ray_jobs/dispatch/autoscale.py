@@ -5,7 +5,7 @@ from `--num-workers N | MIN-MAX | auto`), waiting for the cluster's first GPUs
 
 Stage 2, dispatch of the job pipeline (docs/modules.md).
 
-Growing the pool as GPUs join is `WorkerPool.grow` (ray_jobs.pool), which uses these.
+Growing the pool as GPUs join is `WorkerPool.grow` (ray_jobs.dispatch.pool), which uses these.
 
 Invariants:
 - a range or `auto` asks for GPU workers only: a cluster without GPUs is waited on (with a

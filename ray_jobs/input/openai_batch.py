@@ -11,7 +11,7 @@ the body's fields become the job's per-row columns:
 - `/v1/chat/completions`: `messages` (content as a string or a list of content parts:
   text parts, joined into one string where there is no image, and `image_url` parts, a
   `data:` URL, a local path or an object-storage URI, `detail` "auto" or absent: read on the
-  worker for a vision-language model, `ray_jobs.row_images`);
+  worker for a vision-language model, `ray_jobs.preparation.row_images`);
   `logprobs` (true) with `top_logprobs` K become the row's `logprobs` K;
 - `/v1/completions`: `prompt` (a string, a list of one string, or a list of token ids);
   `logprobs` K;
@@ -26,7 +26,7 @@ the body's fields become the job's per-row columns:
 
 Anything else (a body field we do not apply, another method or url, a body that is not an
 object) makes the row an error row whose message names it. Duplicate custom_ids are the
-input's duplicate ids: refused before any work (`ray_jobs.io.scan_input`).
+input's duplicate ids: refused before any work (`ray_jobs.input.io.scan_input`).
 
 Output. `write_outputs`, when the job's parts are all written: the input is read again in
 order (only to learn each row's id and endpoint) and the parts in batch-id order; since a
@@ -63,7 +63,7 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from nanoserve.errors import NanoserveError
-from ray_jobs.storage import OutputDir, storage_error
+from ray_jobs.input.storage import OutputDir, storage_error
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -205,7 +205,7 @@ def _messages(messages: Any) -> list[dict[str, Any]]:
 def _part(part: Any, i: int) -> dict[str, Any]:
     """One content part of body.messages[i]: a text part, or an image_url part whose url
     is a data: URL, a path or an object-storage URI (read on the worker,
-    `ray_jobs.row_images`); its `detail` may be "auto" (images are sized by the model's
+    `ray_jobs.preparation.row_images`); its `detail` may be "auto" (images are sized by the model's
     image processor)."""
     kind = part.get("type") if isinstance(part, dict) else None
     where = f"body.messages[{i}].content"
@@ -253,7 +253,7 @@ def wants_openai_output(output_format: str, openai_rows: int) -> bool:
 def write_outputs(folder: OutputDir, chunks: Iterable[Any], plan: Any, tokenizer: Any,
                   model_name: str, settings: dict[str, Any]) -> tuple[int, int]:
     """Write `output.jsonl` and `errors.jsonl` from the job's parts, in input order (see the
-    module docstring); chunks: the input read again from its start (`ray_jobs.io.
+    module docstring); chunks: the input read again from its start (`ray_jobs.input.io.
     iter_chunks`). Returns (answered requests, failed requests)."""
     if "/" in model_name or model_name.endswith(".gguf"):  # a path: its name
         model_name = Path(model_name).name

@@ -4,7 +4,7 @@
 Stage 3, workers (and the generation task's part on the driver) of the job pipeline
 (docs/modules.md).
 
-What generation adds to the job's walk (`ray_jobs.tasks`, `ray_jobs.driver.run_pipeline`):
+What generation adds to the job's walk (`ray_jobs.workers.tasks`, `ray_jobs.dispatch.driver.run_pipeline`):
 - on the driver (`plan_job`): the rows' `RowPreparer` (sampling defaults, a job-wide
   structured output compiled, the chat template checked), the reasoning parser picked, the
   output controls and the parts' schema (`prepare.ColumnPlan.output_schema`), the
@@ -24,18 +24,18 @@ from typing import Any
 import pyarrow as pa
 
 from nanoserve.errors import InputError, NanoserveError
-from ray_jobs import openai_batch
-from ray_jobs.io import InputInfo, iter_chunks
-from ray_jobs.options import JobOptions
-from ray_jobs.prepare import ColumnPlan, RowPreparer, output_controls
-from ray_jobs.row_images import ModelImages
-from ray_jobs.storage import OutputDir
-from ray_jobs.tasks import ShardOutcome, ShardWorker, TaskKind, TaskPlan
-from ray_jobs.worker import BatchWorker, GenerationRequest, error_rows
+from ray_jobs.input import openai_batch
+from ray_jobs.input.io import InputInfo, iter_chunks
+from ray_jobs.input.storage import OutputDir
+from ray_jobs.preparation.prepare import ColumnPlan, RowPreparer, output_controls
+from ray_jobs.preparation.row_images import ModelImages
+from ray_jobs.workers.options import JobOptions
+from ray_jobs.workers.tasks import ShardOutcome, ShardWorker, TaskKind, TaskPlan
+from ray_jobs.workers.worker import BatchWorker, GenerationRequest, error_rows
 
 
 class GenerateTask:
-    """Generation: rows prepared by `ray_jobs.prepare.RowPreparer`, run by
+    """Generation: rows prepared by `ray_jobs.preparation.prepare.RowPreparer`, run by
     `BatchWorker.run_batch`, one result row per sample; a reasoning parser splits the
     think block off after."""
 
@@ -47,7 +47,7 @@ class GenerateTask:
         """`options`: the job's `JobSpec.task_options` (sampling `defaults`,
         `chat_template_kwargs`, `reasoning_parser`, `max_batch_tokens`); `static_rows`: the
         most rows a static engine runs at once (None: a continuous engine, or none);
-        `images`: the model's `ray_jobs.row_images.ModelImages` (None: it takes no images)."""
+        `images`: the model's `ray_jobs.preparation.row_images.ModelImages` (None: it takes no images)."""
         eos = tuple(sorted(set(config.eos_token_ids) | set(tokenizer.eos_token_ids)))
         self.preparer = preparer or RowPreparer(
             plan, tokenizer, config.max_position_embeddings, config.vocab_size,
@@ -66,11 +66,11 @@ class GenerateTask:
         """The engine calls for `rows` (indices into them): one of all the rows, in input
         order, for a continuous engine (it admits rows as others finish); for a static one
         the rows sorted by prompt length, longest first, and cut at `static_rows` samples
-        and the job's `max_batch_tokens` (`ray_jobs.batching.cut_window`): a static batch
+        and the job's `max_batch_tokens` (`ray_jobs.preparation.batching.cut_window`): a static batch
         is padded to its longest row and runs until its last row ends."""
         if self.static_rows is None:
             return [list(range(len(rows)))]
-        from ray_jobs.batching import BatchLimits, cut_window
+        from ray_jobs.preparation.batching import BatchLimits, cut_window
 
         limits = BatchLimits(self.static_rows, self.max_batch_tokens, max(1, len(rows)))
         at = {id(r): i for i, r in enumerate(rows)}
@@ -196,7 +196,7 @@ def progress(run: Any, elapsed: float) -> str:
 
 
 def summary_lines(s: Any) -> list[str]:
-    """The summary's generation lines (`ray_jobs.driver.JobSummary.format`)."""
+    """The summary's generation lines (`ray_jobs.dispatch.driver.JobSummary.format`)."""
     return [
         f"tokens: {s.input_tokens} input, {s.output_tokens} output",
         f"wall time: {s.wall_time_s:.1f} s, {s.output_tokens_per_s:.1f} output tokens/s",

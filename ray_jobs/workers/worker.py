@@ -3,7 +3,7 @@
 Stage 3, workers of the job pipeline (docs/modules.md).
 
 `BatchWorker` is a plain class (usable without Ray); the job wraps it as a Ray actor
-that runs shards (`ray_jobs.task_generate.RayBatchWorker`, `ray_jobs.tasks.ShardWorker`),
+that runs shards (`ray_jobs.tasks.generate.RayBatchWorker`, `ray_jobs.workers.tasks.ShardWorker`),
 one per GPU (`num_gpus=1`) or on the CPU (`num_cpus=1`) where the cluster has no GPUs.
 The device is chosen inside the worker: `cuda` when Ray gave it a GPU and torch sees one,
 else `cpu` (so logical GPUs on a CPU machine still work, on the CPU).
@@ -60,7 +60,7 @@ import pyarrow as pa
 
 from nanoserve.errors import ModelError, NanoserveError
 from nanoserve.sampling import SamplingParams
-from ray_jobs.io import WORKER_RESULT_SCHEMA
+from ray_jobs.input.io import WORKER_RESULT_SCHEMA
 
 PREFILL_SLOTS_KEY = b"nanoserve.prefill_slots"  # rows x longest prompt, summed over sub-batches
 PREFILL_TOKENS_KEY = b"nanoserve.prefill_real_tokens"

@@ -1,6 +1,6 @@
 """Stage 1, input: the job's shards, the descriptors the driver hands out instead of rows.
 
-The driver lists the input once (`ray_jobs.io.scan_input`: files, schema, row counts, and
+The driver lists the input once (`ray_jobs.input.io.scan_input`: files, schema, row counts, and
 for a JSONL file where every `shard_rows`-th row starts) and cuts it into shards: up to
 `shard_rows` consecutive rows of one file, named by where they are (a Parquet file's row
 range; a JSONL file's byte offset and line number, in the decompressed stream) and by the
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-from ray_jobs.io import (
+from ray_jobs.input.io import (
     InputChunk,
     InputFile,
     InputInfo,
@@ -50,7 +50,7 @@ class Shard:
 
     def digest(self) -> str:
         """A short hash of which rows the shard holds: a part written for another cut of the
-        input under the same id is told apart by it (`ray_jobs.manifest.adopt_part`)."""
+        input under the same id is told apart by it (`ray_jobs.output.manifest.adopt_part`)."""
         text = f"{self.file}:{self.start_row}:{self.num_rows}:{self.first_position}:{self.offset}"
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -91,7 +91,7 @@ def num_shards(info: InputInfo) -> int:
 
 def read_shard(spec: InputSpec, shard: Shard) -> Iterator[InputChunk]:
     """The shard's rows, in order, as chunks of at most `spec.chunk_rows` rows in
-    `spec.schema` (as `ray_jobs.io.iter_chunks` reads them)."""
+    `spec.schema` (as `ray_jobs.input.io.iter_chunks` reads them)."""
     f = spec.files[shard.file]
     if f.kind != "parquet":
         yield from _iter_jsonl(f, spec.chunk_rows, schema=spec.schema,

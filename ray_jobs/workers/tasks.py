@@ -1,8 +1,8 @@
 """Stage 3, workers: a shard's walk on the worker that holds the engine, and what a task of
-the job (generation, `ray_jobs.task_generate`; embedding, `ray_jobs.task_embed`) plugs
+the job (generation, `ray_jobs.tasks.generate`; embedding, `ray_jobs.tasks.embed`) plugs
 into it and into the driver.
 
-    read (ray_jobs.shards.read_shard) -> prepare (the task's preparer: images read and
+    read (ray_jobs.input.shards.read_shard) -> prepare (the task's preparer: images read and
     decoded, tokenize, chat template, constraints) -> run (the task's engine call) ->
     assemble (`id`, the input columns, the task's result columns, in input order) -> write
     the part (the job's OutputDir, local or object storage)
@@ -20,7 +20,7 @@ how rows are prepared, how the prepared rows are run, and what a row's result co
 (its error rows included); and on the driver (`TaskKind`, `TaskPlan`): its own options, its
 output schema and manifest settings, its actor, its progress and summary lines. Everything
 else (reading, ids, error rows never sent to the engine, input order, counts, the report's
-record, the part and its digest; the driver's walk, `ray_jobs.driver.run_pipeline`) is the
+record, the part and its digest; the driver's walk, `ray_jobs.dispatch.driver.run_pipeline`) is the
 job's, once.
 """
 
@@ -35,13 +35,13 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 
 from nanoserve.errors import NanoserveError, first_line
-from ray_jobs.manifest import PART_DIGEST_KEY, part_name
-from ray_jobs.prepare import ColumnPlan
-from ray_jobs.shards import InputSpec, Shard, read_shard
-from ray_jobs.storage import OutputDir
+from ray_jobs.input.shards import InputSpec, Shard, read_shard
+from ray_jobs.input.storage import OutputDir
+from ray_jobs.output.manifest import PART_DIGEST_KEY, part_name
+from ray_jobs.preparation.prepare import ColumnPlan
 
 if TYPE_CHECKING:
-    from ray_jobs.options import JobOptions
+    from ray_jobs.workers.options import JobOptions
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ class ShardOutcome:
     finish_reasons: Counter = field(default_factory=Counter)
     cut_constrained: Counter = field(default_factory=Counter)  # by max_tokens
     errors: list[str] = field(default_factory=list)  # each error row's message
-    meta: dict[bytes, bytes] = field(default_factory=dict)  # the engine's (ray_jobs.worker keys)
+    meta: dict[bytes, bytes] = field(default_factory=dict)  # the engine's (ray_jobs.workers.worker keys)
     record: Any = None  # the report's `PieceRecord` (None: nothing went to the engine)
     answered_prompt_tokens: int = 0  # prompt tokens of the rows the engine answered
     table: pa.Table | None = None  # the rows, when not written by the worker
@@ -102,7 +102,7 @@ class TaskPlan:
 
 @dataclass(frozen=True)
 class TaskKind:
-    """A task as the job's driver sees it (`ray_jobs.driver.run_job` calls these in this
+    """A task as the job's driver sees it (`ray_jobs.dispatch.driver.run_job` calls these in this
     order): `take_options(options)` pops the task's own options from the job's keyword
     arguments, checks them and sets its defaults of the job's (embedding batches are
     larger); `prompt_column(given, names)` the input column to read when none is given
@@ -169,7 +169,7 @@ class ShardRunner:
         results, table, answered = answer_rows(self.task, prepared, error)
         if table is not None:
             out.meta = dict(table.schema.metadata or {})
-            from ray_jobs.report import piece_record
+            from ray_jobs.report.report import piece_record
 
             out.record = piece_record(shard.shard_id, 0, 0.0, table)
             out.answered_prompt_tokens = sum(results[i][0]["num_input_tokens"] or 0
@@ -248,7 +248,7 @@ def join_tables(tables: list[pa.Table]) -> pa.Table:
     counters in their footers summed (the engine's own counters: the last call's)."""
     if len(tables) == 1:
         return tables[0]
-    from ray_jobs.worker import ENGINE_KEY
+    from ray_jobs.workers.worker import ENGINE_KEY
 
     meta: dict[bytes, bytes] = {}
     for t in tables:
@@ -259,12 +259,12 @@ def join_tables(tables: list[pa.Table]) -> pa.Table:
 
 
 def with_digest(table: pa.Table, shard: Shard) -> pa.Table:
-    """The part's table with the shard's digest in its footer (`ray_jobs.manifest`)."""
+    """The part's table with the shard's digest in its footer (`ray_jobs.output.manifest`)."""
     return table.replace_schema_metadata({PART_DIGEST_KEY: shard.digest().encode()})
 
 
 def _slice_chunk(chunk: Any, a: int, b: int) -> Any:
-    from ray_jobs.io import InputChunk
+    from ray_jobs.input.io import InputChunk
 
     errors = {i - a: e for i, e in chunk.row_errors.items() if a <= i < b}
     return InputChunk(chunk.batch.slice(a, b - a), chunk.file, errors, chunk.lines[a:b],

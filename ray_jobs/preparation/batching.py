@@ -1,5 +1,5 @@
 """Stage 3, workers: static batches by token length. A worker whose engine is static cuts
-its shard's rows this way (`ray_jobs.task_generate.GenerateTask.groups`: one window, the whole
+its shard's rows this way (`ray_jobs.tasks.generate.GenerateTask.groups`: one window, the whole
 shard); a continuous engine needs no batches (it admits rows as others finish).
 
 Rows arrive in input order. They are taken a window at a time (`window_rows`, by default 8

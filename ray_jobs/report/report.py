@@ -44,9 +44,9 @@ from typing import Any
 
 import pyarrow as pa
 
-from ray_jobs.manifest import REPORT_NAME
-from ray_jobs.timeline import PHASES
-from ray_jobs.worker import (
+from ray_jobs.output.manifest import REPORT_NAME
+from ray_jobs.report.timeline import PHASES
+from ray_jobs.workers.worker import (
     DECODE_ROW_STEPS_KEY,
     FINISHED_ROW_STEPS_KEY,
     PREFILL_SLOTS_KEY,
@@ -286,8 +286,8 @@ def report_data(log: ReportLog, summary: Any, settings: dict[str, Any],
 
 def write_report(folder: Any, data: dict[str, Any]) -> str:
     """Render `data` (from `report_data`) into `REPORT_NAME` in the output folder (a path or
-    a `ray_jobs.storage.OutputDir`: local or object store), whole; returns where it is."""
-    from ray_jobs.storage import OutputDir
+    a `ray_jobs.input.storage.OutputDir`: local or object store), whole; returns where it is."""
+    from ray_jobs.input.storage import OutputDir
 
     out = OutputDir.open(folder)
     out.write_bytes(REPORT_NAME, render_html(data).encode("utf-8"))

@@ -6,8 +6,8 @@ the shards whose parts are written.
     summary = run_job("docs.jsonl", "vectors/", task="embed")     # = run_embed_job
 
 Order of work (every job-level check comes before any model loads on a worker):
-1. take the task's own options (`TaskKind.take_options`: `ray_jobs.task_generate`,
-   `ray_jobs.task_embed`), check the job's (`JobOptions`); scan the input (files, schema,
+1. take the task's own options (`TaskKind.take_options`: `ray_jobs.tasks.generate`,
+   `ray_jobs.tasks.embed`), check the job's (`JobOptions`); scan the input (files, schema,
    row count, where every `batch_size`-th JSONL row starts) and plan its columns;
 2. resolve the model and load its tokenizer and config on the driver (cheap: no weights);
    the task plans the rest (`TaskKind.plan`: its rows' preparer, output schema, settings,
@@ -15,15 +15,15 @@ Order of work (every job-level check comes before any model loads on a worker):
 3. open the output folder: fresh, or resume an earlier run with equal settings;
 4. start (or join) Ray and one actor per GPU (one CPU worker without GPUs), when the first
    shard needs a worker (a rerun with nothing left to compute starts none);
-5. hand out the shards (`ray_jobs.shards`: `batch_size` consecutive rows of one file each)
+5. hand out the shards (`ray_jobs.input.shards`: `batch_size` consecutive rows of one file each)
    to the least-loaded worker (each holds as many as keep its engine full:
-   `ray_jobs.pool.hold_limits`); the worker reads the shard's rows, prepares them, runs
-   them and writes the shard's part (`ray_jobs.tasks.ShardRunner`), and answers with its
+   `ray_jobs.dispatch.pool.hold_limits`); the worker reads the shard's rows, prepares them, runs
+   them and writes the shard's part (`ray_jobs.workers.tasks.ShardRunner`), and answers with its
    counts; the driver then records the shard in the manifest;
 6. when every shard is recorded, mark the folder complete (`_SUCCESS`).
 
 Memory stays flat: the driver holds the scan's cut points (16 bytes a shard), the id
-hashes when the input has ids (8 bytes a row, `ray_jobs.io`), and the descriptors of the
+hashes when the input has ids (8 bytes a row, `ray_jobs.input.io`), and the descriptors of the
 shards in flight; the manifest records done shard ids, never per-row data. A part holds
 its shard's rows in input order, and parts are numbered in input order.
 
@@ -43,7 +43,7 @@ Nothing lost, nothing duplicated (see `_JobRun` for the bookkeeping):
   is unbounded (`worker_start_timeout_s`); more workers than the cluster has GPUs (or
   CPUs) are capped, with a warning;
 - a driver killed at any moment resumes on rerun: parts on disk are kept (see
-  `ray_jobs.manifest`), the rest is computed, each row written exactly once;
+  `ray_jobs.output.manifest`), the rest is computed, each row written exactly once;
 - rows too big for a worker's KV pool are split into sub-batches by the engine, or become
   `error` rows when even one alone cannot fit; a device out-of-memory error makes the
   engine halve the batch, and the count is reported.
@@ -66,10 +66,13 @@ import pyarrow as pa
 
 from nanoserve.errors import InputError, NanoserveError
 from nanoserve.model_store import resolve_model
-from ray_jobs.batching import BatchLimits
-from ray_jobs.io import InputInfo, scan_input
-from ray_jobs.local_ray import RaySession
-from ray_jobs.manifest import (
+from ray_jobs.dispatch.local_ray import RaySession
+from ray_jobs.dispatch.placement import check_output_reachable
+from ray_jobs.dispatch.pool import WorkerPool, WorkerReport, first_line, log
+from ray_jobs.input.io import InputInfo, scan_input
+from ray_jobs.input.shards import InputSpec, Shard, iter_shards
+from ray_jobs.input.storage import OutputDir, is_uri
+from ray_jobs.output.manifest import (
     Manifest,
     adopt_part,
     hold_output_dir,
@@ -80,18 +83,22 @@ from ray_jobs.manifest import (
     part_name,
     reopen_batches_with_errors,
 )
-from ray_jobs.options import JobOptions
-from ray_jobs.placement import check_output_reachable
-from ray_jobs.pool import WorkerPool, WorkerReport, first_line, log
-from ray_jobs.prepare import load_model_meta, plan_columns
-from ray_jobs.report import ReportLog, report_data, write_report
-from ray_jobs.shards import InputSpec, Shard, iter_shards
-from ray_jobs.storage import OutputDir, is_uri
-from ray_jobs.task_embed import EMBED
-from ray_jobs.task_generate import GENERATE
-from ray_jobs.tasks import JobSpec, ShardOutcome, ShardRunner, TaskKind, TaskPlan, with_digest
-from ray_jobs.timeline import PHASES, Timeline
-from ray_jobs.worker import (
+from ray_jobs.preparation.batching import BatchLimits
+from ray_jobs.preparation.prepare import load_model_meta, plan_columns
+from ray_jobs.report.report import ReportLog, report_data, write_report
+from ray_jobs.report.timeline import PHASES, Timeline
+from ray_jobs.tasks.embed import EMBED
+from ray_jobs.tasks.generate import GENERATE
+from ray_jobs.workers.options import JobOptions
+from ray_jobs.workers.tasks import (
+    JobSpec,
+    ShardOutcome,
+    ShardRunner,
+    TaskKind,
+    TaskPlan,
+    with_digest,
+)
+from ray_jobs.workers.worker import (
     ENGINE_KEY,
     OOM_KEY,
     PREFILL_SLOTS_KEY,
@@ -127,7 +134,7 @@ class JobSummary:
     # Seconds per phase of this run, in order (see `PHASES`); they add up to wall_time_s.
     # A phase the run never reached (nothing left to compute: no Ray, no worker) is absent.
     timings: dict[str, float] = field(default_factory=dict)
-    report: str | None = None  # the run's HTML report (`ray_jobs.report`), when it wrote one
+    report: str | None = None  # the run's HTML report (`ray_jobs.report.report`), when it wrote one
     # Prompt tokens served from the workers' prefix caches / prompt tokens of the batches
     # whose engines have one (None: no engine had one).
     prefix_hit_rate: float | None = None
@@ -228,7 +235,7 @@ def run_batch_job(input: str | Path, output_dir: str | Path, **options: Any) -> 
 
 
 def run_embed_job(input: str | Path, output_dir: str | Path, **options: Any) -> JobSummary:
-    """`run_job(..., task="embed")`: a vector per row (`ray_jobs.task_embed`)."""
+    """`run_job(..., task="embed")`: a vector per row (`ray_jobs.tasks.embed`)."""
     return run_job(input, output_dir, task="embed", **options)
 
 
@@ -451,7 +458,7 @@ class _JobRun:
         self.cached_tokens = self.cached_prompt_tokens = 0  # pieces from prefix-caching engines
         self.any_prefix_cache = False
         self.oom_errors = 0
-        self.report = ReportLog()  # what the job report shows (`ray_jobs.report`)
+        self.report = ReportLog()  # what the job report shows (`ray_jobs.report.report`)
         self.timeline = timeline
         self.t0 = time.perf_counter()
         self.bar = tqdm(total=total_rows, unit="row", file=sys.stderr, disable=not opts.progress,
@@ -526,7 +533,7 @@ class _JobRun:
         flight, then count and record its rows, or handle its worker's death."""
         import ray
 
-        self.pool.grow()  # workers on GPUs that joined the cluster (ray_jobs.autoscale)
+        self.pool.grow()  # workers on GPUs that joined the cluster (ray_jobs.dispatch.autoscale)
         ready, _ = ray.wait(list(self.in_flight), num_returns=1, timeout=self.pool.poll_s)
         if not ready:
             return  # nothing finished within the poll: look for joining GPUs again

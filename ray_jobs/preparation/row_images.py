@@ -40,7 +40,7 @@ import pyarrow.types as pat
 
 from nanoserve.errors import InputError
 from nanoserve.image_input import ImageConfig
-from ray_jobs.json_shapes import IMAGE_COLUMN
+from ray_jobs.input.json_shapes import IMAGE_COLUMN
 
 IMAGE_PARTS = ("image_url", "image")  # content-part types that hold an image
 

@@ -5,7 +5,7 @@ Stage 1, input of the job pipeline (docs/modules.md).
 
 Input: a `.parquet` file, a JSON Lines file (`.jsonl`, `.ndjson`, or `.json` holding one
 object a line; any of them may be compressed: `.gz`, `.zst`), or a folder of them, local or
-on any filesystem `ray_jobs.storage` resolves (`s3://bucket/prefix/`, `gs://...`). A folder is
+on any filesystem `ray_jobs.input.storage` resolves (`s3://bucket/prefix/`, `gs://...`). A folder is
 read recursively, in the sorted order of the files' paths relative to it; a file or folder
 whose name starts with `_` or `.` is skipped (Spark's `_SUCCESS`, `.crc` files), as pyarrow
 skips them; suffixes match in any case. A folder named `key=value` (Hive partitioning, as
@@ -22,9 +22,9 @@ response format) are read as their JSON text (a string column), objects and stri
 Arrow would merge objects of different keys into one struct, with nulls for the keys a row
 lacks. A conversation column may mix string contents with lists of content parts, and the
 `image` column one image with lists of them: such a column is read in the wider shape
-(`ray_jobs.json_shapes`: a string content as one text part, one image as a list of one).
+(`ray_jobs.input.json_shapes`: a string content as one text part, one image as a list of one).
 A JSONL line shaped as an OpenAI Batch API request (`custom_id` and `body`; every line with
-`input_format` 'openai', none with 'plain') is read as the row `ray_jobs.openai_batch.
+`input_format` 'openai', none with 'plain') is read as the row `ray_jobs.input.openai_batch.
 flatten_request` makes of it (its custom_id as `id`; a request that cannot run becomes a row
 error naming why).
 `scan_input` checks every file before the job starts (Parquet: the footer and the id column;
@@ -77,14 +77,14 @@ import pyarrow.parquet as pq
 import pyarrow.types as pat
 
 from nanoserve.errors import InputError
-from ray_jobs.json_shapes import drop_narrow, widen
-from ray_jobs.storage import Location, check_bucket, open_lines, resolve, storage_error
+from ray_jobs.input.json_shapes import drop_narrow, widen
+from ray_jobs.input.storage import Location, check_bucket, open_lines, resolve, storage_error
 
 INPUT_SUFFIXES = (".parquet", ".jsonl", ".ndjson", ".json")
 COMPRESSIONS = {".gz": "gzip", ".zst": "zstd"}  # JSON Lines only (Parquet compresses inside)
 _EXPECTED = ".parquet or JSON Lines (.jsonl, .ndjson, .json; also .gz, .zst)"
 DEFAULT_CHUNK_ROWS = 1024
-DEFAULT_SHARD_ROWS = 1024  # rows of a shard (`ray_jobs.shards`) unless the job says
+DEFAULT_SHARD_ROWS = 1024  # rows of a shard (`ray_jobs.input.shards`) unless the job says
 DEFAULT_ID_COLUMN = "id"  # the id column when the job names none
 
 # The columns every output row gets after `id` and the input's own columns.
@@ -169,7 +169,7 @@ class InputInfo:
     num_rows: int
     id_column: str | None = None
     input_format: str = "auto"  # 'auto', 'openai' (every line an OpenAI batch request), 'plain'
-    openai_rows: int = 0  # lines read as OpenAI batch requests (`ray_jobs.openai_batch`)
+    openai_rows: int = 0  # lines read as OpenAI batch requests (`ray_jobs.input.openai_batch`)
     file_rows: tuple[int, ...] = ()  # rows per file, in `files`' order
     cuts: tuple[Any, ...] = ()  # per file: its `FileCuts` (JSONL), None (Parquet)
     shard_rows: int = 0  # the rows between two cuts
@@ -261,7 +261,7 @@ def scan_input(path: str | Path, chunk_rows: int = DEFAULT_CHUNK_ROWS,
     `prepare.plan_columns` follows). JSONL files are parsed once here, streaming; Parquet
     files have their footers and id column read. `shard_rows`: the scan records where
     every `shard_rows`-th row of a JSONL file starts (`InputInfo.cuts`), so that a worker
-    reads its shard from there (`ray_jobs.shards`)."""
+    reads its shard from there (`ray_jobs.input.shards`)."""
     files = list_input_files(path)
     check_input_format(input_format, files)
     id_name = id_column or DEFAULT_ID_COLUMN
@@ -655,13 +655,13 @@ def _iter_jsonl(path: InputFile, chunk_rows: int, schema: pa.Schema | None,
     `schema`. `id_column` is read strictly (a value of another type is an InputError, not a
     row error). The file's partition keys are added to each row that lacks them. A line
     that is an OpenAI batch request (or, with `input_format` 'openai', any line) becomes the
-    row `ray_jobs.openai_batch.flatten_request` makes of it.
+    row `ray_jobs.input.openai_batch.flatten_request` makes of it.
 
-    A shard (`ray_jobs.shards`) reads from `start` (the byte offset in the decompressed
+    A shard (`ray_jobs.input.shards`) reads from `start` (the byte offset in the decompressed
     stream of a row's line, and that line's number) at most `limit` rows; the scan passes
     `cuts` to have the offset and line of every `cuts.every`-th row recorded. `stream`: read
     these lines instead (a block of the file that starts at `start`: `_scan_jsonl`)."""
-    from ray_jobs.openai_batch import flatten_request, is_request
+    from ray_jobs.input.openai_batch import flatten_request, is_request
 
     rows: list[dict] = []
     openai_rows = 0

@@ -436,7 +436,7 @@ def _boot_id() -> str:
 
 
 def _pid_alive(pid: int, started: str | None) -> bool:
-    from ray_jobs.local_ray import _owner_alive
+    from ray_jobs.dispatch.local_ray import _owner_alive
 
     return _owner_alive(pid, started or "")
 
@@ -468,7 +468,7 @@ class ObjectLease:
         self._lock = threading.Lock()
 
     def _body(self) -> bytes:
-        from ray_jobs.local_ray import _start_time
+        from ray_jobs.dispatch.local_ray import _start_time
 
         pid = os.getpid()
         return json.dumps({"owner": self.owner, "host": socket.gethostname(),

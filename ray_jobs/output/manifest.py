@@ -28,11 +28,11 @@ point leaves a folder that resumes correctly:
   would be lost silently otherwise.
 The manifest holds per-batch data only (done ids, as ranges), never per-row data.
 
-The output may be a local folder or an object-store prefix (`ray_jobs.storage.OutputDir`;
+The output may be a local folder or an object-store prefix (`ray_jobs.input.storage.OutputDir`;
 every function here takes either a path or an OutputDir). On an object store there are no
 temporary names: each part and the manifest is uploaded whole under its final key (visible
 only once complete), and the lock is a lease object written conditionally instead of a flock
-(`ray_jobs.storage.ObjectLease`); the rules above hold unchanged.
+(`ray_jobs.input.storage.ObjectLease`); the rules above hold unchanged.
 """
 
 from __future__ import annotations
@@ -48,13 +48,13 @@ from pathlib import Path
 from typing import Any
 
 from nanoserve.errors import InputError
-from ray_jobs.storage import Location, OutputDir
+from ray_jobs.input.storage import Location, OutputDir
 
 MANIFEST_NAME = "_nanoserve_manifest.json"
 PART_DIGEST_KEY = b"nanoserve.batch_digest"  # in each part's Parquet footer: `Batch.digest()`
 SUCCESS_NAME = "_SUCCESS"
 LOCK_NAME = "_nanoserve.lock"  # held (flock) by the one job writing the folder
-REPORT_NAME = "_nanoserve_report.html"  # the last run's job report (`ray_jobs.report`)
+REPORT_NAME = "_nanoserve_report.html"  # the last run's job report (`ray_jobs.report.report`)
 FORMAT = 1
 FULL_HASH_MAX_BYTES = 64 << 20
 SAMPLE_BYTES = 1 << 20
@@ -111,7 +111,7 @@ def model_identity(path: Path) -> list[dict[str, Any]]:
 
 def input_identity(root: Path, files: list[Path] | tuple[Path, ...]) -> list[dict[str, Any]]:
     """Fingerprints of the input files, named relative to the input folder. `files` may be
-    `ray_jobs.io.InputFile`s (any filesystem; named by their `rel`)."""
+    `ray_jobs.input.io.InputFile`s (any filesystem; named by their `rel`)."""
     if files and not isinstance(files[0], Path):
         return [file_fingerprint(f.loc, f.rel) for f in files]
     base = root if root.is_dir() else root.parent
@@ -172,7 +172,7 @@ def settings_differences(old: Any, new: Any, prefix: str = "") -> list[str]:
 @contextlib.contextmanager
 def hold_output_dir(folder: Path | OutputDir) -> Iterator[None]:
     """Create `folder` if needed and hold it for one job. An object-store prefix is held
-    by a lease object (`OutputDir.hold`, see `ray_jobs.storage.ObjectLease`). A local
+    by a lease object (`OutputDir.hold`, see `ray_jobs.input.storage.ObjectLease`). A local
     folder: an exclusive `flock` on
     `folder/_nanoserve.lock`, or InputError naming the process that holds it. Two jobs
     writing one folder would delete each other's temporary files and record each other's

@@ -6,7 +6,7 @@ Stage 1, input of the job pipeline (docs/modules.md).
 - A conversation (a list of messages with a `content`, e.g. `messages`): a message's
   content is a string or a list of OpenAI content parts. Where any message of the column
   has parts, every string content is read as one text part, `[{"type": "text", "text":
-  s}]` (the chat template renders both alike; `ray_jobs.row_images` joins a message of
+  s}]` (the chat template renders both alike; `ray_jobs.preparation.row_images` joins a message of
   text parts back into a string for a model without images).
 - The `image` column: one image (a path, a URI, a data: URL) or a list of them. Where any
   row has a list, one image is read as a list of one.

@@ -13,7 +13,7 @@ Each row's text (its `prompt` or `text` column, or `--prompt-column`), or token 
 `num_input_tokens` and `error` (null unless the row failed). Chat `messages` rows are error
 rows (embed text instead).
 
-The job is the one both tasks run (`ray_jobs.driver.run_job`): the same streaming input,
+The job is the one both tasks run (`ray_jobs.dispatch.driver.run_job`): the same streaming input,
 batches, dispatch, worker replacement, exactly-once parts, manifest (its settings name the
 pooling, so a rerun with other pooling is refused), resume, object storage and report. What the
 embedding task adds: its options (`EMBED_OPTIONS`, resolved against the model's files by
@@ -33,9 +33,8 @@ from typing import Any
 import pyarrow as pa
 
 from nanoserve.errors import InputError, NanoserveError
-from ray_jobs.io import InputChunk, InputInfo
-from ray_jobs.options import JobOptions
-from ray_jobs.prepare import (
+from ray_jobs.input.io import InputChunk, InputInfo
+from ray_jobs.preparation.prepare import (
     MESSAGES,
     PROMPT_COLUMNS,
     TEXT,
@@ -44,7 +43,8 @@ from ray_jobs.prepare import (
     text_of,
     token_ids_of,
 )
-from ray_jobs.tasks import ShardOutcome, ShardWorker, TaskKind, TaskPlan
+from ray_jobs.workers.options import JobOptions
+from ray_jobs.workers.tasks import ShardOutcome, ShardWorker, TaskKind, TaskPlan
 
 # The options the embedding task adds to `JobOptions` (run_job's keyword arguments).
 EMBED_OPTIONS = ("pooling", "normalize", "dimensions", "instruction", "max_input_tokens",
@@ -150,7 +150,7 @@ class EmbedWorker:
         import torch
 
         from nanoserve.embed import Embedder, PoolingConfig
-        from ray_jobs.worker import _fault_hold_load_while_file, _fault_on_load, pick_device
+        from ray_jobs.workers.worker import _fault_hold_load_while_file, _fault_on_load, pick_device
 
         _fault_hold_load_while_file()
         _fault_on_load()
@@ -171,13 +171,13 @@ class EmbedWorker:
         import os
         import socket
 
-        from ray_jobs.worker import ray_gpu_ids
+        from ray_jobs.workers.worker import ray_gpu_ids
 
         return {"gpu_ids": ray_gpu_ids(), "device": str(self.embedder.device),
                 "host": socket.gethostname(), "pid": os.getpid(), "scheduler": "embedding"}
 
     def run_batch(self, requests: list[Any]) -> pa.Table:
-        from ray_jobs.worker import (
+        from ray_jobs.workers.worker import (
             OOM_KEY,
             PREFILL_SLOTS_KEY,
             PREFILL_TOKENS_KEY,
@@ -275,7 +275,7 @@ def embed_error_rows(message: str, num_input_tokens: int = 0, n: int = 1) -> lis
 
 
 class EmbedTask:
-    """The embedding task's plug-in of the shard walk (`ray_jobs.tasks`): rows prepared by
+    """The embedding task's plug-in of the shard walk (`ray_jobs.workers.tasks`): rows prepared by
     `EmbedPreparer`, run by `EmbedWorker.run_batch`, one vector a row."""
 
     verb = "embedding"
@@ -395,7 +395,7 @@ def progress(run: Any, elapsed: float) -> str:
 
 
 def summary_lines(s: Any) -> list[str]:
-    """The summary's embedding lines (`ray_jobs.driver.JobSummary.format`)."""
+    """The summary's embedding lines (`ray_jobs.dispatch.driver.JobSummary.format`)."""
     rate = s.rows / s.wall_time_s if s.wall_time_s > 0 else 0.0
     tok = s.input_tokens / s.wall_time_s if s.wall_time_s > 0 else 0.0
     return [f"truncated: {s.truncated_rows} row(s) cut to the input limit",

@@ -1,0 +1,7 @@
+"""Stage preparation: a row read becomes a request. Its prompt column is found, its chat or
+text rendered and tokenized, its images gathered, its sampling values checked (or it
+becomes an error row that never reaches the engine); a static engine's rows are cut into
+batches by length.
+
+Imports only the input stage (tests/test_layering.py).
+"""
