@@ -26,7 +26,7 @@ import pytest
 from nanoserve.errors import NanoserveError
 from nanoserve.testing import assert_rows_match_engine
 from ray_jobs.cli import main as batch_main
-from ray_jobs.dispatch.autoscale import WorkerRange, parse_num_workers
+from ray_jobs.workers.options import WorkerRange, parse_num_workers
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = Path(__file__).with_name("multinode_cluster.py")

@@ -23,12 +23,12 @@ from ray_jobs.report.report import (
     MAX_ERROR_CAUSES,
     MAX_TIME_BINS,
     REPORT_DATA_ID,
-    PieceRecord,
     ReportLog,
     error_cause,
     render_html,
     report_data,
 )
+from ray_jobs.workers.piece import PieceRecord
 
 ROWS = ([{"prompt": f"Item number {i} is", "max_tokens": 1 + i % 4} for i in range(10)]
         + [{"prompt": ""}, {"prompt": "  "}, {"prompt": "Hello", "temperature": -1.0}])

@@ -1,7 +1,7 @@
-"""A job on a cluster whose nodes come and go: how many workers it wants (`WorkerRange`,
-from `--num-workers N | MIN-MAX | auto`), waiting for the cluster's first GPUs
-(`wait_for_gpus`), and telling a node that was lost from a worker process that died
-(`node_lost`, `LostNode`).
+"""A job on a cluster whose nodes come and go: waiting for the cluster's first GPUs
+(`wait_for_gpus`, for the workers `--num-workers N | MIN-MAX | auto` asks for: a
+`ray_jobs.workers.options.WorkerRange`), and telling a node that was lost from a worker
+process that died (`node_lost`, `LostNode`).
 
 Stage 2, dispatch of the job pipeline (docs/modules.md).
 
@@ -18,7 +18,6 @@ Invariants:
 
 from __future__ import annotations
 
-import re
 import socket
 import time
 from collections.abc import Callable
@@ -26,51 +25,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from nanoserve.errors import NanoserveError
+from ray_jobs.workers.options import WorkerRange
 
 GROW_POLL_S = 2.0  # how often a job that can grow asks the cluster for its GPUs
 RAYLET_PROBE_TIMEOUT_S = 3.0  # a raylet that does not accept a connection in this is gone
 WAIT_POLL_S = 1.0  # how often a job waiting for its first GPUs asks again
-
-
-@dataclass(frozen=True)
-class WorkerRange:
-    """`--num-workers`: `low` workers at least, `high` at most (None: every GPU the cluster
-    has or gains). `grows`: a range or `auto`, which starts with the GPUs present (waiting
-    for `low` of them) and takes each GPU that joins later, up to `high`; else a plain
-    number, as many workers as that (capped to the cluster, on its GPUs or else its CPUs)."""
-
-    low: int
-    high: int | None
-    grows: bool
-
-    def describe(self) -> str:
-        if not self.grows:
-            return str(self.low)
-        return "auto" if self.high is None and self.low == 1 else \
-            f"{self.low}-{'' if self.high is None else self.high}"
-
-
-def parse_num_workers(value: int | str | None) -> WorkerRange | None:
-    """None (one worker per GPU of the cluster, 1 without GPUs), a number, 'MIN-MAX', or
-    'auto' (= '1-': every GPU the cluster has or gains). NanoserveError otherwise."""
-    if value is None:
-        return None
-    text = str(value).strip().lower()
-    if text == "auto":
-        return WorkerRange(1, None, True)
-    if re.fullmatch(r"-?\d+", text):
-        n = int(text)
-        if n < 1:
-            raise NanoserveError(f"num_workers must be >= 1, got {n}")
-        return WorkerRange(n, n, False)
-    match = re.fullmatch(r"(\d+)-(\d*)", text)
-    if match is None:
-        raise NanoserveError(f"num_workers must be a number, MIN-MAX or auto, got {value!r}")
-    low = int(match.group(1))
-    high = int(match.group(2)) if match.group(2) else None
-    if low < 1 or (high is not None and high < low):
-        raise NanoserveError(f"num_workers range must have 1 <= MIN <= MAX, got {value!r}")
-    return WorkerRange(low, high, True)
 
 
 def cluster_gpus() -> int:
@@ -138,5 +97,4 @@ def _raylet_answers(address: str, port: Any) -> bool:
         return False
 
 
-__all__ = ["GROW_POLL_S", "LostNode", "WorkerRange", "cluster_gpus", "node_lost",
-           "parse_num_workers", "wait_for_gpus"]
+__all__ = ["GROW_POLL_S", "LostNode", "cluster_gpus", "node_lost", "wait_for_gpus"]

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from nanoserve.errors import NanoserveError
+from ray_jobs.input.storage import process_alive, process_start_time
 
 
 class RaySession:
@@ -141,7 +142,7 @@ def remove_stale_temp_dirs(parent: str | None = None) -> list[str]:
             pid = int(pid_text)
         except (OSError, ValueError):
             continue
-        if _owner_alive(pid, started):
+        if process_alive(pid, started):
             continue
         shutil.rmtree(folder, ignore_errors=True)
         removed.append(str(folder))
@@ -149,28 +150,7 @@ def remove_stale_temp_dirs(parent: str | None = None) -> list[str]:
 
 
 def _owner_line(pid: int) -> str:
-    return f"{pid} {_start_time(pid) or ''}".strip()
-
-
-def _owner_alive(pid: int, started: str) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's
-        return True
-    now = _start_time(pid)
-    return not (started and now and now != started)
-
-
-def _start_time(pid: int) -> str | None:
-    """The process's start time in clock ticks since boot (Linux /proc), or None."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
-    return fields[19] if len(fields) > 19 else None  # field 22 of the whole line
+    return f"{pid} {process_start_time(pid) or ''}".strip()
 
 
 def _monitor_processes() -> list[Any]:

@@ -40,9 +40,9 @@ from ray_jobs.dispatch.autoscale import (
     GROW_POLL_S,
     LostNode,
     node_lost,
-    parse_num_workers,
     wait_for_gpus,
 )
+from ray_jobs.workers.options import parse_num_workers
 from ray_jobs.workers.worker import FAULT_ENV_PREFIX
 
 if TYPE_CHECKING:

@@ -435,10 +435,29 @@ def _boot_id() -> str:
         return ""
 
 
-def _pid_alive(pid: int, started: str | None) -> bool:
-    from ray_jobs.dispatch.local_ray import _owner_alive
+def process_alive(pid: int, started: str | None) -> bool:
+    """Whether process `pid` of this machine still runs and is the one that started at
+    `started` (its `process_start_time`; None or "": any process of that pid). Another
+    user's process counts as alive. The lease lock's stale holder, and the private Ray's
+    leftover folders (`ray_jobs.dispatch.local_ray`), are told by it."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    now = process_start_time(pid)
+    return not (started and now and now != started)
 
-    return _owner_alive(pid, started or "")
+
+def process_start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (Linux /proc), or None."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+    return fields[19] if len(fields) > 19 else None  # field 22 of the whole line
 
 
 class ObjectLease:
@@ -468,11 +487,9 @@ class ObjectLease:
         self._lock = threading.Lock()
 
     def _body(self) -> bytes:
-        from ray_jobs.dispatch.local_ray import _start_time
-
         pid = os.getpid()
         return json.dumps({"owner": self.owner, "host": socket.gethostname(),
-                           "boot_id": _boot_id(), "pid": pid, "pid_start": _start_time(pid),
+                           "boot_id": _boot_id(), "pid": pid, "pid_start": process_start_time(pid),
                            "expires": time.time() + self.lease_s}).encode()
 
     def _stale(self, holder: dict[str, Any]) -> bool:
@@ -480,8 +497,8 @@ class ObjectLease:
             return True
         same_machine = holder.get("boot_id") and holder.get("boot_id") == _boot_id() and \
             holder.get("host") == socket.gethostname()
-        return bool(same_machine) and not _pid_alive(int(holder.get("pid", 0)),
-                                                     holder.get("pid_start"))
+        return bool(same_machine) and not process_alive(int(holder.get("pid", 0)),
+                                                        holder.get("pid_start"))
 
     def acquire(self) -> None:
         """Take the lock, or InputError naming its holder."""

@@ -2,9 +2,9 @@
 
 Stage 4, output of the job pipeline (docs/modules.md).
 
-Each answered piece of a batch is read into a `PieceRecord` (when it came back, from which
-worker, its rows, output tokens and the engine's counts from the table's schema metadata)
-and folded at once into the driver's `ReportLog`: exact running totals plus sums over at
+Each answered piece of a batch is read into a `PieceRecord` (`ray_jobs.workers.piece`: when
+it came back, from which worker, its rows, output tokens and the engine's counts from the
+table's schema metadata) and folded at once into the driver's `ReportLog`: exact running totals plus sums over at
 most `MAX_TIME_BINS` time bins and `SHARE_BINS` share bins, never a list of the pieces, so
 the log, the embedded data and the page keep one size whatever the number of batches (a
 1,000,000-row job of 7,813 batches gets the same report size as one of 79). Rows written
@@ -42,17 +42,9 @@ import re
 from collections import Counter
 from typing import Any
 
-import pyarrow as pa
-
 from ray_jobs.output.manifest import REPORT_NAME
 from ray_jobs.report.timeline import PHASES
-from ray_jobs.workers.worker import (
-    DECODE_ROW_STEPS_KEY,
-    FINISHED_ROW_STEPS_KEY,
-    PREFILL_SLOTS_KEY,
-    PREFILL_TOKENS_KEY,
-    PROMPT_TOKENS_CACHED_KEY,
-)
+from ray_jobs.workers.piece import PieceRecord
 
 REPORT_DATA_ID = "nanoserve-report-data"
 MAX_TIME_BINS = 40  # time bins of the report's plots over time (and of its data)
@@ -60,47 +52,6 @@ FIRST_BIN_WIDTH_S = 1 / 64  # the time bins' width until the run outlasts MAX_TI
 SHARE_BINS = 20  # bins of batch fill and of waste shares (0-5%, 5-10%, ... 95-100%)
 MAX_ERROR_CAUSES = 100  # distinct error causes kept; further ones count as OTHER_CAUSES
 OTHER_CAUSES = "(other causes)"
-
-
-@dataclasses.dataclass(frozen=True)
-class PieceRecord:
-    """One answered piece of a batch (a whole batch unless it was split after worker
-    deaths). Times are seconds from the job's start."""
-
-    batch_id: int
-    worker: int
-    finished_s: float
-    rows: int  # result rows: one per sample
-    error_rows: int
-    prompt_tokens: int
-    output_tokens: int
-    prefill_slots: int  # rows x longest prompt, summed over the engine's sub-batches
-    prefill_real_tokens: int
-    decode_row_steps: int
-    finished_row_steps: int
-    prompt_tokens_cached: int | None = None  # None: the engine has no prefix cache
-
-
-def piece_record(batch_id: int, worker: int, finished_s: float, table: pa.Table) -> PieceRecord:
-    """The record of a worker's answer (`BatchWorker.run_batch`'s table: one row per sample).
-    `rows` counts samples (what a batch's size bounds); `prompt_tokens` counts each prompt
-    once (its first sample's row), as the engine prefills it once."""
-    meta = table.schema.metadata or {}
-    cached = meta.get(PROMPT_TOKENS_CACHED_KEY)
-    prompt_tokens = table["num_input_tokens"].to_pylist()
-    if "sample_index" in table.schema.names:
-        prompt_tokens = [n for n, i in zip(prompt_tokens, table["sample_index"].to_pylist())
-                         if not i]
-    return PieceRecord(
-        batch_id, worker, finished_s, table.num_rows,
-        error_rows=sum(r == "error" for r in table["finish_reason"].to_pylist()),
-        prompt_tokens=sum(n or 0 for n in prompt_tokens),
-        output_tokens=sum(n or 0 for n in table["num_generated_tokens"].to_pylist()),
-        prefill_slots=int(meta.get(PREFILL_SLOTS_KEY, 0)),
-        prefill_real_tokens=int(meta.get(PREFILL_TOKENS_KEY, 0)),
-        decode_row_steps=int(meta.get(DECODE_ROW_STEPS_KEY, 0)),
-        finished_row_steps=int(meta.get(FINISHED_ROW_STEPS_KEY, 0)),
-        prompt_tokens_cached=None if cached is None else int(cached))
 
 
 _DETAIL = re.compile(r"[:;(\[,]")
@@ -560,5 +511,5 @@ def _plot_phases(data: dict[str, Any]) -> str:
     return _svg(fig)
 
 
-__all__ = ["PROMPT_TOKENS_CACHED_KEY", "REPORT_DATA_ID", "PieceRecord", "ReportLog",
-           "error_cause", "piece_record", "report_data", "render_html", "write_report"]
+__all__ = ["REPORT_DATA_ID", "ReportLog", "error_cause", "report_data", "render_html",
+           "write_report"]

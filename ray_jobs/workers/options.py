@@ -1,5 +1,6 @@
 """The batch job's options (`JobOptions`, the `nanoserve batch` flags), checked once when
-built. Its own module so that the driver and the worker pool both read it, one way.
+built, and `--num-workers` read as a `WorkerRange`. Its own module so that the workers, the
+tasks, the pool and the driver all read it, one way.
 
 Stage 2, dispatch of the job pipeline (docs/modules.md).
 """
@@ -7,19 +8,60 @@ Stage 2, dispatch of the job pipeline (docs/modules.md).
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from nanoserve.errors import InputError, NanoserveError, check_positive_int
 from nanoserve.model_store import DEFAULT_MODEL
 from nanoserve.quantization import check_online
-from ray_jobs.dispatch.autoscale import parse_num_workers
 from ray_jobs.input.io import DEFAULT_CHUNK_ROWS, INPUT_FORMATS
 from ray_jobs.input.openai_batch import OUTPUT_FORMATS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULERS = ("auto", "static", "continuous")  # as nanoserve.llm.SCHEDULERS (no torch here)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # as nanoserve.kv_cache_dtype's
+
+
+@dataclass(frozen=True)
+class WorkerRange:
+    """`--num-workers`: `low` workers at least, `high` at most (None: every GPU the cluster
+    has or gains). `grows`: a range or `auto`, which starts with the GPUs present (waiting
+    for `low` of them) and takes each GPU that joins later, up to `high`; else a plain
+    number, as many workers as that (capped to the cluster, on its GPUs or else its CPUs)."""
+
+    low: int
+    high: int | None
+    grows: bool
+
+    def describe(self) -> str:
+        if not self.grows:
+            return str(self.low)
+        return "auto" if self.high is None and self.low == 1 else \
+            f"{self.low}-{'' if self.high is None else self.high}"
+
+
+def parse_num_workers(value: int | str | None) -> WorkerRange | None:
+    """None (one worker per GPU of the cluster, 1 without GPUs), a number, 'MIN-MAX', or
+    'auto' (= '1-': every GPU the cluster has or gains). NanoserveError otherwise."""
+    if value is None:
+        return None
+    text = str(value).strip().lower()
+    if text == "auto":
+        return WorkerRange(1, None, True)
+    if re.fullmatch(r"-?\d+", text):
+        n = int(text)
+        if n < 1:
+            raise NanoserveError(f"num_workers must be >= 1, got {n}")
+        return WorkerRange(n, n, False)
+    match = re.fullmatch(r"(\d+)-(\d*)", text)
+    if match is None:
+        raise NanoserveError(f"num_workers must be a number, MIN-MAX or auto, got {value!r}")
+    low = int(match.group(1))
+    high = int(match.group(2)) if match.group(2) else None
+    if low < 1 or (high is not None and high < low):
+        raise NanoserveError(f"num_workers range must have 1 <= MIN <= MAX, got {value!r}")
+    return WorkerRange(low, high, True)
 
 
 @dataclass(frozen=True)
@@ -185,4 +227,5 @@ class JobOptions:
                    if self.max_thinking_tokens is not None else {})}
 
 
-__all__ = ["DTYPES", "KV_CACHE_DTYPES", "SCHEDULERS", "JobOptions"]
+__all__ = ["DTYPES", "KV_CACHE_DTYPES", "SCHEDULERS", "JobOptions", "WorkerRange",
+           "parse_num_workers"]

@@ -169,7 +169,7 @@ class ShardRunner:
         results, table, answered = answer_rows(self.task, prepared, error)
         if table is not None:
             out.meta = dict(table.schema.metadata or {})
-            from ray_jobs.report.report import piece_record
+            from ray_jobs.workers.piece import piece_record
 
             out.record = piece_record(shard.shard_id, 0, 0.0, table)
             out.answered_prompt_tokens = sum(results[i][0]["num_input_tokens"] or 0
