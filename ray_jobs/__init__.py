@@ -5,13 +5,22 @@ CLI; generation and embedding are its two tasks.
     summary = run_batch_job("prompts.jsonl", "out/", max_tokens=64)
     summary = run_embed_job("docs.jsonl", "vectors/")  # = run_batch_job(..., task="embed")
 
-Module map (docs/modules.md): `io` and `shards` (input stream, shard descriptors), `driver`
-(`run_job`: the one job walk), `pool` (the job's actors), `tasks` (a shard's walk on a
-worker, and what a task plugs into it), `task_generate` and `task_embed` (the two tasks),
-`prepare` (prompt column, tokenization, error rows), `worker` (`BatchWorker`, one model per
-process), `manifest` (job identity, resume), `report` (the job's HTML report),
-`data_processor` (either task over a Ray Data dataset), `cli` (`nanoserve batch`,
-`nanoserve embed`). Names are imported lazily so `nanoserve --help` stays fast.
+Module map (docs/modules.md): one package per stage a row goes through, each importing only
+the stages before it (tests/test_layering.py):
+  input        `io`, `shards`, `storage`, `json_shapes`, `openai_batch`: the input listed,
+               scanned and read a shard at a time; filesystems; OpenAI request lines
+  preparation  `prepare`, `row_images`, `batching`: prompt column, tokenization, images,
+               error rows; a static engine's batches
+  output       `manifest`: job identity, the parts' names, resume
+  workers      `tasks` (a shard's walk on a worker), `worker` (`BatchWorker`, one model per
+               process), `options` (`JobOptions`), `piece` (the record of an answer)
+  tasks        `generate`, `embed`: the two tasks
+  report       `report` (the job's HTML report), `timeline` (its phases)
+  dispatch     `driver` (`run_job`: the one job walk), `pool` (the job's actors),
+               `autoscale`, `placement`, `local_ray`
+and at the top `data_processor` (either task over a Ray Data dataset) and `cli`
+(`nanoserve batch`, `nanoserve embed`). Names are imported lazily so `nanoserve --help`
+stays fast.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""A job on a cluster whose nodes come and go: waiting for the cluster's first GPUs
-(`wait_for_gpus`, for the workers `--num-workers N | MIN-MAX | auto` asks for: a
+"""Stage dispatch: a job on a cluster whose nodes come and go. Waiting for the cluster's
+first GPUs (`wait_for_gpus`, for the workers `--num-workers N | MIN-MAX | auto` asks for: a
 `ray_jobs.workers.options.WorkerRange`), and telling a node that was lost from a worker
 process that died (`node_lost`, `LostNode`).
-
-Stage 2, dispatch of the job pipeline (docs/modules.md).
 
 Growing the pool as GPUs join is `WorkerPool.grow` (ray_jobs.dispatch.pool), which uses these.
 

@@ -1,4 +1,4 @@
-"""Stage 2, dispatch: the job's driver, one for both tasks (generation, embedding). It moves
+"""Stage dispatch: the job's driver, one for both tasks (generation, embedding). It moves
 descriptors, never rows: it scans the input, hands shards to the Ray workers, and records
 the shards whose parts are written.
 

@@ -1,7 +1,6 @@
-"""Which Ray a job runs on: a cluster it joins, or a private single-machine Ray it starts
-and stops itself (`RaySession`); `start_local_ray` / `stop_local_ray` for that private Ray.
-
-Stage 2, dispatch of the job pipeline (docs/modules.md).
+"""Stage dispatch: which Ray a job runs on, a cluster it joins or a private single-machine
+Ray it starts and stops itself (`RaySession`); `start_local_ray` / `stop_local_ray` for
+that private Ray.
 
 A private Ray lives in its own temp folder (`/tmp/ns-ray-*`, short so Ray's socket paths
 stay under 108 characters) and listens on 127.0.0.1 only, with no dashboard. The folder

@@ -1,6 +1,5 @@
-"""Where a job's output goes on a multi-node cluster, checked before any work.
-
-Stage 2, dispatch of the job pipeline (docs/modules.md).
+"""Stage dispatch: where a job's output goes on a multi-node cluster, checked before any
+work.
 
 The driver writes every output part and the manifest itself (workers return Arrow tables
 to it; they never touch the output folder), so OUTPUT_DIR must be writable from the

@@ -1,9 +1,7 @@
-"""The job's workers: one actor per GPU (or CPU actors without GPUs), of the task's class
-(`task_generate.RayBatchWorker`, `task_embed.RayEmbedWorker`), how they are started and
-replaced, which one takes the next piece of work, and what each did
-(`WorkerReport`).
-
-Stage 2, dispatch of the job pipeline (docs/modules.md).
+"""Stage dispatch: the job's workers. One actor per GPU (or CPU actors without GPUs), of
+the task's class (`ray_jobs.tasks.generate.RayBatchWorker`,
+`ray_jobs.tasks.embed.RayEmbedWorker`), how they are started and replaced, which one takes
+the next piece of work, and what each did (`WorkerReport`).
 
 How much work a worker holds (`hold_limits`) follows its engine, not a count of batches: a
 continuous engine is sent batches until it holds HOLD_FACTOR times the rows it runs at once.
@@ -255,8 +253,8 @@ class WorkerPool:
     @classmethod
     def start(cls, opts: JobOptions, timeline: Timeline, actor: type,
               actor_kwargs: dict[str, Any] | None = None) -> WorkerPool:
-        """`actor`: the task's actor class (`task_generate.RayBatchWorker`,
-        `task_embed.RayEmbedWorker`), built with the job's worker arguments and
+        """`actor`: the task's actor class (`tasks.generate.RayBatchWorker`,
+        `tasks.embed.RayEmbedWorker`), built with the job's worker arguments and
         `actor_kwargs`."""
         import ray
 

@@ -1,7 +1,5 @@
-"""Dataset I/O for the batch job: input files read as a stream of Arrow record batches, and
-output parts written atomically.
-
-Stage 1, input of the job pipeline (docs/modules.md).
+"""Stage input: dataset I/O for the batch job. Input files read as a stream of Arrow record
+batches, and output parts written atomically.
 
 Input: a `.parquet` file, a JSON Lines file (`.jsonl`, `.ndjson`, or `.json` holding one
 object a line; any of them may be compressed: `.gz`, `.zst`), or a folder of them, local or

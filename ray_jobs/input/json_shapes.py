@@ -1,7 +1,5 @@
-"""Two shapes one JSON Lines column may mix, read as the wider one: what lets a file hold
-rows with images beside rows without.
-
-Stage 1, input of the job pipeline (docs/modules.md).
+"""Stage input: two shapes one JSON Lines column may mix, read as the wider one, what lets a
+file hold rows with images beside rows without.
 
 - A conversation (a list of messages with a `content`, e.g. `messages`): a message's
   content is a string or a list of OpenAI content parts. Where any message of the column

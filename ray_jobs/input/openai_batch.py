@@ -1,4 +1,4 @@
-"""OpenAI Batch API files in and out: request lines read as input rows, and the job's parts
+"""Stage input: OpenAI Batch API files in and out, request lines read as rows, and the parts
 assembled into `output.jsonl` / `errors.jsonl` in OpenAI's batch output shape.
 
 Stage 4, output (and OpenAI request lines read at stage 1) of the job pipeline (docs/modules.md).

@@ -1,4 +1,4 @@
-"""Stage 1, input: the job's shards, the descriptors the driver hands out instead of rows.
+"""Stage input: the job's shards, the descriptors the driver hands out instead of rows.
 
 The driver lists the input once (`ray_jobs.input.io.scan_input`: files, schema, row counts, and
 for a JSONL file where every `shard_rows`-th row starts) and cuts it into shards: up to

@@ -1,7 +1,6 @@
-"""Where a job's files live: a local path or a URI (`s3://`, `gs://`, any fsspec protocol),
-resolved to a `pyarrow.fs` filesystem, and the output location built on it.
-
-Stage 1, input (and the output's storage) of the job pipeline (docs/modules.md).
+"""Stage input: where a job's files live (the input's, and the output's alike). A local path
+or a URI (`s3://`, `gs://`, any fsspec protocol), resolved to a `pyarrow.fs` filesystem, and
+the output location built on it.
 
     loc = resolve("s3://bucket/prompts/")      # Location(fs, path, uri)
     out = OutputDir.open("s3://bucket/out/")   # the output folder or prefix of a job

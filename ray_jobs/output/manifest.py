@@ -1,4 +1,4 @@
-"""The output folder's manifest: what job wrote it and which batches are done.
+"""Stage output: the output folder's manifest, what job wrote it and which batches are done.
 
 Stage 4, output of the job pipeline (docs/modules.md).
 

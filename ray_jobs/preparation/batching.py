@@ -1,4 +1,4 @@
-"""Stage 3, workers: static batches by token length. A worker whose engine is static cuts
+"""Stage preparation: static batches by token length. A worker whose engine is static cuts
 its shard's rows this way (`ray_jobs.tasks.generate.GenerateTask.groups`: one window, the whole
 shard); a continuous engine needs no batches (it admits rows as others finish).
 

@@ -1,8 +1,6 @@
-"""From input rows to generation requests, on the worker that reads them: which column
-holds the prompt, tokenization, per-row sampling values, and the rows that become `error`
-rows without ever reaching the engine.
-
-Stage 3, workers of the job pipeline (docs/modules.md).
+"""Stage preparation: from input rows to generation requests, on the worker that reads
+them. Which column holds the prompt, tokenization, per-row sampling values, and the rows
+that become `error` rows without ever reaching the engine.
 
 Which column is the prompt (`plan_columns`):
 - `--prompt-column NAME`: that column, read as text (string), chat messages (list of

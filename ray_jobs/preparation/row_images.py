@@ -1,9 +1,9 @@
-"""A row's images (vision-language models such as Qwen2.5-VL): where they are in the row,
-the conversation they belong to, and which of them the output repeats.
+"""Stage preparation: a row's images (vision-language models such as Qwen2.5-VL), where they
+are in the row, the conversation they belong to, and which of them the output repeats.
 
-Stage 3, workers of the job pipeline (docs/modules.md): the batch job's workers, the Ray
-Data processor and OpenAI request files all prepare rows through `RowPreparer`, which
-reads a row's images here, on the worker that prepares the row (never on the driver).
+The batch job's workers, the Ray Data processor and OpenAI request files all prepare rows
+through `RowPreparer`, which reads a row's images here, on the worker that prepares the row
+(never on the driver).
 
 Where a row's images are:
 - in its `messages`: OpenAI content parts, `{"type": "image_url", "image_url": {"url":

@@ -1,11 +1,11 @@
-"""The job report: one self-contained HTML file per run, `OUTPUT_DIR/_nanoserve_report.html`.
-
-Stage 4, output of the job pipeline (docs/modules.md).
+"""Stage report: the job report, one self-contained HTML file per run,
+`OUTPUT_DIR/_nanoserve_report.html`.
 
 Each answered piece of a batch is read into a `PieceRecord` (`ray_jobs.workers.piece`: when
 it came back, from which worker, its rows, output tokens and the engine's counts from the
-table's schema metadata) and folded at once into the driver's `ReportLog`: exact running totals plus sums over at
-most `MAX_TIME_BINS` time bins and `SHARE_BINS` share bins, never a list of the pieces, so
+table's schema metadata) and folded at once into the driver's `ReportLog`: exact running
+totals plus sums over at most `MAX_TIME_BINS` time bins and `SHARE_BINS` share bins,
+never a list of the pieces, so
 the log, the embedded data and the page keep one size whatever the number of batches (a
 1,000,000-row job of 7,813 batches gets the same report size as one of 79). Rows written
 and error rows by cause are counted as batches are written. `write_report` renders them

@@ -1,7 +1,4 @@
-"""A job's phases and when each ended (`JobSummary.timings`).
-
-Stage 2, dispatch of the job pipeline (docs/modules.md).
-"""
+"""Stage report: a job's phases and when each ended (`JobSummary.timings`)."""
 
 from __future__ import annotations
 

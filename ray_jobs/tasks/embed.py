@@ -1,8 +1,5 @@
-"""The embedding task of the job pipeline: a vector per row (`nanoserve embed`,
+"""Stage tasks: the embedding task of the job pipeline, a vector per row (`nanoserve embed`,
 `run_job(..., task="embed")`).
-
-Stage 3, workers (and the embedding task's part on the driver) of the job pipeline
-(docs/modules.md).
 
     from ray_jobs import run_embed_job
     summary = run_embed_job("docs.parquet", "vectors/", dimensions=256)

@@ -1,4 +1,4 @@
-"""The generation task of the job pipeline: a completion per row (`nanoserve batch`,
+"""Stage tasks: the generation task of the job pipeline, a completion per row (`nanoserve batch`,
 `run_job(..., task="generate")`, the default).
 
 Stage 3, workers (and the generation task's part on the driver) of the job pipeline

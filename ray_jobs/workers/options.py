@@ -1,8 +1,6 @@
-"""The batch job's options (`JobOptions`, the `nanoserve batch` flags), checked once when
-built, and `--num-workers` read as a `WorkerRange`. Its own module so that the workers, the
-tasks, the pool and the driver all read it, one way.
-
-Stage 2, dispatch of the job pipeline (docs/modules.md).
+"""Stage workers: the batch job's options (`JobOptions`, the `nanoserve batch` flags),
+checked once when built, and `--num-workers` read as a `WorkerRange`. Its own module so
+that the workers, the tasks, the pool and the driver all read it, one way.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Stage 3, workers: a shard's walk on the worker that holds the engine, and what a task of
+"""Stage workers: a shard's walk on the worker that holds the engine, and what a task of
 the job (generation, `ray_jobs.tasks.generate`; embedding, `ray_jobs.tasks.embed`) plugs
 into it and into the driver.
 

@@ -1,4 +1,4 @@
-"""The batch worker: one `LLM` held for the life of the process, fed whole batches.
+"""Stage workers: the batch worker, one `LLM` held for the life of the process, fed whole batches.
 
 Stage 3, workers of the job pipeline (docs/modules.md).
 
