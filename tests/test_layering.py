@@ -1,7 +1,18 @@
 """Imports go one way: nanoserve_kernels <- nanoserve (engine) <- ray_jobs (job) <- nanoserve_cli
 (the command line), and no two modules of a package import each other, however indirectly.
-Every import counts, function-local and TYPE_CHECKING ones included (read from the source
-with `ast`, nothing imported)."""
+Inside ray_jobs, one subpackage per stage a row goes through, each importing only the stages
+before it:
+
+    input <- preparation <- output <- workers <- tasks <- report <- dispatch <- entry points
+
+(input: listing, scanning, reading a shard's rows, filesystems; preparation: rows to
+requests; output: the manifest and the parts' names, below the workers that write them;
+workers: a shard's walk on the engine's worker, the job's options; tasks: generation and
+embedding; report: phases and the HTML report; dispatch: the driver and the actor pool; the
+entry points, `ray_jobs.cli` and `ray_jobs.data_processor`, and the package's own
+`__init__`, at the top level, above every stage). Every import counts, function-local and
+TYPE_CHECKING ones included (read from the source with `ast`, nothing imported); modules in
+subpackages too."""
 
 from __future__ import annotations
 
@@ -27,8 +38,19 @@ def imports_of(path: Path) -> set[str]:
 
 
 def modules(package: str) -> dict[str, Path]:
-    return {f"{package}.{p.stem}" if p.stem != "__init__" else package: p
-            for p in sorted((REPO / package).glob("*.py"))}
+    """Every module of `package`, its subpackages' included, by dotted name (a package's
+    `__init__` under the package's own name)."""
+    found = {}
+    for p in sorted((REPO / package).rglob("*.py")):
+        parts = p.relative_to(REPO).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+    return found
+
+
+def test_modules_are_found_in_subpackages():
+    mods = modules("ray_jobs")
+    assert {"ray_jobs", "ray_jobs.cli", "ray_jobs.input", "ray_jobs.input.io",
+            "ray_jobs.tasks.generate", "ray_jobs.dispatch.driver"} <= set(mods)
 
 
 @pytest.mark.parametrize("layer", LAYERS)
@@ -59,6 +81,36 @@ def test_no_import_cycle_inside_a_package(package):
     for node in graph:
         if node not in state:
             visit(node, [])
+
+
+# The job's stage packages, first to last: each imports only those before it (and its own).
+STAGES = ["input", "preparation", "output", "workers", "tasks", "report", "dispatch"]
+ENTRY_POINTS = {"ray_jobs", "ray_jobs.cli", "ray_jobs.data_processor"}  # the top level
+
+
+def stage_of(name: str) -> int:
+    """The stage of a ray_jobs module (or of a name in it): its index in STAGES, or
+    len(STAGES) for the top level (the entry points and the package's `__init__`)."""
+    parts = name.split(".")
+    return STAGES.index(parts[1]) if len(parts) > 1 and parts[1] in STAGES else len(STAGES)
+
+
+def test_every_job_module_is_in_a_stage_or_an_entry_point():
+    top = {name for name in modules("ray_jobs") if stage_of(name) == len(STAGES)}
+    assert top == ENTRY_POINTS
+    subpackages = {p.parent.name for p in (REPO / "ray_jobs").glob("*/__init__.py")}
+    assert subpackages == set(STAGES)
+
+
+def test_a_stage_imports_only_the_stages_before_it():
+    """input <- preparation <- output <- workers <- tasks <- report <- dispatch: a module of
+    a stage package imports from its own stage and those before it, never from a later stage
+    nor from the top level (the entry points, or `ray_jobs` itself)."""
+    bad = [(name, imp) for name, path in modules("ray_jobs").items()
+           if stage_of(name) < len(STAGES)
+           for imp in sorted(imports_of(path))
+           if imp.split(".")[0] == "ray_jobs" and stage_of(imp) > stage_of(name)]
+    assert bad == []
 
 
 # Inside the job (ray_jobs), from the top: the entry points, the driver (the one job), the
