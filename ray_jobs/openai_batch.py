@@ -51,19 +51,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import re
 import time
-from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-import pyarrow.parquet as pq
+import pyarrow as pa
 
 from nanoserve.errors import NanoserveError
-from ray_jobs.storage import OutputDir, storage_error
+from ray_jobs.storage import OutputDir
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -234,7 +232,6 @@ def _names(keys: list[str]) -> str:
 
 # --- output ------------------------------------------------------------------------------------
 
-_PART_RE = re.compile(r"part-(\d+)\.parquet")
 _PART_COLUMNS = ("id", "generated_text", "num_input_tokens", "num_generated_tokens",
                  "finish_reason", "error", "sample_index", "logprobs", "choice_scores",
                  "reasoning")
@@ -250,43 +247,96 @@ def wants_openai_output(output_format: str, openai_rows: int) -> bool:
     return output_format == "openai" or (output_format == "auto" and openai_rows > 0)
 
 
-def write_outputs(folder: OutputDir, chunks: Iterable[Any], plan: Any, tokenizer: Any,
-                  model_name: str, settings: dict[str, Any]) -> tuple[int, int]:
-    """Write `output.jsonl` and `errors.jsonl` from the job's parts, in input order (see the
-    module docstring); chunks: the input read again from its start (`ray_jobs.io.
-    iter_chunks`). Returns (answered requests, failed requests)."""
-    if "/" in model_name or model_name.endswith(".gguf"):  # a path: its name
-        model_name = Path(model_name).name
-    job_key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+@dataclass(frozen=True)
+class OpenAIOutput:
+    """What a worker needs, beside the job's column plan and the tokenizer, to write a
+    shard's lines of the OpenAI files: the model name the responses give, and the job's key
+    (a hash of its settings, in every line's ids)."""
+
+    model: str
+    job_key: str
+
+    @classmethod
+    def of(cls, model: str, settings: dict[str, Any]) -> OpenAIOutput:
+        """For the job of `settings` (the manifest's) run with `model` as the user named it."""
+        if "/" in model or model.endswith(".gguf"):  # a path: its name
+            model = Path(model).name
+        key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+        return cls(model, key)
+
+
+def fragment_names(shard_id: int) -> tuple[str, str]:
+    """A shard's fragments of output.jsonl and of errors.jsonl, beside its part (`_` names:
+    Parquet readers skip them)."""
+    return f"_output-{shard_id:05d}.jsonl", f"_errors-{shard_id:05d}.jsonl"
+
+
+def part_columns(names: list[str], plan: Any) -> list[str]:
+    """Of a part's columns `names`, those its lines are made from: `id`, the results, the
+    request's `url` and the prompt columns (a row's endpoint)."""
+    wanted = (*_PART_COLUMNS, "url", *(column for column, _ in plan.prompt_columns))
+    return [c for c in dict.fromkeys(wanted) if c in names]
+
+
+def format_shard(table: pa.Table, first_position: int, plan: Any, output: OpenAIOutput,
+                 token: TokenText) -> tuple[bytes, bytes]:
+    """A shard's lines of output.jsonl and of errors.jsonl (see the module docstring), from
+    its part's rows: one per sample, a row's samples consecutive, the rows in input order
+    from input position `first_position`."""
     created = int(time.time())
-    token = _TokenText(tokenizer)
-    results = _PartReader(folder)
-    counts = [0, 0]
-    with _Writer(folder, OUTPUT_NAME) as out, _Writer(folder, ERRORS_NAME) as errors:
-        position = 0
-        for chunk in chunks:
-            for values in chunk.batch.to_pylist():
-                row_id = position if plan.id_column is None else values[plan.id_column]
-                samples = results.take(row_id)
-                chat = _is_chat(values, plan)
-                digest = hashlib.sha256(f"{job_key}:{position}:{row_id}".encode()).hexdigest()
-                custom_id = None if row_id is None else str(row_id)
-                failed = next((s for s in samples if s["finish_reason"] == "error"), None)
-                if failed is not None:
-                    line = _error_line(digest, custom_id, failed["error"] or "failed")
-                    errors.write(line)
-                    counts[1] += 1
-                else:
-                    body = _completion(digest, chat, samples, created, model_name, token)
-                    out.write({"id": f"batch_req_{digest[:24]}", "custom_id": custom_id,
-                               "response": {"status_code": 200,
-                                            "request_id": f"req_{digest[24:48]}",
-                                            "body": body},
-                               "error": None})
-                    counts[0] += 1
-                position += 1
-        results.check_drained()
-    return counts[0], counts[1]
+    out, errors = [], []
+    rows = table.select(part_columns(table.column_names, plan)).to_pylist()
+    for k, samples in enumerate(_per_row(rows)):
+        row_id = samples[0]["id"]
+        digest = hashlib.sha256(f"{output.job_key}:{first_position + k}:{row_id}".encode()
+                                ).hexdigest()
+        custom_id = None if row_id is None else str(row_id)
+        failed = next((s for s in samples if s["finish_reason"] == "error"), None)
+        if failed is not None:
+            errors.append(_error_line(digest, custom_id, failed["error"] or "failed"))
+            continue
+        body = _completion(digest, _is_chat(samples[0], plan), samples, created, output.model,
+                           token)
+        out.append({"id": f"batch_req_{digest[:24]}", "custom_id": custom_id,
+                    "response": {"status_code": 200, "request_id": f"req_{digest[24:48]}",
+                                 "body": body},
+                    "error": None})
+    return _jsonl(out), _jsonl(errors)
+
+
+def _per_row(rows: list[dict[str, Any]]) -> Iterator[list[dict[str, Any]]]:
+    """A part's rows grouped per input row: a row's samples are consecutive, sample_index
+    0, 1, ..."""
+    group: list[dict[str, Any]] = []
+    for r in rows:
+        if group and (r["id"] != group[0]["id"] or not r.get("sample_index")):
+            yield group
+            group = []
+        group.append(r)
+    if group:
+        yield group
+
+
+def _jsonl(lines: list[dict[str, Any]]) -> bytes:
+    return b"".join(json.dumps(line, ensure_ascii=False).encode() + b"\n" for line in lines)
+
+
+def write_outputs(folder: OutputDir, shards: Iterable[Any],
+                  make_fragments: Callable[[list[Any]], None]) -> None:
+    """`output.jsonl` and `errors.jsonl`: the fragments of every shard (`shards`: the job's,
+    in order, ids 0, 1, ...) joined in shard order, which is input order, as a streamed
+    copy of their bytes (`OutputDir.concatenate`: nothing is parsed). Shards committed
+    without fragments (by an earlier version) get theirs from `make_fragments` first."""
+    names = set(folder.names())
+    missing, count = [], 0
+    for shard in shards:
+        count += 1
+        if not names.issuperset(fragment_names(shard.shard_id)):
+            missing.append(shard)
+    if missing:
+        make_fragments(missing)
+    for i, name in enumerate((OUTPUT_NAME, ERRORS_NAME)):
+        folder.concatenate(name, (fragment_names(shard_id)[i] for shard_id in range(count)))
 
 
 def _is_chat(values: dict[str, Any], plan: Any) -> bool:
@@ -314,7 +364,7 @@ def _error_line(digest: str, custom_id: str | None, message: str) -> dict[str, A
 
 
 def _completion(digest: str, chat: bool, samples: list[dict[str, Any]], created: int,
-                model: str, token: _TokenText) -> dict[str, Any]:
+                model: str, token: TokenText) -> dict[str, Any]:
     choices = []
     for i, s in enumerate(samples):
         entries = s.get("logprobs")
@@ -342,7 +392,7 @@ def _completion(digest: str, chat: bool, samples: list[dict[str, Any]], created:
                       "total_tokens": prompt + completion}}
 
 
-class _TokenText:
+class TokenText:
     """A token id's text and bytes, as OpenAI's logprobs give them."""
 
     def __init__(self, tokenizer: Any) -> None:
@@ -390,102 +440,3 @@ def _byte_level_bytes(piece: str | None) -> bytes | None:
     if not all(c in decoder for c in piece):
         return None
     return bytes(decoder[c] for c in piece)
-
-
-class _PartReader:
-    """The job's result rows, part by part in batch-id order, handed out by id: a row's
-    samples (consecutive in its part) as one list. Reads ahead only until the asked id
-    turns up."""
-
-    def __init__(self, folder: OutputDir) -> None:
-        self.folder = folder
-        names = [n for n in folder.names() if _PART_RE.fullmatch(n)]
-        self.parts = deque(sorted(names, key=lambda n: int(_PART_RE.fullmatch(n).group(1))))
-        self.ready: dict[Any, deque[list[dict[str, Any]]]] = {}
-
-    def take(self, row_id: Any) -> list[dict[str, Any]]:
-        while not self.ready.get(row_id):
-            if not self.parts:
-                raise NanoserveError(f"the output parts hold no result for id {row_id!r}; "
-                                     f"rerun with --overwrite")
-            self._read(self.parts.popleft())
-        queue = self.ready[row_id]
-        samples = queue.popleft()
-        if not queue:
-            del self.ready[row_id]
-        return samples
-
-    def _read(self, name: str) -> None:
-        loc = self.folder / name
-        try:
-            schema = pq.read_schema(loc.path, filesystem=loc.fs)
-            columns = [c for c in _PART_COLUMNS if c in schema.names]
-            rows = pq.read_table(loc.path, columns=columns, filesystem=loc.fs).to_pylist()
-        except OSError as e:
-            raise storage_error(loc.uri, e) from None
-        group: list[dict[str, Any]] = []
-        for r in rows:  # a row's samples: consecutive, sample_index 0, 1, ...
-            if group and (r["id"] != group[0]["id"] or not r.get("sample_index")):
-                self.ready.setdefault(group[0]["id"], deque()).append(group)
-                group = []
-            group.append(r)
-        if group:
-            self.ready.setdefault(group[0]["id"], deque()).append(group)
-
-    def check_drained(self) -> None:
-        if self.ready or self.parts:
-            raise NanoserveError("the output parts hold results for rows the input no longer "
-                                 "has; rerun with --overwrite")
-
-
-class _Writer:
-    """One JSON Lines file of the output, written whole: a local temporary file renamed
-    into place, or one upload to an object store (visible once complete: a driver killed
-    mid-upload leaves the earlier object or none). An error raised while writing to an
-    object store closes the stream, which may leave a partial object; the job is then not
-    complete (no `_SUCCESS`) and its rerun writes the file again."""
-
-    def __init__(self, folder: OutputDir, name: str) -> None:
-        self.folder = folder
-        self.name = name
-        self.loc = folder / name
-        self.tmp: Path | None = None
-
-    def __enter__(self) -> _Writer:
-        self.folder.check_lease()
-        try:
-            if self.folder.local:
-                self.tmp = self.folder.path / f".{self.name}.tmp-{os.getpid()}"
-                self.f = open(self.tmp, "wb")
-            else:
-                self.f = self.loc.fs.open_output_stream(self.loc.path)
-        except OSError as e:
-            raise storage_error(self.loc.uri, e) from None
-        self.buffer: list[bytes] = []
-        return self
-
-    def write(self, line: dict[str, Any]) -> None:
-        self.buffer.append(json.dumps(line, ensure_ascii=False).encode() + b"\n")
-        if len(self.buffer) >= 1024:
-            self._flush()
-
-    def _flush(self) -> None:
-        self.f.write(b"".join(self.buffer))
-        self.buffer = []
-
-    def __exit__(self, kind: Any, *rest: Any) -> None:
-        try:
-            if kind is None:
-                self._flush()
-                if self.tmp is not None:
-                    self.f.flush()
-                    os.fsync(self.f.fileno())
-            self.f.close()
-            if kind is None:
-                self.folder.check_lease()
-                if self.tmp is not None:
-                    os.replace(self.tmp, self.loc.path)
-        finally:
-            if self.tmp is not None:
-                self.tmp.unlink(missing_ok=True)
-
