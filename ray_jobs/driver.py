@@ -20,7 +20,9 @@ Order of work (every job-level check comes before any model loads on a worker):
    `ray_jobs.pool.hold_limits`); the worker reads the shard's rows, prepares them, runs
    them and writes the shard's part (`ray_jobs.tasks.ShardRunner`), and answers with its
    counts; the driver then records the shard in the manifest;
-6. when every shard is recorded, mark the folder complete (`_SUCCESS`).
+6. when every shard is recorded, write the OpenAI output files where the job has them
+   (`ray_jobs.openai_batch.write_outputs`: the shards' fragments, which their workers
+   wrote, joined as bytes in shard order), then mark the folder complete (`_SUCCESS`).
 
 Memory stays flat: the driver holds the scan's cut points (16 bytes a shard), the id
 hashes when the input has ids (8 bytes a row, `ray_jobs.io`), and the descriptors of the

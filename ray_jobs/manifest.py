@@ -25,7 +25,13 @@ point leaves a folder that resumes correctly:
   when it rebuilds a batch with the same id, digest and row count (`adopt_part`), so it is
   not computed again; otherwise it is removed and the batch is redone;
 - a part recorded as done but missing from the folder is refused (InputError): its rows
-  would be lost silently otherwise.
+  would be lost silently otherwise;
+- in a job with OpenAI output files, a shard's fragments (`_output-NNNNN.jsonl`,
+  `_errors-NNNNN.jsonl`, `ray_jobs.openai_batch`) are written before its part, whose footer
+  holds the digest of their bytes (`BESIDE_DIGEST_KEY`): an unrecorded part is adopted only
+  with exactly those fragments beside it, so lines of another attempt at the shard never go
+  with it. A recorded shard without fragments (written by an earlier version) gets them
+  made from its part at the end of the job.
 The manifest holds per-batch data only (done ids, as ranges), never per-row data.
 
 The output may be a local folder or an object-store prefix (`ray_jobs.storage.OutputDir`;

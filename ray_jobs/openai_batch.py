@@ -1,7 +1,9 @@
-"""OpenAI Batch API files in and out: request lines read as input rows, and the job's parts
-assembled into `output.jsonl` / `errors.jsonl` in OpenAI's batch output shape.
+"""OpenAI Batch API files in and out: request lines read as input rows, and each shard's
+results written as its lines of `output.jsonl` / `errors.jsonl` in OpenAI's batch output
+shape, the files joined from them.
 
-Stage 4, output (and OpenAI request lines read at stage 1) of the job pipeline (docs/modules.md).
+Stage 4, output (and OpenAI request lines read at stage 1, each shard's lines made at stage
+3) of the job pipeline (docs/modules.md).
 
 Input. A JSON Lines line `{"custom_id", "method": "POST", "url", "body"}` (recognised by
 its `custom_id` and `body` keys; with `--input-format openai` every line is read as one)
@@ -28,12 +30,11 @@ Anything else (a body field we do not apply, another method or url, a body that 
 object) makes the row an error row whose message names it. Duplicate custom_ids are the
 input's duplicate ids: refused before any work (`ray_jobs.io.scan_input`).
 
-Output. `write_outputs`, when the job's parts are all written: the input is read again in
-order (only to learn each row's id and endpoint) and the parts in batch-id order; since a
-batch holds rows of one window of consecutive input rows and batch ids grow window by
-window, a row's result is found after reading at most about one window ahead, so memory
-holds about one window of results whatever the input's size. Each answered request is one
-line of `output.jsonl`:
+Output. Each shard's lines are made on the worker that ran it, from the rows of its part
+(`format_shard`), and written beside the part as its fragments `_output-NNNNN.jsonl` and
+`_errors-NNNNN.jsonl` (`fragment_names`), before the part, whose footer names their bytes
+(`ray_jobs.tasks.ShardRunner.commit`, `ray_jobs.manifest.adopt_part`): a shard is committed
+with its fragments. Each answered request is one line of `output.jsonl`:
 
     {"id": "batch_req_...", "custom_id": ..., "response": {"status_code": 200,
      "request_id": "req_...", "body": <chat.completion or text_completion>}, "error": null}
@@ -41,10 +42,18 @@ line of `output.jsonl`:
 with one choice per sample, `usage` from the engine's token counts (completion tokens summed
 over the samples); a failed request is a line of `errors.jsonl` with status code 400 (its
 input) or 500 (the engine or its worker failed) and the body `{"error": {"message", "type",
-"param", "code"}}`. Both files are written whole (a local temporary file renamed, or one
-upload to an object store), and rewritten by every run that completes the job, so a killed
-driver rerun gives them again. The ids are hashes of the job's settings, the row's position
-and custom_id (the same for the same job); `created` is the time the files were written.
+"param", "code"}}`. The ids are hashes of the job's settings, the row's input position and
+its custom_id (the same for the same job); `created` is the time the shard's lines were
+made.
+
+When every shard is recorded, the driver writes `output.jsonl` and `errors.jsonl`
+(`write_outputs`): each the shards' fragments joined in shard order, which is input order,
+as a streamed copy of their bytes (no line is parsed, no row read); a shard committed
+without fragments (by a version that assembled the files on the driver) gets them first from
+its part, on a worker or, when none runs, on the driver (the same `format_shard`). Both
+files are written whole (a local temporary file renamed, or one upload to an object store),
+and rewritten by every run that completes the job, so a killed driver rerun gives them
+again. The fragments stay in the folder (`_` names: Parquet readers skip them).
 """
 
 from __future__ import annotations

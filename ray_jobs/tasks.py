@@ -5,7 +5,8 @@ into it and into the driver.
     read (ray_jobs.shards.read_shard) -> prepare (the task's preparer: images read and
     decoded, tokenize, chat template, constraints) -> run (the task's engine call) ->
     assemble (`id`, the input columns, the task's result columns, in input order) -> write
-    the part (the job's OutputDir, local or object storage)
+    the part (the job's OutputDir, local or object storage; in a job with OpenAI output
+    files, the shard's lines of them first, `commit`)
 
 `ShardRunner.run` is that walk; it returns the shard's counts (`ShardOutcome`), a few
 hundred bytes whatever its rows, and the table itself only when asked (a piece of a shard
