@@ -271,7 +271,7 @@ def run_pipeline(p: Pipeline, timeline: Timeline) -> JobSummary:
             log(f"nanoserve: --retry-errors: computing again {len(retry)} batch(es) of an "
                 f"earlier run that hold error rows")
         if manifest.complete:
-            if p.spec.openai is not None and not folder.exists(OUTPUT_NAME):  # (deleted)
+            if p.spec.openai is not None and not folder.exists(OUTPUT_NAME):  # (removed since)
                 write_outputs(folder, iter_shards(p.info),
                               lambda shards: make_fragments(shards, None, p.local))
             timeline.mark("prepare")
