@@ -54,9 +54,10 @@ def mem_gib() -> float:
     return float("nan")
 
 
-def git_commit() -> str:
+def git_commit(tree: pathlib.Path = ROOT) -> str:
+    """The short commit a checkout (this one by default) is at."""
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tree,
                               capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"

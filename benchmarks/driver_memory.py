@@ -8,7 +8,8 @@ prompts and runs the real command in a child process,
 
 with a private local Ray. The child is the driver: it runs `nanoserve_cli.main` and, when
 the job ends, prints its own peak resident set (`VmHWM`, `benchmarks.common.own_peak_kib`:
-the driver process only, not Ray's processes or the worker). While it runs, the parent samples the child's
+the driver process only, not Ray's processes or the worker) and its own CPU seconds (user +
+system, `getrusage(RUSAGE_SELF)`). While it runs, the parent samples the child's
 /proc/PID/status (VmHWM, the peak so far) with the rows written so far (the manifest's
 `rows_done`), which gives the driver's peak at 20k, 100k and 200k rows within the largest run.
 
@@ -26,8 +27,15 @@ compressed as a whole file: the job must stream it, never decompress it all in m
 
 `--openai` writes each row as an OpenAI Batch API request line (`{"custom_id", "method",
 "url": "/v1/completions", "body": {"model", "prompt", "max_tokens": 1}}`, the same prompts):
-the job then also assembles `output.jsonl` / `errors.jsonl` in input order at its end,
-inside the measured driver process.
+the job then also writes `output.jsonl` / `errors.jsonl` in input order.
+
+`--code DIR ...` runs the job's code of other checkouts of the repository (e.g. a `git
+worktree` of an earlier commit): each input runs once per checkout, in turn, the child
+started in that checkout (its `nanoserve_cli`, `ray_jobs` and `nanoserve`, for the driver
+and its Ray workers alike) while this script measures it, so two commits compare side by
+side under the same load:
+
+    python -m benchmarks.driver_memory --openai --rows 100000 --code /tmp/before .
 """
 
 from __future__ import annotations
@@ -49,11 +57,22 @@ from benchmarks.common import (
     load_average,
     markdown_table,
     mem_gib,
-    own_peak_kib,
 )
 
-CHILD_FLAG = "--as-driver"
 PEAK_PREFIX = "DRIVER_PEAK_KIB="
+CPU_PREFIX = "DRIVER_CPU_S="
+# The child, the driver: the `nanoserve` command itself, with the code of the checkout it
+# starts in (`python -c` there), then this process's peak RSS and CPU seconds.
+CHILD = f"""
+import resource, sys
+from benchmarks.common import own_peak_kib
+from nanoserve_cli import main
+rc = main(sys.argv[1:])
+usage = resource.getrusage(resource.RUSAGE_SELF)
+print(f"{PEAK_PREFIX}{{own_peak_kib()}}", flush=True)
+print(f"{CPU_PREFIX}{{usage.ru_utime + usage.ru_stime:.2f}}", flush=True)
+sys.exit(rc)
+"""
 WORDS = ("apple", "river", "stone", "cloud", "lantern", "violin", "harbor", "meadow")
 
 
@@ -98,16 +117,16 @@ def rows_done(out: Path) -> int:
 
 
 def run_driver(input_path: Path, out: Path, model: str, batch_size: int,
-               marks: list[int]) -> dict:
-    """Run the job in a child driver; return its peak, wall time and the peak seen as the
-    rows written passed each of `marks`."""
-    command = [sys.executable, "-m", "benchmarks.driver_memory", CHILD_FLAG, "batch",
+               marks: list[int], code: Path = ROOT) -> dict:
+    """Run the job in a child driver with the code of the checkout `code`; return its peak,
+    CPU seconds, wall time and the peak seen as the rows written passed each of `marks`."""
+    command = [sys.executable, "-c", CHILD, "batch",
                str(input_path), "-o", str(out), "--model", model, "--max-tokens", "1",
                "--batch-size", str(batch_size), "--address", "local", "--no-progress"]
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(code)}
     env.pop("RAY_ADDRESS", None)
     t0 = time.perf_counter()
-    child = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True,
+    child = subprocess.Popen(command, cwd=code, env=env, stdout=subprocess.PIPE, text=True,
                              start_new_session=True)
     at_mark: dict[int, int] = {}
     last_poll = 0.0
@@ -124,25 +143,16 @@ def run_driver(input_path: Path, out: Path, model: str, batch_size: int,
     stdout = child.stdout.read()
     if child.returncode != 0:
         raise SystemExit(f"the job failed (exit {child.returncode}):\n{stdout[-3000:]}")
-    peak = next(int(ln[len(PEAK_PREFIX):]) for ln in stdout.splitlines()
-                if ln.startswith(PEAK_PREFIX))
+    lines = stdout.splitlines()
+    peak = next(int(ln[len(PEAK_PREFIX):]) for ln in lines if ln.startswith(PEAK_PREFIX))
+    cpu = next(float(ln[len(CPU_PREFIX):]) for ln in lines if ln.startswith(CPU_PREFIX))
     for m in marks:  # passed between the last poll and the end: the final peak bounds it
         at_mark.setdefault(m, peak)
-    return {"peak_kib": peak, "wall_s": wall, "at_mark": at_mark, "summary": stdout}
-
-
-def as_driver(argv: list[str]) -> int:
-    """The child: the `nanoserve` command itself, then this process's peak RSS."""
-    from nanoserve_cli import main
-
-    rc = main(argv)
-    print(f"{PEAK_PREFIX}{own_peak_kib()}", flush=True)
-    return rc
+    return {"peak_kib": peak, "cpu_s": cpu, "wall_s": wall, "at_mark": at_mark,
+            "summary": stdout}
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == CHILD_FLAG:
-        sys.exit(as_driver(sys.argv[2:]))
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, nargs="+", default=[20_000, 100_000, 200_000])
     p.add_argument("--model", default=None, help="default: a tiny random Llama in a temp folder")
@@ -150,8 +160,11 @@ def main() -> None:
     p.add_argument("--formats", nargs="+", choices=FORMATS, default=["jsonl"],
                    help="input file formats, each run at every size (default: jsonl)")
     p.add_argument("--openai", action="store_true",
-                   help="OpenAI Batch API request lines (output.jsonl assembled at the end)")
+                   help="OpenAI Batch API request lines (output.jsonl and errors.jsonl too)")
+    p.add_argument("--code", type=Path, nargs="+", default=[ROOT],
+                   help="checkouts whose job code runs, each in turn (default: this one)")
     args = p.parse_args()
+    codes = [(c.resolve(), git_commit(c.resolve())) for c in args.code]
 
     from nanoserve.model_store import DEFAULT_MODEL, resolve_model
     from nanoserve.testing import save_tiny_llama
@@ -166,15 +179,18 @@ def main() -> None:
             for n in sorted(set(args.rows)):
                 path = work / f"in.{fmt}"
                 write_input(path, n, args.openai)
-                r = results[fmt, n] = run_driver(path, work / f"out-{n}", model, args.batch_size,
-                                                 marks if n == largest else [])
-                r["input_mib"] = path.stat().st_size / 2**20
-                if args.openai:
-                    r["output_mib"] = (work / f"out-{n}" / "output.jsonl").stat().st_size / 2**20
+                for code, commit in codes:
+                    r = results[commit, fmt, n] = run_driver(
+                        path, work / f"out-{n}", model, args.batch_size,
+                        marks if n == largest else [], code)
+                    r["input_mib"] = path.stat().st_size / 2**20
+                    if args.openai:
+                        r["output_mib"] = (work / f"out-{n}" / "output.jsonl").stat().st_size \
+                            / 2**20
+                    shutil.rmtree(work / f"out-{n}")
+                    print(f"{commit} {fmt} {n} rows: peak {r['peak_kib'] / 1024:.1f} MiB, "
+                          f"{r['cpu_s']:.1f} driver CPU s, {r['wall_s']:.0f} s", file=sys.stderr)
                 path.unlink()
-                shutil.rmtree(work / f"out-{n}")
-                print(f"{fmt} {n} rows: peak {r['peak_kib'] / 1024:.1f} MiB, "
-                      f"{r['wall_s']:.0f} s", file=sys.stderr)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -183,30 +199,33 @@ def main() -> None:
     import pyarrow
     import ray
 
-    print(f"commit: {git_commit()}")
+    print(f"commit: {git_commit()}" + (f"; code of {', '.join(c for _, c in codes)}"
+                                        if codes != [(ROOT, git_commit())] else ""))
     print(f"machine: {os.cpu_count()}-core {platform.machine()} CPU ({cpu_model_name()}), "
           f"{mem_gib():.0f} GiB; python {platform.python_version()}, ray {ray.__version__}, "
           f"pyarrow {pyarrow.__version__}")
     print(f"load average at the end (1/5/15 min): {load_average()}")
     if args.openai:
-        print("input: OpenAI batch request lines (/v1/completions); output.jsonl assembled "
-              "by the driver; output.jsonl sizes (MiB): "
-              + ", ".join(f"{n:,} rows {r['output_mib']:.1f}" for (_, n), r in results.items()))
+        print("input: OpenAI batch request lines (/v1/completions); output.jsonl sizes (MiB): "
+              + ", ".join(f"{c} {n:,} rows {r['output_mib']:.1f}"
+                          for (c, _, n), r in results.items()))
     print(f"model: {args.model or 'tiny random Llama (hidden 64, 2 layers, default tokenizer)'}, "
           f"--max-tokens 1, --batch-size {args.batch_size}, one CPU worker, private local Ray")
     print()
-    print("Driver peak RSS per run (VmHWM of the driver process at exit):")
+    print("Driver peak RSS (VmHWM of the driver process at exit) and CPU seconds per run:")
     print(markdown_table(
-        ["input", "input rows", "file size (MiB)", "driver peak RSS (MiB)", "wall time (s)",
-         "rows/s"],
-        [[f".{fmt}", f"{n:,}", f"{r['input_mib']:.1f}", f"{r['peak_kib'] / 1024:.1f}",
-          f"{r['wall_s']:.0f}", f"{n / r['wall_s']:.0f}"] for (fmt, n), r in results.items()]))
+        ["code", "input", "input rows", "file size (MiB)", "driver peak RSS (MiB)",
+         "driver CPU (s)", "wall time (s)", "rows/s"],
+        [[c, f".{fmt}", f"{n:,}", f"{r['input_mib']:.1f}", f"{r['peak_kib'] / 1024:.1f}",
+          f"{r['cpu_s']:.1f}", f"{r['wall_s']:.0f}", f"{n / r['wall_s']:.0f}"]
+         for (c, fmt, n), r in results.items()]))
     print()
     print(f"Within the {largest:,}-row run, the driver's peak so far (VmHWM) once N rows were "
           f"written:")
-    print(markdown_table(["rows written"] + [f".{fmt} (MiB)" for fmt in args.formats],
-                         [[f"{m:,}"] + [f"{results[fmt, largest]['at_mark'][m] / 1024:.1f}"
-                                        for fmt in args.formats] for m in marks]))
+    runs = [(c, fmt) for fmt in args.formats for _, c in codes]
+    print(markdown_table(["rows written"] + [f"{c} .{fmt} (MiB)" for c, fmt in runs],
+                         [[f"{m:,}"] + [f"{results[c, fmt, largest]['at_mark'][m] / 1024:.1f}"
+                                        for c, fmt in runs] for m in marks]))
 
 
 if __name__ == "__main__":

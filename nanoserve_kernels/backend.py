@@ -98,6 +98,18 @@ def use_triton(device: torch.device | str) -> bool:
     return False
 
 
+def fp8_decode_form() -> str:
+    """How the decode kernel reads an FP8 cache: `NANOSERVE_FP8_DECODE_FORM` ("f16" or
+    "e4m3", for side-by-side runs of the two), else `paged_attention.DEFAULT_FP8_FORM`."""
+    form = os.environ.get("NANOSERVE_FP8_DECODE_FORM", "").strip().lower()
+    if not form:
+        return paged_attention.DEFAULT_FP8_FORM
+    if form not in paged_attention.FP8_FORMS:
+        raise ValueError(f"NANOSERVE_FP8_DECODE_FORM must be one of {paged_attention.FP8_FORMS}, "
+                         f"got {form!r}")
+    return form
+
+
 def decode_attention(
     q: torch.Tensor,  # [B, Hq, D]
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
@@ -121,7 +133,8 @@ def decode_attention(
     if use_triton(q.device):
         return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
                                       max_context_len=max_context_len, window=window,
-                                      even_splits=even_splits, **scales)
+                                      even_splits=even_splits, fp8_form=fp8_decode_form(),
+                                      **scales)
     if q.device.type == "cpu" and not references_forced():
         return decode_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, scale,
                                     window=window, **scales)

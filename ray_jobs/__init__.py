@@ -7,11 +7,12 @@ CLI; generation and embedding are its two tasks.
 
 Module map (docs/modules.md): one package per stage a row goes through, each importing only
 the stages before it (tests/test_layering.py):
-  input        `io`, `shards`, `storage`, `json_shapes`, `openai_batch`: the input listed,
-               scanned and read a shard at a time; filesystems; OpenAI request lines
+  input        `io`, `shards`, `storage`, `json_shapes`, `openai_requests`: the input
+               listed, scanned and read a shard at a time; filesystems; OpenAI request lines
   preparation  `prepare`, `row_images`, `batching`: prompt column, tokenization, images,
                error rows; a static engine's batches
-  output       `manifest`: job identity, the parts' names, resume
+  output       `manifest`: job identity, the parts' names, resume; `openai_files`: each
+               shard's OpenAI output lines, `output.jsonl` / `errors.jsonl` joined
   workers      `tasks` (a shard's walk on a worker), `worker` (`BatchWorker`, one model per
                process), `options` (`JobOptions`), `piece` (the record of an answer)
   tasks        `generate`, `embed`: the two tasks

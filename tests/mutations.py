@@ -46,22 +46,22 @@ class Mutation:
 
 MUTATIONS = [
     # OpenAI Batch files (tests/test_openai_batch.py)
-    Mutation("openai-chat-top-logprobs-zero", "ray_jobs/input/openai_batch.py",
+    Mutation("openai-chat-top-logprobs-zero", "ray_jobs/output/openai_files.py",
              'top.append({"token": t_text, "logprob": t["logprob"], "bytes": t_raw})',
              'top.append({"token": t_text, "logprob": 0.0, "bytes": t_raw})',
              "tests/test_openai_batch.py::test_output_lines_parse_as_openai_types_and_equal_the_engine",
              why="chat top_logprobs values not the engine's"),
-    Mutation("openai-completion-top-logprobs-empty", "ray_jobs/input/openai_batch.py",
+    Mutation("openai-completion-top-logprobs-empty", "ray_jobs/output/openai_files.py",
              '"top_logprobs": [{self.text(t["token_id"])[0]: t["logprob"]\n'
              '                                  for t in e["top"] or ()} for e in entries],',
              '"top_logprobs": [{} for e in entries],',
              "tests/test_openai_batch.py::test_output_lines_parse_as_openai_types_and_equal_the_engine",
              why="completion top_logprobs dicts emptied"),
-    Mutation("openai-text-offset-zero", "ray_jobs/input/openai_batch.py",
+    Mutation("openai-text-offset-zero", "ray_jobs/output/openai_files.py",
              "offsets.append(at)", "offsets.append(0)",
              "tests/test_openai_batch.py::test_output_lines_parse_as_openai_types_and_equal_the_engine",
              why="every text_offset 0"),
-    Mutation("openai-default-temperature-greedy", "ray_jobs/input/openai_batch.py",
+    Mutation("openai-default-temperature-greedy", "ray_jobs/input/openai_requests.py",
              'OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0}', "OPENAI_DEFAULTS = {}",
              "tests/test_openai_batch.py::test_request_lines_are_recognised_and_mapped",
              why="a request without temperature runs greedy (nanoserve's default, not OpenAI's 1)"),

@@ -181,3 +181,40 @@ def test_input_identity_names_files_relative_to_the_input(tmp_path):
     ident = input_identity(tmp_path, [tmp_path / "a.jsonl"])
     assert ident[0]["name"] == "a.jsonl"
     assert input_identity(tmp_path / "a.jsonl", [tmp_path / "a.jsonl"]) == ident
+
+
+def test_a_part_is_adopted_only_with_the_files_committed_beside_it(tmp_path):
+    """A part's footer names the bytes of the files written before it (an OpenAI job's
+    fragments): adopted with exactly those; not when one is missing or holds another
+    attempt's bytes (a retry killed between its fragments and its part), nor when the part
+    names none (written without them)."""
+    from ray_jobs.output.manifest import (
+        BESIDE_DIGEST_KEY,
+        PART_DIGEST_KEY,
+        adopt_part,
+        beside_digest,
+    )
+
+    out = tmp_path / "out"
+    m = open_output_dir(out, SETTINGS, overwrite=False)
+    beside = ("_output-00003.jsonl", "_errors-00003.jsonl")
+    blobs = [b'{"custom_id": "a"}\n', b""]
+    for name, data in zip(beside, blobs):
+        (out / name).write_bytes(data)
+
+    def write(meta):
+        pq.write_table(pa.table({"id": [1, 2]}).replace_schema_metadata(meta),
+                       out / part_name(3))
+
+    write({PART_DIGEST_KEY: b"d3"})  # no digest of the files beside it
+    assert not adopt_part(out, m, 3, "d3", beside=beside)
+    write({PART_DIGEST_KEY: b"d3", BESIDE_DIGEST_KEY: beside_digest(blobs).encode()})
+    (out / beside[0]).write_bytes(b'{"custom_id": "b"}\n')  # another attempt's lines
+    assert not adopt_part(out, m, 3, "d3", beside=beside)
+    (out / beside[0]).unlink()
+    assert not adopt_part(out, m, 3, "d3", beside=beside)
+    (out / beside[0]).write_bytes(blobs[0])
+    assert not adopt_part(out, m, 3, "other", beside=beside)
+    assert adopt_part(out, m, 3, "d3", beside=beside)
+    assert (m.done, m.rows_done) == ({3}, 2)
+    assert open_output_dir(out, SETTINGS, overwrite=False).done == {3}  # fragments are ours

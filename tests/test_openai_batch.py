@@ -15,8 +15,8 @@ lines naming the problem; duplicate custom_ids are refused before Ray; a driver 
 mid-job and run again gives the same files as an uninterrupted run. Model: the tiny random
 Llama with the default model's tokenizer and chat template.
 
-What these tests catch (each is a mutation of `ray_jobs/input/openai_batch.py` in
-`tests/mutations.py`, run there to see it fail):
+What these tests catch (each is a mutation of `ray_jobs/output/openai_files.py` or
+`ray_jobs/input/openai_requests.py` in `tests/mutations.py`, run there to see it fail):
 - chat `top_logprobs` values not the engine's (e.g. all 0.0): the job test's top-K check;
 - completion `top_logprobs` dicts emptied: the same test's dict check;
 - `text_offset` all 0: the same test's offset rule;
@@ -47,9 +47,10 @@ from nanoserve.structured import structured_from_request
 from nanoserve_cli import main as nanoserve_main
 from ray_jobs import run_batch_job
 from ray_jobs.input.io import scan_input
-from ray_jobs.input.openai_batch import ERRORS_NAME, OUTPUT_NAME, flatten_request, is_request
+from ray_jobs.input.openai_requests import flatten_request, is_request
 from ray_jobs.input.storage import OutputDir
 from ray_jobs.output.manifest import SUCCESS_NAME
+from ray_jobs.output.openai_files import ERRORS_NAME, OUTPUT_NAME
 
 REPO = Path(__file__).resolve().parents[1]
 KV_BYTES = 32 << 20
@@ -578,3 +579,231 @@ def test_default_model_json_schema_request_parses_and_equals_the_engine(
     assert choice.message.content == want.text
     assert parsed.usage.completion_tokens == len(want.token_ids)
     assert parsed.usage.prompt_tokens == len(chat_prompt(tok, messages))
+
+
+# --- each shard's lines written on its worker, the files joined by the driver ---------------
+
+
+def reference_files(input_path, out, tokenizer, model_name):
+    """output.jsonl and errors.jsonl as the driver assembled them when it formatted every
+    line itself (kept here as the oracle; `created` 0): the input read again in order, each
+    row's samples found by id in the parts, ids hashed from the manifest's settings, the
+    row's input position and its custom_id."""
+    import hashlib
+
+    from ray_jobs.input.io import iter_chunks
+    from ray_jobs.output.manifest import MANIFEST_NAME
+    from ray_jobs.output.openai_files import TokenText, _completion, _error_line, _is_chat
+    from ray_jobs.preparation.prepare import plan_columns
+
+    settings = json.loads((out / MANIFEST_NAME).read_text())["settings"]
+    job_key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    info = scan_input(input_path)
+    plan = plan_columns(info.schema)
+    results = {}
+    for part in sorted(out.glob("part-*.parquet")):
+        for r in pq.read_table(part).to_pylist():
+            results.setdefault(r["id"], []).append(r)
+    token = TokenText(tokenizer)
+    files = {OUTPUT_NAME: [], ERRORS_NAME: []}
+    position = 0
+    for chunk in iter_chunks(info):
+        for values in chunk.batch.to_pylist():
+            row_id = position if plan.id_column is None else values[plan.id_column]
+            samples = results.pop(row_id)
+            digest = hashlib.sha256(f"{job_key}:{position}:{row_id}".encode()).hexdigest()
+            custom_id = None if row_id is None else str(row_id)
+            failed = next((s for s in samples if s["finish_reason"] == "error"), None)
+            if failed is not None:
+                files[ERRORS_NAME].append(_error_line(digest, custom_id, failed["error"]))
+            else:
+                body = _completion(digest, _is_chat(values, plan), samples, 0, model_name, token)
+                files[OUTPUT_NAME].append({
+                    "id": f"batch_req_{digest[:24]}", "custom_id": custom_id,
+                    "response": {"status_code": 200, "request_id": f"req_{digest[24:48]}",
+                                 "body": body}, "error": None})
+            position += 1
+    assert results == {}  # every result row belongs to an input row
+    return files
+
+
+def test_files_equal_the_driver_side_assembly_and_join_the_shards_fragments(
+        openai_job, chat_llm, chat_model):
+    from ray_jobs.output.openai_files import fragment_names
+
+    _, _, out = openai_job
+    want = reference_files(out.parent / "requests.jsonl", out, chat_llm.tokenizer,
+                           chat_model.name)
+    for name in (OUTPUT_NAME, ERRORS_NAME):
+        assert without_created(read_jsonl(out / name)) == want[name]
+    shards = len(list(out.glob("part-*.parquet")))
+    assert shards == 3  # 10 requests, 4 a shard
+    for i, name in enumerate((OUTPUT_NAME, ERRORS_NAME)):
+        fragments = [out / fragment_names(shard)[i] for shard in range(shards)]
+        assert (out / name).read_bytes() == b"".join(f.read_bytes() for f in fragments)
+
+
+def refuse_rows_in_this_process(mp):
+    """This process is the job's driver (its workers are Ray's own processes): make it fail
+    if it reads input rows after the scan (rows in the job's schema: a shard's, or the
+    whole input again) or the rows of a part."""
+    from ray_jobs.input import io, shards
+
+    scan = io._iter_jsonl
+
+    def scan_only(*args, schema=None, **kwargs):
+        if schema is not None:
+            raise AssertionError("the driver read input rows")
+        return scan(*args, schema=schema, **kwargs)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the driver read a part's rows")
+
+    mp.setattr(io, "_iter_jsonl", scan_only)
+    mp.setattr(shards, "_iter_jsonl", scan_only)
+    mp.setattr(pq, "read_table", refuse)
+
+
+def as_earlier_version(out, committed, complete):
+    """The folder as the version that assembled the files on the driver left it: the
+    parts of shards 0..committed-1 (their footers naming no fragments) and no fragments;
+    complete with its files but output.jsonl gone, or killed before its last shards."""
+    from ray_jobs.output.manifest import BESIDE_DIGEST_KEY, Manifest
+
+    for f in [*out.glob("_output-*"), *out.glob("_errors-*"), out / OUTPUT_NAME]:
+        f.unlink()
+    m = Manifest.load(out)
+    for part in sorted(out.glob("part-*.parquet")):
+        shard, table = int(part.stem.split("-")[1]), pq.read_table(part)
+        if shard < committed:
+            meta = {k: v for k, v in table.schema.metadata.items() if k != BESIDE_DIGEST_KEY}
+            pq.write_table(table.replace_schema_metadata(meta), part)
+        else:
+            part.unlink()
+            m.done.discard(shard)
+            m.rows_done -= table.num_rows
+    if not complete:
+        m.complete = False
+        for name in (SUCCESS_NAME, ERRORS_NAME):
+            (out / name).unlink()
+    m.save(out)
+
+
+def test_the_driver_reads_no_rows_and_an_earlier_versions_folder_finishes(
+        tmp_path, ray_session, chat_model):
+    requests = [req(f"e{i}", COMP if i % 2 else CHAT,
+                    {"prompt": f"Earlier {i} says", "max_tokens": 2, "seed": i} if i % 2 else
+                    {"messages": [{"role": "user", "content": f"Hi {i}"}], "max_tokens": 2,
+                     "n": 2, "temperature": 0.7, "seed": i}) for i in range(11)]
+    requests[5]["body"]["tools"] = []  # an unsupported field: an error line
+    path = write_jsonl(tmp_path / "requests.jsonl", requests)
+    out = tmp_path / "out"
+    options = {"model": str(chat_model), "max_tokens": 2, "batch_size": 3,
+               "kv_cache_bytes": KV_BYTES, "progress": False}
+    with pytest.MonkeyPatch.context() as mp:
+        refuse_rows_in_this_process(mp)
+        run_batch_job(path, out, **options)
+    first = {name: without_created(read_jsonl(out / name)) for name in (OUTPUT_NAME, ERRORS_NAME)}
+    assert [line["custom_id"] for line in first[ERRORS_NAME]] == ["e5"]
+    assert [line["custom_id"] for line in first[OUTPUT_NAME]] == [
+        r["custom_id"] for r in requests if r["custom_id"] != "e5"]
+
+    # Killed after 3 of its 4 shards: the workers make the committed shards' lines from
+    # their parts, and the driver still reads no row.
+    as_earlier_version(out, committed=3, complete=False)
+    with pytest.MonkeyPatch.context() as mp:
+        refuse_rows_in_this_process(mp)
+        summary = run_batch_job(path, out, **options)
+    assert summary.input_rows == 2 and summary.rows_resumed == 14  # 9 rows: 5 of n = 2
+    for name in (OUTPUT_NAME, ERRORS_NAME):
+        assert without_created(read_jsonl(out / name)) == first[name]
+    assert len(list(out.glob("_output-*.jsonl"))) == len(list(out.glob("_errors-*"))) == 4
+
+    # Complete, output.jsonl gone: no worker starts, the driver makes the lines itself.
+    as_earlier_version(out, committed=4, complete=True)
+    again = run_batch_job(path, out, **options)
+    assert again.rows == 0 and again.workers == ()
+    for name in (OUTPUT_NAME, ERRORS_NAME):
+        assert without_created(read_jsonl(out / name)) == first[name]
+
+
+def test_retry_errors_rewrites_the_retried_shards_lines(tmp_path, ray_session, chat_model):
+    per_block = 2 * 2 * 2 * 16 * 4 * 16  # layers x (k, v) x kv heads x head dim x fp32 x tokens
+    requests = [req(f"r{i}", COMP, {"prompt": f"Retry {i} says", "max_tokens": 2, "seed": i})
+                for i in range(6)]
+    requests[4]["body"]["prompt"] = " ".join(["word"] * 80)  # more than 4 blocks of 16 tokens
+    path = write_jsonl(tmp_path / "requests.jsonl", requests)
+    out = tmp_path / "out"
+    options = {"model": str(chat_model), "max_tokens": 2, "batch_size": 2, "progress": False}
+    run_batch_job(path, out, **options, kv_cache_bytes=4 * per_block)
+    assert [line["custom_id"] for line in read_jsonl(out / ERRORS_NAME)] == ["r4"]
+    fragments = {f.name: (f.stat().st_mtime_ns, f.read_bytes()) for f in out.glob("_*-*.jsonl")}
+    assert len(fragments) == 6
+
+    again = run_batch_job(path, out, **options, kv_cache_bytes=KV_BYTES, retry_errors=True)
+    assert again.input_rows == 2  # the shard of r4 and r5, computed again
+    now = {f.name: (f.stat().st_mtime_ns, f.read_bytes()) for f in out.glob("_*-*.jsonl")}
+    assert {n for n in fragments if now[n] != fragments[n]} == {"_output-00002.jsonl",
+                                                                "_errors-00002.jsonl"}
+    assert (out / ERRORS_NAME).read_bytes() == b""
+    clean = tmp_path / "clean"
+    run_batch_job(path, clean, **options, kv_cache_bytes=KV_BYTES)
+    for name in (OUTPUT_NAME, ERRORS_NAME):
+        assert without_created(read_jsonl(out / name)) == without_created(read_jsonl(clean / name))
+
+
+def test_an_interrupted_job_resumes_to_complete_files_with_every_request_once(
+        tmp_path, ray_session, chat_model, monkeypatch):
+    from ray_jobs.dispatch import driver
+    from ray_jobs.output.manifest import Manifest
+    from ray_jobs.output.openai_files import fragment_names
+
+    requests = [req(f"i{i}", CHAT, {"messages": [{"role": "user", "content": f"Hi {i}"}],
+                                    "max_tokens": 2, "n": 2, "temperature": 0.7, "seed": i})
+                for i in range(7)]
+    requests[2]["body"]["logit_bias"] = {"1": 5}  # an unsupported field: an error line
+    path = write_jsonl(tmp_path / "requests.jsonl", requests)
+    out = tmp_path / "out"
+    options = {"model": str(chat_model), "max_tokens": 2, "batch_size": 3,
+               "kv_cache_bytes": KV_BYTES, "progress": False}
+    original = driver._JobRun._write
+
+    def write_then_stop(self, shard, tables):
+        original(self, shard, tables)
+        raise KeyboardInterrupt  # the driver stops after its first recorded shard
+
+    monkeypatch.setattr(driver._JobRun, "_write", write_then_stop)
+    with pytest.raises(KeyboardInterrupt):  # one shard at a time: the second is never sent
+        run_batch_job(path, out, **options, max_in_flight_per_worker=1)
+    monkeypatch.undo()
+    assert not (out / OUTPUT_NAME).exists() and not (out / SUCCESS_NAME).exists()
+    # A commit cut short: the shard's record lost, and another attempt's lines over its
+    # fragment (as a retry killed between its fragments and its part leaves them): its part
+    # is not adopted with them, the shard is computed again.
+    m = Manifest.load(out)
+    (shard,) = m.done
+    m.done, m.rows_done = set(), 0
+    m.save(out)
+    (out / fragment_names(shard)[0]).write_text('{"custom_id": "stale"}\n')
+
+    summary = run_batch_job(path, out, **options)
+    assert summary.rows_resumed == 0 and summary.input_rows == 7
+    answered = [line["custom_id"] for line in read_jsonl(out / OUTPUT_NAME)]
+    failed = [line["custom_id"] for line in read_jsonl(out / ERRORS_NAME)]
+    assert answered == [r["custom_id"] for r in requests if r["custom_id"] != "i2"]
+    assert failed == ["i2"]
+    clean = tmp_path / "clean"
+    run_batch_job(path, clean, **options)
+    for name in (OUTPUT_NAME, ERRORS_NAME):
+        assert without_created(read_jsonl(out / name)) == without_created(read_jsonl(clean / name))
+
+
+def test_a_job_without_openai_files_writes_no_fragments(openai_job, tmp_path, ray_session,
+                                                        chat_model):
+    path = write_jsonl(tmp_path / "rows.jsonl", [{"prompt": f"Plain {i}"} for i in range(3)])
+    run_batch_job(path, tmp_path / "out", model=str(chat_model), max_tokens=2, batch_size=2,
+                  kv_cache_bytes=KV_BYTES, progress=False)
+    names = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert [n for n in names if n.endswith(".jsonl")] == []
+    _, _, openai_out = openai_job
+    assert len(list(openai_out.glob("_output-*.jsonl"))) == 3

@@ -20,7 +20,9 @@ Order of work (every job-level check comes before any model loads on a worker):
    `ray_jobs.dispatch.pool.hold_limits`); the worker reads the shard's rows, prepares them, runs
    them and writes the shard's part (`ray_jobs.workers.tasks.ShardRunner`), and answers with its
    counts; the driver then records the shard in the manifest;
-6. when every shard is recorded, mark the folder complete (`_SUCCESS`).
+6. when every shard is recorded, write the OpenAI output files where the job has them
+   (`ray_jobs.output.openai_files.write_outputs`: the shards' fragments, which their workers
+   wrote, joined as bytes in shard order), then mark the folder complete (`_SUCCESS`).
 
 Memory stays flat: the driver holds the scan's cut points (16 bytes a shard), the id
 hashes when the input has ids (8 bytes a row, `ray_jobs.input.io`), and the descriptors of the
@@ -83,6 +85,7 @@ from ray_jobs.output.manifest import (
     part_name,
     reopen_batches_with_errors,
 )
+from ray_jobs.output.openai_files import OUTPUT_NAME, OpenAIOutput, write_outputs
 from ray_jobs.preparation.batching import BatchLimits
 from ray_jobs.preparation.prepare import load_model_meta, plan_columns
 from ray_jobs.report.report import ReportLog, report_data, write_report
@@ -90,14 +93,7 @@ from ray_jobs.report.timeline import PHASES, Timeline
 from ray_jobs.tasks.embed import EMBED
 from ray_jobs.tasks.generate import GENERATE
 from ray_jobs.workers.options import JobOptions
-from ray_jobs.workers.tasks import (
-    JobSpec,
-    ShardOutcome,
-    ShardRunner,
-    TaskKind,
-    TaskPlan,
-    with_digest,
-)
+from ray_jobs.workers.tasks import JobSpec, ShardOutcome, ShardRunner, TaskKind, TaskPlan
 from ray_jobs.workers.worker import (
     ENGINE_KEY,
     OOM_KEY,
@@ -110,6 +106,7 @@ MAX_BATCH_ATTEMPTS = 2  # deaths of its worker a batch may cause before it is cu
 PREFIX_KEY_TOKENS = 32  # leading prompt tokens that name a piece's prefix for dispatch
 DEATH_SETTLE_TIMEOUT_S = 60.0  # wait for the other tasks of a dead actor to end
 TASKS = {kind.name: kind for kind in (GENERATE, EMBED)}  # run_job's `task`
+FRAGMENT_SHARDS_A_WORKER = 2  # committed shards a worker formats at once (`make_fragments`)
 
 
 @dataclass(frozen=True)
@@ -223,8 +220,9 @@ def run_job(input: str | Path, output_dir: str | Path, task: str = "generate",
     part = kind.plan(opts, own, info, plan, model_path, config, tokenizer)
     settings = {**_job_settings(part.opts, info, model_path, limits, plan), **part.settings}
     folder = OutputDir.open(output_dir)  # a local folder or an object-store prefix
+    openai = OpenAIOutput.of(opts.model, settings) if part.openai_output else None
     spec = JobSpec(kind.name, InputSpec.of(info, opts.chunk_rows), plan, part.schema, folder,
-                   part.controls, part.task_options)
+                   part.controls, part.task_options, openai)
     return run_pipeline(Pipeline(part.opts, info, output_dir, folder, settings, spec,
                                  ShardRunner(spec, part.task), kind, part), timeline)
 
@@ -273,8 +271,9 @@ def run_pipeline(p: Pipeline, timeline: Timeline) -> JobSummary:
             log(f"nanoserve: --retry-errors: computing again {len(retry)} batch(es) of an "
                 f"earlier run that hold error rows")
         if manifest.complete:
-            if p.part.after_parts is not None:
-                p.part.after_parts(folder, p.settings, True)
+            if p.spec.openai is not None and not folder.exists(OUTPUT_NAME):  # (removed since)
+                write_outputs(folder, iter_shards(p.info),
+                              lambda shards: make_fragments(shards, None, p.local))
             timeline.mark("prepare")
             return JobSummary(str(folder), 0, 0, manifest.rows_done, 0, 0,
                               timeline.marks["prepare"], 0.0, 0.0, 0,
@@ -293,8 +292,9 @@ def run_pipeline(p: Pipeline, timeline: Timeline) -> JobSummary:
         run = _JobRun(opts, folder, manifest, start_pool, p.info.num_rows, timeline, retry,
                       p.local, p.kind)
         run.execute(iter_shards(p.info))
-        if p.part.after_parts is not None:
-            p.part.after_parts(folder, p.settings, False)
+        if p.spec.openai is not None:
+            write_outputs(folder, iter_shards(p.info),
+                          lambda shards: make_fragments(shards, run.pool, p.local))
         mark_complete(folder, manifest)
     timeline.mark("shutdown")
     summary = dataclasses.replace(run.summary(timeline.marks["shutdown"]), **p.part.summary)
@@ -509,7 +509,8 @@ class _JobRun:
         if shard.shard_id not in self.retry:
             before = self.manifest.rows_done
             if shard.shard_id in self.manifest.done or adopt_part(
-                    self.folder, self.manifest, shard.shard_id, shard.digest()):
+                    self.folder, self.manifest, shard.shard_id, shard.digest(),
+                    beside=self.local.beside_part(shard.shard_id)):
                 self.rows_resumed += self.manifest.rows_done - before
                 self.bar.update(shard.num_rows)
                 return
@@ -660,10 +661,11 @@ class _JobRun:
 
     def _write(self, shard: Shard, tables: dict[int, pa.Table]) -> None:
         """The one place a shard's part is recorded in the manifest: written by its worker
-        (`tables` empty), or written here first from its pieces' rows, in input order."""
+        (`tables` empty), or written here first from its pieces' rows, in input order (with
+        its OpenAI fragments, in a job that has them: `ShardRunner.commit`)."""
         if tables:
             table = pa.concat_tables([tables[k] for k in sorted(tables)])
-            self.folder.write_parquet(part_name(shard.shard_id), with_digest(table, shard))
+            self.local.commit(shard, table)
             rows = table.num_rows
         else:
             rows = self.folder.parquet_num_rows(part_name(shard.shard_id))
@@ -719,6 +721,29 @@ class _JobRun:
             finish_reasons={**dict.fromkeys(reasons, 0), **self.finish_reasons} if reasons else {},
             warnings=self._warnings(), task=self.kind.name, truncated_rows=self.truncated_rows,
         )
+
+
+def make_fragments(shards: list[Shard], pool: WorkerPool | None, local: ShardRunner) -> None:
+    """The OpenAI fragments of committed shards that lack them (a folder an earlier version
+    wrote), each made from the shard's part by `ShardRunner.write_fragments`: on the live
+    workers, a few shards each at a time, or here when no worker runs."""
+    workers = [w.handle for w in pool.workers if w.alive] if pool is not None else []
+    if not workers:
+        for shard in shards:
+            local.write_fragments(shard)
+        return
+    import ray
+
+    step = FRAGMENT_SHARDS_A_WORKER * len(workers)
+    for at in range(0, len(shards), step):
+        refs = [workers[i % len(workers)].write_fragments.remote(shard)
+                for i, shard in enumerate(shards[at:at + step])]
+        try:
+            ray.get(refs)
+        except ray.exceptions.RayError as e:
+            raise NanoserveError(f"a worker failed while writing the OpenAI output lines of "
+                                 f"committed shards ({first_line(str(e))}); the job stopped "
+                                 f"(rerun it to resume)") from None
 
 
 def _fetch(ref: Any, timeout: float | None = None) -> tuple[str, Any]:

@@ -22,7 +22,7 @@ lacks. A conversation column may mix string contents with lists of content parts
 `image` column one image with lists of them: such a column is read in the wider shape
 (`ray_jobs.input.json_shapes`: a string content as one text part, one image as a list of one).
 A JSONL line shaped as an OpenAI Batch API request (`custom_id` and `body`; every line with
-`input_format` 'openai', none with 'plain') is read as the row `ray_jobs.input.openai_batch.
+`input_format` 'openai', none with 'plain') is read as the row `ray_jobs.input.openai_requests.
 flatten_request` makes of it (its custom_id as `id`; a request that cannot run becomes a row
 error naming why).
 `scan_input` checks every file before the job starts (Parquet: the footer and the id column;
@@ -167,7 +167,7 @@ class InputInfo:
     num_rows: int
     id_column: str | None = None
     input_format: str = "auto"  # 'auto', 'openai' (every line an OpenAI batch request), 'plain'
-    openai_rows: int = 0  # lines read as OpenAI batch requests (`ray_jobs.input.openai_batch`)
+    openai_rows: int = 0  # lines read as OpenAI batch requests (`ray_jobs.input.openai_requests`)
     file_rows: tuple[int, ...] = ()  # rows per file, in `files`' order
     cuts: tuple[Any, ...] = ()  # per file: its `FileCuts` (JSONL), None (Parquet)
     shard_rows: int = 0  # the rows between two cuts
@@ -653,13 +653,13 @@ def _iter_jsonl(path: InputFile, chunk_rows: int, schema: pa.Schema | None,
     `schema`. `id_column` is read strictly (a value of another type is an InputError, not a
     row error). The file's partition keys are added to each row that lacks them. A line
     that is an OpenAI batch request (or, with `input_format` 'openai', any line) becomes the
-    row `ray_jobs.input.openai_batch.flatten_request` makes of it.
+    row `ray_jobs.input.openai_requests.flatten_request` makes of it.
 
     A shard (`ray_jobs.input.shards`) reads from `start` (the byte offset in the decompressed
     stream of a row's line, and that line's number) at most `limit` rows; the scan passes
     `cuts` to have the offset and line of every `cuts.every`-th row recorded. `stream`: read
     these lines instead (a block of the file that starts at `start`: `_scan_jsonl`)."""
-    from ray_jobs.input.openai_batch import flatten_request, is_request
+    from ray_jobs.input.openai_requests import flatten_request, is_request
 
     rows: list[dict] = []
     openai_rows = 0

@@ -38,7 +38,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +52,7 @@ from nanoserve.errors import InputError, NanoserveError
 
 LEASE_ENV = "NANOSERVE_LOCK_LEASE_S"  # the lease's length in seconds (default LEASE_S)
 LEASE_S = 120.0
+COPY_BLOCK = 4 << 20  # bytes a streamed copy holds at once (`OutputDir.concatenate`)
 
 
 def is_uri(target: str | Path) -> bool:
@@ -233,13 +234,37 @@ class OutputDir:
 
     def write_bytes(self, name: str, data: bytes) -> None:
         """Replace the file `name` with `data` as a whole."""
+        self.write_blocks(name, [data])
+
+    def concatenate(self, name: str, sources: Iterable[str]) -> None:
+        """Replace the file `name` with the bytes of the files `sources`, in order: a
+        streamed copy, COPY_BLOCK bytes at a time (memory flat in their sizes), written
+        whole as `write_blocks` writes."""
+        self.write_blocks(name, (block for source in sources for block in self._blocks(source)))
+
+    def _blocks(self, name: str) -> Iterator[bytes]:
+        loc = self / name
+        try:
+            with loc.fs.open_input_stream(loc.path) as f:
+                while block := f.read(COPY_BLOCK):
+                    yield block
+        except (OSError, pa.ArrowException) as e:
+            raise storage_error(loc.uri, e) from None
+
+    def write_blocks(self, name: str, blocks: Iterable[bytes]) -> None:
+        """Replace the file `name` with `blocks` joined, as a whole: locally a `.`-named
+        temporary file renamed into place once synced; on an object store one upload
+        stream, visible once complete (an error raised while writing closes the stream,
+        which may leave a partial object: whoever wrote it is then not done, and its rerun
+        writes the file again)."""
         self.check_lease()
         loc = self / name
         if self.local:
             tmp = Path(self.loc.path) / f".{name}.tmp-{os.getpid()}"
             try:
                 with open(tmp, "wb") as f:
-                    f.write(data)
+                    for block in blocks:
+                        f.write(block)
                     f.flush()
                     os.fsync(f.fileno())
                 os.replace(tmp, loc.path)
@@ -248,7 +273,8 @@ class OutputDir:
             return
         try:
             with loc.fs.open_output_stream(loc.path) as f:
-                f.write(data)
+                for block in blocks:
+                    f.write(block)
         except (OSError, pa.ArrowException) as e:
             raise storage_error(loc.uri, e) from None
 
@@ -277,6 +303,14 @@ class OutputDir:
             return pq.read_schema(loc.path, filesystem=loc.fs)
         except (OSError, pa.ArrowException):
             return None
+
+    def read_parquet(self, name: str, columns: list[str] | None = None) -> pa.Table:
+        """A part's rows (`columns` of them; None: all)."""
+        loc = self / name
+        try:
+            return pq.read_table(loc.path, columns=columns, filesystem=loc.fs)
+        except (OSError, pa.ArrowException) as e:
+            raise storage_error(loc.uri, e) from None
 
     def parquet_num_rows(self, name: str) -> int:
         loc = self / name

@@ -1,7 +1,5 @@
 """Stage output: the output folder's manifest, what job wrote it and which batches are done.
 
-Stage 4, output of the job pipeline (docs/modules.md).
-
 `OUTPUT_DIR/_nanoserve_manifest.json` records the job's settings (model identity, input
 identity, sampling defaults, batching and column options) and the ids of the batches whose
 parts (`part-<batch id>.parquet`) are written; `OUTPUT_DIR/_SUCCESS` appears only once every
@@ -25,7 +23,13 @@ point leaves a folder that resumes correctly:
   when it rebuilds a batch with the same id, digest and row count (`adopt_part`), so it is
   not computed again; otherwise it is removed and the batch is redone;
 - a part recorded as done but missing from the folder is refused (InputError): its rows
-  would be lost silently otherwise.
+  would be lost silently otherwise;
+- in a job with OpenAI output files, a shard's fragments (`_output-NNNNN.jsonl`,
+  `_errors-NNNNN.jsonl`, `ray_jobs.output.openai_files`) are written before its part, whose footer
+  holds the digest of their bytes (`BESIDE_DIGEST_KEY`): an unrecorded part is adopted only
+  with exactly those fragments beside it, so lines of another attempt at the shard never go
+  with it. A recorded shard without fragments (written by an earlier version) gets them
+  made from its part at the end of the job.
 The manifest holds per-batch data only (done ids, as ranges), never per-row data.
 
 The output may be a local folder or an object-store prefix (`ray_jobs.input.storage.OutputDir`;
@@ -52,6 +56,9 @@ from ray_jobs.input.storage import Location, OutputDir
 
 MANIFEST_NAME = "_nanoserve_manifest.json"
 PART_DIGEST_KEY = b"nanoserve.batch_digest"  # in each part's Parquet footer: `Batch.digest()`
+# in the footer of a part committed with files beside it (an OpenAI job's fragments of
+# output.jsonl / errors.jsonl): `beside_digest` of their bytes
+BESIDE_DIGEST_KEY = b"nanoserve.beside_digest"
 SUCCESS_NAME = "_SUCCESS"
 LOCK_NAME = "_nanoserve.lock"  # held (flock) by the one job writing the folder
 REPORT_NAME = "_nanoserve_report.html"  # the last run's job report (`ray_jobs.report.report`)
@@ -65,7 +72,8 @@ _OURS_RE = re.compile(r"(part-\d+\.parquet|\.part-\d+\.parquet\.tmp-\d+|"
                       rf"\.{re.escape(SUCCESS_NAME)}\.tmp-\d+|"
                       rf"{re.escape(SUCCESS_NAME)}|{re.escape(LOCK_NAME)}|"
                       rf"{re.escape(REPORT_NAME)}|\.{re.escape(REPORT_NAME)}\.tmp-\d+|"
-                      r"(output|errors)\.jsonl|\.(output|errors)\.jsonl\.tmp-\d+)")
+                      r"(output|errors)\.jsonl|\.(output|errors)\.jsonl\.tmp-\d+|"
+                      r"_(output|errors)-\d+\.jsonl|\._(output|errors)-\d+\.jsonl\.tmp-\d+)")
 
 
 def part_name(batch_id: int) -> str:
@@ -261,25 +269,41 @@ def open_output_dir(folder: Path | OutputDir, settings: dict[str, Any],
     return old
 
 
-def part_digest(folder: Path | OutputDir, name: str | None = None) -> str | None:
-    """The batch digest in a part's footer (`folder/name`, or the file `folder`); None if it
-    has none or cannot be read."""
+def part_digest(folder: Path | OutputDir, name: str | None = None,
+                key: bytes = PART_DIGEST_KEY) -> str | None:
+    """The batch digest in a part's footer (`folder/name`, or the file `folder`), or its
+    other footer value `key`; None if it has none or cannot be read."""
     if name is None:
         folder, name = Path(folder).parent, Path(folder).name
     schema = OutputDir.open(folder).parquet_schema(name)
-    value = (schema.metadata or {}).get(PART_DIGEST_KEY) if schema is not None else None
+    value = (schema.metadata or {}).get(key) if schema is not None else None
     return value.decode() if value is not None else None
 
 
+def beside_digest(blobs: list[bytes]) -> str:
+    """A short hash of the bytes of the files committed with a part (`BESIDE_DIGEST_KEY`)."""
+    h = hashlib.sha256()
+    for blob in blobs:
+        h.update(hashlib.sha256(blob).digest())
+    return h.hexdigest()[:16]
+
+
 def adopt_part(folder: Path | OutputDir, manifest: Manifest, batch_id: int, digest: str,
-               num_rows: int | None = None) -> bool:
+               num_rows: int | None = None, beside: tuple[str, ...] = ()) -> bool:
     """Record an unrecorded part already in the folder as done, if it holds exactly this
     batch or shard (same digest, and row count when given); then it is not computed
-    again."""
+    again. `beside`: the files committed with the part (an OpenAI job's fragments, written
+    before it): the part is adopted only when they are there and hold the bytes its footer
+    names (`BESIDE_DIGEST_KEY`), so fragments of another attempt at the shard (a retry
+    killed between its fragments and its part) never go with it."""
     folder = OutputDir.open(folder)
     name = part_name(batch_id)
     if batch_id in manifest.done or part_digest(folder, name) != digest:
         return False
+    if beside:
+        blobs = [folder.read_bytes(n) for n in beside]
+        if None in blobs or part_digest(folder, name, BESIDE_DIGEST_KEY) != beside_digest(blobs):
+            return False
     found = folder.parquet_num_rows(name)
     if num_rows is not None and found != num_rows:
         return False

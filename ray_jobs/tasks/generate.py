@@ -1,16 +1,16 @@
 """Stage tasks: the generation task of the job pipeline, a completion per row (`nanoserve batch`,
 `run_job(..., task="generate")`, the default).
 
-Stage 3, workers (and the generation task's part on the driver) of the job pipeline
-(docs/modules.md).
-
 What generation adds to the job's walk (`ray_jobs.workers.tasks`, `ray_jobs.dispatch.driver.run_pipeline`):
 - on the driver (`plan_job`): the rows' `RowPreparer` (sampling defaults, a job-wide
   structured output compiled, the chat template checked), the reasoning parser picked, the
-  output controls and the parts' schema (`prepare.ColumnPlan.output_schema`), the
-  OpenAI output files written from the parts when the input holds OpenAI batch requests;
+  output controls and the parts' schema (`prepare.ColumnPlan.output_schema`), whether
+  the job writes the OpenAI output files (an input of OpenAI batch requests, or
+  `--output-format openai`);
 - on the workers (`GenerateTask`, `RayBatchWorker`): rows prepared, run by
   `BatchWorker.run_batch` (one result row per sample), the think block split off after;
+  in a job with OpenAI output files, each shard's lines of them written with its part
+  (`ray_jobs.workers.tasks.ShardRunner.commit`);
 - what the user sees: tokens, output tokens/s, padding waste and the prefix cache's hit rate
   in the summary; output tokens/s on the progress bar.
 """
@@ -24,9 +24,8 @@ from typing import Any
 import pyarrow as pa
 
 from nanoserve.errors import InputError, NanoserveError
-from ray_jobs.input import openai_batch
-from ray_jobs.input.io import InputInfo, iter_chunks
-from ray_jobs.input.storage import OutputDir
+from ray_jobs.input.io import InputInfo
+from ray_jobs.output import openai_files
 from ray_jobs.preparation.prepare import ColumnPlan, RowPreparer, output_controls
 from ray_jobs.preparation.row_images import ModelImages
 from ray_jobs.workers.options import JobOptions
@@ -176,18 +175,11 @@ def plan_job(opts: JobOptions, own: dict[str, Any], info: InputInfo, plan: Colum
                "chat_template_kwargs": opts.chat_template_kwargs,
                "reasoning_parser": reasoning.name if reasoning else None,
                "max_batch_tokens": opts.max_batch_tokens}
-    openai_out = openai_batch.wants_openai_output(opts.output_format, info.openai_rows)
-
-    def openai_outputs(folder: OutputDir, settings: dict[str, Any], done_before: bool) -> None:
-        """output.jsonl / errors.jsonl, from the parts (kept on a rerun of a complete job)."""
-        if openai_out and not (done_before and folder.exists(openai_batch.OUTPUT_NAME)):
-            openai_batch.write_outputs(folder, iter_chunks(info, opts.chunk_rows), plan,
-                                       tokenizer, opts.model, settings)
-
     return TaskPlan(opts, schema, GenerateTask(plan, options, tokenizer, config,
                                                preparer=preparer),
-                    RayBatchWorker, controls, options, after_parts=openai_outputs,
-                    summary={"reasoning": reasoning_line})
+                    RayBatchWorker, controls, options, summary={"reasoning": reasoning_line},
+                    openai_output=openai_files.wants_openai_output(opts.output_format,
+                                                                   info.openai_rows))
 
 
 def progress(run: Any, elapsed: float) -> str:

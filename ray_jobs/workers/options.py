@@ -14,7 +14,7 @@ from nanoserve.errors import InputError, NanoserveError, check_positive_int
 from nanoserve.model_store import DEFAULT_MODEL
 from nanoserve.quantization import check_online
 from ray_jobs.input.io import DEFAULT_CHUNK_ROWS, INPUT_FORMATS
-from ray_jobs.input.openai_batch import OUTPUT_FORMATS
+from ray_jobs.output.openai_files import OUTPUT_FORMATS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULERS = ("auto", "static", "continuous")  # as nanoserve.llm.SCHEDULERS (no torch here)
@@ -105,7 +105,7 @@ class JobOptions:
     prompt_column: str | None = None
     id_column: str | None = None
     # 'auto': JSONL lines shaped as OpenAI batch requests are read as such; 'openai': every
-    # line must be one; 'plain': none is (ray_jobs.input.openai_batch)
+    # line must be one; 'plain': none is (ray_jobs.input.openai_requests)
     input_format: str = "auto"
     # 'auto': output.jsonl / errors.jsonl too when the input holds OpenAI batch requests;
     # 'openai': always; 'parquet': the parts only

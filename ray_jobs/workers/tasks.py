@@ -5,7 +5,8 @@ into it and into the driver.
     read (ray_jobs.input.shards.read_shard) -> prepare (the task's preparer: images read and
     decoded, tokenize, chat template, constraints) -> run (the task's engine call) ->
     assemble (`id`, the input columns, the task's result columns, in input order) -> write
-    the part (the job's OutputDir, local or object storage)
+    the part (the job's OutputDir, local or object storage; in a job with OpenAI output
+    files, the shard's lines of them first, `commit`)
 
 `ShardRunner.run` is that walk; it returns the shard's counts (`ShardOutcome`), a few
 hundred bytes whatever its rows, and the table itself only when asked (a piece of a shard
@@ -37,7 +38,14 @@ import pyarrow as pa
 from nanoserve.errors import NanoserveError, first_line
 from ray_jobs.input.shards import InputSpec, Shard, read_shard
 from ray_jobs.input.storage import OutputDir
-from ray_jobs.output.manifest import PART_DIGEST_KEY, part_name
+from ray_jobs.output.manifest import BESIDE_DIGEST_KEY, PART_DIGEST_KEY, beside_digest, part_name
+from ray_jobs.output.openai_files import (
+    OpenAIOutput,
+    TokenText,
+    format_shard,
+    fragment_names,
+    part_columns,
+)
 from ray_jobs.preparation.prepare import ColumnPlan
 
 if TYPE_CHECKING:
@@ -47,9 +55,10 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class JobSpec:
     """What every worker needs to run any shard of the job, sent once when its actor
-    starts: the input, the column plan, the output schema and folder, and the task's own
+    starts: the input, the column plan, the output schema and folder, the task's own
     options (`task_options`: generation's sampling defaults, chat-template options and
-    reasoning parser; embedding's limit, instruction, truncation and vector dtype)."""
+    reasoning parser; embedding's limit, instruction, truncation and vector dtype), and
+    for a job that writes OpenAI output files what their lines need (`openai`)."""
 
     task: str  # "generate" or "embed"
     input: InputSpec
@@ -58,6 +67,7 @@ class JobSpec:
     folder: OutputDir
     controls: tuple[str, ...] = ()
     task_options: dict[str, Any] = field(default_factory=dict)
+    openai: OpenAIOutput | None = None  # None: the job writes no OpenAI output files
 
 
 @dataclass
@@ -95,9 +105,9 @@ class TaskPlan:
     settings: dict[str, Any] = field(default_factory=dict)  # the manifest's, beside the job's
     report_settings: dict[str, Any] = field(default_factory=dict)  # the report's, beside the job's
     summary: dict[str, Any] = field(default_factory=dict)  # `JobSummary` fields the task sets
-    # called before the output folder is marked complete (`done_before`: on a rerun of a
-    # complete job): generation's OpenAI output files
-    after_parts: Callable[[OutputDir, dict[str, Any], bool], None] | None = None
+    # generation's OpenAI output files (`ray_jobs.output.openai_files`): each shard's lines written
+    # with its part, joined by the driver at the end
+    openai_output: bool = False
 
 
 @dataclass(frozen=True)
@@ -157,6 +167,7 @@ class ShardRunner:
         self.spec = spec
         self.task = task
         self.input_fields = spec.plan.passthrough_fields(spec.controls)
+        self._token: TokenText | None = None  # token texts for logprobs, cached per runner
 
     def run(self, shard: Shard, rows: tuple[int, int] | None = None, write: bool = True,
             error: str | None = None) -> ShardOutcome:
@@ -177,10 +188,40 @@ class ShardRunner:
         table = self._assemble(prepared, results)
         self._count(out, prepared, results)
         if write:
-            self.spec.folder.write_parquet(part_name(shard.shard_id), with_digest(table, shard))
+            self.commit(shard, table)
         else:
             out.table = table
         return out
+
+    def commit(self, shard: Shard, table: pa.Table) -> None:
+        """Write the shard's part: in a job with OpenAI output files, its fragments first
+        (`write_fragments`), then the part, whose footer names the shard and the
+        fragments' bytes (`ray_jobs.output.manifest.adopt_part`): a part in the folder has its
+        fragments beside it, written from the same rows."""
+        beside = self.write_fragments(shard, table) if self.spec.openai is not None else None
+        self.spec.folder.write_parquet(part_name(shard.shard_id),
+                                       with_digest(table, shard, beside))
+
+    def write_fragments(self, shard: Shard, table: pa.Table | None = None) -> str:
+        """Write the shard's lines of output.jsonl and of errors.jsonl
+        (`ray_jobs.output.openai_files.format_shard`) beside its part, from its rows `table`, or
+        else from its part read back (a shard committed without them, by an earlier
+        version). Returns their digest (`ray_jobs.output.manifest.beside_digest`)."""
+        if table is None:
+            table = self.spec.folder.read_parquet(
+                part_name(shard.shard_id), part_columns(self.spec.schema.names, self.spec.plan))
+        if self._token is None:
+            self._token = TokenText(self.task.preparer.tokenizer)
+        blobs = format_shard(table, shard.first_position, self.spec.plan, self.spec.openai,
+                             self._token)
+        for name, data in zip(fragment_names(shard.shard_id), blobs, strict=True):
+            self.spec.folder.write_bytes(name, data)
+        return beside_digest(list(blobs))
+
+    def beside_part(self, shard_id: int) -> tuple[str, ...]:
+        """The files committed with the shard's part: its OpenAI fragments (none in a job
+        without OpenAI output files)."""
+        return fragment_names(shard_id) if self.spec.openai is not None else ()
 
     def _prepare(self, shard: Shard, rows: tuple[int, int] | None,
                  read_images: bool = True) -> list[Any]:
@@ -258,9 +299,13 @@ def join_tables(tables: list[pa.Table]) -> pa.Table:
     return joined.replace_schema_metadata(meta)
 
 
-def with_digest(table: pa.Table, shard: Shard) -> pa.Table:
-    """The part's table with the shard's digest in its footer (`ray_jobs.output.manifest`)."""
-    return table.replace_schema_metadata({PART_DIGEST_KEY: shard.digest().encode()})
+def with_digest(table: pa.Table, shard: Shard, beside: str | None = None) -> pa.Table:
+    """The part's table with the shard's digest in its footer, and `beside`, the digest of
+    the files committed with it, when there are (`ray_jobs.output.manifest`)."""
+    meta = {PART_DIGEST_KEY: shard.digest().encode()}
+    if beside is not None:
+        meta[BESIDE_DIGEST_KEY] = beside.encode()
+    return table.replace_schema_metadata(meta)
 
 
 def _slice_chunk(chunk: Any, a: int, b: int) -> Any:
@@ -302,7 +347,14 @@ class ShardWorker:
 
     def run_shard(self, shard: Shard, rows: tuple[int, int] | None = None,
                   write: bool = True) -> ShardOutcome:
-        with self._runner_lock:  # actor threads share one runner, made at the first shard
+        return self._shard_runner().run(shard, rows, write)
+
+    def write_fragments(self, shard: Shard) -> str:
+        """`ShardRunner.write_fragments` of a committed shard, from its part."""
+        return self._shard_runner().write_fragments(shard)
+
+    def _shard_runner(self) -> ShardRunner:
+        with self._runner_lock:  # actor threads share one runner, made at the first call
             if self._runner is None:
                 self._runner = ShardRunner(self.spec, self.make_task(self.spec))
-        return self._runner.run(shard, rows, write)
+        return self._runner

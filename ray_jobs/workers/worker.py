@@ -1,7 +1,5 @@
 """Stage workers: the batch worker, one `LLM` held for the life of the process, fed whole batches.
 
-Stage 3, workers of the job pipeline (docs/modules.md).
-
 `BatchWorker` is a plain class (usable without Ray); the job wraps it as a Ray actor
 that runs shards (`ray_jobs.tasks.generate.RayBatchWorker`, `ray_jobs.workers.tasks.ShardWorker`),
 one per GPU (`num_gpus=1`) or on the CPU (`num_cpus=1`) where the cluster has no GPUs.
