@@ -16,7 +16,13 @@ per layer, so they come from HBM):
 - two streams: per layer twice, the projections of R/2 rows on one stream beside the
   attention of the other R/2 rows on a second, joined before the next pair.
 
+With `--carveout N ...` the two-stream case is also timed with cuBLAS's GEMMs held to all
+but N multiprocessors (`torch._C._set_sm_carveout_experimental`, set while the case is
+captured): the GEMMs then leave room for the attention beside them instead of taking every
+multiprocessor. `--dtype fp8` times FP8 weights (`torch._scaled_mm`) over an FP8 cache.
+
     python3 -m benchmarks.overlap [--rows 256 512 1024] [--context 850] [--layers 8]
+                                  [--carveout 0 32 48] [--dtype bf16 fp8]
 """
 
 from __future__ import annotations
@@ -39,42 +45,64 @@ class Layers:
     """`layers` layers' projection weights and a KV pool holding `rows` rows of `context`
     tokens each (block size 16), with each half's queries and block tables."""
 
-    def __init__(self, config: dict, layers: int, rows: int, context: int) -> None:
-        from nanoserve_kernels.paged_attention import paged_decode_attention
+    def __init__(self, config: dict, layers: int, rows: int, context: int,
+                 dtype: str = "bf16") -> None:
+        from nanoserve_kernels.backend import decode_attention
 
-        self.attend = paged_decode_attention
+        self.attend = decode_attention
+        self.fp8 = dtype == "fp8"
+        store = torch.float8_e4m3fn if self.fp8 else torch.bfloat16  # weights, K/V, GEMM inputs
+        self.one = torch.ones((), device="cuda")
         shapes = gemm_shapes(config)
-        self.w = [{g: torch.randn(*shapes[g], device="cuda", dtype=torch.bfloat16) * 0.02
+        self.w = [{g: (torch.randn(*shapes[g], device="cuda") * 0.02).to(store)
                    for g in LAYER_GEMMS} for _ in range(layers)]
         self.h, self.i = config["hidden_size"], config["intermediate_size"]
         d = config.get("head_dim") or self.h // config["num_attention_heads"]
         self.hq, self.hkv, self.d = config["num_attention_heads"], config["num_key_value_heads"], d
         bs = 16
         per_row = -(-context // bs)
-        self.k = torch.randn(rows * per_row, bs, self.hkv, d, device="cuda", dtype=torch.bfloat16)
-        self.v = torch.randn_like(self.k)
+        self.k = torch.randn(rows * per_row, bs, self.hkv, d, device="cuda").to(store)
+        self.v = torch.randn(rows * per_row, bs, self.hkv, d, device="cuda").to(store)
         self.tables = torch.arange(rows * per_row, device="cuda", dtype=torch.int32).view(rows, per_row)
         self.lens = torch.full((rows,), context, device="cuda", dtype=torch.int32)
         self.q = torch.randn(rows, self.hq, d, device="cuda", dtype=torch.bfloat16)
-        self.x = torch.randn(rows, self.h, device="cuda", dtype=torch.bfloat16)
-        self.mid = torch.randn(rows, self.i, device="cuda", dtype=torch.bfloat16)
+        self.x = torch.randn(rows, self.h, device="cuda").to(store)
+        self.mid = torch.randn(rows, self.i, device="cuda").to(store)
         self.scale = d ** -0.5
         self.context = context
 
+    def _linear(self, x: torch.Tensor, w: torch.Tensor) -> None:
+        if self.fp8:  # unit scales, as the engine's FP8 GEMMs (scales applied after)
+            torch._scaled_mm(x, w.t(), scale_a=self.one, scale_b=self.one,
+                             out_dtype=torch.bfloat16)
+        else:
+            F.linear(x, w)
+
     def gemms(self, layer: int, lo: int, hi: int) -> None:
         w, x = self.w[layer], self.x[lo:hi]
-        F.linear(x, w["qkv"])
-        F.linear(x, w["o"])
-        F.linear(x, w["gate_up"])
-        F.linear(self.mid[lo:hi], w["down"])
+        self._linear(x, w["qkv"])
+        self._linear(x, w["o"])
+        self._linear(x, w["gate_up"])
+        self._linear(self.mid[lo:hi], w["down"])
 
     def attention(self, lo: int, hi: int) -> None:
         self.attend(self.q[lo:hi], self.k, self.v, self.tables[lo:hi], self.lens[lo:hi],
-                    self.scale, max_context_len=self.context)
+                    self.scale, max_context_len=self.context, even_splits=True)
 
 
-def measure(config: dict, rows: int, context: int, layers: int) -> dict[str, float]:
-    m = Layers(config, layers, rows, context)
+def _carved_us(carveout: int, fn) -> float:
+    """`_graph_us(fn)` with cuBLAS held to all but `carveout` multiprocessors while fn is
+    captured (0: all of them); the carveout is a global setting, cleared after."""
+    torch._C._set_sm_carveout_experimental(carveout or None)
+    try:
+        return _graph_us(fn)
+    finally:
+        torch._C._set_sm_carveout_experimental(None)
+
+
+def measure(config: dict, rows: int, context: int, layers: int, carveouts: list[int],
+            dtype: str = "bf16") -> dict[str, float]:
+    m = Layers(config, layers, rows, context, dtype)
     half = rows // 2
     s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
 
@@ -106,8 +134,10 @@ def measure(config: dict, rows: int, context: int, layers: int) -> dict[str, flo
                 main.wait_stream(s2)
 
     out = {name: _graph_us(fn) / layers for name, fn in (
-        ("gemms", gemms_only), ("attention", attention_only), ("serial", serial),
-        ("two_streams", two_streams))}
+        ("gemms", gemms_only), ("attention", attention_only), ("serial", serial))}
+    for c in carveouts:
+        out[f"gemms_c{c}"] = _carved_us(c, gemms_only) / layers
+        out[f"two_streams_c{c}"] = _carved_us(c, two_streams) / layers
     return out
 
 
@@ -119,23 +149,31 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=850,
                     help="each row's context tokens (batch4096's rows average ~850 mid-way)")
     ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--carveout", type=int, nargs="+", default=[0],
+                    help="multiprocessors kept from cuBLAS in the two-stream case (0: none)")
+    ap.add_argument("--dtype", nargs="+", choices=("bf16", "fp8"), default=["bf16"],
+                    help="fp8: FP8 weights (torch._scaled_mm) over an FP8 cache")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.overlap measures a GPU: no CUDA device here")
     config = SHAPES[args.shape]
     table = []
-    for rows in args.rows:
-        r = measure(config, rows, args.context, args.layers)
-        torch.cuda.empty_cache()  # (the last size's pool and weights)
-        ideal = max(r["gemms"], r["attention"])
-        table.append([str(rows), f"{r['gemms']:.0f}", f"{r['attention']:.0f}",
-                      f"{r['serial']:.0f}", f"{r['two_streams']:.0f}", f"{ideal:.0f}",
-                      f"{r['serial'] / r['two_streams']:.2f}x"])
-        print(f"rows {rows}: {r}", flush=True)
+    for dtype in args.dtype:
+        for rows in args.rows:
+            r = measure(config, rows, args.context, args.layers, args.carveout, dtype)
+            torch.cuda.empty_cache()  # (the last size's pool and weights)
+            ideal = max(r["gemms"], r["attention"])
+            for c in args.carveout:
+                two = r[f"two_streams_c{c}"]
+                table.append([dtype, str(rows), str(c), f"{r['gemms']:.0f}",
+                              f"{r[f'gemms_c{c}']:.0f}", f"{r['attention']:.0f}",
+                              f"{r['serial']:.0f}", f"{two:.0f}", f"{ideal:.0f}",
+                              f"{r['serial'] / two:.2f}x"])
+            print(f"{dtype} rows {rows}: {r}", flush=True)
     print(f"\n{args.shape} shape, context {args.context} tokens a row, us a layer:")
-    print(markdown_table(["rows", "projections", "attention", "one after the other",
+    print(markdown_table(["dtype", "rows", "SMs kept from cuBLAS", "projections",
+                          "projections, carved", "attention", "one after the other",
                           "two streams, halves", "the longer of the two", "gain"], table))
-
 
 if __name__ == "__main__":
     main()

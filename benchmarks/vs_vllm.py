@@ -440,6 +440,8 @@ def main() -> None:
                          "fp8, each optionally +fp8kv (default: one, as --quantization says)")
     ap.add_argument("--max-batch-size", type=int, default=None,
                     help="nanoserve's running-row limit (default: the engine's own)")
+    ap.add_argument("--first-rows", type=int, default=None,
+                    help="time only each workload's first N rows (same order, same warm-up)")
     ap.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
                     help="dummy: no checkpoint written or read; both engines draw random weights")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="vLLM's")
@@ -497,6 +499,9 @@ def main() -> None:
     else:
         model_dir = model_folder(work / name, device, config)
     workloads = make_workloads(names, args.smoke, args.vocab)
+    if args.first_rows:  # an A/B inside one call; the headline figures time whole workloads
+        workloads = {n: (p[:args.first_rows], m[:args.first_rows])
+                     for n, (p, m) in workloads.items()}
     for n, (p, m) in workloads.items():
         print(f"{n}: {len(p)} rows, {sum(map(len, p))} prompt tokens, {sum(m)} output tokens",
               flush=True)
