@@ -64,6 +64,24 @@ def test_smoke_run_prints_nanoserve_rows(tmp_path):
     assert config["torch_dtype"] == "bfloat16" and config["architectures"] == ["LlamaForCausalLM"]
 
 
+def test_first_rows_times_only_a_workloads_first_rows(tmp_path):
+    """`--first-rows 5` on batch4096's smoke form (12 rows): the run's rows are its first 5,
+    and their output tokens are what was timed."""
+    from benchmarks.vs_vllm import make_workloads
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.vs_vllm", "--smoke", "--workloads",
+                           "batch4096", "--first-rows", "5", "--out", str(tmp_path)], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    prompts, max_tokens = make_workloads(["batch4096"], True, 8192)["batch4096"]
+    assert len(prompts) == 12
+    assert f"batch4096: 5 rows, {sum(map(len, prompts[:5]))} prompt tokens" in proc.stdout
+    result = json.loads((tmp_path / "vs_vllm_1b_smoke.json").read_text())
+    timed = result["sides"]["nanoserve"]["workloads"]["batch4096"]
+    assert timed["output_tokens"] == sum(max_tokens[:5])
+
+
 FAKE_VLLM = textwrap.dedent("""
     import json, os, sys
     from types import SimpleNamespace as NS
