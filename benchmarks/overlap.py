@@ -175,5 +175,6 @@ def main() -> None:
                           "projections, carved", "attention", "one after the other",
                           "two streams, halves", "the longer of the two", "gain"], table))
 
+
 if __name__ == "__main__":
     main()

@@ -457,6 +457,8 @@ def main() -> None:
     if args.vllm_child:
         vllm_child(args.vllm_spec, args.vllm_result)
         return
+    if args.first_rows is not None and args.first_rows < 1:
+        ap.error(f"--first-rows must be at least 1, got {args.first_rows}")
     names = [n for n in args.workloads.split(",") if n]
     sides = [s for s in (args.sides or ("nanoserve" if args.smoke else ",".join(SIDES))).split(",") if s]
     for n in names:
