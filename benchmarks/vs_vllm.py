@@ -14,6 +14,7 @@ its max_tokens tokens, checked on both sides):
     python3 -m benchmarks.vs_vllm [--shape 1b|8b] [--workloads nanovllm,shared,batch4096]
         [--sides nanoserve,vllm] [--quantization fp8] [--out DIR] [--vllm-site /tmp/vsite]
         [--variants bf16,fp8+fp8kv] [--max-batch-size N] [--load-format dummy] [--smoke]
+        [--first-rows N]
 
 --variants: nanoserve's engines, run one after another on every workload (default: one, as
 --quantization says): `bf16`, `fp8` (FP8 weights quantized at load), each optionally with
@@ -441,7 +442,8 @@ def main() -> None:
     ap.add_argument("--max-batch-size", type=int, default=None,
                     help="nanoserve's running-row limit (default: the engine's own)")
     ap.add_argument("--first-rows", type=int, default=None,
-                    help="time only each workload's first N rows (same order, same warm-up)")
+                    help="time only each workload's first N rows, for an A/B inside one call "
+                         "(the warm-up: the first of those, as for the whole workload)")
     ap.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
                     help="dummy: no checkpoint written or read; both engines draw random weights")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="vLLM's")
