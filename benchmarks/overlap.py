@@ -19,10 +19,14 @@ per layer, so they come from HBM):
 With `--carveout N ...` the two-stream case is also timed with cuBLAS's GEMMs held to all
 but N multiprocessors (`torch._C._set_sm_carveout_experimental`, set while the case is
 captured): the GEMMs then leave room for the attention beside them instead of taking every
-multiprocessor. `--dtype fp8` times FP8 weights (`torch._scaled_mm`) over an FP8 cache.
+multiprocessor. With `--green G ...` the GPU is cut in two (CUDA green contexts,
+`nanoserve/sm_partition.py`): the GEMMs run on a stream of G multiprocessors and the
+attention on a stream of the rest, each case also timed alone on its part, and the two
+streams' case both captured and launched op by op (whether a graph keeps the partition).
+`--dtype fp8` times FP8 weights (`torch._scaled_mm`) over an FP8 cache.
 
     python3 -m benchmarks.overlap [--rows 256 512 1024] [--context 850] [--layers 8]
-                                  [--carveout 0 32 48] [--dtype bf16 fp8]
+                                  [--carveout 0 32 48] [--green 48 64] [--dtype bf16 fp8]
 """
 
 from __future__ import annotations
@@ -100,11 +104,36 @@ def _carved_us(carveout: int, fn) -> float:
         torch._C._set_sm_carveout_experimental(None)
 
 
+def _eager_us(fn, replays: int = 7) -> float:
+    """Microseconds per call of fn launched op by op (median of `replays`, after one)."""
+    fn()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return float(sorted(times)[len(times) // 2])
+
+
+def _on(stream, fn):
+    """fn run on `stream`, ordered after and joined back into the current stream."""
+    def run() -> None:
+        main = torch.cuda.current_stream()
+        stream.wait_stream(main)
+        with torch.cuda.stream(stream):
+            fn()
+        main.wait_stream(stream)
+    return run
+
+
 def measure(config: dict, rows: int, context: int, layers: int, carveouts: list[int],
-            dtype: str = "bf16") -> dict[str, float]:
+            dtype: str = "bf16", greens: tuple[int, ...] = ()) -> dict[str, float]:
     m = Layers(config, layers, rows, context, dtype)
     half = rows // 2
-    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    streams = {"gemms": torch.cuda.Stream(), "attention": torch.cuda.Stream()}
 
     def serial() -> None:
         for layer in range(layers):
@@ -121,6 +150,7 @@ def measure(config: dict, rows: int, context: int, layers: int, carveouts: list[
 
     def two_streams() -> None:
         main = torch.cuda.current_stream()
+        s1, s2 = streams["gemms"], streams["attention"]
         for layer in range(layers):
             # the projections of one half beside the attention of the other, then the reverse
             for (a, b), (c, d) in (((0, half), (half, rows)), ((half, rows), (0, half))):
@@ -138,6 +168,17 @@ def measure(config: dict, rows: int, context: int, layers: int, carveouts: list[
     for c in carveouts:
         out[f"gemms_c{c}"] = _carved_us(c, gemms_only) / layers
         out[f"two_streams_c{c}"] = _carved_us(c, two_streams) / layers
+    if greens:
+        from nanoserve.sm_partition import split
+    for g in greens:
+        gemm_stream, attn_stream, (n_gemm, n_attn) = split(g)
+        out[f"sms_g{g}"] = n_gemm
+        out[f"gemms_g{g}"] = _graph_us(_on(gemm_stream, gemms_only)) / layers
+        out[f"attention_g{g}"] = _graph_us(_on(attn_stream, attention_only)) / layers
+        streams.update(gemms=gemm_stream, attention=attn_stream)
+        out[f"two_streams_g{g}"] = _graph_us(two_streams) / layers
+        out[f"two_streams_eager_g{g}"] = _eager_us(two_streams) / layers
+        out[f"gemms_eager_g{g}"] = _eager_us(_on(gemm_stream, gemms_only)) / layers
     return out
 
 
@@ -151,16 +192,20 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--carveout", type=int, nargs="+", default=[0],
                     help="multiprocessors kept from cuBLAS in the two-stream case (0: none)")
+    ap.add_argument("--green", type=int, nargs="+", default=[],
+                    help="also cut the GPU in two: the GEMMs on G multiprocessors, the "
+                         "attention on the rest (CUDA green contexts)")
     ap.add_argument("--dtype", nargs="+", choices=("bf16", "fp8"), default=["bf16"],
                     help="fp8: FP8 weights (torch._scaled_mm) over an FP8 cache")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.overlap measures a GPU: no CUDA device here")
     config = SHAPES[args.shape]
-    table = []
+    table, green = [], []
     for dtype in args.dtype:
         for rows in args.rows:
-            r = measure(config, rows, args.context, args.layers, args.carveout, dtype)
+            r = measure(config, rows, args.context, args.layers, args.carveout, dtype,
+                        tuple(args.green))
             torch.cuda.empty_cache()  # (the last size's pool and weights)
             ideal = max(r["gemms"], r["attention"])
             for c in args.carveout:
@@ -169,11 +214,25 @@ def main() -> None:
                               f"{r[f'gemms_c{c}']:.0f}", f"{r['attention']:.0f}",
                               f"{r['serial']:.0f}", f"{two:.0f}", f"{ideal:.0f}",
                               f"{r['serial'] / two:.2f}x"])
+            for g in args.green:
+                two = r[f"two_streams_g{g}"]
+                green.append([dtype, str(rows), f"{r[f'sms_g{g}']}", f"{r['gemms']:.0f}",
+                              f"{r[f'gemms_g{g}']:.0f}", f"{r[f'gemms_eager_g{g}']:.0f}",
+                              f"{r['attention']:.0f}", f"{r[f'attention_g{g}']:.0f}",
+                              f"{r['serial']:.0f}", f"{two:.0f}",
+                              f"{r[f'two_streams_eager_g{g}']:.0f}",
+                              f"{r['serial'] / two:.2f}x"])
             print(f"{dtype} rows {rows}: {r}", flush=True)
     print(f"\n{args.shape} shape, context {args.context} tokens a row, us a layer:")
     print(markdown_table(["dtype", "rows", "SMs kept from cuBLAS", "projections",
                           "projections, carved", "attention", "one after the other",
                           "two streams, halves", "the longer of the two", "gain"], table))
+    if green:
+        print("\nThe GPU cut in two: GEMMs on G multiprocessors, attention on the rest:")
+        print(markdown_table(["dtype", "rows", "G", "projections", "projections on G",
+                              "the same, op by op", "attention", "attention on the rest",
+                              "one after the other", "two streams, halves",
+                              "the same, op by op", "gain"], green))
 
 
 if __name__ == "__main__":
