@@ -23,10 +23,14 @@ multiprocessor. With `--green G ...` the GPU is cut in two (CUDA green contexts,
 `nanoserve/sm_partition.py`): the GEMMs run on a stream of G multiprocessors and the
 attention on a stream of the rest, each case also timed alone on its part, and the two
 streams' case both captured and launched op by op (whether a graph keeps the partition).
-`--dtype fp8` times FP8 weights (`torch._scaled_mm`) over an FP8 cache.
+`--prefill-tokens T` also times, per layer, a prefill's projections of T tokens beside
+every row's decode attention (the overlap chunked prefill would give: a step's admitted
+prompt tokens through the GEMMs while the running rows' K/V are read), on two streams and
+on each green split. `--dtype fp8` times FP8 weights (`torch._scaled_mm`) over an FP8 cache.
 
     python3 -m benchmarks.overlap [--rows 256 512 1024] [--context 850] [--layers 8]
-                                  [--carveout 0 32 48] [--green 48 64] [--dtype bf16 fp8]
+                                  [--carveout 0 32 48] [--green 48 64] [--prefill-tokens 1024]
+                                  [--dtype bf16 fp8]
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ class Layers:
     tokens each (block size 16), with each half's queries and block tables."""
 
     def __init__(self, config: dict, layers: int, rows: int, context: int,
-                 dtype: str = "bf16") -> None:
+                 dtype: str = "bf16", tokens: int = 0) -> None:
         from nanoserve_kernels.backend import decode_attention
 
         self.attend = decode_attention
@@ -70,8 +74,8 @@ class Layers:
         self.tables = torch.arange(rows * per_row, device="cuda", dtype=torch.int32).view(rows, per_row)
         self.lens = torch.full((rows,), context, device="cuda", dtype=torch.int32)
         self.q = torch.randn(rows, self.hq, d, device="cuda", dtype=torch.bfloat16)
-        self.x = torch.randn(rows, self.h, device="cuda").to(store)
-        self.mid = torch.randn(rows, self.i, device="cuda").to(store)
+        self.x = torch.randn(max(rows, tokens), self.h, device="cuda").to(store)
+        self.mid = torch.randn(max(rows, tokens), self.i, device="cuda").to(store)
         self.scale = d ** -0.5
         self.context = context
 
@@ -130,8 +134,9 @@ def _on(stream, fn):
 
 
 def measure(config: dict, rows: int, context: int, layers: int, carveouts: list[int],
-            dtype: str = "bf16", greens: tuple[int, ...] = ()) -> dict[str, float]:
-    m = Layers(config, layers, rows, context, dtype)
+            dtype: str = "bf16", greens: tuple[int, ...] = (), tokens: int = 0
+            ) -> dict[str, float]:
+    m = Layers(config, layers, rows, context, dtype, tokens)
     half = rows // 2
     streams = {"gemms": torch.cuda.Stream(), "attention": torch.cuda.Stream()}
 
@@ -163,8 +168,34 @@ def measure(config: dict, rows: int, context: int, layers: int, carveouts: list[
                 main.wait_stream(s1)
                 main.wait_stream(s2)
 
-    out = {name: _graph_us(fn) / layers for name, fn in (
-        ("gemms", gemms_only), ("attention", attention_only), ("serial", serial))}
+    def prefill_gemms() -> None:
+        for layer in range(layers):
+            m.gemms(layer, 0, tokens)
+
+    def prefill_then_attention() -> None:
+        for layer in range(layers):
+            m.gemms(layer, 0, tokens)
+            m.attention(0, rows)
+
+    def prefill_beside_attention() -> None:
+        # a prefill's projections of `tokens` tokens beside every row's decode attention
+        main = torch.cuda.current_stream()
+        s1, s2 = streams["gemms"], streams["attention"]
+        for layer in range(layers):
+            s1.wait_stream(main)
+            s2.wait_stream(main)
+            with torch.cuda.stream(s1):
+                m.gemms(layer, 0, tokens)
+            with torch.cuda.stream(s2):
+                m.attention(0, rows)
+            main.wait_stream(s1)
+            main.wait_stream(s2)
+
+    cases = [("gemms", gemms_only), ("attention", attention_only), ("serial", serial)]
+    if tokens:
+        cases += [("pf_gemms", prefill_gemms), ("pf_serial", prefill_then_attention),
+                  ("pf_two_streams", prefill_beside_attention)]
+    out = {name: _graph_us(fn) / layers for name, fn in cases}
     for c in carveouts:
         out[f"gemms_c{c}"] = _carved_us(c, gemms_only) / layers
         out[f"two_streams_c{c}"] = _carved_us(c, two_streams) / layers
@@ -179,6 +210,9 @@ def measure(config: dict, rows: int, context: int, layers: int, carveouts: list[
         out[f"two_streams_g{g}"] = _graph_us(two_streams) / layers
         out[f"two_streams_eager_g{g}"] = _eager_us(two_streams) / layers
         out[f"gemms_eager_g{g}"] = _eager_us(_on(gemm_stream, gemms_only)) / layers
+        if tokens:
+            out[f"pf_gemms_g{g}"] = _graph_us(_on(gemm_stream, prefill_gemms)) / layers
+            out[f"pf_two_streams_g{g}"] = _graph_us(prefill_beside_attention) / layers
     return out
 
 
@@ -195,17 +229,21 @@ def main() -> None:
     ap.add_argument("--green", type=int, nargs="+", default=[],
                     help="also cut the GPU in two: the GEMMs on G multiprocessors, the "
                          "attention on the rest (CUDA green contexts)")
+    ap.add_argument("--prefill-tokens", type=int, default=0,
+                    help="also time a prefill's projections of this many tokens beside every "
+                         "row's decode attention (chunked prefill's overlap)")
     ap.add_argument("--dtype", nargs="+", choices=("bf16", "fp8"), default=["bf16"],
                     help="fp8: FP8 weights (torch._scaled_mm) over an FP8 cache")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.overlap measures a GPU: no CUDA device here")
     config = SHAPES[args.shape]
-    table, green = [], []
+    table, green, prefill = [], [], []
+    T = args.prefill_tokens
     for dtype in args.dtype:
         for rows in args.rows:
             r = measure(config, rows, args.context, args.layers, args.carveout, dtype,
-                        tuple(args.green))
+                        tuple(args.green), T)
             torch.cuda.empty_cache()  # (the last size's pool and weights)
             ideal = max(r["gemms"], r["attention"])
             for c in args.carveout:
@@ -222,6 +260,15 @@ def main() -> None:
                               f"{r['serial']:.0f}", f"{two:.0f}",
                               f"{r[f'two_streams_eager_g{g}']:.0f}",
                               f"{r['serial'] / two:.2f}x"])
+            for g in [0] + args.green if T else []:
+                two = r["pf_two_streams" + (f"_g{g}" if g else "")]
+                prefill.append([dtype, str(rows), str(T), str(r[f"sms_g{g}"]) if g else "all",
+                                f"{r['pf_gemms']:.0f}",
+                                f"{r[f'pf_gemms_g{g}']:.0f}" if g else "",
+                                f"{r['attention']:.0f}",
+                                f"{r[f'attention_g{g}']:.0f}" if g else "",
+                                f"{r['pf_serial']:.0f}", f"{two:.0f}",
+                                f"{r['pf_serial'] / two:.2f}x"])
             print(f"{dtype} rows {rows}: {r}", flush=True)
     print(f"\n{args.shape} shape, context {args.context} tokens a row, us a layer:")
     print(markdown_table(["dtype", "rows", "SMs kept from cuBLAS", "projections",
@@ -233,6 +280,12 @@ def main() -> None:
                               "the same, op by op", "attention", "attention on the rest",
                               "one after the other", "two streams, halves",
                               "the same, op by op", "gain"], green))
+    if prefill:
+        print(f"\nA prefill's projections of {T} tokens beside every row's decode attention "
+              "(G: the GEMMs on G multiprocessors, the attention on the rest):")
+        print(markdown_table(["dtype", "rows", "prefill tokens", "G", "prefill projections",
+                              "the same on G", "attention", "attention on the rest",
+                              "one after the other", "side by side", "gain"], prefill))
 
 
 if __name__ == "__main__":
