@@ -20,7 +20,7 @@ With `--carveout N ...` the two-stream case is also timed with cuBLAS's GEMMs he
 but N multiprocessors (`torch._C._set_sm_carveout_experimental`, set while the case is
 captured): the GEMMs then leave room for the attention beside them instead of taking every
 multiprocessor. With `--green G ...` the GPU is cut in two (CUDA green contexts,
-`nanoserve/sm_partition.py`): the GEMMs run on a stream of G multiprocessors and the
+`benchmarks/sm_partition.py`): the GEMMs run on a stream of G multiprocessors and the
 attention on a stream of the rest, each case also timed alone on its part, and the two
 streams' case both captured and launched op by op (whether a graph keeps the partition).
 `--prefill-tokens T` also times, per layer, a prefill's projections of T tokens beside
@@ -200,7 +200,7 @@ def measure(config: dict, rows: int, context: int, layers: int, carveouts: list[
         out[f"gemms_c{c}"] = _carved_us(c, gemms_only) / layers
         out[f"two_streams_c{c}"] = _carved_us(c, two_streams) / layers
     if greens:
-        from nanoserve.sm_partition import split
+        from benchmarks.sm_partition import split
     for g in greens:
         gemm_stream, attn_stream, (n_gemm, n_attn) = split(g)
         out[f"sms_g{g}"] = n_gemm

@@ -1,4 +1,4 @@
-"""`nanoserve/sm_partition.py` on a CUDA device: the two streams' kernels run on disjoint
+"""`benchmarks/sm_partition.py` on a CUDA device: the two streams' kernels run on disjoint
 sets of multiprocessors, as many as the split granted, launched op by op and replayed from
 a CUDA graph; and a GEMM and the paged decode read give on them what they give on the
 default stream. The oracle for "where": each program of a Triton kernel writes the
@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from nanoserve.sm_partition import split  # noqa: E402
+from benchmarks.sm_partition import split  # noqa: E402
 
 PROGRAMS = 4096  # many more programs than multiprocessors: every one of a set gets some
 
