@@ -202,7 +202,7 @@ def measure(config: dict, rows: int, context: int, layers: int, carveouts: list[
     if greens:
         from benchmarks.sm_partition import split
     for g in greens:
-        gemm_stream, attn_stream, (n_gemm, n_attn) = split(g)
+        gemm_stream, attn_stream, (n_gemm, _) = split(g)
         out[f"sms_g{g}"] = n_gemm
         out[f"gemms_g{g}"] = _graph_us(_on(gemm_stream, gemms_only)) / layers
         out[f"attention_g{g}"] = _graph_us(_on(attn_stream, attention_only)) / layers

@@ -44,17 +44,22 @@ def _launch(out: torch.Tensor) -> None:
     _smid_kernel[(PROGRAMS,)](out, torch.empty_like(out), 2000)
 
 
+def _launch_on(streams, outs) -> None:
+    """One launch on each stream into its own output, joined back into the current one."""
+    main = torch.cuda.current_stream()
+    for stream, out in zip(streams, outs):
+        stream.wait_stream(main)
+        with torch.cuda.stream(stream):
+            _launch(out)
+        main.wait_stream(stream)
+
+
 def test_two_parts_run_on_disjoint_multiprocessors() -> None:
     total = torch.cuda.get_device_properties(0).multi_processor_count
     first, rest, (n_first, n_rest) = split(total // 2)
     assert n_first >= total // 2 and n_first + n_rest <= total
     outs = [torch.full((PROGRAMS,), -1, dtype=torch.int32, device="cuda") for _ in range(3)]
-    main = torch.cuda.current_stream()
-    for stream, out in ((first, outs[0]), (rest, outs[1])):
-        stream.wait_stream(main)
-        with torch.cuda.stream(stream):
-            _launch(out)
-        main.wait_stream(stream)
+    _launch_on((first, rest), outs)
     _launch(outs[2])  # the default stream: every multiprocessor
     torch.cuda.synchronize()
     on_first, on_rest, on_all = (_sms(o) for o in outs)
@@ -69,18 +74,10 @@ def test_a_captured_graph_keeps_the_partition() -> None:
     first, rest, (n_first, n_rest) = split(total // 2)
     outs = [torch.full((PROGRAMS,), -1, dtype=torch.int32, device="cuda") for _ in range(2)]
 
-    def both() -> None:
-        main = torch.cuda.current_stream()
-        for stream, out in ((first, outs[0]), (rest, outs[1])):
-            stream.wait_stream(main)
-            with torch.cuda.stream(stream):
-                _launch(out)
-            main.wait_stream(stream)
-
-    both()  # compiled outside the capture
+    _launch_on((first, rest), outs)  # compiled outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        both()
+        _launch_on((first, rest), outs)
     for o in outs:
         o.fill_(-1)
     graph.replay()
