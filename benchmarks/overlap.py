@@ -153,20 +153,23 @@ def measure(config: dict, rows: int, context: int, layers: int, carveouts: list[
         for _ in range(layers):
             m.attention(0, rows)
 
-    def two_streams() -> None:
+    def beside(gemms: tuple[int, int, int], attention: tuple[int, int]) -> None:
+        """m.gemms(*gemms) on the GEMM stream beside m.attention(*attention) on the other,
+        both joined back into the current stream."""
         main = torch.cuda.current_stream()
-        s1, s2 = streams["gemms"], streams["attention"]
+        for stream, work, args in ((streams["gemms"], m.gemms, gemms),
+                                   (streams["attention"], m.attention, attention)):
+            stream.wait_stream(main)
+            with torch.cuda.stream(stream):
+                work(*args)
+        main.wait_stream(streams["gemms"])
+        main.wait_stream(streams["attention"])
+
+    def two_streams() -> None:
         for layer in range(layers):
             # the projections of one half beside the attention of the other, then the reverse
             for (a, b), (c, d) in (((0, half), (half, rows)), ((half, rows), (0, half))):
-                s1.wait_stream(main)
-                s2.wait_stream(main)
-                with torch.cuda.stream(s1):
-                    m.gemms(layer, a, b)
-                with torch.cuda.stream(s2):
-                    m.attention(c, d)
-                main.wait_stream(s1)
-                main.wait_stream(s2)
+                beside((layer, a, b), (c, d))
 
     def prefill_gemms() -> None:
         for layer in range(layers):
@@ -179,17 +182,8 @@ def measure(config: dict, rows: int, context: int, layers: int, carveouts: list[
 
     def prefill_beside_attention() -> None:
         # a prefill's projections of `tokens` tokens beside every row's decode attention
-        main = torch.cuda.current_stream()
-        s1, s2 = streams["gemms"], streams["attention"]
         for layer in range(layers):
-            s1.wait_stream(main)
-            s2.wait_stream(main)
-            with torch.cuda.stream(s1):
-                m.gemms(layer, 0, tokens)
-            with torch.cuda.stream(s2):
-                m.attention(0, rows)
-            main.wait_stream(s1)
-            main.wait_stream(s2)
+            beside((layer, 0, tokens), (0, rows))
 
     cases = [("gemms", gemms_only), ("attention", attention_only), ("serial", serial)]
     if tokens:
