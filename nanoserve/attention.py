@@ -161,13 +161,10 @@ def gqa_attention(q, k, v, layer: int, cache, meta: AttentionMetadata,
         if B != 1 or meta.cu_seqlens is None:
             raise ValueError("a step cache's prefill is packed: input [1, N] with cu_seqlens")
         if cache.block_tables is not None:  # after cached context: attend through the pool
-            if window is not None:
-                raise ValueError("the paged prefill has no sliding window: a windowed model "
-                                 "runs without prefix caching")
             out = kernel_backend.paged_prefill_attention(
                 q[0], cache.pool.k[layer], cache.pool.v[layer], cache.block_tables,
                 meta.cu_seqlens, cache.context_lens, meta.max_seqlen, q.shape[-1] ** -0.5,
-                work=meta.work, **cache.pool.scales(layer))
+                work=meta.work, window=window, **cache.pool.scales(layer))
         else:
             out = kernel_backend.prefill_attention(q[0], k[0], v[0], meta.cu_seqlens,
                                                    meta.max_seqlen, q.shape[-1] ** -0.5,

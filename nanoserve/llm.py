@@ -80,8 +80,8 @@ class LLM:
         enable_prefix_caching: with the continuous scheduler, a prompt's leading full blocks
         that the pool already holds (an earlier row's same prefix) are reused, not
         prefilled again (nanoserve/prefix_cache.py), with either scheduler (a static batch
-        finds the blocks earlier batches on the pool named); not for a model with a sliding
-        window.
+        finds the blocks earlier batches on the pool named); a model with a sliding window
+        too (a cache hit's prefill attends through the pool within the window).
         quantization: "fp8" quantizes a checkpoint's projections to FP8 e4m3 at load (a GPU
         of compute capability 8.9+ only; refused elsewhere). FP8 checkpoints need no flag:
         FP8 GEMMs on such a GPU, dequantized weights elsewhere (nanoserve/fp8.py).
@@ -137,10 +137,6 @@ class LLM:
         # a vision-language model's image processor settings (preprocessor_config.json)
         self.image_config = (ImageConfig.from_folder(self.model_path)
                              if config.vision is not None else None)
-        if any(config.attention_window(i) is not None for i in range(config.num_hidden_layers)):
-            # The paged prefill after a cache hit has no sliding window: such a model
-            # prefills every prompt whole (the tokens are the same either way).
-            self.enable_prefix_caching = False
         self.eos_token_ids = tuple(sorted(set(config.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
         # Structured outputs: xgrammar's view of this tokenizer, built at the first
         # constrained row; each constraint compiled once.

@@ -176,15 +176,18 @@ def paged_prefill_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     work: torch.Tensor | None = None,  # [2, P] int32, for the kernel's default block_m
+    window: int | None = None,  # sliding window: keys p - window + 1 .. p only
 ) -> torch.Tensor:  # [N, Hq, D]
-    """Causal attention of each row's new tokens over its whole paged context. `work`: the
-    Triton kernel's work table (its grid then independent of the rows' lengths)."""
+    """Causal attention of each row's new tokens over its whole paged context (within
+    `window` tokens, when given). `work`: the Triton kernel's work table (its grid then
+    independent of the rows' lengths)."""
     args = (q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, scale)
+    scales = dict(k_scale=k_scale, v_scale=v_scale, window=window)
     if use_triton(q.device):
-        return _paged_prefill_triton(*args, k_scale=k_scale, v_scale=v_scale, work=work)
+        return _paged_prefill_triton(*args, work=work, **scales)
     if q.device.type == "cpu" and not references_forced():
-        return paged_prefill_attention_cpu(*args, k_scale=k_scale, v_scale=v_scale)
-    return paged_prefill_attention_reference(*args, k_scale=k_scale, v_scale=v_scale)
+        return paged_prefill_attention_cpu(*args, **scales)
+    return paged_prefill_attention_reference(*args, **scales)
 
 
 def store_kv(

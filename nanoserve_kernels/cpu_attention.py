@@ -157,11 +157,14 @@ def paged_prefill_attention_cpu(
     scale: float,
     k_scale: float = 1.0,  # an FP8 pool's per-layer scales (nanoserve_kernels.kv_quant)
     v_scale: float = 1.0,
+    window: int | None = None,  # sliding window: keys p - window + 1 .. p only
 ) -> torch.Tensor:  # [N, Hq, D]
     """`paged_prefill_attention_reference`'s result: new token i of a row with n new tokens
-    and a context of c sees context positions 0 .. c - n + i."""
+    and a context of c sees context positions 0 .. c - n + i (with a window W, from
+    c - n + i - W + 1)."""
     check_paged_prefill_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
                              k_scale, v_scale)
+    window = check_window(window)
     block_size = k_cache.shape[1]
     lengths, ctx = check_row_lengths(q.shape[0], block_tables, block_size, cu_seqlens_q,
                                      context_lens, max_seqlen_q)
@@ -176,7 +179,7 @@ def paged_prefill_attention_cpu(
                 s = slice(start, start + n)
                 out[s] = paged_prefill_attention_cpu(
                     q[s], k_cache, v_cache, block_tables[i:i + 1], cu_seqlens_q.new_tensor([0, n]),
-                    context_lens[i:i + 1], n, scale, k_scale, v_scale)
+                    context_lens[i:i + 1], n, scale, k_scale, v_scale, window)
             start += n
         return out
     row, pos = _packed_index(lengths, q.device)
@@ -185,7 +188,8 @@ def paged_prefill_attention_cpu(
     n = torch.tensor(lengths, device=q.device)[:, None, None]
     qi = torch.arange(width, device=q.device)[None, :, None]
     kj = torch.arange(ctx_width, device=q.device)[None, None, :]
-    allowed = (kj <= c - n + torch.minimum(qi, n - 1)) | (kj == 0)  # padding queries: row's keys
+    last = c - n + torch.minimum(qi, n - 1)  # a query's position (padding queries: the last's)
+    allowed = ((kj <= last) & (kj > last - window)) | (kj == last.clamp(min=0))  # itself, at least
     out = _sdpa(_padded(q, row, pos, len(lengths), width),
                 _gather(k_cache, slots, k_scale, q.dtype),
                 _gather(v_cache, slots, v_scale, q.dtype), allowed, scale)

@@ -7,7 +7,8 @@ in the layer's pool `k_cache, v_cache [num_blocks, block_size, Hkv, D]`: token t
 `block_tables[b, t // block_size]` at offset `t % block_size`. The caller has already stored
 the new tokens' keys and values there (`nanoserve_kernels.kv_store`). With `cached = context_lens[b] -
 q_len`, new token j sits at absolute position `cached + j` and attends to context tokens
-`0 .. cached + j` (causal). Query head h reads KV head `h // (Hq // Hkv)` (GQA). The cache
+`0 .. cached + j` (causal), or with a sliding `window` W only `cached + j - W + 1 .. cached + j`
+(transformers' `sliding_window`, as `nanoserve_kernels.prefill_attention`). Query head h reads KV head `h // (Hq // Hkv)` (GQA). The cache
 holds q's dtype, or float8 e4m3 read as `float32(entry) * k_scale` / `* v_scale` (an FP8 KV
 cache, `nanoserve_kernels.kv_quant`; the kernel folds the scales as `nanoserve_kernels.paged_attention` does).
 
@@ -35,6 +36,7 @@ import torch
 from nanoserve_kernels._triton import HAS_TRITON, interpret_requested, next_power_of_2, tl, triton
 from nanoserve_kernels.kv_quant import check_kv_scales, dequantize_reference, is_fp8
 from nanoserve_kernels.online_softmax import online_softmax_step
+from nanoserve_kernels.paged_attention import check_window
 from nanoserve_kernels.prefill_attention import check_prompt_lengths, check_work, prefill_program
 
 # Decided when this module is imported, like Triton's own choice in `@triton.jit` below.
@@ -131,10 +133,12 @@ def paged_prefill_attention_reference(
     *,
     k_scale: float = 1.0,  # FP8 caches: a key is float32(entry) * k_scale
     v_scale: float = 1.0,
+    window: int | None = None,  # sliding window: keys p - window + 1 .. p only
 ) -> torch.Tensor:  # [N, Hq, D], dtype of q
     """PyTorch oracle for `paged_prefill_attention`; also checks the lengths' values."""
     check_paged_prefill_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
                              k_scale, v_scale)
+    window = check_window(window)
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     bounds = cu_seqlens_q.tolist()
     q_lens, ctx_lens = check_row_lengths(q.shape[0], block_tables, block_size, cu_seqlens_q,
@@ -153,8 +157,8 @@ def paged_prefill_attention_reference(
         qg = q[start:end].to(math_dtype).reshape(n, num_kv_heads, group, head_dim)  # [n,Hkv,G,D]
         scores = torch.einsum("nkgd,tkd->kgnt", qg, k) * scale  # [Hkv, G, n, T]
         query_pos = (ctx - n) + torch.arange(n, device=q.device)  # [n] absolute positions
-        future = pos[None, :] > query_pos[:, None]  # [n, T]
-        probs = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
+        hidden = (pos[None, :] > query_pos[:, None]) | (pos[None, :] <= query_pos[:, None] - window)
+        probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)  # [Hkv,G,n,T]
         o = torch.einsum("kgnt,tkd->nkgd", probs, v)  # [n, Hkv, G, D]
         out[start:end] = o.reshape(n, num_kv_heads * group, head_dim).to(q.dtype)
     return out
@@ -173,6 +177,7 @@ def _paged_prefill_kernel(
     work_size,  # P
     qk_scale,  # softmax scale * log2(e) (* k_scale: FP8 caches)
     v_scale,  # FP8 caches: the values' scale, applied to the output; else 1.0
+    window,  # sliding window (NO_WINDOW: none): the query at p sees keys p-window+1..p
     stride_qn,
     stride_qh,
     stride_qd,
@@ -233,7 +238,9 @@ def _paged_prefill_kernel(
     k_head = k_ptr + kv_head * stride_kh
     v_head = v_ptr + kv_head * stride_vh
     hi = tl.minimum(context_len, cached + m0 + BLOCK_M)  # causal: nothing past the last query
-    for t0 in range(0, hi, BLOCK_N):
+    lo = tl.maximum(cached + m0 - window + 1, 0)  # window: nothing before the first query's
+    lo = (lo // BLOCK_N) * BLOCK_N
+    for t0 in range(lo, hi, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] context positions
         t_mask = t < hi
         block = tl.load(bt_row + (t // PAGE) * stride_btn, mask=t_mask, other=0).to(tl.int64)
@@ -247,9 +254,10 @@ def _paged_prefill_kernel(
             k = k.to(q_ptr.dtype.element_ty)
             v = v.to(q_ptr.dtype.element_ty)
         visible = (t[None, :] <= query_pos[:, None]) & t_mask[None, :]  # [ROWS, BLOCK_N]
+        visible = visible & (t[None, :] > query_pos[:, None] - window)
         m_i, l_i, acc = online_softmax_step(q, k, v, visible, qk_scale, m_i, l_i, acc, DOT_FP32)
 
-    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None] * v_scale  # every query sees token 0
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None] * v_scale  # every query sees itself
     o_off = q_rows[:, None] * stride_on + heads[:, None] * stride_oh + d[None, :] * stride_od
     tl.store(
         out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=r_mask[:, None] & d_mask[None, :]
@@ -279,6 +287,7 @@ def paged_prefill_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     work: torch.Tensor | None = None,  # [2, P] int32 (`prefill_work` for block_m)
+    window: int | None = None,  # sliding window (the reference's meaning)
 ) -> torch.Tensor:  # [N, Hq, D], dtype of q
     """Triton paged prefill attention; same contract as `paged_prefill_attention_reference`.
 
@@ -296,6 +305,7 @@ def paged_prefill_attention(
                              k_scale, v_scale)
     if q.dtype not in _KERNEL_DTYPES:
         raise ValueError(f"the kernel takes {_KERNEL_DTYPES}, got {q.dtype}")
+    window = check_window(window)
     num_tokens, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1:3]
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -330,6 +340,7 @@ def paged_prefill_attention(
         0 if work is None else work.shape[1],
         float(scale) * _LOG2E * float(k_scale),
         float(v_scale),
+        window,
         *q.stride(),
         *k_cache.stride(),
         *v_cache.stride(),

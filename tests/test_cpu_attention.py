@@ -116,11 +116,15 @@ def test_cpu_paged_prefill_equals_the_reference(dtype, hkv, group):
         new = [rng.choice([0, 1, n, rng.randint(0, n)]) for n in lens.tolist()]
         q, cu = packed(rng, new, hkv * group, hkv, dtype)
         scale = q.shape[-1] ** -0.5
-        want = paged_prefill_attention_reference(q, k, v, tables, cu, lens, max(new), scale)
-        got = paged_prefill_attention_cpu(q, k, v, tables, cu, lens, max(new), scale)
+        window = rng.choice([None, 1, 3, 20])
+        want = paged_prefill_attention_reference(q, k, v, tables, cu, lens, max(new), scale,
+                                                 window=window)
+        got = paged_prefill_attention_cpu(q, k, v, tables, cu, lens, max(new), scale,
+                                          window=window)
         assert got.dtype == want.dtype and got.shape == want.shape
         torch.testing.assert_close(got, want, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype],
-                                   msg=f"trial {trial}: new {new}, context {lens.tolist()}")
+                                   msg=f"trial {trial}: new {new}, context {lens.tolist()}, "
+                                       f"window {window}")
 
 
 def test_cpu_prefills_check_like_the_references():

@@ -98,7 +98,7 @@ def test_fused_moe_is_captured_in_a_cuda_graph():
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])
 def test_moe_family_greedy_on_the_gpu_equals_transformers(tmp_path, family):
     """float32 through the kernels (static batch, continuous batching with its CUDA graphs)."""
-    from test_families import _assert_greedy_near, _hf_greedy
+    from hf_oracle import assert_greedy_near, hf_greedy
     from test_moe_families import CASES, save_moe
 
     from nanoserve.generate import greedy_generate_batch, pool_for
@@ -114,14 +114,14 @@ def test_moe_family_greedy_on_the_gpu_equals_transformers(tmp_path, family):
     rng = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 256, (n,), generator=rng).tolist() for n in (1, 6, 15, 33)]
     new = 24
-    want = [_hf_greedy(hf, p, new) for p in prompts]
+    want = [hf_greedy(hf, p, new) for p in prompts]
     pool = pool_for(model, prompts, new, 16)
-    _assert_greedy_near(hf, prompts, greedy_generate_batch(model, prompts, new, (), pool), want)
+    assert_greedy_near(hf, prompts, greedy_generate_batch(model, prompts, new, (), pool), want)
     params = [SamplingParams(max_tokens=new, temperature=0.0)] * len(prompts)
     for mode in ("eager", "graph"):  # "graph": decode steps and prefills as CUDA graphs
         outs, _ = generate_continuous(model, prompts, params, (), pool, max_batch_size=3,
                                       step_mode=mode)
-        _assert_greedy_near(hf, prompts, [o.token_ids for o in outs], want)
+        assert_greedy_near(hf, prompts, [o.token_ids for o in outs], want)
 
 
 def test_online_fp8_moe_is_close_to_bf16(tmp_path):

@@ -296,12 +296,13 @@ def test_paged_prefill_dispatch_on_cpu_equals_the_reference(monkeypatch):
         block_size=4, dtype=torch.float32,
     )  # fmt: skip
     # the CPU's fused path (nanoserve_kernels.cpu_attention), equal to the reference up to rounding
-    torch.testing.assert_close(
-        kernels.paged_prefill_attention(*args, 4, 0.5),
-        paged_prefill_attention_reference(*args, 4, 0.5),
-        atol=2e-6,
-        rtol=2e-6,
-    )
+    for window in (None, 2, 5):
+        torch.testing.assert_close(
+            kernels.paged_prefill_attention(*args, 4, 0.5, window=window),
+            paged_prefill_attention_reference(*args, 4, 0.5, window=window),
+            atol=2e-6,
+            rtol=2e-6,
+        )
 
 
 def test_paged_prefill_reference_checks_lengths():
@@ -377,6 +378,37 @@ def test_prefill_reference_window_matches_transformers_mask(window):
     if window >= max(lengths):
         no_window = prefill_attention_reference(q, k, v, cu, max(lengths), 0.2)
         torch.testing.assert_close(out, no_window, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("window", [1, 6, 1000])
+def test_paged_prefill_reference_window_matches_transformers_mask(window):
+    """A cache hit's prefill under a sliding window: each row's new tokens, attending through
+    the pool, equal the tail of SDPA over the row's whole dense context under transformers'
+    own sliding-window mask (a window longer than every context equals no window)."""
+    cached, new = PAGED_PREFILL_ROWS
+    (q, k_cache, v_cache, tables, cu, lens), (q_full, k_full, v_full), _ = (
+        make_paged_prefill_case(
+            seed=26, cached_lens=cached, new_lens=new, num_kv_heads=2, group=2,
+            head_dim=16, block_size=8, dtype=torch.float64,
+        )
+    )  # fmt: skip
+    args = (q, k_cache, v_cache, tables, cu, lens, max(new), 0.3)
+    out = paged_prefill_attention_reference(*args, window=window)
+    for row, (c, start, end) in enumerate(zip(cached, cu[:-1].tolist(), cu[1:].tolist())):
+        if start == end:
+            continue
+        ks = k_full[row].repeat_interleave(2, dim=1).transpose(0, 1)  # [Hq, ctx, D]
+        vs = v_full[row].repeat_interleave(2, dim=1).transpose(0, 1)
+        dense = F.scaled_dot_product_attention(
+            q_full[row].transpose(0, 1), ks, vs, attn_mask=_sliding_allowed(c + end - start, window),
+            scale=0.3,
+        ).transpose(0, 1)  # [ctx, Hq, D]
+        torch.testing.assert_close(out[start:end], dense[c:])
+    no_window = paged_prefill_attention_reference(*args)
+    if window >= max(c + n for c, n in zip(cached, new)):
+        torch.testing.assert_close(out, no_window, atol=0, rtol=0)
+    else:
+        assert not torch.equal(out, no_window)
 
 
 def test_window_must_be_positive():
@@ -886,6 +918,11 @@ def test_interp_paged_prefill_kernel_matches_reference(
         tabled = paged_prefill.paged_prefill_attention(
             q, k_bad, v_bad, tables, cu, lens, 1, scale, block_n=block_n, work=work)
         torch.testing.assert_close(tabled, out, atol=0, rtol=0)
+    # a sliding window (shorter than a block, and spanning several): the reference's keys only
+    window = (5, 2 * block_size + 7)[group % 2]
+    got = paged_prefill.paged_prefill_attention(*args, block_m=block_m, block_n=block_n,
+                                                window=window)
+    assert_close(got, paged_prefill_attention_reference(*args, window=window), dtype)
 
 
 def test_interp_paged_prefill_dispatch_and_strided_queries(interp):

@@ -278,6 +278,12 @@ def test_paged_prefill_kernel_matches_reference_bf16(group, head_dim, block_size
         out = paged_prefill_kernel(*args, max(new), scale, block_m=block_m, block_n=block_n)
         assert out.dtype == torch.bfloat16 and out.shape == q.shape
         assert_close(out, expected, torch.bfloat16)
+    for window in (7, 3 * block_size + 5):  # a sliding window: the reference's keys only
+        want = paged_prefill_attention_reference(*args, max(new), scale, window=window)
+        for block_m, block_n in ((None, None), (16, 32)):
+            got = paged_prefill_kernel(*args, max(new), scale, block_m=block_m,
+                                       block_n=block_n, window=window)
+            assert_close(got, want, torch.bfloat16)
     # padding block 0, spare blocks and tails of partly filled blocks are never read
     k_bad = k_cache.masked_fill(~real[:, :, None, None], 1e4)
     v_bad = v_cache.masked_fill(~real[:, :, None, None], 1e4)
