@@ -2,11 +2,12 @@
 device: `load_format="dummy"` on both sides, no checkpoint on disk) on 4,096 rows of
 nano-vllm's distribution (prompt and output lengths uniform in [100, 1024], seed 0; greedy,
 ignore_eos, token ids), through `benchmarks.vs_vllm`'s machinery: vLLM 0.26.0 in its
-defaults first, in a child process with only --vllm-site on its PYTHONPATH, then nanoserve
+defaults first (and, run `vllm-fp8`, with `quantization="fp8"`), in a child process with
+only --vllm-site on its PYTHONPATH, then nanoserve
 in bf16 and nanoserve with FP8 experts and projections quantized at load
 (`quantization="fp8"`), in this process, one engine after the other.
 
-    python3 -m benchmarks.moe [--runs vllm,bf16,fp8] [--rows 4096] [--warmup-rows 512]
+    python3 -m benchmarks.moe [--runs vllm,vllm-fp8,bf16,fp8] [--rows 4096] [--warmup-rows 512]
         [--out DIR] [--vllm-site /tmp/vsite]
     python3 -m benchmarks.moe --fit [--try-load]
     python3 -m benchmarks.moe --smoke
@@ -66,7 +67,7 @@ FIT_SHAPES = {"Qwen3-30B-A3B": QWEN3_30B_A3B, "Mixtral-8x7B": MIXTRAL_8X7B,
               "Mixtral-8x22B": MIXTRAL_8X22B, "Qwen3-235B-A22B": QWEN3_235B_A22B}
 H200_BYTES = 141e9
 KV_RESERVE = 0.10  # of the GPU's memory left for the KV cache and activations, at least
-RUNS = ("vllm", "bf16", "fp8")
+RUNS = ("vllm", "vllm-fp8", "bf16", "fp8")  # vllm-fp8: vLLM with quantization="fp8"
 SMOKE = {**QWEN3_30B_A3B, "vocab_size": 4096, "hidden_size": 128, "intermediate_size": 256,
          "moe_intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2}
@@ -134,24 +135,27 @@ def try_load(config: dict, work: Path) -> dict:
 
 
 def print_table(sides: dict) -> None:
-    ref = (sides.get("vllm") or {}).get("workloads", {}).get("nanovllm")
-    ours = (sides.get("bf16") or {}).get("workloads", {}).get("nanovllm")
-    print("\n| run | wall s | output tok/s | vs vLLM | vs ours bf16 |")
-    print("|---|---|---|---|---|")
+    def rate(run):
+        return ((sides.get(run) or {}).get("workloads", {}).get("nanovllm") or {}).get("tok_s")
+
+    def over(r, base):
+        return f"{r / rate(base):.2f}x" if rate(base) else "n/a"
+
+    print("\n| run | wall s | output tok/s | vs vLLM | vs vLLM fp8 | vs ours bf16 |")
+    print("|---|---|---|---|---|---|")
     for run in RUNS:
         r = (sides.get(run) or {}).get("workloads", {}).get("nanovllm")
         if r is None:
             continue
-        vs_vllm = f"{r['tok_s'] / ref['tok_s']:.2f}x" if ref else "n/a"
-        vs_bf16 = f"{r['tok_s'] / ours['tok_s']:.2f}x" if ours else "n/a"
-        print(f"| {run} | {r['wall_s']:.2f} | {r['tok_s']:.0f} | {vs_vllm} | {vs_bf16} |")
+        print(f"| {run} | {r['wall_s']:.2f} | {r['tok_s']:.0f} | {over(r['tok_s'], 'vllm')} | "
+              f"{over(r['tok_s'], 'vllm-fp8')} | {over(r['tok_s'], 'bf16')} |")
     sys.stdout.flush()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--runs", default=",".join(RUNS), help="comma-separated, of: vllm, bf16, fp8")
+    ap.add_argument("--runs", default=",".join(RUNS), help="comma-separated, of: " + ", ".join(RUNS))
     ap.add_argument("--rows", type=int, default=4096)
     ap.add_argument("--warmup-rows", type=int, default=512)
     ap.add_argument("--out", type=Path, default=None)
@@ -197,18 +201,21 @@ def main() -> None:
     result = {"shape": "qwen3-30b-a3b" if not args.smoke else "smoke", "rows": rows,
               "device": device, "torch": torch.__version__,
               "gpu": torch.cuda.get_device_name() if device == "cuda" else None, "sides": {}}
-    if "vllm" in runs:  # first: its child exits and leaves the GPU whole
-        result["sides"]["vllm"], error = run_vllm(model_dir, workloads, work, args)
-        if error:
-            result["vllm_error"] = error
-            print(error, flush=True)
+    for run in ("vllm", "vllm-fp8"):  # first: its child exits and leaves the GPU whole
+        if run in runs:
+            args.quantization = "fp8" if run == "vllm-fp8" else None
+            result["sides"][run], error = run_vllm(model_dir, workloads, work, args)
+            args.quantization = None
+            if error:
+                result[f"{run}_error"] = error
+                print(error, flush=True)
     for run in ("bf16", "fp8"):
         if run in runs:
             result["sides"][run] = run_nanoserve(
                 model_dir, workloads, device, args.vocab, "fp8" if run == "fp8" else None,
                 load_format="dummy", warmup_rows=args.warmup_rows)
     stem = f"moe_{result['shape'].replace('-', '_')}"
-    path = work / f"{stem}_{'_'.join(runs)}.json"
+    path = work / f"{stem}_{'_'.join(runs).replace('-', '_')}.json"
     path.write_text(json.dumps(result, indent=2))
     sides = {}
     for earlier in sorted(work.glob(f"{stem}_*.json"), key=lambda p: p.stat().st_mtime):

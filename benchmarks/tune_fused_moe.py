@@ -7,7 +7,7 @@ call (routing, alignment, both GEMMs) on random inputs with M tokens; the fastes
 of CUDA-event timings) is kept, and the table printed with the default config's time beside.
 
     python3 -m benchmarks.tune_fused_moe [--shape qwen3-30b-a3b] [--dtype bfloat16|fp8]
-        [--sizes 1,16,256,4096] [--out nanoserve_kernels/fused_moe_configs.json]
+        [--sizes 1,16,256,4096] [--quick] [--out nanoserve_kernels/fused_moe_configs.json]
     python3 -m benchmarks.tune_fused_moe --smoke   # a tiny shape, two configs, on the CPU
 
 --smoke runs under Triton's interpreter when TRITON_INTERPRET=1 is set (tests/
@@ -28,13 +28,16 @@ SHAPES = {  # name -> (experts, expert inner width I, hidden d, top k)
     "qwen3-235b-a22b": (128, 1536, 4096, 8),
     "mixtral-8x7b": (8, 14336, 4096, 2),
 }
-SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
-def search_space(fp8_block: bool) -> list[dict[str, int]]:
+def search_space(fp8_block: bool, quick: bool = False) -> list[dict[str, int]]:
+    """Every config tried; `quick`: without the narrowest column tile and two pipeline stages
+    (about half as many compiles: a tuning run that fits one short GPU call)."""
     out = []
-    for bm, bn, bk, warps, stages in itertools.product((16, 32, 64, 128), (32, 64, 128),
-                                                       (64, 128), (4, 8), (2, 3, 4)):
+    for bm, bn, bk, warps, stages in itertools.product(
+            (16, 32, 64, 128), (64, 128) if quick else (32, 64, 128), (64, 128), (4, 8),
+            (3, 4) if quick else (2, 3, 4)):
         if fp8_block and bk != 128:
             continue
         if bm * bn >= 128 * 128 and warps == 4:
@@ -120,6 +123,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", type=Path, default=None,
                     help="the JSON to merge into (default: the committed one)")
+    ap.add_argument("--quick", action="store_true", help="a smaller search space (search_space)")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     import torch
@@ -127,7 +131,8 @@ def main() -> None:
     from nanoserve_kernels.fused_moe_configs import CONFIG_FILE, shape_key
 
     sizes = [int(s) for s in args.sizes.split(",") if s]
-    shape, device, space, reps = SHAPES.get(args.shape), "cuda", search_space(False), args.reps
+    shape, device, space, reps = (SHAPES.get(args.shape), "cuda",
+                                  search_space(False, args.quick), args.reps)
     if args.smoke:
         shape, device, sizes, reps = (4, 32, 64, 2), "cpu", [1, 8], 1
         space = [{"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1},
