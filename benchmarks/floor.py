@@ -26,7 +26,15 @@ projections and LM head take max(their weights' bytes / the read bandwidth, thei
 the peak), the prefill its FLOPs / the peak (--peak-tflops: H200 dense bf16 989 and FP8
 1,979 TFLOP/s by default; the LM head at the bf16 peak in both); the K/V reads as above.
 
-    python3 -m benchmarks.floor [--shape 8b|1b] [--kinds bf16 fp8] [--rows N] [--seed S]
+A mixture-of-experts shape (`--shape qwen3-30b-a3b` or `mixtral-8x7b`) gets the roofline rows
+alone (`moe_roofline_floor`): a decode step of r rows reads the attention projections, the
+LM head and, in each layer, the weights of every expert its r rows route to (E (1 - (1 -
+k/E)^r) of the E experts on average when each row picks k of them at random: at a few
+hundred rows that is all of them), and computes the active FLOPs (the attention projections
+and k experts a row) at the peak; the K/V reads as above; the prefill its active FLOPs at
+the peak. Routing, the sort and the weighted sum are left out.
+
+    python3 -m benchmarks.floor [--shape 8b|1b|qwen3-30b-a3b|mixtral-8x7b] [--kinds bf16 fp8] [--rows N] [--seed S]
         [--max-running R] [--pool-gib G] [--kv-dtype bf16|fp8] [--peak-tflops BF16 FP8]
 
 A batch larger than the running set (issue 45's: `--rows 4096 --seed 7 --max-running 1024
@@ -47,9 +55,11 @@ import torch.nn.functional as F
 
 from benchmarks.common import markdown_table
 from benchmarks.gpu_job import LLAMA_1B, LLAMA_8B
+from benchmarks.moe import MIXTRAL_8X7B, QWEN3_30B_A3B
 from benchmarks.vs_vllm import nanovllm_workload
 
 SHAPES = {"1b": LLAMA_1B, "8b": LLAMA_8B}
+MOE_SHAPES = {"qwen3-30b-a3b": QWEN3_30B_A3B, "mixtral-8x7b": MIXTRAL_8X7B}
 DECODE_ROWS = (1, 8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256, 384, 512, 768, 1024)
 PREFILL_ROWS = 8192
 
@@ -229,6 +239,46 @@ def roofline_floor(config: dict, kind: str, prompt_lens, output_lens, read_bytes
                         max_running, pool_tokens)
 
 
+def moe_layout(config: dict) -> tuple[int, int, int]:
+    """(experts E, experts a token routes to k, one expert's parameters 3 d I) of a Qwen3-MoE
+    or Mixtral config (experts on every layer, no shared expert)."""
+    experts = config.get("num_experts") or config["num_local_experts"]
+    inner = config.get("moe_intermediate_size") or config["intermediate_size"]
+    return experts, config["num_experts_per_tok"], 3 * config["hidden_size"] * inner
+
+
+def experts_touched(rows: int, experts: int, top_k: int) -> float:
+    """Distinct experts that `rows` rows route to, on average, when each picks top_k of the
+    experts uniformly at random: E (1 - (1 - k/E)^rows)."""
+    return experts * (1.0 - (1.0 - top_k / experts) ** rows)
+
+
+def moe_roofline_floor(config: dict, kind: str, prompt_lens, output_lens,
+                       read_bytes_per_s: float, peak_flops: dict[str, float],
+                       max_running: int | None = None, pool_tokens: int | None = None,
+                       kv_bytes_per_token: int | None = None) -> Floor:
+    """The roofline floor of a MoE shape (module docstring): per step max(the bytes of the
+    attention projections, the LM head and the experts touched / bandwidth, the active
+    FLOPs / peak). FP8: projections and experts one byte a parameter, the LM head bf16."""
+    layers = config["num_hidden_layers"]
+    shapes = gemm_shapes(config)
+    attn = layers * sum(n * k for n, k in (shapes["qkv"], shapes["o"]))
+    experts, top_k, per_expert = moe_layout(config)
+    head = config["vocab_size"] * config["hidden_size"]
+    width = 1 if kind == "fp8" else 2
+    active = attn + layers * top_k * per_expert  # parameters a token multiplies
+
+    def step_s(rows: int) -> float:
+        touched = layers * experts_touched(rows, experts, top_k) * per_expert
+        weights = (attn + touched) * width + 2 * head
+        flops_s = 2 * rows * (active / peak_flops[kind] + head / peak_flops["bf16"])
+        return max(weights / read_bytes_per_s, flops_s)
+
+    return serial_floor(prompt_lens, output_lens, kv_bytes_per_token or _kv_bytes_per_token(config),
+                        step_s, read_bytes_per_s, 2 * active * sum(prompt_lens) / peak_flops[kind],
+                        max_running, pool_tokens)
+
+
 def _kv_bytes_per_token(config: dict, kv_dtype: str = "bf16") -> int:
     """K and V of one token over all layers, bf16 (or FP8: 1 byte an entry)."""
     per = 1 if kv_dtype == "fp8" else 2
@@ -258,7 +308,7 @@ def measure(config: dict, kind: str, prompt_lens, output_lens, max_running: int 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="8b")
+    ap.add_argument("--shape", choices=sorted(SHAPES) + sorted(MOE_SHAPES), default="8b")
     ap.add_argument("--kinds", nargs="+", choices=["bf16", "fp8"], default=["bf16", "fp8"])
     ap.add_argument("--rows", type=int, default=256,
                     help="the workload's rows (at most 1,024 without --max-running: one batch)")
@@ -278,7 +328,8 @@ def main() -> None:
     peaks = {"bf16": args.peak_tflops[0] * 1e12, "fp8": args.peak_tflops[1] * 1e12}
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.floor measures a GPU: no CUDA device here")
-    config = SHAPES[args.shape]
+    moe = args.shape in MOE_SHAPES
+    config = MOE_SHAPES[args.shape] if moe else SHAPES[args.shape]
     prompts, output_lens = nanovllm_workload(args.rows, config["vocab_size"], args.seed)
     prompt_lens = [len(p) for p in prompts]
     out_tokens = sum(output_lens)
@@ -289,6 +340,16 @@ def main() -> None:
           f"running, pool {f'{pool:,} tokens' if pool else 'unbounded'}, {args.kv_dtype} cache")
     rows = []
     for kind in args.kinds:
+        if moe:  # the roofline alone (module docstring)
+            bw = read_bandwidth()
+            f = moe_roofline_floor(config, kind, prompt_lens, output_lens, bw, peaks,
+                                   args.max_running, pool, kv_token)
+            print(f"{kind}: read bandwidth {bw / 1e12:.2f} TB/s")
+            rows.append([f"{kind} roofline", f"{f.prefill_s:.2f}", f"{f.gemm_s:.2f}",
+                         f"{f.kv_bytes / 1e12:.1f}", f"{f.kv_s:.2f}", str(f.steps),
+                         str(f.max_rows), f"{f.total_s:.2f}", f"{out_tokens / f.total_s:,.0f}",
+                         f"{out_tokens / f.overlap_s:,.0f}"])
+            continue
         floor, facts = measure(config, kind, prompt_lens, output_lens, args.max_running, pool,
                                args.kv_dtype)
         print(f"\n{kind}: a decode step's GEMMs (all layers + LM head), us, by rows: "

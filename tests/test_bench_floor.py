@@ -58,3 +58,38 @@ def test_running_set_bounded_by_rows_and_by_the_pool():
     # Unbounded, it is the one-batch floor.
     one = serial_floor([2, 3, 5], [3, 2, 2], 1.0, lambda rows: float(rows), 1.0, 0.0)
     assert (one.steps, one.max_rows, one.kv_bytes) == (2, 3, 3.0 + 4.0 + 6.0 + 4.0)
+
+
+def test_experts_touched_equals_a_routing_simulation():
+    """The expected distinct experts of r rows that each pick k of E at random, against a
+    count over simulated routings; every expert at a few hundred rows."""
+    import random
+
+    from benchmarks.floor import experts_touched
+
+    rng = random.Random(0)
+    for rows, experts, k in ((1, 128, 8), (4, 8, 2), (16, 128, 8), (64, 128, 8)):
+        trials = [len({e for _ in range(rows) for e in rng.sample(range(experts), k)})
+                  for _ in range(2000)]
+        assert experts_touched(rows, experts, k) == pytest.approx(sum(trials) / 2000, rel=0.02)
+    assert experts_touched(1, 128, 8) == pytest.approx(8)
+    assert experts_touched(512, 128, 8) == pytest.approx(128)
+
+
+def test_moe_roofline_reads_the_experts_touched_and_computes_the_active_ones():
+    from benchmarks.floor import moe_roofline_floor
+
+    # 1 layer, hidden 4, 2 heads of 2 (1 KV head): q/k/v 8x4 + o 4x4 = 48 attention
+    # parameters; 4 experts of inner 2, each 3 * 4 * 2 = 24 parameters, 2 a token; LM head 40.
+    config = {"hidden_size": 4, "moe_intermediate_size": 2, "intermediate_size": 99,
+              "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 2,
+              "num_hidden_layers": 1, "vocab_size": 10, "num_experts": 4, "num_experts_per_tok": 2}
+    peaks = {"bf16": 1000.0, "fp8": 2000.0}
+    # one row (prompt 3, output 3): two decode steps of one row, touching 2 experts each
+    f = moe_roofline_floor(config, "bf16", [3], [3], read_bytes_per_s=100.0, peak_flops=peaks)
+    weights_s = ((48 + 2 * 24) * 2 + 40 * 2) / 100.0
+    assert f.gemm_s == pytest.approx(2 * weights_s)
+    assert f.prefill_s == pytest.approx(2 * (48 + 2 * 24) * 3 / 1000.0)
+    # compute-bound: a tiny bandwidth's opposite, and the FLOPs of the active experts only
+    g = moe_roofline_floor(config, "fp8", [3], [2], read_bytes_per_s=1e12, peak_flops=peaks)
+    assert g.gemm_s == pytest.approx(2 * 1 * ((48 + 2 * 24) / 2000.0 + 40 / 1000.0))
