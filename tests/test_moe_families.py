@@ -179,6 +179,24 @@ def test_hub_style_configs(d):
     assert config.moe_intermediate_size == d.get("moe_intermediate_size", 96)
 
 
+@pytest.mark.parametrize("use,window,first", [(False, 32768, 21), (True, 64, 3), (True, 64, 0)])
+def test_qwen2_moe_window_follows_use_sliding_window(use, window, first):
+    """Qwen2-MoE checkpoints carry a `sliding_window` value with `use_sliding_window: false`
+    (Qwen1.5-MoE-A2.7B: 32768, 21): no layer has a window then. Each layer's window equals
+    what transformers' own config class derives (`layer_types`)."""
+    d = dict(vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+             num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=40,
+             use_sliding_window=use, sliding_window=window, max_window_layers=first)
+    theirs = Qwen2MoeConfig(**d).layer_types
+    ours = ModelConfig.from_hf_dict({"model_type": "qwen2_moe",
+                                     "architectures": ["Qwen2MoeForCausalLM"], **d})
+    for layer, kind in enumerate(theirs):
+        assert ours.attention_window(layer) == (window if kind == "sliding_attention" else None)
+    if not use:
+        assert all(ours.attention_window(i) is None for i in range(4))
+
+
 def test_missing_expert_is_named(tmp_path):
     from safetensors.torch import load_file
 
