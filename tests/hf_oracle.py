@@ -14,3 +14,32 @@ def hf_greedy(hf, prompt: list[int], new_tokens: int) -> list[int]:
         for _ in range(new_tokens):
             ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
     return ids[len(prompt):]
+
+
+def hf_tokenizer(folder):
+    """transformers' fast tokenizer over a checkpoint folder's tokenizer.json (the ids a
+    test expects, made without nanoserve's tokenizer)."""
+    from pathlib import Path
+
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_file=str(Path(folder) / "tokenizer.json"))
+
+
+def label_logprob_sums(hf, prompt_ids: list[int], labels_ids: list[list[int]]) -> list[float]:
+    """Each label's summed log-probability after the prompt: transformers' forward over
+    prompt + label, log-softmax over the vocabulary in float64 at each label token."""
+    sums = []
+    n = len(prompt_ids)
+    for ids in labels_ids:
+        with torch.no_grad():
+            logits = hf(torch.tensor([list(prompt_ids) + list(ids)])).logits[0]
+        logp = torch.log_softmax(logits.double(), dim=-1)
+        sums.append(sum(logp[n - 1 + t, tok].item() for t, tok in enumerate(ids)))
+    return sums
+
+
+def label_probabilities(hf, prompt_ids: list[int], labels_ids: list[list[int]]) -> list[float]:
+    """The labels' probabilities: softmax of `label_logprob_sums` over the labels."""
+    sums = torch.tensor(label_logprob_sums(hf, prompt_ids, labels_ids), dtype=torch.float64)
+    return torch.softmax(sums, dim=0).tolist()
