@@ -18,6 +18,7 @@ import io
 import numpy as np
 import pytest
 import torch
+from hf_oracle import qwen2_5_vl_generate
 from PIL import Image
 
 from nanoserve.llm import LLM
@@ -62,19 +63,8 @@ def _hf_generate(vl, messages, images: list[bytes]) -> list[int]:
                                for p in m["content"]]} if isinstance(m["content"], list) else m
              for m in messages]
     ids = tok(tok.apply_chat_template(plain, add_generation_prompt=True, tokenize=False))["input_ids"]
-    kw = {}
-    if images:
-        pil = [Image.open(io.BytesIO(b)) for b in images]
-        out = proc(images=pil, return_tensors="pt")
-        counts = iter((out["image_grid_thw"].prod(-1) // 4).tolist())
-        ids = [t for i in ids for t in ([IMG] * next(counts) if i == IMG else [i])]
-        kw = dict(pixel_values=out["pixel_values"], image_grid_thw=out["image_grid_thw"])
-    input_ids = torch.tensor([ids])
-    with torch.no_grad():
-        gen = hf.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                          mm_token_type_ids=(input_ids == IMG).int(), max_new_tokens=NEW,
-                          do_sample=False, **kw)
-    return gen[0, len(ids):].tolist()
+    pil = [Image.open(io.BytesIO(b)) for b in images]
+    return qwen2_5_vl_generate(hf, tok, proc, ids, pil, NEW)[0]
 
 
 def _conversations(tmp_path):
