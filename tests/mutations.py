@@ -153,6 +153,12 @@ MUTATIONS = [
              "self.rows_in_flight <= self.max_rows_held)",
              "tests/test_dispatch.py::test_a_worker_is_fed_up_to_three_times_its_engine_rows",
              why="a worker holding its maximum of rows is sent one batch more"),
+    # the workers' Parquet reads (tests/test_shards.py)
+    Mutation("read-shard-parquet-no-skip", "ray_jobs/input/shards.py",
+             "skip, left = shard.start_row - (first or 0), shard.num_rows",
+             "skip, left = 0, shard.num_rows",
+             "tests/test_shards.py::test_parquet_shards_read_their_rows_across_row_groups",
+             why="a Parquet shard that starts inside a row group reads from the group's start"),
     # GPU only: the FP8 KV cache's kernels (tests/test_fp8_kv_gpu.py)
     Mutation("fp8-decode-drops-last-16", "nanoserve_kernels/paged_attention.py",
              "end = tl.where(split == num_splits - 1, context_len, end)",
