@@ -3,7 +3,10 @@ with `LLM.choice_scores` (one packed prefill of each prompt, then the labels' la
 over its blocks: `nanoserve.choice_scores.label_logprobs`), against the same rows generating
 one token under a choice constraint over the same labels (greedy, max_tokens=1), in one
 process. Prints a table and the ratio of rows/s (scores over constrained), the headline
-`choice-scores-over-constrained-1tok` (target on the GPU: >= 0.8).
+`choice-scores-over-constrained-1tok` (target on the GPU: >= 0.8). The first `--check` rows'
+scores are recomputed through another path, each prompt + label prefilled whole with prompt
+logprobs (`LLM.generate`), and the largest difference of log-probabilities is printed
+(`check_error`), so a fast path that scores wrongly shows beside its speed.
 
     python -m benchmarks.choice_scores --shape 1b      # the GPU: Llama-3.2-1B shape, random
                                                        # bf16 weights, 10,000 rows, no download
@@ -64,6 +67,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                     help="random weights of this shape (benchmarks.gpu_job.SHAPES), "
                          "nothing downloaded")
     ap.add_argument("--smoke", action="store_true", help="16 rows on the CPU")
+    ap.add_argument("--check", type=int, default=8, metavar="ROWS",
+                    help="recompute this many rows' scores through prompt logprobs")
     args = ap.parse_args(argv)
     if args.smoke:
         args.rows, args.repeats, args.device = 16, 1, "cpu"
@@ -119,9 +124,35 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     print(markdown_table(["run", "rows/s (best)", "rows/s (each repeat)"], table))
     ratio = max(results["choice-scores"]) / max(results["constrained-1tok"])
     print(f"rows whose constrained token begins the top-scored label: {agree}/{args.rows}")
+    error = check_scores(llm, prompts[:args.check], scores[:args.check])
+    print(f"rows whose scores were recomputed through prompt logprobs: {min(args.check, args.rows)}"
+          f", largest difference of log-probabilities {error:.2e}")
     print(f"- choice-scores-over-constrained-1tok: {ratio:.2f}")
-    return {"ratio": ratio, "agree": agree}
+    return {"ratio": ratio, "agree": agree, "check_error": error,
+            "rows": len(scores), "constrained": [g.text for g in gen]}
 
+
+def check_scores(llm, prompts: list[list[int]], scores: list[dict[str, float]]) -> float:
+    """The largest |difference| between the log of `scores` and the labels' normalised
+    log-probabilities from each prompt + label prefilled whole with prompt logprobs (the sum
+    of the label tokens'). In logs: a rare label's error shows, where its probability is
+    ~0 either way."""
+    import math
+
+    from nanoserve.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    label_ids = [llm.tokenizer.encode(lb, add_special_tokens=False) for lb in LABELS]
+    worst = 0.0
+    for prompt, got in zip(prompts, scores):
+        outs = llm.generate([list(prompt) + ids for ids in label_ids], params)
+        sums = [sum(e.logprob for e in out.prompt_logprobs[len(prompt) - 1:])
+                for out in outs]
+        top = max(sums)
+        norm = top + math.log(sum(math.exp(x - top) for x in sums))
+        for label, x in zip(LABELS, sums):
+            worst = max(worst, abs(math.log(max(got[label], 1e-300)) - (x - norm)))
+    return worst
 
 if __name__ == "__main__":
     main()

@@ -158,6 +158,20 @@ def test_duplicate_ids_found_through_the_buckets_on_disk(tmp_path, capsys, no_ra
     assert list((tmp_path / "tmp").iterdir()) == []
 
 
+def test_duplicate_ids_held_in_memory_after_a_spill(tmp_path, capsys, no_ray, monkeypatch):
+    """Two files, ids spilled every 4: the first file's four ids go to disk, the second's
+    two stay in memory when the scan ends, and one of those repeats an id on disk."""
+    import ray_jobs.input.io as io
+
+    monkeypatch.setattr(io, "ID_SPILL_ROWS", 4)
+    data = tmp_path / "data"
+    data.mkdir()
+    pq.write_table(pa.table({"id": [1, 2, 3, 4], "prompt": list("abcd")}), data / "a.parquet")
+    pq.write_table(pa.table({"id": [5, 2], "prompt": ["e", "f"]}), data / "b.parquet")
+    rc, err, _ = run_cli(capsys, data, "-o", tmp_path / "out")
+    assert_one_error_line(rc, err, "2 appears 2 times", "a.parquet row 1", "b.parquet row 1")
+
+
 def test_duplicate_ids_across_parquet_files(tmp_path, capsys, no_ray):
     data = tmp_path / "data"
     data.mkdir()

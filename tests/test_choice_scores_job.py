@@ -1,8 +1,8 @@
 """Label scores through the batch job (`--choice ... --choice-scores`, and per row
 `guided_choice` + `choice_scores: true`), the OpenAI request path and the Ray Data
-processor: each scored row's `choice_scores` equals `LLM.choice_scores` on the same tiny
-model (itself held to transformers in tests/test_choice_scores.py), its text is the most
-likely label, and ties / empty label lists are one-line errors."""
+processor: each scored row's `choice_scores` equals transformers' label probabilities on the
+same tiny model (`hf_oracle.label_probabilities`: its forward over prompt + label), its text
+and tokens are the most likely label's, and ties / empty label lists are one-line errors."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import json
 
 import pyarrow.dataset as ds
 import pytest
+from hf_oracle import hf_tokenizer, label_probabilities
 
 from nanoserve.errors import InputError
 from ray_jobs import run_batch_job
@@ -23,6 +24,8 @@ ROWS = [
      "choice_scores": True},
     {"id": 2, "prompt": "Tie:", "guided_choice": ["a", "a"], "choice_scores": True},
     {"id": 3, "prompt": "Generate:", "guided_choice": ["x", "y"], "choice_scores": False},
+    {"id": 4, "prompt": "Mood:", "guided_choice": ["very good", "quite bad"],
+     "choice_scores": True},
 ]
 
 
@@ -36,6 +39,39 @@ def rows_by_id(out):
 
 
 @pytest.fixture(scope="module")
+def oracle(tiny_job_model):
+    """want(prompt, labels): ({label: probability}, prompt ids, {label: its ids}) from
+    transformers' model and tokenizer over the same folder."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    hf = LlamaForCausalLM.from_pretrained(tiny_job_model, dtype=torch.float32).eval()
+    tok = hf_tokenizer(tiny_job_model)
+
+    def want(prompt, labels):
+        ids = tok(prompt)["input_ids"]
+        label_ids = {lb: tok(lb, add_special_tokens=False)["input_ids"] for lb in labels}
+        probs = label_probabilities(hf, ids, list(label_ids.values()))
+        return dict(zip(labels, probs)), ids, label_ids
+
+    return want
+
+
+def assert_scored(row, want, atol=1e-4):
+    """A scored row: its probabilities transformers', its text and token columns the most
+    likely label's, its input tokens the prompt's."""
+    probs, prompt_ids, label_ids = want
+    got = dict(row["choice_scores"])
+    assert list(got) == list(probs) and row["error"] is None
+    assert all(abs(got[k] - probs[k]) < atol for k in probs), (got, probs)
+    best = max(probs, key=probs.get)
+    assert row["generated_text"] == best and row["finish_reason"] == "stop"
+    assert row["generated_token_ids"] == label_ids[best]
+    assert row["num_generated_tokens"] == len(label_ids[best])
+    assert row["num_input_tokens"] == len(prompt_ids)
+
+
+@pytest.fixture(scope="module")
 def scored_job(tmp_path_factory, ray_session, tiny_job_model):
     folder = tmp_path_factory.mktemp("choice-scores-job")
     path = write_jsonl(folder / "rows.jsonl", ROWS)
@@ -45,15 +81,12 @@ def scored_job(tmp_path_factory, ray_session, tiny_job_model):
     return rows_by_id(folder / "out")
 
 
-def test_job_rows_carry_label_probabilities(scored_job, tiny_llm):
-    want0 = tiny_llm.choice_scores(["Great film. Sentiment:"], LABELS)[0]
-    want1 = tiny_llm.choice_scores(["Awful food. Sentiment:"], ["yes", "no", "yes sir"])[0]
-    for row, want in ((scored_job[0], want0), (scored_job[1], want1)):
-        got = dict(row["choice_scores"])
-        assert list(got) == list(want) and row["error"] is None
-        assert all(abs(got[k] - want[k]) < 1e-5 for k in want)
-        assert row["generated_text"] == max(want, key=want.get)
-        assert row["finish_reason"] == "stop"
+def test_job_rows_carry_label_probabilities(scored_job, oracle):
+    for k, labels in ((0, LABELS), (1, ROWS[1]["guided_choice"]), (4, ROWS[4]["guided_choice"])):
+        want = oracle(ROWS[k]["prompt"], labels)
+        assert_scored(scored_job[k], want)
+    # row 4's labels are two tokens each: the most likely one's token columns say so
+    assert min(map(len, oracle(ROWS[4]["prompt"], ROWS[4]["guided_choice"])[2].values())) == 2
     assert scored_job[2]["finish_reason"] == "error"
     assert "'a' is given twice" in scored_job[2]["error"] and "\n" not in scored_job[2]["error"]
     # choice_scores false: the row generates under its choice constraint, no scores
@@ -68,7 +101,7 @@ def test_job_flag_errors_are_one_line():
         JobOptions(choice=("b", "b"), choice_scores=True)
 
 
-def test_openai_request_file_scores_labels(tmp_path, ray_session, tiny_job_model, tiny_llm):
+def test_openai_request_file_scores_labels(tmp_path, ray_session, tiny_job_model, oracle):
     body = {"prompt": "Pick one:", "guided_choice": ["red", "green"], "choice_scores": True}
     path = write_jsonl(tmp_path / "req.jsonl", [{"custom_id": "r1", "method": "POST",
                                                  "url": "/v1/completions", "body": body}])
@@ -76,12 +109,13 @@ def test_openai_request_file_scores_labels(tmp_path, ray_session, tiny_job_model
                   batch_size=4, kv_cache_bytes=KV_BYTES, progress=False)
     (line,) = [json.loads(x) for x in (tmp_path / "out" / "output.jsonl").read_text().splitlines()]
     choice = line["response"]["body"]["choices"][0]
-    want = tiny_llm.choice_scores(["Pick one:"], ["red", "green"])[0]
+    want, prompt_ids, _ = oracle("Pick one:", ["red", "green"])
     assert choice["text"] == max(want, key=want.get)
-    assert all(abs(choice["choice_scores"][k] - want[k]) < 1e-5 for k in want)
+    assert all(abs(choice["choice_scores"][k] - want[k]) < 1e-4 for k in want)
+    assert line["response"]["body"]["usage"]["prompt_tokens"] == len(prompt_ids)
 
 
-def test_ray_data_processor_scores_labels(ray_session, tiny_job_model, tiny_llm):
+def test_ray_data_processor_scores_labels(ray_session, tiny_job_model, oracle):
     from nanoserve.structured import StructuredOutputs
     from ray_jobs.data_processor import build_processor
 
@@ -90,13 +124,10 @@ def test_ray_data_processor_scores_labels(ray_session, tiny_job_model, tiny_llm)
                               structured_outputs=StructuredOutputs(choice=tuple(LABELS)))
     (row,) = process(ray_session.data.from_items([{"prompt": "Great film. Sentiment:"}])
                      ).take_all()
-    want = tiny_llm.choice_scores(["Great film. Sentiment:"], LABELS)[0]
-    got = dict(row["choice_scores"])
-    assert all(abs(got[k] - want[k]) < 1e-5 for k in want)
-    assert row["generated_text"] == max(want, key=want.get)
+    assert_scored(row, oracle("Great film. Sentiment:", LABELS))
 
 
-def test_cli_choice_scores_and_chat_template_kwargs(ray_session, tiny_job_model, tiny_llm,
+def test_cli_choice_scores_and_chat_template_kwargs(ray_session, tiny_job_model, oracle,
                                                     tmp_path, capsys):
     from nanoserve_cli import main as nanoserve_main
 
@@ -106,9 +137,7 @@ def test_cli_choice_scores_and_chat_template_kwargs(ray_session, tiny_job_model,
                          "--choice-scores", "--chat-template-kwargs",
                          '{"enable_thinking": false}', "--no-progress"])
     assert rc == 0, capsys.readouterr().err
-    row = rows_by_id(tmp_path / "out")[0]
-    want = tiny_llm.choice_scores(["Great film. Sentiment:"], LABELS)[0]
-    assert all(abs(dict(row["choice_scores"])[k] - want[k]) < 1e-5 for k in want)
+    assert_scored(rows_by_id(tmp_path / "out")[0], oracle("Great film. Sentiment:", LABELS))
     rc = nanoserve_main(["batch", str(path), "-o", str(tmp_path / "out2"), "--model",
                          str(tiny_job_model), "--choice", "a", "a", "--choice-scores",
                          "--no-progress"])

@@ -50,3 +50,27 @@ def test_a_worker_takes_pieces_until_its_rows_reach_its_limit():
     assert pool.pick(False, A) == 1
     pool.workers[1].rows_in_flight = 100
     assert pool.pick(False, A) is None
+
+
+@pytest.mark.parametrize("batch, held", [(4, 24), (5, 25)])
+def test_a_worker_is_fed_up_to_three_times_its_engine_rows(batch, held):
+    """The pool's own limits for an engine that runs 8 rows at once: the driver's loop (pick,
+    then count the piece in flight) sends whole batches until the worker holds 3 x 8 = 24
+    rows, the last batch allowed to cross that line, none after it."""
+    from ray_jobs.dispatch.pool import hold_limits
+    from ray_jobs.workers.options import JobOptions
+
+    pieces, rows = hold_limits({"scheduler": "continuous", "max_rows": 8},
+                               JobOptions(batch_size=batch))
+    pool = WorkerPool(None, {}, 1.0, Timeline(0.0))
+    pool.workers.append(WorkerSlot(None, {}, max_pieces=pieces, max_rows_held=rows))
+    sent = 0
+    while pool.pick(False) is not None:
+        pool.workers[0].in_flight += 1
+        pool.workers[0].rows_in_flight += batch
+        sent += 1
+        assert sent <= 100
+    assert pool.workers[0].rows_in_flight == held
+    pool.workers[0].in_flight -= 1  # one batch answered: room for one more
+    pool.workers[0].rows_in_flight -= batch
+    assert pool.pick(False) == 0

@@ -16,7 +16,7 @@ import pytest
 
 from nanoserve.sampling import SamplingParams
 from ray_jobs import run_batch_job
-from ray_jobs.dispatch.pool import HOLD_FACTOR, actor_threads, hold_limits, starve_warning
+from ray_jobs.dispatch.pool import actor_threads, hold_limits, starve_warning
 from ray_jobs.workers.options import JobOptions
 
 BATCH = 4  # rows a batch: one long row and three short ones
@@ -85,20 +85,21 @@ def test_two_batches_in_flight_starve_the_engine_and_say_so(tmp_path, ray_sessio
 
 
 def test_hold_limits_follow_the_engine_not_the_batch_count():
+    """The numbers written out: a worker holds three times the rows its engine runs at once
+    (DESIGN.md), in batches of 64, plus one batch so the batches never bind first."""
     opts = JobOptions(batch_size=64, max_running_rows=256)
     info = {"scheduler": "continuous", "max_rows": 256}
     pieces, rows = hold_limits(info, opts)
-    assert rows == HOLD_FACTOR * 256
-    assert pieces * 64 >= rows  # the batches never bind before the rows do
+    assert (pieces, rows) == (13, 768)  # 768 = 3 x 256 rows = 12 batches of 64, + 1
     assert actor_threads(opts) == pieces
     assert starve_warning(opts) is None
     # Left to the engine: its actor has threads for the most its default can be on the
     # device, and the limits follow the rows its engine reports once loaded.
     default = JobOptions(batch_size=64)
     assert actor_threads(default, on_gpu=False) == pieces
-    assert actor_threads(default, on_gpu=True) == -(-HOLD_FACTOR * 1024 // 64) + 1
+    assert actor_threads(default, on_gpu=True) == 49  # 3 x 1,024 rows = 48 batches, + 1
     big = {"scheduler": "continuous", "max_rows": 1024}
-    assert hold_limits(big, default) == (actor_threads(default, on_gpu=True), HOLD_FACTOR * 1024)
+    assert hold_limits(big, default) == (49, 3072)
     # A static engine and an embedding worker run one batch at a time: two are enough.
     assert hold_limits({"scheduler": "static", "max_rows": 256}, opts) == (2, None)
     assert hold_limits({"scheduler": "embedding"}, opts) == (2, None)

@@ -197,6 +197,25 @@ def test_qwen2_moe_window_follows_use_sliding_window(use, window, first):
         assert all(ours.attention_window(i) is None for i in range(4))
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_norm_topk_prob_left_out_of_the_config(tmp_path, family):
+    """A config.json without `norm_topk_prob` (older Qwen-MoE checkpoints): the default is
+    transformers' own for the family, seen in the logits of the model it loads."""
+    save_moe(tmp_path, family, dict(num_experts=6, num_experts_per_tok=3), "per-expert")
+    d = json.loads((tmp_path / "config.json").read_text())
+    del d["norm_topk_prob"]
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    hf = MODELS[family][1].from_pretrained(tmp_path, dtype=torch.float32).eval()
+    config, sd = load_checkpoint(tmp_path)
+    assert config.norm_topk_prob == hf.config.norm_topk_prob
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
+    ours = build_model(config, sd)(ids, torch.arange(12).expand(2, 12), None,
+                                   AttentionMetadata.prefill())
+    with torch.no_grad():
+        ref = hf(ids).logits.float()
+    assert (ours - ref).abs().max().item() <= 1e-4
+
+
 def test_missing_expert_is_named(tmp_path):
     from safetensors.torch import load_file
 

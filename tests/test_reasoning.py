@@ -93,32 +93,62 @@ def test_unknown_parser_and_missing_tags_are_errors(tiny_llm, think_llm):
         ReasoningParser("qwen3", tiny_llm.tokenizer)
 
 
-def test_batch_job_writes_reasoning_columns(think_model, think_llm, ray_session, tmp_path):
+def test_cli_reasoning_flags_reach_the_rows(think_model, think_llm, hf_think, hf_think_tok,
+                                            ray_session, tmp_path, capsys):
+    """`nanoserve batch --reasoning-parser qwen3 --max-thinking-tokens 2 --chat-template-kwargs
+    '{"enable_thinking": false}'`, held to transformers: a forced block closes at 2 tokens; a
+    chat row's prompt ends in the template's empty think block (its num_input_tokens count
+    it) and its output is all answer; a row's own budget beyond max_tokens leaves its block
+    unfinished (all reasoning, no answer, 'length')."""
     import pyarrow.dataset as ds
 
     from nanoserve.errors import InputError
+    from nanoserve_cli import main as nanoserve_main
     from ray_jobs import run_batch_job
 
-    tok = think_llm.tokenizer
-    rows = [{"id": 0, "prompt": "Question: 2+2?<think>"}, {"id": 1, "prompt": "Question: 2+2?"}]
+    chat = [{"role": "user", "content": "2+2?"}]
+    rows = [{"id": 0, "prompt": "Question: 2+2?<think>"},
+            {"id": 1, "messages": chat},
+            {"id": 2, "prompt": "Question: 3+3?<think>", "max_thinking_tokens": 50}]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    run_batch_job(tmp_path / "in.jsonl", tmp_path / "out", model=str(think_model), max_tokens=6,
-                  ignore_eos=True, kv_cache_bytes=16 << 20, reasoning_parser="qwen3",
-                  progress=False)
+    rc = nanoserve_main(["batch", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out"),
+                         "--model", str(think_model), "--max-tokens", "6", "--ignore-eos",
+                         "--kv-cache-memory", str(16 / 1024), "--reasoning-parser", "qwen3",
+                         "--max-thinking-tokens", "2", "--chat-template-kwargs",
+                         '{"enable_thinking": false}', "--no-progress"])
+    assert rc == 0, capsys.readouterr().err
     got = {r["id"]: r for r in ds.dataset(tmp_path / "out").to_table().to_pylist()}
-    forced = got[0]
-    assert forced["finish_reason"] == "length" and forced["generated_text"] == ""
-    assert forced["num_reasoning_tokens"] == 6
-    assert forced["reasoning"] == tok.decode(forced["generated_token_ids"])
-    assert got[1]["reasoning"] is None and got[1]["num_reasoning_tokens"] == 0
-    assert got[1]["generated_text"] == tok.decode(got[1]["generated_token_ids"])
+    tok = hf_think_tok
+    parser = ReasoningParser("qwen3", think_llm.tokenizer)
+    forced = tok(rows[0]["prompt"])["input_ids"]
+    assert forced[-1] == parser.open_id
+    want = budget_oracle(hf_think, parser, forced, 2, 3)
+    assert got[0]["generated_token_ids"] == want and got[0]["num_reasoning_tokens"] == 2
+    assert got[0]["num_input_tokens"] == len(forced)
+    assert got[0]["reasoning"] == tok.decode(want[:2])
+    assert got[0]["generated_text"] == tok.decode(want[3:])
+    rendered = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False,
+                                       enable_thinking=False)
+    assert rendered.endswith("<think>\n\n</think>\n\n")
+    prompt = tok(rendered, add_special_tokens=False)["input_ids"]
+    want = hf_greedy(hf_think, prompt, 6)
+    assert parser.open_id not in want
+    assert got[1]["num_input_tokens"] == len(prompt)
+    assert got[1]["generated_token_ids"] == want and got[1]["num_reasoning_tokens"] == 0
+    assert got[1]["reasoning"] is None and got[1]["generated_text"] == tok.decode(want)
+    unfinished = tok(rows[2]["prompt"])["input_ids"]
+    want = hf_greedy(hf_think, unfinished, 6)
+    assert parser.close_id not in want
+    assert got[2]["generated_token_ids"] == want and got[2]["num_reasoning_tokens"] == 6
+    assert got[2]["finish_reason"] == "length" and got[2]["generated_text"] == ""
+    assert got[2]["reasoning"] == tok.decode(want)
     with pytest.raises(InputError, match="unknown reasoning parser 'r2'"):
         run_batch_job(tmp_path / "in.jsonl", tmp_path / "out2", model=str(think_model),
                       reasoning_parser="r2", progress=False)
 
 
-def test_openai_chat_lines_carry_reasoning_content(think_model, think_llm, ray_session,
-                                                   tmp_path):
+def test_openai_chat_lines_carry_reasoning_content(think_model, hf_think, hf_think_tok,
+                                                   ray_session, tmp_path):
     """deepseek_r1 reads output as reasoning from its start: with no closing tag in 6
     tokens, the whole output is `reasoning_content` and `content` is empty."""
     from ray_jobs import run_batch_job
@@ -132,12 +162,13 @@ def test_openai_chat_lines_carry_reasoning_content(think_model, think_llm, ray_s
                   kv_cache_bytes=16 << 20, reasoning_parser="deepseek_r1", progress=False)
     (out,) = [json.loads(x) for x in (tmp_path / "out" / "output.jsonl").read_text().splitlines()]
     choice = out["response"]["body"]["choices"][0]
-    tok = think_llm.tokenizer
-    prompt = tok.encode(tok.apply_chat_template(line["body"]["messages"]),
-                        add_special_tokens=False)
-    (want,) = think_llm.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))
+    tok = hf_think_tok
+    prompt = tok(tok.apply_chat_template(line["body"]["messages"], add_generation_prompt=True,
+                                         tokenize=False), add_special_tokens=False)["input_ids"]
+    want = hf_greedy(hf_think, prompt, 6)
     assert choice["finish_reason"] == "length" and choice["message"]["content"] == ""
-    assert choice["message"]["reasoning_content"] == tok.decode(want.token_ids) != ""
+    assert choice["message"]["reasoning_content"] == tok.decode(want) != ""
+    assert out["response"]["body"]["usage"]["prompt_tokens"] == len(prompt)
 
 
 # --- steering while thinking: the budget and constraints after the block -------------------
@@ -149,6 +180,15 @@ def hf_think(think_model):
     from transformers import LlamaForCausalLM
 
     return LlamaForCausalLM.from_pretrained(think_model, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def hf_think_tok(think_model):
+    """transformers' tokenizer of the same folder (its chat template from
+    tokenizer_config.json): the prompts the oracle sees."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(think_model)
 
 
 def hf_greedy(hf, ids, n):
@@ -241,6 +281,73 @@ def test_constraint_applies_after_the_think_block(steered_llm, hf_think):
     assert not any(c.isdigit() for c in tok.decode(digits.token_ids[:3]))
 
 
+def test_no_newline_is_forced_after_a_line_end(steered_llm, hf_think):
+    """A budget of 1 after a prompt that ends "<think>\\n" (as the templates open a block):
+    the block's last token before the budget's slot already ends a line, so the one thinking
+    token is the model's own, not a forced newline, and </think> follows it."""
+    tok = steered_llm.tokenizer
+    parser = steered_llm.reasoning
+    prompt = tok.encode("Question: 2+2?", add_special_tokens=False) + [parser.open_id,
+                                                                       parser.newline_id]
+    assert parser.ends_line(prompt[-1])
+    want = budget_oracle(hf_think, parser, prompt, 1, 2)
+    assert want[0] == hf_greedy(hf_think, prompt, 1)[0] != parser.newline_id
+    (out,) = steered_llm.generate([prompt], SamplingParams(
+        max_tokens=4, ignore_eos=True, max_thinking_tokens=1))
+    assert out.token_ids == want and out.token_ids[1] == parser.close_id
+
+
+def test_empty_think_block_in_the_prompt_starts_the_answer(steered_llm, hf_think, hf_think_tok):
+    """A chat prompt rendered with enable_thinking=False ends "<think>\\n\\n</think>\\n\\n": its
+    last think tag closes the block, so under the qwen3 parser the output is answer from its
+    first token, and a thinking budget forces nothing (transformers' greedy tokens)."""
+    tok = hf_think_tok
+    text = tok.apply_chat_template([{"role": "user", "content": "2+2?"}],
+                                   add_generation_prompt=True, tokenize=False,
+                                   enable_thinking=False)
+    prompt = tok(text, add_special_tokens=False)["input_ids"]
+    parser = steered_llm.reasoning
+    assert prompt.count(parser.open_id) == prompt.count(parser.close_id) == 1
+    assert not parser.starts_in_reasoning(prompt)
+    want = hf_greedy(hf_think, prompt, 5)
+    assert parser.open_id not in want and parser.close_id not in want
+    (out,) = steered_llm.generate([prompt], SamplingParams(
+        max_tokens=5, ignore_eos=True, max_thinking_tokens=1))
+    assert out.token_ids == want and out.num_reasoning_tokens == 0 and out.reasoning is None
+    assert out.text == tok.decode(want)
+
+
+def test_first_mask_holds_think_beside_the_grammar(think_llm):
+    """A qwen3 row whose prompt opened no block, under the regex [0-9]{2}: its first mask
+    allows exactly the digits and <think>; once it opened the block it thinks freely; a
+    digit first puts it in the answer, where <think> is no longer allowed."""
+    import numpy as np
+
+    from nanoserve.reasoning import ThinkSteer
+    from nanoserve.structured import StructuredOutputs, allocate_bitmask
+
+    tok = think_llm.tokenizer
+    parser = ReasoningParser("qwen3", tok)
+    so = StructuredOutputs(regex="[0-9]{2}")
+    digits = {tok.encode(str(d), add_special_tokens=False)[0] for d in range(10)}
+    assert len(digits) == 10
+    prompt = tok.encode("Number:", add_special_tokens=False)
+
+    def allowed(steer):
+        mask = allocate_bitmask(1, think_llm.grammars.words)
+        steer.fill(mask, 0)
+        bits = np.unpackbits(mask[0].numpy().view(np.uint8), bitorder="little")
+        return set(np.flatnonzero(bits).tolist())
+
+    steer = ThinkSteer(parser, prompt, think_llm.grammars.matcher(so), budget=4)
+    assert allowed(steer) == digits | {parser.open_id}
+    assert steer.accept(parser.open_id) and steer.thinking
+    assert len(allowed(steer)) == think_llm.grammars.words * 32  # free while it thinks
+    steer = ThinkSteer(parser, prompt, think_llm.grammars.matcher(so), budget=4)
+    assert steer.accept(min(digits)) and not steer.thinking
+    assert allowed(steer) == digits
+
+
 def test_qwen3_row_may_open_its_own_block_under_a_constraint(steered_llm):
     """A qwen3 row whose prompt opened no block: its first token may be <think> beside the
     grammar's tokens (here the regex allows only digits, and the model's own choice among
@@ -301,21 +408,26 @@ def qwen3_think_model(tmp_path_factory, think_model):
 
 
 @pytest.fixture(scope="module")
-def qwen3_think_llm(qwen3_think_model):
-    from nanoserve.llm import LLM
+def hf_qwen3_think(qwen3_think_model):
+    """transformers' Qwen3 model and tokenizer over the same folder: the job's oracle."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    return LLM(model=str(qwen3_think_model), device="cpu", kv_cache_bytes=16 << 20)
+    hf = AutoModelForCausalLM.from_pretrained(qwen3_think_model, dtype=torch.float32).eval()
+    return hf, AutoTokenizer.from_pretrained(qwen3_think_model)
 
 
-def test_job_budget_and_auto_picked_parser(qwen3_think_model, qwen3_think_llm, ray_session,
-                                           tmp_path):
+def test_job_budget_and_auto_picked_parser(qwen3_think_model, hf_qwen3_think, think_llm,
+                                           ray_session, tmp_path):
+    """The job picks qwen3 for a Qwen3 model by itself; a job budget of 3 and a row's own 1
+    close the block where transformers' greedy tokens, cut at the budget, say; a choice
+    row's answer after its block is one of its labels."""
     import pyarrow.dataset as ds
 
-    from nanoserve.structured import StructuredOutputs
     from ray_jobs import run_batch_job
 
-    llm = qwen3_think_llm
-    assert llm.reasoning.name == "qwen3" and "auto" in llm.reasoning_line
+    hf, tok = hf_qwen3_think
+    parser = ReasoningParser("qwen3", think_llm.tokenizer)  # the same vocabulary
     rows = [{"id": 0, "prompt": "Question: 2+2?<think>"},
             {"id": 1, "prompt": "Question: 3+3?<think>", "max_thinking_tokens": 1},
             {"id": 2, "prompt": "Rain?<think>", "guided_choice": ["yes", "no"]}]
@@ -325,43 +437,58 @@ def test_job_budget_and_auto_picked_parser(qwen3_think_model, qwen3_think_llm, r
                             max_thinking_tokens=3, kv_cache_bytes=16 << 20, progress=False)
     assert "reasoning parser: qwen3 (auto: a Qwen3 model" in summary.format()
     got = {r["id"]: r for r in ds.dataset(tmp_path / "out").to_table().to_pylist()}
-    tok = llm.tokenizer
-    for row, budget in zip(rows, (3, 1, 3)):
-        so = StructuredOutputs(choice=tuple(row["guided_choice"])) if "guided_choice" in row \
-            else None
-        (want,) = llm.generate([tok.encode(row["prompt"])], SamplingParams(
-            max_tokens=8, ignore_eos=True, max_thinking_tokens=budget, structured_outputs=so))
+    for row, budget in zip(rows[:2], (3, 1)):
+        prompt = tok(row["prompt"])["input_ids"]
+        want = budget_oracle(hf, parser, prompt, budget, 8 - budget - 1)
         out = got[row["id"]]
-        assert out["generated_token_ids"] == want.token_ids
-        assert out["num_reasoning_tokens"] == budget == want.num_reasoning_tokens
-        assert out["generated_text"] == want.text and out["reasoning"] == want.reasoning
-    assert got[2]["generated_text"] in ("yes", "no") and got[2]["finish_reason"] == "stop"
+        assert out["generated_token_ids"] == want and out["num_reasoning_tokens"] == budget
+        assert out["reasoning"] == tok.decode(want[:budget])
+        assert out["generated_text"] == tok.decode(want[budget + 1:])
+    choice = got[2]
+    head = budget_oracle(hf, parser, tok(rows[2]["prompt"])["input_ids"], 3, 0)
+    assert choice["generated_token_ids"][:4] == head and choice["num_reasoning_tokens"] == 3
+    assert choice["generated_text"] in ("yes", "no") and choice["finish_reason"] == "stop"
 
 
-def test_openai_body_and_ray_data_take_the_budget(qwen3_think_model, qwen3_think_llm,
+def test_openai_body_and_ray_data_take_the_budget(qwen3_think_model, hf_qwen3_think, think_llm,
                                                   ray_session, tmp_path):
+    """An OpenAI body's max_thinking_tokens, and the Ray Data processor's option: the same
+    transformers tokens. The processor's chat_template_kwargs reach its chat rows: the
+    prompt ends in the empty think block and the output is answer from its first token."""
     import ray.data
 
     from ray_jobs import run_batch_job
     from ray_jobs.data_processor import build_processor
 
-    llm, tok = qwen3_think_llm, qwen3_think_llm.tokenizer
+    hf, tok = hf_qwen3_think
+    parser = ReasoningParser("qwen3", think_llm.tokenizer)
     line = {"custom_id": "q", "method": "POST", "url": "/v1/completions",
             "body": {"prompt": "Question: 2+2?<think>", "max_tokens": 6, "temperature": 0,
                      "ignore_eos": True, "max_thinking_tokens": 2}}
     (tmp_path / "req.jsonl").write_text(json.dumps(line) + "\n")
     run_batch_job(tmp_path / "req.jsonl", tmp_path / "out", model=str(qwen3_think_model),
                   kv_cache_bytes=16 << 20, progress=False)
-    (want,) = llm.generate([tok.encode(line["body"]["prompt"])], SamplingParams(
-        max_tokens=6, ignore_eos=True, max_thinking_tokens=2))
-    assert want.num_reasoning_tokens == 2
+    want = budget_oracle(hf, parser, tok(line["body"]["prompt"])["input_ids"], 2, 3)
     (out,) = [json.loads(x) for x in (tmp_path / "out" / "output.jsonl").read_text().splitlines()]
-    assert out["response"]["body"]["choices"][0]["text"] == want.text
+    assert out["response"]["body"]["choices"][0]["text"] == tok.decode(want[3:])
 
+    chat = [{"role": "user", "content": "2+2?"}]
     process = build_processor(str(qwen3_think_model), concurrency=1, num_gpus=0,
                               kv_cache_bytes=16 << 20, max_tokens=6, ignore_eos=True,
-                              max_thinking_tokens=2)
-    (row,) = process(ray.data.from_items([{"prompt": "Question: 2+2?<think>"}])).take_all()
-    assert row["generated_token_ids"] == want.token_ids
-    assert row["reasoning"] == want.reasoning and row["generated_text"] == want.text
-    assert row["num_reasoning_tokens"] == 2
+                              max_thinking_tokens=2,
+                              chat_template_kwargs={"enable_thinking": False})
+    think_row, chat_row = process(ray.data.from_items(
+        [{"prompt": "Question: 2+2?<think>", "messages": None},
+         {"prompt": None, "messages": chat}])).take_all()
+    assert think_row["generated_token_ids"] == want
+    assert think_row["reasoning"] == tok.decode(want[:2])
+    assert think_row["generated_text"] == tok.decode(want[3:])
+    assert think_row["num_reasoning_tokens"] == 2
+    prompt = tok(tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False,
+                                         enable_thinking=False),
+                 add_special_tokens=False)["input_ids"]
+    empty = tok("<think>\n\n</think>\n\n", add_special_tokens=False)["input_ids"]
+    assert prompt[-len(empty):] == empty
+    want = hf_greedy(hf, prompt, 6)
+    assert chat_row["num_input_tokens"] == len(prompt)
+    assert chat_row["generated_token_ids"] == want and chat_row["num_reasoning_tokens"] == 0

@@ -86,3 +86,38 @@ def test_shards_read_every_row_once_in_input_order(tmp_path, monkeypatch, name):
     want = [(row, line) for chunk in iter_chunks(info, 5)
             for row, line in zip(chunk.batch.to_pylist(), chunk.lines)]
     assert got == want and len(got) == info.num_rows
+
+
+def test_parquet_shards_read_their_rows_across_row_groups(tmp_path):
+    """Parquet: two files in Hive folders, row groups of 6 and 5 rows, shards of 7 rows and
+    chunks of 5, so shards start and end inside row groups. Each shard's rows are its file's
+    rows start_row .. start_row + num_rows as pyarrow reads the file itself, with the
+    folder's key as a column; every row once, in input order."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    files = {"lang=en/a.parquet": (40, 6), "lang=fr/b.parquet": (13, 5)}
+    for rel, (n, group) in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True)
+        pq.write_table(pa.table({"id": [f"{rel[5:7]}{i}" for i in range(n)],
+                                 "prompt": [f"row {i} of {rel}" for i in range(n)],
+                                 "max_tokens": [i % 4 + 1 for i in range(n)]}),
+                       tmp_path / rel, row_group_size=group)
+    assert pq.ParquetFile(tmp_path / "lang=en/a.parquet").metadata.num_row_groups == 7
+    info = scan_input(tmp_path, chunk_rows=5, shard_rows=7)
+    spec = InputSpec.of(info, 5)
+    shards = list(iter_shards(info))
+    assert [(s.file, s.start_row, s.num_rows) for s in shards] == [
+        (0, 0, 7), (0, 7, 7), (0, 14, 7), (0, 21, 7), (0, 28, 7), (0, 35, 5),
+        (1, 0, 7), (1, 7, 6)]
+    names = list(files)
+    seen = []
+    for s in shards:
+        chunks = list(read_shard(spec, s))
+        assert all(c.batch.num_rows <= 5 for c in chunks)
+        got = [row for c in chunks for row in c.batch.to_pylist()]
+        want = pq.read_table(tmp_path / names[s.file]).slice(s.start_row, s.num_rows).to_pylist()
+        assert [{k: r[k] for k in ("id", "prompt", "max_tokens")} for r in got] == want
+        assert {r["lang"] for r in got} == {names[s.file][5:7]}
+        seen += [r["id"] for r in got]
+    assert seen == [f"en{i}" for i in range(40)] + [f"fr{i}" for i in range(13)]

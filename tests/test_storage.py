@@ -276,15 +276,20 @@ def test_s3_worker_killed_then_retry_errors(s3, bucket, ray_session, tiny_job_mo
 
 def test_image_uris_are_read_from_the_store_by_the_workers(s3, bucket, ray_session, tmp_path):
     """Rows whose images are s3:// URIs (an `image` column, an image_url part): the workers
-    read them with the job's credentials and endpoint; each row equals `LLM.chat` on the
-    same image's bytes; a key that is not there is an error row naming it."""
+    read them with the job's credentials and endpoint; each row equals transformers'
+    `generate` on the same image's bytes; a key that is not there is an error row naming it."""
     import io
 
     import numpy as np
+    import torch
+    from hf_oracle import qwen2_5_vl_generate
     from PIL import Image
+    from transformers import (
+        AutoImageProcessor,
+        AutoTokenizer,
+        Qwen2_5_VLForConditionalGeneration,
+    )
 
-    from nanoserve.llm import LLM
-    from nanoserve.sampling import SamplingParams
     from nanoserve.testing import save_tiny_qwen2_5_vl
 
     pictures = []
@@ -305,14 +310,17 @@ def test_image_uris_are_read_from_the_store_by_the_workers(s3, bucket, ray_sessi
                   max_tokens=MAX_TOKENS + 4, ignore_eos=True, kv_cache_bytes=8 << 20,
                   progress=False)
     got = {r["id"]: r for r in ds.dataset(tmp_path / "out").to_table().to_pylist()}
-    llm = LLM(str(model), device="cpu", kv_cache_bytes=8 << 20)
-    params = SamplingParams(max_tokens=MAX_TOKENS + 4, ignore_eos=True)
+    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(model, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    tok, proc = AutoTokenizer.from_pretrained(model), AutoImageProcessor.from_pretrained(model)
     for i, text in [(0, "Describe."), (1, "And this?")]:
-        want = llm.chat([{"role": "user", "content": [{"type": "image", "image": pictures[i]},
-                                                      {"type": "text", "text": text}]}],
-                        params)[0]
-        assert got[i]["error"] is None and list(got[i]["generated_token_ids"]) == want.token_ids
-        assert got[i]["num_input_tokens"] == want.num_prompt_tokens
+        chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
+        ids = tok(tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False))
+        want, num_prompt = qwen2_5_vl_generate(hf, tok, proc, ids["input_ids"],
+                                               [Image.open(io.BytesIO(pictures[i]))],
+                                               MAX_TOKENS + 4)
+        assert got[i]["error"] is None and list(got[i]["generated_token_ids"]) == want
+        assert got[i]["num_input_tokens"] == num_prompt
     assert got[0]["generated_token_ids"] != got[1]["generated_token_ids"]
     assert got[2]["error"].startswith(f"cannot read image s3://{bucket}/images/none.png")
 

@@ -18,6 +18,7 @@ import io
 import numpy as np
 import pytest
 import torch
+from hf_oracle import qwen2_5_vl_generate
 from PIL import Image
 
 from nanoserve.llm import LLM
@@ -62,19 +63,8 @@ def _hf_generate(vl, messages, images: list[bytes]) -> list[int]:
                                for p in m["content"]]} if isinstance(m["content"], list) else m
              for m in messages]
     ids = tok(tok.apply_chat_template(plain, add_generation_prompt=True, tokenize=False))["input_ids"]
-    kw = {}
-    if images:
-        pil = [Image.open(io.BytesIO(b)) for b in images]
-        out = proc(images=pil, return_tensors="pt")
-        counts = iter((out["image_grid_thw"].prod(-1) // 4).tolist())
-        ids = [t for i in ids for t in ([IMG] * next(counts) if i == IMG else [i])]
-        kw = dict(pixel_values=out["pixel_values"], image_grid_thw=out["image_grid_thw"])
-    input_ids = torch.tensor([ids])
-    with torch.no_grad():
-        gen = hf.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                          mm_token_type_ids=(input_ids == IMG).int(), max_new_tokens=NEW,
-                          do_sample=False, **kw)
-    return gen[0, len(ids):].tolist()
+    pil = [Image.open(io.BytesIO(b)) for b in images]
+    return qwen2_5_vl_generate(hf, tok, proc, ids, pil, NEW)[0]
 
 
 def _conversations(tmp_path):
@@ -112,11 +102,17 @@ def test_chat_equals_transformers_generate_mixed_batch(vl, tmp_path, decode_step
         assert llm.chat(m, params)[0].token_ids == w
 
 
-def test_larger_weights_give_image_dependent_tokens_equal_to_transformers(tmp_path):
+@pytest.fixture(scope="module")
+def vl10(tmp_path_factory):
     """The checkpoint the batch-job tests use (`weight_scale=10`: its greedy tokens differ
-    from image to image, where the default's barely depend on the prompt) equals
-    transformers as well, the mixed batch and each row alone."""
-    vl = _with_oracle(save_tiny_qwen2_5_vl(tmp_path / "tiny-vl-10", weight_scale=10.0))
+    from image to image, where the default's barely depend on the prompt)."""
+    return _with_oracle(save_tiny_qwen2_5_vl(tmp_path_factory.mktemp("tiny-vl-10"),
+                                             weight_scale=10.0))
+
+
+def test_larger_weights_give_image_dependent_tokens_equal_to_transformers(vl10, tmp_path):
+    """The larger weights equal transformers as well, the mixed batch and each row alone."""
+    vl = vl10
     convs = _conversations(tmp_path)
     want = [_hf_generate(vl, m, imgs) for m, imgs in convs]
     assert len({tuple(w) for w in want}) == len(want) and len(set(want[0])) > 2
@@ -149,6 +145,29 @@ def test_prefix_cache_keys_blocks_by_image_bytes(vl, tmp_path):
     assert 0 < llm.last_stats.cached_tokens <= before  # the blocks before the image only
     again = llm.chat(conv(a), params)[0].token_ids
     assert again == first and llm.last_stats.cached_tokens >= before + 4  # through the image
+
+
+def test_cache_hit_ending_inside_an_image(vl10):
+    """An image-last conversation twice, on blocks of 16: the second run's cache hit (every
+    full block but the one with its last token) ends inside the image's tokens, so its
+    prefill starts at an image token, whose features it must still place. Both runs equal
+    transformers; where the image lies is read from transformers' tokenizer."""
+    folder, _, tok, proc = vl10
+    img = _png(84, 56, 5)
+    conv = [{"role": "user", "content": [{"type": "text", "text": "Name this image"},
+                                         {"type": "image_url", "image_url": {"url": _url(img)}}]}]
+    plain = [{"role": "user", "content": [{"type": "text", "text": "Name this image"},
+                                          {"type": "image"}]}]
+    ids = tok(tok.apply_chat_template(plain, add_generation_prompt=True, tokenize=False))["input_ids"]
+    grid = proc(images=[Image.open(io.BytesIO(img))], return_tensors="pt")["image_grid_thw"]
+    first = ids.index(IMG)
+    last = first + int(grid.prod(-1)[0]) // 4 - 1
+    want = _hf_generate(vl10, conv, [img])
+    llm = LLM(str(folder), device="cpu", kv_cache_bytes=1 << 20, block_size=16)
+    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    assert llm.chat(conv, params)[0].token_ids == want
+    assert llm.chat(conv, params)[0].token_ids == want
+    assert first < llm.last_stats.cached_tokens <= last, (first, last)
 
 
 def test_preempted_image_rows_recompute_the_same_tokens(vl, tmp_path):

@@ -1,10 +1,11 @@
 """Rows with images through the batch job, OpenAI request files and the Ray Data processor
 (a tiny random Qwen2.5-VL on the CPU, local Ray, images written with Pillow).
 
-Oracle: `LLM.chat` on each row alone (held to transformers in tests/test_vl_generate.py,
-this checkpoint included), with the conversation the documentation gives a row: its
-messages as they are, or for a `prompt` row with images one user turn, the images first
-and then the text; a `prompt` row without images is plain text (`LLM.generate`). The
+Oracle: transformers' `generate` on each row alone (`hf_oracle.qwen2_5_vl_generate`: its
+tokenizer renders the chat template, its image processor makes the pixels), with the
+conversation the documentation gives a row: its messages as they are, or for a `prompt` row
+with images one user turn, the images first and then the text; a `prompt` row without images
+is plain text. Images are opened here with Pillow, turned by their EXIF orientation. The
 checkpoint's weights are scaled (`weight_scale=10`) so that greedy tokens differ from image
 to image: a row answered with another row's images, or none, would not match. Rows with and
 without images share one shard (one engine call), and each must equal itself alone.
@@ -24,10 +25,9 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
-from PIL import Image
+from hf_oracle import qwen2_5_vl_generate
+from PIL import Image, ImageOps
 
-from nanoserve.llm import LLM
-from nanoserve.sampling import SamplingParams
 from nanoserve.testing import png_header, save_tiny_qwen2_5_vl
 from ray_jobs import run_batch_job
 
@@ -81,8 +81,19 @@ def vl_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def vl_llm(vl_model):
-    return LLM(str(vl_model), device="cpu", kv_cache_bytes=KV_BYTES)
+def hf_vl(vl_model):
+    """transformers' model, tokenizer and image processor over the same folder."""
+    import torch
+    from transformers import (
+        AutoImageProcessor,
+        AutoTokenizer,
+        Qwen2_5_VLForConditionalGeneration,
+    )
+
+    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(vl_model,
+                                                            dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    return hf, AutoTokenizer.from_pretrained(vl_model), AutoImageProcessor.from_pretrained(vl_model)
 
 
 @pytest.fixture(scope="module")
@@ -96,26 +107,54 @@ def pictures(tmp_path_factory) -> dict[str, Path]:
     return {name: folder / name for name in files}
 
 
-def _answer(llm: LLM, row: dict):
-    """The oracle's completion of one input row, alone."""
-    params = SamplingParams(max_tokens=NEW, ignore_eos=True)
-    if row.get("messages") is not None:
-        return llm.chat(row["messages"], params)[0]
-    image = row.get("image")
-    if image is None:
-        return llm.generate([row["prompt"]], params)[0]
-    images = image if isinstance(image, list) else [image]
-    return llm.chat(_user(*[_image(x) for x in images], _text(row["prompt"])), params)[0]
+def _open(source) -> Image.Image:
+    """An image part's source (bytes, a data: URL, a path, a file:// URL) as Pillow reads it,
+    turned upright by its EXIF orientation."""
+    if isinstance(source, str) and source.startswith("data:"):
+        source = base64.b64decode(source.split(",", 1)[1])
+    if isinstance(source, bytes):
+        img = Image.open(io.BytesIO(source))
+    else:
+        img = Image.open(str(source).removeprefix("file://"))
+    return ImageOps.exif_transpose(img)
 
 
-def _assert_rows_equal_oracle(out_rows: list[dict], rows: dict, llm: LLM) -> None:
+def _hf_answer(hf_vl, row: dict) -> tuple[list[int], int]:
+    """transformers' (tokens, prompt tokens) for one input row, alone."""
+    hf, tok, proc = hf_vl
+    messages = row.get("messages")
+    if messages is None and row.get("image") is None:
+        return qwen2_5_vl_generate(hf, tok, proc, tok(row["prompt"])["input_ids"], [], NEW)
+    if messages is None:
+        image = row["image"]
+        messages = _user(*[_image(x) for x in (image if isinstance(image, list) else [image])],
+                         _text(row["prompt"]))
+    images, plain = [], []
+    for m in messages:
+        content = m["content"]
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if part["type"] in ("image", "image_url"):
+                    images.append(_open(part["image"] if part["type"] == "image"
+                                        else part["image_url"]["url"]))
+                    parts.append({"type": "image"})
+                else:
+                    parts.append({"type": "text", "text": part["text"]})
+            content = parts
+        plain.append({"role": m["role"], "content": content})
+    text = tok.apply_chat_template(plain, add_generation_prompt=True, tokenize=False)
+    return qwen2_5_vl_generate(hf, tok, proc, tok(text)["input_ids"], images, NEW)
+
+
+def _assert_rows_equal_oracle(out_rows: list[dict], rows: dict, hf_vl) -> None:
     answered = {}
     for r in out_rows:
-        want = _answer(llm, rows[r["id"]])
+        want, num_prompt = _hf_answer(hf_vl, rows[r["id"]])
         assert r["error"] is None and r["finish_reason"] == "length", (r["id"], r["error"])
-        assert list(r["generated_token_ids"]) == want.token_ids, r["id"]
-        assert r["num_input_tokens"] == want.num_prompt_tokens, r["id"]
-        answered[r["id"]] = tuple(want.token_ids)
+        assert list(r["generated_token_ids"]) == want, r["id"]
+        assert r["num_input_tokens"] == num_prompt, r["id"]
+        answered[r["id"]] = tuple(want)
     # the rows' answers differ: one answered with another row's images would not match
     assert len(set(answered.values())) == len(answered)
 
@@ -163,13 +202,13 @@ BAD_JSONL = {7: "does not decode", 8: "refused before decoding", 9: "does not de
              12: "'image' goes with a 'prompt'"}
 
 
-def test_job_rows_equal_each_row_alone(jsonl_job, vl_llm):
+def test_job_rows_equal_each_row_alone(jsonl_job, hf_vl):
     rows, _, out, summary = jsonl_job
     got = ds.dataset(out).to_table().to_pylist()
     assert len(list(out.glob("part-*.parquet"))) == 1  # one shard: one engine call for all
     assert sorted(r["id"] for r in got) == [r["id"] for r in rows]
     good = [r for r in got if r["id"] not in BAD_JSONL]
-    _assert_rows_equal_oracle(good, {r["id"]: r for r in rows}, vl_llm)
+    _assert_rows_equal_oracle(good, {r["id"]: r for r in rows}, hf_vl)
     for r in got:
         if r["id"] in BAD_JSONL:
             assert r["finish_reason"] == "error" and BAD_JSONL[r["id"]] in r["error"], r
@@ -243,7 +282,7 @@ def parquet_rows(tmp_path_factory, pictures):
     return path, oracle
 
 
-def test_parquet_image_bytes_are_read_and_not_repeated(parquet_rows, vl_model, vl_llm,
+def test_parquet_image_bytes_are_read_and_not_repeated(parquet_rows, vl_model, hf_vl,
                                                        ray_session, tmp_path):
     path, oracle = parquet_rows
     run_batch_job(path, tmp_path / "out", model=str(vl_model), **JOB)
@@ -253,10 +292,10 @@ def test_parquet_image_bytes_are_read_and_not_repeated(parquet_rows, vl_model, v
     got = table.to_pylist()
     bad = [r for r in got if r["id"] == 5]
     assert bad[0]["finish_reason"] == "error" and "does not decode" in bad[0]["error"]
-    _assert_rows_equal_oracle([r for r in got if r["id"] != 5], oracle, vl_llm)
+    _assert_rows_equal_oracle([r for r in got if r["id"] != 5], oracle, hf_vl)
 
 
-def test_ray_data_processor_answers_the_same_rows(parquet_rows, vl_model, vl_llm, ray_session):
+def test_ray_data_processor_answers_the_same_rows(parquet_rows, vl_model, hf_vl, ray_session):
     from ray_jobs.data_processor import build_processor
 
     path, oracle = parquet_rows
@@ -267,13 +306,13 @@ def test_ray_data_processor_answers_the_same_rows(parquet_rows, vl_model, vl_llm
     by_id = {r["id"]: r for r in got}
     assert by_id[5]["finish_reason"] == "error" and "does not decode" in by_id[5]["error"]
     assert by_id[0]["image"] == oracle[0]["image"]  # Ray Data: the input columns unchanged
-    _assert_rows_equal_oracle([r for r in got if r["id"] != 5], oracle, vl_llm)
+    _assert_rows_equal_oracle([r for r in got if r["id"] != 5], oracle, hf_vl)
 
 
 # --- OpenAI Batch API request files with image parts ---------------------------------------
 
 
-def test_openai_request_file_with_image_parts(vl_model, vl_llm, pictures, ray_session,
+def test_openai_request_file_with_image_parts(vl_model, hf_vl, pictures, ray_session,
                                               tmp_path):
     chat = "/v1/chat/completions"
 
@@ -303,12 +342,14 @@ def test_openai_request_file_with_image_parts(vl_model, vl_llm, pictures, ray_se
              "two": _user(_text("Both: "), _image(str(pictures["b.png"])),
                           _image(base64.b64decode(image["image_url"]["url"].split(",")[1])))}
     texts = set()
+    tok = hf_vl[1]
     for custom_id, messages in plain.items():
-        want = vl_llm.chat(messages, SamplingParams(max_tokens=NEW, ignore_eos=True))[0]
+        want, num_prompt = _hf_answer(hf_vl, {"messages": messages})
         body = output[custom_id]["response"]["body"]
-        assert body["choices"][0]["message"]["content"] == want.text, custom_id
-        assert body["usage"]["prompt_tokens"] == want.num_prompt_tokens, custom_id
-        texts.add(want.text)
+        text = tok.decode(want, skip_special_tokens=True)
+        assert body["choices"][0]["message"]["content"] == text, custom_id
+        assert body["usage"]["prompt_tokens"] == num_prompt, custom_id
+        texts.add(text)
     assert len(texts) == 3
     assert [e["custom_id"] for e in errors] == ["high"]
     assert "'detail'" in errors[0]["response"]["body"]["error"]["message"]
