@@ -29,8 +29,9 @@ BATCH_DESCRIPTION = """\
 Generate a completion for every row of a Parquet or JSON Lines file (or a folder tree of
 them) on a Ray worker pool, and write the results as Parquet parts into OUTPUT_DIR. INPUT and
 OUTPUT_DIR may be local paths or object-store URIs (s3://bucket/prefix/, gs://...). A part
-holds its rows in input order; the parts are batches of rows sorted by prompt length, so
-sort by 'id' (positions when the input has none) or join on it for the input's order.
+holds --batch-size consecutive input rows of one file, in input order, and the parts are
+numbered in input order (workers write them in any order): read them in name order, sort by
+'id' (positions when the input has none) or join on it for the input's order.
 
 Each row needs a prompt: a 'prompt' (text), 'messages' (chat, [{role, content}, ...],
 rendered with the model's chat template) or 'prompt_token_ids' column; a row uses the
@@ -125,7 +126,7 @@ def _add_execution(p: argparse.ArgumentParser, batch_size: int, max_batch_tokens
     r.add_argument("--dtype", default="auto",
                    help="auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16, float16")
     r.add_argument("--batch-size", type=int, default=batch_size,
-                   help=f"rows per batch (default: {batch_size})")
+                   help=f"rows per batch, and so per part (default: {batch_size})")
     r.add_argument("--max-batch-tokens", type=int, default=max_batch_tokens,
                    help=max_batch_tokens_help)
     return r
@@ -225,8 +226,8 @@ def _add_batch_arguments(p: argparse.ArgumentParser) -> None:
                         "batch output shape, in input order, once the job completes; parquet: "
                         "the parts only; auto: openai when the input holds OpenAI batch "
                         "requests (default: auto)")
-    r = _add_execution(p, 64, None, "cap on rows x max(prompt + max_tokens) per batch "
-                                    "(default: none)")
+    r = _add_execution(p, 64, None, "a static engine's cap on rows x max(prompt + "
+                                    "max_tokens) in one of its batches (default: none)")
     r.add_argument("--quantization", choices=("fp8",), default=None,
                    help="fp8: each worker quantizes the model's projections to FP8 at load "
                         "(GPUs of compute capability 8.9+; FP8 checkpoints need no flag)")
