@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from nanoserve.cli import LIST_FLAGS
 from nanoserve.errors import InputError
 from nanoserve.model_store import DEFAULT_MODEL
 
@@ -196,8 +197,10 @@ def _add_batch_arguments(p: argparse.ArgumentParser) -> None:
                    help="a JSON schema file: a row's text is JSON valid under it")
     g.add_argument("--regex", default=None, metavar="REGEX",
                    help="a row's whole text matches this regular expression")
-    g.add_argument("--choice", action="extend", nargs="+", default=[], metavar="TEXT",
-                   help="a row's text is one of these (--choice A B C, or the flag repeated)")
+    g.add_argument("--choice", action="append", default=[], metavar="TEXT",
+                   help="a row's text is one of these: the flag once for each choice, "
+                        "--choice A --choice B (as in nanoserve generate)")
+    p.once_per_value = LIST_FLAGS  # `--choice A B in.jsonl`: refused, not B read as INPUT
     g.add_argument("--choice-scores", action="store_true",
                    help="with --choice: each row's probability of every label in the column "
                         "'choice_scores' (from forward passes, not sampling); its text the "

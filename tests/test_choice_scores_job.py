@@ -102,7 +102,8 @@ def test_cli_choice_scores_and_chat_template_kwargs(ray_session, tiny_job_model,
 
     path = write_jsonl(tmp_path / "rows.jsonl", [{"id": 0, "prompt": "Great film. Sentiment:"}])
     rc = nanoserve_main(["batch", str(path), "-o", str(tmp_path / "out"), "--model",
-                         str(tiny_job_model), "--max-tokens", "4", "--choice", *LABELS,
+                         str(tiny_job_model), "--max-tokens", "4",
+                         *[a for label in LABELS for a in ("--choice", label)],
                          "--choice-scores", "--chat-template-kwargs",
                          '{"enable_thinking": false}', "--no-progress"])
     assert rc == 0, capsys.readouterr().err
@@ -110,7 +111,7 @@ def test_cli_choice_scores_and_chat_template_kwargs(ray_session, tiny_job_model,
     want = tiny_llm.choice_scores(["Great film. Sentiment:"], LABELS)[0]
     assert all(abs(dict(row["choice_scores"])[k] - want[k]) < 1e-5 for k in want)
     rc = nanoserve_main(["batch", str(path), "-o", str(tmp_path / "out2"), "--model",
-                         str(tiny_job_model), "--choice", "a", "a", "--choice-scores",
+                         str(tiny_job_model), "--choice", "a", "--choice", "a", "--choice-scores",
                          "--no-progress"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc != 0 and len(err) == 1 and "'a' is given twice" in err[0]
