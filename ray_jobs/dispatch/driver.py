@@ -153,6 +153,7 @@ class JobSummary:
     reasoning: str | None = None
     task: str = "generate"  # run_job's: "generate" or "embed"
     truncated_rows: int = 0  # embedding: inputs cut to the input limit
+    empty_answers: int = 0  # generation: rows that ended at 'stop' with no text
     dimensions: int | None = None  # embedding: the vectors' (None: generation)
 
     def format(self) -> str:
@@ -160,6 +161,8 @@ class JobSummary:
                    if self.input_rows is not None and self.input_rows != self.rows else "")
         reasons = (", ".join(f"{k} {v}" for k, v in self.finish_reasons.items())
                    if self.finish_reasons else f"{self.error_rows} error rows")
+        if self.empty_answers:
+            reasons += f"; {self.empty_answers} empty answer(s)"
         lines = [
             f"rows: {self.rows}{samples} ({reasons})"
             + (f", {self.rows_resumed} done by an earlier run" if self.rows_resumed else ""),
@@ -269,6 +272,8 @@ def run_pipeline(p: Pipeline, timeline: Timeline) -> JobSummary:
     resumed with equal settings), hand the shards out, mark it complete, write the report.
     Ray and the workers start when the first shard needs one."""
     opts, folder = p.opts, p.folder
+    for warning in p.part.warnings:  # at once: before the user waits for the job
+        log(warning)
     if folder.local:  # named as the user gave it (a path, or its file:// URI's path)
         check_output_reachable(folder.path if is_uri(p.output_dir) else Path(p.output_dir))
     with ExitStack() as stack:
@@ -285,7 +290,8 @@ def run_pipeline(p: Pipeline, timeline: Timeline) -> JobSummary:
             timeline.mark("prepare")
             return JobSummary(str(folder), 0, 0, manifest.rows_done, 0, 0,
                               timeline.marks["prepare"], 0.0, 0.0, 0,
-                              timings=timeline.timings(), task=p.kind.name, **p.part.summary)
+                              timings=timeline.timings(), task=p.kind.name,
+                              warnings=p.part.warnings, **p.part.summary)
 
         def start_pool() -> WorkerPool:  # on the first shard that needs a worker
             timeline.mark("prepare")
@@ -305,9 +311,11 @@ def run_pipeline(p: Pipeline, timeline: Timeline) -> JobSummary:
                           lambda shards: make_fragments(shards, run.pool, p.local))
         mark_complete(folder, manifest)
     timeline.mark("shutdown")
-    summary = dataclasses.replace(run.summary(timeline.marks["shutdown"]), **p.part.summary)
+    summary = run.summary(timeline.marks["shutdown"])
     for warning in summary.warnings:
         log(warning)
+    summary = dataclasses.replace(summary, warnings=p.part.warnings + summary.warnings,
+                                  **p.part.summary)
     report_settings = {"options": dataclasses.asdict(opts), "model": p.settings["model"],
                        "input": p.settings["input"], **p.part.report_settings}
     try:
@@ -460,6 +468,7 @@ class _JobRun:
         self.truncated_rows = 0
         self.finish_reasons: Counter = Counter()
         self.cut_constrained: Counter = Counter()  # constrained rows ended by length, by max_tokens
+        self.empty_answers = 0  # rows that ended at 'stop' with no text
         self.results_back = 0  # answers (or deaths) of pieces collected
         self.input_tokens = self.output_tokens = 0
         self.padded_slots = self.padded_real = 0
@@ -687,6 +696,7 @@ class _JobRun:
         self.error_rows += out.error_rows
         self.finish_reasons.update(out.finish_reasons)
         self.cut_constrained.update(out.cut_constrained)
+        self.empty_answers += out.empty_answers
         self.input_tokens += out.input_tokens
         self.output_tokens += out.output_tokens
         self.truncated_rows += out.truncated
@@ -700,14 +710,19 @@ class _JobRun:
         return self.kind.progress(self, elapsed)
 
     def _warnings(self) -> tuple[str, ...]:
-        cut = sum(self.cut_constrained.values())
-        if not cut:
-            return ()
-        low, high = min(self.cut_constrained), max(self.cut_constrained)
-        limit = f"max_tokens {low}" if low == high else f"max_tokens {low}-{high}"
-        return (f"warning: {cut} constrained row(s) ended by length ({limit}): their text is "
-                f"cut short and need not match its constraint (JSON schema, regex or choice); "
-                f"raise --max-tokens",)
+        out = []
+        if cut := sum(self.cut_constrained.values()):
+            low, high = min(self.cut_constrained), max(self.cut_constrained)
+            limit = f"max_tokens {low}" if low == high else f"max_tokens {low}-{high}"
+            out.append(f"warning: {cut} constrained row(s) ended by length ({limit}): their "
+                       f"text is cut short and need not match its constraint (JSON schema, "
+                       f"regex or choice); raise --max-tokens")
+        if self.empty_answers:
+            out.append(f"warning: {self.empty_answers} row(s) ended with an empty answer "
+                       f"(finish_reason 'stop', generated_text ''): the model ended them at "
+                       f"once, as a chat model given a raw 'prompt' often does (give it "
+                       f"'messages')")
+        return tuple(out)
 
     def summary(self, wall_time_s: float) -> JobSummary:
         waste = 1 - self.padded_real / self.padded_slots if self.padded_slots else 0.0
@@ -728,6 +743,7 @@ class _JobRun:
             input_rows=self.input_rows,
             finish_reasons={**dict.fromkeys(reasons, 0), **self.finish_reasons} if reasons else {},
             warnings=self._warnings(), task=self.kind.name, truncated_rows=self.truncated_rows,
+            empty_answers=self.empty_answers,
         )
 
 

@@ -270,6 +270,8 @@ def render_html(data: dict[str, Any]) -> str:
         *([("finish_reasons", "rows by finish reason",
             ", ".join(f"{k} {v}" for k, v in s["finish_reasons"].items()))]
           if s.get("finish_reasons") else []),
+        *([("empty_answers", "empty answers (finish_reason stop, no text)", s["empty_answers"])]
+          if s.get("empty_answers") else []),
         ("rows_resumed", "rows done by an earlier run", s["rows_resumed"]),
         ("input_tokens", "input tokens", s["input_tokens"]),
         ("output_tokens", "output tokens", s["output_tokens"]),

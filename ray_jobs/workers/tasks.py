@@ -83,6 +83,7 @@ class ShardOutcome:
     truncated: int = 0  # embedding: inputs cut to the limit
     finish_reasons: Counter = field(default_factory=Counter)
     cut_constrained: Counter = field(default_factory=Counter)  # by max_tokens
+    empty_answers: int = 0  # generation: rows that ended at 'stop' with no text
     errors: list[str] = field(default_factory=list)  # each error row's message
     meta: dict[bytes, bytes] = field(default_factory=dict)  # the engine's (ray_jobs.workers.worker keys)
     record: Any = None  # the report's `PieceRecord` (None: nothing went to the engine)
@@ -105,6 +106,9 @@ class TaskPlan:
     settings: dict[str, Any] = field(default_factory=dict)  # the manifest's, beside the job's
     report_settings: dict[str, Any] = field(default_factory=dict)  # the report's, beside the job's
     summary: dict[str, Any] = field(default_factory=dict)  # `JobSummary` fields the task sets
+    # one line each, printed before the job starts and kept in the summary: what the job
+    # would otherwise ignore silently (a misspelt per-row column, unread template options)
+    warnings: tuple[str, ...] = ()
     # generation's OpenAI output files (`ray_jobs.output.openai_files`): each shard's lines written
     # with its part, joined by the driver at the end
     openai_output: bool = False
