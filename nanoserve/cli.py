@@ -279,13 +279,16 @@ ENGINE_COMMANDS = {"generate": _run_generate, "fetch-model": _run_fetch_model}
 def run_command(run: Callable[[argparse.Namespace], int], args: argparse.Namespace,
                 resumable: bool = False) -> int:
     """`run(args)`'s exit status; a NanoserveError is `error: <message>` on stderr and 2,
-    Ctrl-C is 130 (with a hint to rerun when the command resumes)."""
+    Ctrl-C is 130 (with a hint to rerun when the command resumes), after the summary of what
+    was done when the interruption carries one (a job's: `summary.format()`)."""
     try:
         return run(args)
     except NanoserveError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        if getattr(e, "summary", None) is not None:
+            print(e.summary.format())
         resume = " (rerun the same command to resume)" if resumable else ""
         print(f"interrupted{resume}", file=sys.stderr)
         return 130

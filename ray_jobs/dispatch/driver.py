@@ -63,7 +63,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import signal
 import sys
+import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
@@ -80,9 +83,11 @@ from ray_jobs.dispatch.local_ray import RaySession
 from ray_jobs.dispatch.placement import check_output_reachable
 from ray_jobs.dispatch.pool import WorkerPool, WorkerReport, first_line, log
 from ray_jobs.input.io import InputInfo, scan_input
-from ray_jobs.input.shards import InputSpec, Shard, iter_shards
+from ray_jobs.input.shards import InputSpec, Shard, iter_shards, num_shards
 from ray_jobs.input.storage import OutputDir, is_uri
 from ray_jobs.output.manifest import (
+    REPORT_NAME,
+    SUCCESS_NAME,
     Manifest,
     adopt_part,
     hold_output_dir,
@@ -96,7 +101,7 @@ from ray_jobs.output.manifest import (
 from ray_jobs.output.openai_files import OUTPUT_NAME, OpenAIOutput, write_outputs
 from ray_jobs.preparation.batching import BatchLimits
 from ray_jobs.preparation.prepare import load_model_meta, plan_columns
-from ray_jobs.report.report import ReportLog, report_data, write_report
+from ray_jobs.report.report import JobTotals, ReportLog, report_data, write_report
 from ray_jobs.report.timeline import PHASES, Timeline
 from ray_jobs.tasks.embed import EMBED
 from ray_jobs.tasks.generate import GENERATE
@@ -110,6 +115,7 @@ from ray_jobs.workers.worker import (
     PROMPT_TOKENS_CACHED_KEY,
 )
 
+FAULT_HOLD_AFTER_PARTS = "NANOSERVE_FAULT_HOLD_AFTER_PARTS"  # testing hook: `_fault_hold_after_parts`
 MAX_BATCH_ATTEMPTS = 2  # deaths of its worker a batch may cause before it is cut in halves
 PREFIX_KEY_TOKENS = 32  # leading prompt tokens that name a piece's prefix for dispatch
 DEATH_SETTLE_TIMEOUT_S = 60.0  # wait for the other tasks of a dead actor to end
@@ -155,6 +161,8 @@ class JobSummary:
     truncated_rows: int = 0  # embedding: inputs cut to the input limit
     empty_answers: int = 0  # generation: rows that ended at 'stop' with no text
     dimensions: int | None = None  # embedding: the vectors' (None: generation)
+    # Ctrl-C stopped the run: (batches written in all, the job's batches); None: it did not
+    interrupted: tuple[int, int] | None = None
 
     def format(self) -> str:
         samples = (f" for {self.input_rows} input rows"
@@ -185,6 +193,9 @@ class JobSummary:
             lines.append("time: " + ", ".join(f"{PHASES[k]} {v:.1f} s"
                                               for k, v in self.timings.items()))
         lines += self.warnings
+        if self.interrupted is not None:
+            lines.append(f"interrupted: {self.interrupted[0]} of {self.interrupted[1]} "
+                         f"batches are written; rerun the same command to resume")
         return "\n".join(lines)
 
 
@@ -270,58 +281,155 @@ class Pipeline:
 def run_pipeline(p: Pipeline, timeline: Timeline) -> JobSummary:
     """The job's walk, the same for every task: hold and open the output folder (fresh, or
     resumed with equal settings), hand the shards out, mark it complete, write the report.
-    Ray and the workers start when the first shard needs one."""
+    Ray and the workers start when the first shard needs one.
+
+    Ctrl-C (KeyboardInterrupt) once the folder is open stops the walk; the workers and a
+    private Ray are stopped, the lock let go, and the run's summary and the report of the
+    whole job are made all the same, with further Ctrl-Cs held back meanwhile
+    (`_HeldInterrupts`); then `JobInterrupted` carries the summary. Once every part is
+    recorded, a Ctrl-C no longer stops anything: the folder is marked complete first."""
     opts, folder = p.opts, p.folder
     for warning in p.part.warnings:  # at once: before the user waits for the job
         log(warning)
     if folder.local:  # named as the user gave it (a path, or its file:// URI's path)
         check_output_reachable(folder.path if is_uri(p.output_dir) else Path(p.output_dir))
-    with ExitStack() as stack:
-        stack.enter_context(hold_output_dir(folder))  # one job per output folder at a time
-        manifest = open_output_dir(folder, p.settings, opts.overwrite)
-        retry = reopen_batches_with_errors(folder, manifest) if opts.retry_errors else set()
-        if retry:
-            log(f"nanoserve: --retry-errors: computing again {len(retry)} batch(es) of an "
-                f"earlier run that hold error rows")
-        if manifest.complete:
-            if p.spec.openai is not None and not folder.exists(OUTPUT_NAME):  # (removed since)
-                write_outputs(folder, iter_shards(p.info),
-                              lambda shards: make_fragments(shards, None, p.local))
-            timeline.mark("prepare")
-            return JobSummary(str(folder), 0, 0, manifest.rows_done, 0, 0,
-                              timeline.marks["prepare"], 0.0, 0.0, 0,
-                              timings=timeline.timings(), task=p.kind.name,
-                              warnings=p.part.warnings, **p.part.summary)
-
-        def start_pool() -> WorkerPool:  # on the first shard that needs a worker
-            timeline.mark("prepare")
-            stack.enter_context(RaySession(opts.address))
-            timeline.mark("ray")
-            pool = WorkerPool.start(opts, timeline, actor=p.part.actor,
-                                    actor_kwargs={**p.part.actor_kwargs, "spec": p.spec})
-            stack.callback(pool.shutdown)
-            timeline.mark("workers")
-            return pool
-
-        run = _JobRun(opts, folder, manifest, start_pool, p.info.num_rows, timeline, retry,
-                      p.local, p.kind)
-        run.execute(iter_shards(p.info))
-        if p.spec.openai is not None:
-            write_outputs(folder, iter_shards(p.info),
-                          lambda shards: make_fragments(shards, run.pool, p.local))
-        mark_complete(folder, manifest)
-    timeline.mark("shutdown")
-    summary = run.summary(timeline.marks["shutdown"])
-    for warning in summary.warnings:
-        log(warning)
-    summary = dataclasses.replace(summary, warnings=p.part.warnings + summary.warnings,
-                                  **p.part.summary)
-    report_settings = {"options": dataclasses.asdict(opts), "model": p.settings["model"],
-                       "input": p.settings["input"], **p.part.report_settings}
+    held = _HeldInterrupts()
+    run: _JobRun | None = None
     try:
-        path = write_report(folder, report_data(run.report, summary, report_settings,
-                                                opts.batch_size))
-    except Exception as e:  # the rows are written and recorded: a failed report loses nothing
+        with ExitStack() as stack:
+            stack.enter_context(hold_output_dir(folder))  # one job per output folder at a time
+            manifest = open_output_dir(folder, p.settings, opts.overwrite)
+            retry = reopen_batches_with_errors(folder, manifest) if opts.retry_errors else set()
+            if retry:
+                log(f"nanoserve: --retry-errors: computing again {len(retry)} batch(es) of an "
+                    f"earlier run that hold error rows")
+            if manifest.complete:
+                held.hold()
+                return _rerun_of_complete(p, manifest, timeline)
+
+            def start_pool() -> WorkerPool:  # on the first shard that needs a worker
+                timeline.mark("prepare")
+                stack.enter_context(RaySession(opts.address))
+                timeline.mark("ray")
+                pool = WorkerPool.start(opts, timeline, actor=p.part.actor,
+                                        actor_kwargs={**p.part.actor_kwargs, "spec": p.spec})
+                stack.callback(pool.shutdown)
+                timeline.mark("workers")
+                return pool
+
+            run = _JobRun(opts, folder, manifest, start_pool, p.info.num_rows, timeline, retry,
+                          p.local, p.kind)
+            try:
+                run.execute(iter_shards(p.info))
+                _fault_hold_after_parts("last")
+            except KeyboardInterrupt:
+                held.hold(caught=True)
+            else:
+                held.hold()
+            # Complete: the walk ended, or Ctrl-C came after every part was recorded.
+            if not held.caught or len(manifest.done) == num_shards(p.info):
+                if p.spec.openai is not None:
+                    write_outputs(folder, iter_shards(p.info),
+                                  lambda shards: make_fragments(shards, run.pool, p.local))
+                mark_complete(folder, manifest)
+            else:
+                log("nanoserve: interrupted: stopping the workers; the summary and the report "
+                    "follow")
+        # (the workers, a private Ray and the lock are let go: with Ctrl-C held back)
+        timeline.mark("shutdown")
+        summary = run.summary(timeline.marks["shutdown"])
+        for warning in summary.warnings:
+            log(warning)
+        summary = dataclasses.replace(
+            summary, warnings=p.part.warnings + summary.warnings, **p.part.summary,
+            interrupted=None if manifest.complete else (len(manifest.done),
+                                                        num_shards(p.info)))
+        summary = _with_report(p, summary, run.report, manifest, run.written)
+    finally:  # (a Ctrl-C before the folder was open ends the job at once: nothing was done)
+        held.release()
+    if summary.interrupted is not None:
+        raise JobInterrupted(summary)
+    if held.caught:
+        log("nanoserve: Ctrl-C came after the last part was written: the job was completed "
+            "first")
+    return summary
+
+
+class JobInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped the job before its last part; `summary` is the run's (its report is
+    written, the lock let go): the caller prints it, then ends as on any Ctrl-C."""
+
+    def __init__(self, summary: JobSummary) -> None:
+        super().__init__("interrupted")
+        self.summary = summary
+
+
+class _HeldInterrupts:
+    """Ctrl-C (SIGINT) noted instead of raised, from `hold()` to `release()`, while the job
+    stops its workers, lets the folder go and writes its summary and report (a second Ctrl-C
+    would otherwise cut them short). Only the main thread can hold it; elsewhere (a job run
+    from another thread) nothing is held. `caught`: a Ctrl-C came (or `hold(caught=True)`
+    says one did)."""
+
+    def __init__(self) -> None:
+        self.caught = False
+        self._previous: Any = None
+        self._held = False
+
+    def hold(self, caught: bool = False) -> None:
+        self.caught = self.caught or caught
+        if self._held or threading.current_thread() is not threading.main_thread():
+            return
+        self._previous = signal.signal(signal.SIGINT, self._note)
+        self._held = True
+
+    def _note(self, signum: int, frame: Any) -> None:
+        log("nanoserve: Ctrl-C held back until the folder, the summary and the report are "
+            "written (a moment)")
+        self.caught = True
+
+    def release(self) -> None:
+        if self._held:
+            signal.signal(signal.SIGINT, self._previous if self._previous is not None
+                          else signal.default_int_handler)
+            self._held = False
+
+
+def _rerun_of_complete(p: Pipeline, manifest: Manifest, timeline: Timeline) -> JobSummary:
+    """A rerun that finds every part recorded: it starts neither Ray nor a worker; it writes
+    what an earlier run stopped before writing (the OpenAI files, `_SUCCESS`, the report)."""
+    folder = p.folder
+    if p.spec.openai is not None and not folder.exists(OUTPUT_NAME):  # (removed since)
+        write_outputs(folder, iter_shards(p.info),
+                      lambda shards: make_fragments(shards, None, p.local))
+    if not folder.exists(SUCCESS_NAME):  # stopped between the manifest and `_SUCCESS`
+        mark_complete(folder, manifest)
+    timeline.mark("prepare")
+    summary = JobSummary(str(folder), 0, 0, manifest.rows_done, 0, 0,
+                         timeline.marks["prepare"], 0.0, 0.0, 0,
+                         timings=timeline.timings(), task=p.kind.name,
+                         warnings=p.part.warnings, **p.part.summary)
+    if folder.exists(REPORT_NAME):  # the earlier run's report is kept
+        return summary
+    return _with_report(p, summary, ReportLog(), manifest, set())
+
+
+def _with_report(p: Pipeline, summary: JobSummary, report: ReportLog, manifest: Manifest,
+                 written: set[int]) -> JobSummary:
+    """Write the job's report: this run's `report` log and `summary`, and the whole job (the
+    parts of earlier runs, those recorded and not `written` by this run, read back); the
+    summary with its path. A report that cannot be written loses nothing (the rows are
+    written and recorded): one line says so."""
+    job = JobTotals(num_shards(p.info))
+    job.add_run(report, summary)
+    settings = {"options": dataclasses.asdict(p.opts), "model": p.settings["model"],
+                "input": p.settings["input"], **p.part.report_settings}
+    try:
+        for shard_id in sorted(manifest.done - written):
+            job.add_part(p.folder, part_name(shard_id))
+        path = write_report(p.folder, report_data(report, summary, settings,
+                                                  p.opts.batch_size, job))
+    except Exception as e:
         log(f"nanoserve: the job report could not be written: {type(e).__name__}: "
             f"{first_line(str(e))}")
         return summary
@@ -464,6 +572,7 @@ class _JobRun:
         self.deaths_in_a_row = 0
         self.rows = self.error_rows = self.num_batches = 0
         self.rows_resumed = manifest.rows_done  # output rows earlier runs wrote and kept
+        self.written: set[int] = set()  # shard ids whose parts this run recorded
         self.input_rows = 0
         self.truncated_rows = 0
         self.finish_reasons: Counter = Counter()
@@ -689,6 +798,8 @@ class _JobRun:
         self.manifest.record(shard.shard_id, rows)
         self.manifest.save(self.folder)
         self.num_batches += 1
+        self.written.add(shard.shard_id)
+        _fault_hold_after_parts(len(self.written))
 
     def _count(self, out: ShardOutcome) -> None:
         self.rows += out.rows
@@ -770,6 +881,23 @@ def make_fragments(shards: list[Shard], pool: WorkerPool | None, local: ShardRun
                                  f"(rerun it to resume)") from None
 
 
+def _fault_hold_after_parts(at: int | str) -> None:
+    """Testing hook `NANOSERVE_FAULT_HOLD_AFTER_PARTS=<k>:<path>`: once this run has recorded
+    its k-th part (`at`, or "last": once the walk has recorded every part of the job), the
+    driver appends its pid to `<path>.holding` and waits while `<path>` exists (a test sends
+    Ctrl-C at that moment)."""
+    spec = os.environ.get(FAULT_HOLD_AFTER_PARTS)
+    if not spec:
+        return
+    k, _, path = spec.partition(":")
+    if k != str(at) or not os.path.exists(path):
+        return
+    with open(f"{path}.holding", "a") as f:
+        f.write(f"{os.getpid()}\n")
+    while os.path.exists(path):
+        time.sleep(0.05)
+
+
 def _fetch(ref: Any, timeout: float | None = None) -> tuple[str, Any]:
     """A task's outcome: ('ok', table), ('raised', RayTaskError) when `run_batch` raised,
     or ('died', error) when its worker died (or did not answer within `timeout`)."""
@@ -783,6 +911,6 @@ def _fetch(ref: Any, timeout: float | None = None) -> tuple[str, Any]:
         return "died", e
 
 
-__all__ = ["TASKS", "JobOptions", "JobSummary", "WorkerReport", "run_batch_job",
+__all__ = ["TASKS", "JobInterrupted", "JobOptions", "JobSummary", "WorkerReport", "run_batch_job",
            "run_embed_job", "run_job"]
 
