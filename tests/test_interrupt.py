@@ -10,6 +10,7 @@ included. Model: the tiny random Llama with the default model's tokenizer."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -21,7 +22,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import fcntl
 import pyarrow.dataset as ds
 import pytest
 

@@ -73,6 +73,7 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pyarrow as pa
@@ -115,6 +116,7 @@ from ray_jobs.workers.worker import (
     PROMPT_TOKENS_CACHED_KEY,
 )
 
+PROGRESS_POLL_S = 1.0  # how often the driver asks its workers how far their rows are
 FAULT_HOLD_AFTER_PARTS = "NANOSERVE_FAULT_HOLD_AFTER_PARTS"  # testing hook: `_fault_hold_after_parts`
 MAX_BATCH_ATTEMPTS = 2  # deaths of its worker a batch may cause before it is cut in halves
 PREFIX_KEY_TOKENS = 32  # leading prompt tokens that name a piece's prefix for dispatch
@@ -589,6 +591,14 @@ class _JobRun:
         self.t0 = time.perf_counter()
         self.bar = tqdm(total=total_rows, unit="row", file=sys.stderr, disable=not opts.progress,
                         dynamic_ncols=True, desc=f"nanoserve {kind.command}")
+        # The bar: input rows answered (`bar_rows`: pieces back, shards resumed) plus, for the
+        # pieces in flight, the rows their workers' engines have finished so far (`partial`,
+        # and their output tokens, by the piece's ref), asked every PROGRESS_POLL_S.
+        self.bar_rows = 0
+        self.partial: dict[Any, int] = {}
+        self.partial_tokens: dict[Any, int] = {}
+        self.progress_asks: dict[Any, int] = {}  # `progress` calls sent: ref -> worker
+        self.next_ask = 0.0
 
     def execute(self, shards: Iterator[Shard]) -> None:
         """Hold what each live worker may take (`hold_limits`) plus the queue; take the next
@@ -638,7 +648,8 @@ class _JobRun:
                     self.folder, self.manifest, shard.shard_id, shard.digest(),
                     beside=self.local.beside_part(shard.shard_id)):
                 self.rows_resumed += self.manifest.rows_done - before
-                self.bar.update(shard.num_rows)
+                self.bar_rows += shard.num_rows
+                self._show()
                 return
         self.queue.append(_Piece(_Pending(shard, shard.num_rows), (0, shard.num_rows)))
 
@@ -661,7 +672,11 @@ class _JobRun:
         import ray
 
         self.pool.grow()  # workers on GPUs that joined the cluster (ray_jobs.dispatch.autoscale)
-        ready, _ = ray.wait(list(self.in_flight), num_returns=1, timeout=self.pool.poll_s)
+        timeout = self.pool.poll_s
+        if not self.bar.disable:  # wake to ask the workers how far their rows are
+            timeout = PROGRESS_POLL_S if timeout is None else min(timeout, PROGRESS_POLL_S)
+        ready, _ = ray.wait(list(self.in_flight), num_returns=1, timeout=timeout)
+        self._ask_progress()
         if not ready:
             return  # nothing finished within the poll: look for joining GPUs again
         sent = self._pop(ready[0])
@@ -675,6 +690,8 @@ class _JobRun:
 
     def _pop(self, ref: Any) -> _Sent:
         sent = self.in_flight.pop(ref)
+        self.partial.pop(ref, None)
+        self.partial_tokens.pop(ref, None)
         worker = self.pool.workers[sent.worker]
         worker.in_flight -= 1
         worker.rows_in_flight -= sent.piece.samples()
@@ -812,12 +829,63 @@ class _JobRun:
         self.output_tokens += out.output_tokens
         self.truncated_rows += out.truncated
         self.report.written_rows(out.rows, out.errors)
+        self.bar_rows += out.input_rows
+        self._show()
+
+    def _ask_progress(self) -> None:
+        """With the bar on: read the workers' answers to `progress` (`ShardWorker.progress`)
+        that are back, and ask each worker with pieces in flight again every
+        PROGRESS_POLL_S. A worker that died answers nothing: its pieces count when they
+        come back from another."""
+        if self.bar.disable or self.pool is None:
+            return
+        import ray
+
+        if self.progress_asks:
+            ready, _ = ray.wait(list(self.progress_asks), num_returns=len(self.progress_asks),
+                                timeout=0)
+            pieces = {(s.worker, s.piece.pending.shard.shard_id, *s.piece.rows): ref
+                      for ref, s in self.in_flight.items()}
+            for ask in ready:
+                worker = self.progress_asks.pop(ask)
+                try:
+                    answer = ray.get(ask)
+                except ray.exceptions.RayError:
+                    continue
+                for shard_id, lo, hi, rows, tokens in answer:
+                    ref = pieces.get((worker, shard_id, lo, hi))
+                    if ref is not None:  # (not back yet: its rows still count here)
+                        self.partial[ref] = min(rows, hi - lo)
+                        self.partial_tokens[ref] = tokens
+        now = time.perf_counter()
+        if now >= self.next_ask:
+            self.next_ask = now + PROGRESS_POLL_S
+            asked = set(self.progress_asks.values())
+            for index, w in enumerate(self.pool.workers):
+                if w.alive and w.in_flight and w.handle is not None and index not in asked:
+                    self.progress_asks[w.handle.progress.remote()] = index
+        self._show()
+
+    def _show(self) -> None:
+        """Move the bar to the rows answered so far (never back: a dead worker's finished
+        rows are counted again when they come back) and show the rates."""
+        if self.bar.disable:
+            return
         elapsed = max(time.perf_counter() - self.t0, 1e-9)
-        self.bar.update(out.input_rows)
-        self.bar.set_postfix_str(self._rates(elapsed), refresh=False)
+        shown = SimpleNamespace(
+            kind=self.kind, output_tokens=self.output_tokens + sum(self.partial_tokens.values()),
+            input_rows=self.input_rows + sum(self.partial.values()),
+            input_tokens=self.input_tokens)
+        self.bar.set_postfix_str(_JobRun._rates(shown, elapsed), refresh=False)
+        rows = self.bar_rows + sum(self.partial.values())
+        if rows > self.bar.n:
+            self.bar.update(rows - self.bar.n)  # (tqdm's rate and time left follow the rows)
+        else:
+            self.bar.refresh()  # the time since the start moves on
 
     def _rates(self, elapsed: float) -> str:
-        """The progress bar's rates after `elapsed` seconds (the task's)."""
+        """The progress bar's rates after `elapsed` seconds (the task's), from the counts
+        `self` has (the run's, or those shown: the pieces in flight included)."""
         return self.kind.progress(self, elapsed)
 
     def _warnings(self) -> tuple[str, ...]:

@@ -335,6 +335,7 @@ class ShardWorker:
         self.load_error: str | None = None
         self._runner: ShardRunner | None = None
         self._runner_lock = threading.Lock()
+        self._pieces: dict[int, tuple[int, int, int]] = {}  # by thread: (shard id, lo, hi)
         try:
             super().__init__(*args, **kwargs)
         except NanoserveError as e:
@@ -351,7 +352,24 @@ class ShardWorker:
 
     def run_shard(self, shard: Shard, rows: tuple[int, int] | None = None,
                   write: bool = True) -> ShardOutcome:
-        return self._shard_runner().run(shard, rows, write)
+        me = threading.get_ident()
+        self._pieces[me] = (shard.shard_id, *(rows or (0, shard.num_rows)))
+        try:
+            return self._shard_runner().run(shard, rows, write)
+        finally:
+            del self._pieces[me]
+
+    def progress(self) -> list[tuple[int, int, int, int, int]]:
+        """The pieces running here whose engine shows how far it is: (shard id, first row,
+        end row, rows finished, their output tokens) each. The actor has a thread more than
+        the pieces it holds, so this answers while they run."""
+        rows_finished = getattr(self, "rows_finished", None)  # the engine worker's, if any
+        out = []
+        for thread, piece in list(self._pieces.items()):
+            done = rows_finished(thread) if rows_finished is not None else None
+            if done is not None:
+                out.append((*piece, *done))
+        return out
 
     def write_fragments(self, shard: Shard) -> str:
         """`ShardRunner.write_fragments` of a committed shard, from its part."""
