@@ -43,7 +43,8 @@ per-row 'max_tokens', 'temperature', 'top_p', 'top_k', 'seed', 'stop' (strings),
 'response_format' (OpenAI's {"type": "json_schema", "json_schema": {"name", "schema"}} or
 {"type": "json_object"}), 'guided_json' (a JSON schema, object or JSON text),
 'guided_regex', 'guided_choice' (a list of strings) or 'guided_grammar' (EBNF). Per-row
-values override the flags below. A row asking for n samples gives n output rows, keyed on
+values override the flags below (a column named close to one of these, 'max_token', is data
+passed through: a warning says so). A row asking for n samples gives n output rows, keyed on
 (id, sample_index); 'logprobs' / 'prompt_logprobs' output columns hold
 list<struct<token_id, logprob, rank, top: list<struct<token_id, logprob>>>>.
 
@@ -62,9 +63,10 @@ error naming it), and when the job completes OUTPUT_DIR/output.jsonl and errors.
 OpenAI's batch output lines, in input order (--output-format openai writes them for any
 input).
 
-A rerun into the same OUTPUT_DIR resumes where the last run stopped. Each run that computes
-something writes a self-contained HTML report, OUTPUT_DIR/_nanoserve_report.html
-(throughput over time, per-worker progress, batch fill and waste, error rows by cause,
+A rerun into the same OUTPUT_DIR resumes where the last run stopped; Ctrl-C stops a job with
+its summary and report. Each run that computes something writes a self-contained HTML
+report, OUTPUT_DIR/_nanoserve_report.html (the whole job's rows, earlier runs' included;
+throughput over time, per-worker progress, batch fill and waste, error rows by cause,
 settings and phases), and prints its path."""
 
 EMBED_DESCRIPTION = """\
@@ -154,7 +156,7 @@ def _add_cluster_and_reruns(p: argparse.ArgumentParser) -> None:
                         "error rows (e.g. a row whose worker died); the other written batches "
                         "are kept")
     o.add_argument("--no-progress", dest="progress", action="store_false",
-                   help="no progress bar")
+                   help="no progress bar (it counts rows as the workers' engines finish them)")
 
 
 def _job_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -207,7 +209,8 @@ def _add_batch_arguments(p: argparse.ArgumentParser) -> None:
                         "most likely label")
     p.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
                    help='options for the chat template, e.g. \'{"enable_thinking": false}\' '
-                        "(a row's 'chat_template_kwargs' column updates them)")
+                        "(a row's 'chat_template_kwargs' column updates them; a key the "
+                        "model's template never reads is a warning)")
     p.add_argument("--reasoning-parser", choices=("auto", "none", "qwen3", "deepseek_r1"),
                    default="auto",
                    help="split the think block from the answer: columns 'reasoning' and "

@@ -32,6 +32,10 @@ parses JSONL in blocks through Arrow's JSON reader, making no Python row: the wh
 scan included, used 2.6 s of CPU a million rows over 10M rows (`benchmarks/driver_ceiling.py`,
 benchmarks/RESULTS.md).
 
+Progress: the bar counts input rows as they finish; for the pieces in flight the driver asks
+each worker every PROGRESS_POLL_S how many of their rows its engine has finished
+(`ShardWorker.progress`), so it moves inside a batch, not only when the batch comes back.
+
 Memory stays flat: the driver holds the scan's cut points (16 bytes a shard), the id
 hashes when the input has ids (8 bytes a row, `ray_jobs.input.io`), and the descriptors of the
 shards in flight; the manifest records done shard ids, never per-row data. A part holds
@@ -53,7 +57,8 @@ Nothing lost, nothing duplicated (see `_JobRun` for the bookkeeping):
   is unbounded (`worker_start_timeout_s`); more workers than the cluster has GPUs (or
   CPUs) are capped, with a warning;
 - a driver killed at any moment resumes on rerun: parts on disk are kept (see
-  `ray_jobs.output.manifest`), the rest is computed, each row written exactly once;
+  `ray_jobs.output.manifest`), the rest is computed, each row written exactly once; Ctrl-C
+  stops the run with its summary and the report of the whole job (`run_pipeline`);
 - rows too big for a worker's KV pool are split into sub-batches by the engine, or become
   `error` rows when even one alone cannot fit; a device out-of-memory error makes the
   engine halve the batch, and the count is reported.

@@ -23,7 +23,10 @@ with the job's settings, phases and summary. What it shows:
   `nanoserve.prompt_tokens_cached`;
 - error rows by cause (`error_cause`: the message up to its details);
 - the settings, the phases (`JobSummary.timings`) and the summary (rows by finish reason,
-  and the summary's warnings above it: constrained rows cut by `max_tokens`).
+  empty answers, and the summary's warnings above it: constrained rows cut by `max_tokens`,
+  ...; whether Ctrl-C stopped the run);
+- first, the whole job over every run into the folder (`JobTotals`: this run's counts, and
+  the earlier runs' parts read back), so a resumed job's report covers all of it.
 
 Plots are drawn by matplotlib (Agg, no pyplot state) as inline SVG: no script, no file or
 network fetch; each figure is cleared once drawn, and matplotlib is imported only when a
