@@ -301,7 +301,6 @@ def run_pipeline(p: Pipeline, timeline: Timeline) -> JobSummary:
     if folder.local:  # named as the user gave it (a path, or its file:// URI's path)
         check_output_reachable(folder.path if is_uri(p.output_dir) else Path(p.output_dir))
     held = _HeldInterrupts()
-    run: _JobRun | None = None
     try:
         with ExitStack() as stack:
             stack.enter_context(hold_output_dir(folder))  # one job per output folder at a time
