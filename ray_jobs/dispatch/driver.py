@@ -562,8 +562,6 @@ class _JobRun:
         that are computed again (their parts are replaced), never adopted. `local`: the
         shard walk without an engine, for error rows made here. `kind`: the task (its
         progress rates, its summary's finish reasons)."""
-        from tqdm import tqdm
-
         self.opts = opts
         self.kind = kind
         self.retry = retry
@@ -593,11 +591,13 @@ class _JobRun:
         self.report = ReportLog()  # what the job report shows (`ray_jobs.report.report`)
         self.timeline = timeline
         self.t0 = time.perf_counter()
-        self.bar = tqdm(total=total_rows, unit="row", file=sys.stderr, disable=not opts.progress,
-                        dynamic_ncols=True, desc=f"nanoserve {kind.command}")
-        # The bar: input rows answered (`bar_rows`: pieces back, shards resumed) plus, for the
-        # pieces in flight, the rows their workers' engines have finished so far (`partial`,
-        # and their output tokens, by the piece's ref), asked every PROGRESS_POLL_S.
+        # The bar (`opts.progress`), shown from when the workers are ready, so that its clock,
+        # rate and time left are the generation's, not Ray's start and the model's load: input
+        # rows answered (`bar_rows`: pieces back, shards resumed) plus, for the pieces in
+        # flight, the rows their workers' engines have finished so far (`partial`, and their
+        # output tokens, by the piece's ref), asked every PROGRESS_POLL_S.
+        self.total_rows = total_rows
+        self.bar: Any = None
         self.bar_rows = 0
         self.partial: dict[Any, int] = {}
         self.partial_tokens: dict[Any, int] = {}
@@ -629,7 +629,8 @@ class _JobRun:
                     del self.timeline.marks["first_batch"]
                 self.timeline.mark("generate")
         finally:
-            self.bar.close()
+            if self.bar is not None:
+                self.bar.close()
 
     def _has_room(self) -> bool:
         """Whether a new shard could be sent now (before the pool starts: yes)."""
@@ -642,7 +643,19 @@ class _JobRun:
         when the first piece is ready to go."""
         if self.pool is None:
             self.pool = self.start_pool()
+            self._open_bar()
         return self.pool.pick(piece.suspect, piece.prefix())
+
+    def _open_bar(self) -> None:
+        """The progress bar, from now (the workers are ready), starting at the rows resumed."""
+        if not self.opts.progress:
+            return
+        from tqdm import tqdm
+
+        self.t0 = time.perf_counter()
+        self.bar = tqdm(total=self.total_rows, initial=self.bar_rows, unit="row",
+                        file=sys.stderr, dynamic_ncols=True,
+                        desc=f"nanoserve {self.kind.command}")
 
     def _admit(self, shard: Shard) -> None:
         """Skip a shard an earlier run wrote (unless it is to be retried), or queue it."""
@@ -677,7 +690,7 @@ class _JobRun:
 
         self.pool.grow()  # workers on GPUs that joined the cluster (ray_jobs.dispatch.autoscale)
         timeout = self.pool.poll_s
-        if not self.bar.disable:  # wake to ask the workers how far their rows are
+        if self.bar is not None:  # wake to ask the workers how far their rows are
             timeout = PROGRESS_POLL_S if timeout is None else min(timeout, PROGRESS_POLL_S)
         ready, _ = ray.wait(list(self.in_flight), num_returns=1, timeout=timeout)
         self._ask_progress()
@@ -841,7 +854,7 @@ class _JobRun:
         that are back, and ask each worker with pieces in flight again every
         PROGRESS_POLL_S. A worker that died answers nothing: its pieces count when they
         come back from another."""
-        if self.bar.disable or self.pool is None:
+        if self.bar is None or self.pool is None:
             return
         import ray
 
@@ -873,7 +886,7 @@ class _JobRun:
     def _show(self) -> None:
         """Move the bar to the rows answered so far (never back: a dead worker's finished
         rows are counted again when they come back) and show the rates."""
-        if self.bar.disable:
+        if self.bar is None:
             return
         elapsed = max(time.perf_counter() - self.t0, 1e-9)
         shown = SimpleNamespace(
