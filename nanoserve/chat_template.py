@@ -95,6 +95,14 @@ class ChatTemplate:
             raise ModelError(f"the model's chat template is not valid Jinja (line {e.lineno}): "
                              f"{e.message}") from None
 
+    def variables(self) -> frozenset[str]:
+        """The names the template reads from its context (Jinja's undeclared variables:
+        `messages`, `bos_token`, options such as `enable_thinking`, ...). An option outside
+        them changes nothing in the rendered text."""
+        import jinja2.meta
+
+        return frozenset(jinja2.meta.find_undeclared_variables(_ENVIRONMENT.parse(self.source)))
+
     def render(
         self,
         messages: Any,

@@ -26,9 +26,17 @@ class SuggestingParser(argparse.ArgumentParser):
     subcommand is that subcommand's error, with its usage (argparse alone reports it at the
     top level, with the top-level usage). Subparsers are of this class too."""
 
+    # Flags given once per value (`--choice A --choice B`) where a word after the value would
+    # be taken as a positional argument without an error (`generate --choice yes no Q`: 'no'
+    # a prompt): given once and followed by a word, they are refused (`list_flag_slip`).
+    once_per_value: tuple[str, ...] = ()
+
     def parse_known_args(self, args=None, namespace=None):
         self._argv = list(sys.argv[1:] if args is None else args)
-        return super().parse_known_args(args, namespace)
+        ns, extras = super().parse_known_args(args, namespace)
+        if (slip := list_flag_slip(self._argv, self.once_per_value)) is not None:
+            self.error(slip)
+        return ns, extras
 
     def parse_args(self, args=None, namespace=None):
         ns, extras = self.parse_known_args(args, namespace)
@@ -42,7 +50,10 @@ class SuggestingParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         unknown = self._unknown_flags()
-        if message.startswith("unrecognized arguments: "):
+        slip = list_flag_slip(getattr(self, "_argv", ()), LIST_FLAGS)
+        if slip is not None and "--choice" in self._flags():  # the old form `--choice A B`
+            message = slip
+        elif message.startswith("unrecognized arguments: "):
             message += self._flag_hint(message.split(": ", 1)[1].split())
         elif unknown:  # e.g. the required arguments are missing: the flag is the likelier slip
             message = (f"unrecognized arguments: {' '.join(unknown)}{self._flag_hint(unknown)}; "
@@ -84,6 +95,26 @@ class SuggestingParser(argparse.ArgumentParser):
         return f" (see '{self.prog} --help')"
 
 
+LIST_FLAGS = ("--choice",)  # given once per value, in `batch` and `generate` alike
+
+
+def list_flag_slip(argv: list[str], flags: tuple[str, ...]) -> str | None:
+    """The message for a list flag of `flags` given once with several words after it
+    (`--choice A B`, the form that took a list), or None. Each such flag takes one value
+    and is repeated; the words after its value are other arguments (an input, a prompt)."""
+    argv = list(argv)
+    if "--" in argv:
+        argv = argv[:argv.index("--")]
+    for flag in flags:
+        at = [i for i, a in enumerate(argv) if a == flag]
+        if len(at) == 1 and at[0] + 2 < len(argv) and not argv[at[0] + 2].startswith("-"):
+            value, word = argv[at[0] + 1], argv[at[0] + 2]
+            return (f"{flag} takes one value: give the flag once for each ({flag} {value} "
+                    f"{flag} {word}); '{word}' after {flag} {value} would be read as another "
+                    f"argument")
+    return None
+
+
 def _add_generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="complete a few prompts and print the results",
                        description="Complete prompts given as arguments or read from a file "
@@ -112,7 +143,9 @@ def _add_generate_parser(sub) -> None:
     s.add_argument("--regex", default=None, metavar="REGEX",
                    help="the whole text matches this regular expression")
     s.add_argument("--choice", action="append", default=[], metavar="TEXT",
-                   help="the text is one of these (repeat the flag for each choice)")
+                   help="the text is one of these: the flag once for each choice, "
+                        "--choice yes --choice no")
+    p.once_per_value = LIST_FLAGS  # a word after `--choice yes` would be a prompt
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     p.add_argument("--quantization", choices=("fp8",), default=None,
                    help="fp8: quantize the model's projections to FP8 at load (a GPU of "
@@ -246,13 +279,16 @@ ENGINE_COMMANDS = {"generate": _run_generate, "fetch-model": _run_fetch_model}
 def run_command(run: Callable[[argparse.Namespace], int], args: argparse.Namespace,
                 resumable: bool = False) -> int:
     """`run(args)`'s exit status; a NanoserveError is `error: <message>` on stderr and 2,
-    Ctrl-C is 130 (with a hint to rerun when the command resumes)."""
+    Ctrl-C is 130 (with a hint to rerun when the command resumes), after the summary of what
+    was done when the interruption carries one (a job's: `summary.format()`)."""
     try:
         return run(args)
     except NanoserveError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        if getattr(e, "summary", None) is not None:
+            print(e.summary.format())
         resume = " (rerun the same command to resume)" if resumable else ""
         print(f"interrupted{resume}", file=sys.stderr)
         return 130

@@ -3,6 +3,7 @@
 
     loop = EngineLoop(llm)
     future = loop.submit(prompts, params)   # from any thread
+    future.progress()                       # (rows finished, rows, their tokens) so far
     completions = future.result()           # when the group's last row finishes
 
 Rows submitted while others run join the running batch as rows finish, so a caller that
@@ -41,6 +42,25 @@ from nanoserve.scheduler import ContinuousScheduler
 from nanoserve.sequence import SequenceOutput
 
 
+class GroupFuture(Future):
+    """The future of a submitted group; `progress()` tells how far its rows are while it
+    runs (read from any thread: the loop's thread is the only writer)."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.size = size  # the group's rows: its samples (a row asking for n counts n)
+        self._group: Any = None  # the scheduler's group, once the loop took it
+
+    def progress(self) -> tuple[int, int, int]:
+        """(rows finished, rows, output tokens of the finished rows) so far."""
+        group = self._group
+        if group is None:
+            return 0, self.size, 0
+        outputs = list(group.outputs)
+        return (self.size - group.left, self.size,
+                sum(len(o.token_ids) for o in outputs if o is not None))
+
+
 class EngineLoop:
     def __init__(self, llm) -> None:
         """llm: a `nanoserve.llm.LLM` built with the continuous scheduler (it has a runner)."""
@@ -48,7 +68,7 @@ class EngineLoop:
             raise ValueError("an engine loop needs an LLM with the continuous scheduler")
         self.llm = llm
         self._cv = threading.Condition()
-        self._inbox: deque[tuple[list, list, Future, bool]] = deque()
+        self._inbox: deque[tuple[list, list, GroupFuture, bool]] = deque()
         self._calls: deque[tuple[Callable[[], Any], Future]] = deque()  # `call`s to run
         self._live: list[Future] = []  # futures of groups in the scheduler
         self._alone = False  # an alone group is in the scheduler
@@ -70,8 +90,9 @@ class EngineLoop:
 
     def submit(self, prompts: list[list[int]], params: list[SamplingParams],
                alone: bool = False) -> Future:
-        """Queue a group of rows; the future's result is their completions, in order."""
-        future: Future = Future()
+        """Queue a group of rows; the future's result is their completions, in order (and
+        its `progress()` how many have finished so far)."""
+        future = GroupFuture(sum(p.n for p in params))
         with self._cv:
             if self._closed:
                 raise RuntimeError("the engine loop is closed")
@@ -162,7 +183,7 @@ class EngineLoop:
                         if not f.done():
                             f.set_exception(exc)
 
-    def _add(self, prompts: list, params: list, future: Future, alone: bool) -> None:
+    def _add(self, prompts: list, params: list, future: GroupFuture, alone: bool) -> None:
         def done(outputs: list[SequenceOutput]) -> None:
             self._live.remove(future)
             if alone:
@@ -172,7 +193,7 @@ class EngineLoop:
         self._live.append(future)
         self._alone = self._alone or alone
         try:
-            self.sched.add(prompts, params, done)  # an empty group is done at once
+            future._group = self.sched.add(prompts, params, done)  # an empty one: done at once
         except Exception as exc:  # noqa: BLE001 - a bad row or one too big: the caller's
             done_already = future not in self._live
             if not done_already:
@@ -181,4 +202,4 @@ class EngineLoop:
             future.set_exception(exc)
 
 
-__all__ = ["EngineLoop"]
+__all__ = ["EngineLoop", "GroupFuture"]

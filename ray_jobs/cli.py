@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from nanoserve.cli import LIST_FLAGS
 from nanoserve.errors import InputError
 from nanoserve.model_store import DEFAULT_MODEL
 
@@ -29,8 +30,9 @@ BATCH_DESCRIPTION = """\
 Generate a completion for every row of a Parquet or JSON Lines file (or a folder tree of
 them) on a Ray worker pool, and write the results as Parquet parts into OUTPUT_DIR. INPUT and
 OUTPUT_DIR may be local paths or object-store URIs (s3://bucket/prefix/, gs://...). A part
-holds its rows in input order; the parts are batches of rows sorted by prompt length, so
-sort by 'id' (positions when the input has none) or join on it for the input's order.
+holds --batch-size consecutive input rows of one file, in input order, and the parts are
+numbered in input order (workers write them in any order): read them in name order, sort by
+'id' (positions when the input has none) or join on it for the input's order.
 
 Each row needs a prompt: a 'prompt' (text), 'messages' (chat, [{role, content}, ...],
 rendered with the model's chat template) or 'prompt_token_ids' column; a row uses the
@@ -41,7 +43,8 @@ per-row 'max_tokens', 'temperature', 'top_p', 'top_k', 'seed', 'stop' (strings),
 'response_format' (OpenAI's {"type": "json_schema", "json_schema": {"name", "schema"}} or
 {"type": "json_object"}), 'guided_json' (a JSON schema, object or JSON text),
 'guided_regex', 'guided_choice' (a list of strings) or 'guided_grammar' (EBNF). Per-row
-values override the flags below. A row asking for n samples gives n output rows, keyed on
+values override the flags below (a column named close to one of these, 'max_token', is data
+passed through: a warning says so). A row asking for n samples gives n output rows, keyed on
 (id, sample_index); 'logprobs' / 'prompt_logprobs' output columns hold
 list<struct<token_id, logprob, rank, top: list<struct<token_id, logprob>>>>.
 
@@ -60,9 +63,10 @@ error naming it), and when the job completes OUTPUT_DIR/output.jsonl and errors.
 OpenAI's batch output lines, in input order (--output-format openai writes them for any
 input).
 
-A rerun into the same OUTPUT_DIR resumes where the last run stopped. Each run that computes
-something writes a self-contained HTML report, OUTPUT_DIR/_nanoserve_report.html
-(throughput over time, per-worker progress, batch fill and waste, error rows by cause,
+A rerun into the same OUTPUT_DIR resumes where the last run stopped; Ctrl-C stops a job with
+its summary and report. Each run that computes something writes a self-contained HTML
+report, OUTPUT_DIR/_nanoserve_report.html (the whole job's rows, earlier runs' included;
+throughput over time, per-worker progress, batch fill and waste, error rows by cause,
 settings and phases), and prints its path."""
 
 EMBED_DESCRIPTION = """\
@@ -125,7 +129,7 @@ def _add_execution(p: argparse.ArgumentParser, batch_size: int, max_batch_tokens
     r.add_argument("--dtype", default="auto",
                    help="auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16, float16")
     r.add_argument("--batch-size", type=int, default=batch_size,
-                   help=f"rows per batch (default: {batch_size})")
+                   help=f"rows per batch, and so per part (default: {batch_size})")
     r.add_argument("--max-batch-tokens", type=int, default=max_batch_tokens,
                    help=max_batch_tokens_help)
     return r
@@ -152,7 +156,7 @@ def _add_cluster_and_reruns(p: argparse.ArgumentParser) -> None:
                         "error rows (e.g. a row whose worker died); the other written batches "
                         "are kept")
     o.add_argument("--no-progress", dest="progress", action="store_false",
-                   help="no progress bar")
+                   help="no progress bar (it counts rows as the workers' engines finish them)")
 
 
 def _job_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -195,15 +199,18 @@ def _add_batch_arguments(p: argparse.ArgumentParser) -> None:
                    help="a JSON schema file: a row's text is JSON valid under it")
     g.add_argument("--regex", default=None, metavar="REGEX",
                    help="a row's whole text matches this regular expression")
-    g.add_argument("--choice", action="extend", nargs="+", default=[], metavar="TEXT",
-                   help="a row's text is one of these (--choice A B C, or the flag repeated)")
+    g.add_argument("--choice", action="append", default=[], metavar="TEXT",
+                   help="a row's text is one of these: the flag once for each choice, "
+                        "--choice A --choice B (as in nanoserve generate)")
+    p.once_per_value = LIST_FLAGS  # `--choice A B in.jsonl`: refused, not B read as INPUT
     g.add_argument("--choice-scores", action="store_true",
                    help="with --choice: each row's probability of every label in the column "
                         "'choice_scores' (from forward passes, not sampling); its text the "
                         "most likely label")
     p.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
                    help='options for the chat template, e.g. \'{"enable_thinking": false}\' '
-                        "(a row's 'chat_template_kwargs' column updates them)")
+                        "(a row's 'chat_template_kwargs' column updates them; a key the "
+                        "model's template never reads is a warning)")
     p.add_argument("--reasoning-parser", choices=("auto", "none", "qwen3", "deepseek_r1"),
                    default="auto",
                    help="split the think block from the answer: columns 'reasoning' and "
@@ -225,8 +232,8 @@ def _add_batch_arguments(p: argparse.ArgumentParser) -> None:
                         "batch output shape, in input order, once the job completes; parquet: "
                         "the parts only; auto: openai when the input holds OpenAI batch "
                         "requests (default: auto)")
-    r = _add_execution(p, 64, None, "cap on rows x max(prompt + max_tokens) per batch "
-                                    "(default: none)")
+    r = _add_execution(p, 64, None, "a static engine's cap on rows x max(prompt + "
+                                    "max_tokens) in one of its batches (default: none)")
     r.add_argument("--quantization", choices=("fp8",), default=None,
                    help="fp8: each worker quantizes the model's projections to FP8 at load "
                         "(GPUs of compute capability 8.9+; FP8 checkpoints need no flag)")

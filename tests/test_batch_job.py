@@ -280,8 +280,9 @@ def test_one_worker_per_logical_gpu(tmp_path, smollm2_gguf_path):
 def test_output_folder_holds_only_parts_and_underscore_files(jsonl_job):
     _, out = jsonl_job
     names = sorted(p.name for p in out.iterdir())
-    assert names[:4] == sorted([SUCCESS_NAME, LOCK_NAME, MANIFEST_NAME, REPORT_NAME])
-    assert all(n.startswith("part-") and n.endswith(".parquet") for n in names[4:])
+    assert names[:3] == sorted([SUCCESS_NAME, MANIFEST_NAME, REPORT_NAME])
+    assert LOCK_NAME not in names  # the job removed its lock as it ended
+    assert all(n.startswith("part-") and n.endswith(".parquet") for n in names[3:])
 
 
 def test_unknown_dtype_exits_2_before_any_worker(tmp_path, capsys, monkeypatch):

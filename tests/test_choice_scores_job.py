@@ -133,13 +133,14 @@ def test_cli_choice_scores_and_chat_template_kwargs(ray_session, tiny_job_model,
 
     path = write_jsonl(tmp_path / "rows.jsonl", [{"id": 0, "prompt": "Great film. Sentiment:"}])
     rc = nanoserve_main(["batch", str(path), "-o", str(tmp_path / "out"), "--model",
-                         str(tiny_job_model), "--max-tokens", "4", "--choice", *LABELS,
+                         str(tiny_job_model), "--max-tokens", "4",
+                         *[a for label in LABELS for a in ("--choice", label)],
                          "--choice-scores", "--chat-template-kwargs",
                          '{"enable_thinking": false}', "--no-progress"])
     assert rc == 0, capsys.readouterr().err
     assert_scored(rows_by_id(tmp_path / "out")[0], oracle("Great film. Sentiment:", LABELS))
     rc = nanoserve_main(["batch", str(path), "-o", str(tmp_path / "out2"), "--model",
-                         str(tiny_job_model), "--choice", "a", "a", "--choice-scores",
+                         str(tiny_job_model), "--choice", "a", "--choice", "a", "--choice-scores",
                          "--no-progress"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc != 0 and len(err) == 1 and "'a' is given twice" in err[0]

@@ -106,7 +106,7 @@ def test_warning_goes_to_stderr_too(tmp_path, ray_session, tiny_job_model, capfd
 
 
 def test_no_warning_without_constrained_rows():
-    run = SimpleNamespace(cut_constrained={})
+    run = SimpleNamespace(cut_constrained={}, empty_answers=0)
     assert driver._JobRun._warnings(run) == ()
 
 

@@ -32,6 +32,10 @@ parses JSONL in blocks through Arrow's JSON reader, making no Python row: the wh
 scan included, used 2.6 s of CPU a million rows over 10M rows (`benchmarks/driver_ceiling.py`,
 benchmarks/RESULTS.md).
 
+Progress: the bar counts input rows as they finish; for the pieces in flight the driver asks
+each worker every PROGRESS_POLL_S how many of their rows its engine has finished
+(`ShardWorker.progress`), so it moves inside a batch, not only when the batch comes back.
+
 Memory stays flat: the driver holds the scan's cut points (16 bytes a shard), the id
 hashes when the input has ids (8 bytes a row, `ray_jobs.input.io`), and the descriptors of the
 shards in flight; the manifest records done shard ids, never per-row data. A part holds
@@ -53,7 +57,8 @@ Nothing lost, nothing duplicated (see `_JobRun` for the bookkeeping):
   is unbounded (`worker_start_timeout_s`); more workers than the cluster has GPUs (or
   CPUs) are capped, with a warning;
 - a driver killed at any moment resumes on rerun: parts on disk are kept (see
-  `ray_jobs.output.manifest`), the rest is computed, each row written exactly once;
+  `ray_jobs.output.manifest`), the rest is computed, each row written exactly once; Ctrl-C
+  stops the run with its summary and the report of the whole job (`run_pipeline`);
 - rows too big for a worker's KV pool are split into sub-batches by the engine, or become
   `error` rows when even one alone cannot fit; a device out-of-memory error makes the
   engine halve the batch, and the count is reported.
@@ -63,13 +68,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import signal
 import sys
+import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pyarrow as pa
@@ -80,9 +89,11 @@ from ray_jobs.dispatch.local_ray import RaySession
 from ray_jobs.dispatch.placement import check_output_reachable
 from ray_jobs.dispatch.pool import WorkerPool, WorkerReport, first_line, log
 from ray_jobs.input.io import InputInfo, scan_input
-from ray_jobs.input.shards import InputSpec, Shard, iter_shards
+from ray_jobs.input.shards import InputSpec, Shard, iter_shards, num_shards
 from ray_jobs.input.storage import OutputDir, is_uri
 from ray_jobs.output.manifest import (
+    REPORT_NAME,
+    SUCCESS_NAME,
     Manifest,
     adopt_part,
     hold_output_dir,
@@ -96,7 +107,7 @@ from ray_jobs.output.manifest import (
 from ray_jobs.output.openai_files import OUTPUT_NAME, OpenAIOutput, write_outputs
 from ray_jobs.preparation.batching import BatchLimits
 from ray_jobs.preparation.prepare import load_model_meta, plan_columns
-from ray_jobs.report.report import ReportLog, report_data, write_report
+from ray_jobs.report.report import JobTotals, ReportLog, report_data, write_report
 from ray_jobs.report.timeline import PHASES, Timeline
 from ray_jobs.tasks.embed import EMBED
 from ray_jobs.tasks.generate import GENERATE
@@ -110,6 +121,8 @@ from ray_jobs.workers.worker import (
     PROMPT_TOKENS_CACHED_KEY,
 )
 
+PROGRESS_POLL_S = 1.0  # how often the driver asks its workers how far their rows are
+FAULT_HOLD_AFTER_PARTS = "NANOSERVE_FAULT_HOLD_AFTER_PARTS"  # testing hook: `_fault_hold_after_parts`
 MAX_BATCH_ATTEMPTS = 2  # deaths of its worker a batch may cause before it is cut in halves
 PREFIX_KEY_TOKENS = 32  # leading prompt tokens that name a piece's prefix for dispatch
 DEATH_SETTLE_TIMEOUT_S = 60.0  # wait for the other tasks of a dead actor to end
@@ -153,13 +166,18 @@ class JobSummary:
     reasoning: str | None = None
     task: str = "generate"  # run_job's: "generate" or "embed"
     truncated_rows: int = 0  # embedding: inputs cut to the input limit
+    empty_answers: int = 0  # generation: rows that ended at 'stop' with no text
     dimensions: int | None = None  # embedding: the vectors' (None: generation)
+    # Ctrl-C stopped the run: (batches written in all, the job's batches); None: it did not
+    interrupted: tuple[int, int] | None = None
 
     def format(self) -> str:
         samples = (f" for {self.input_rows} input rows"
                    if self.input_rows is not None and self.input_rows != self.rows else "")
         reasons = (", ".join(f"{k} {v}" for k, v in self.finish_reasons.items())
                    if self.finish_reasons else f"{self.error_rows} error rows")
+        if self.empty_answers:
+            reasons += f"; {self.empty_answers} empty answer(s)"
         lines = [
             f"rows: {self.rows}{samples} ({reasons})"
             + (f", {self.rows_resumed} done by an earlier run" if self.rows_resumed else ""),
@@ -182,6 +200,9 @@ class JobSummary:
             lines.append("time: " + ", ".join(f"{PHASES[k]} {v:.1f} s"
                                               for k, v in self.timings.items()))
         lines += self.warnings
+        if self.interrupted is not None:
+            lines.append(f"interrupted: {self.interrupted[0]} of {self.interrupted[1]} "
+                         f"batches are written; rerun the same command to resume")
         return "\n".join(lines)
 
 
@@ -267,53 +288,154 @@ class Pipeline:
 def run_pipeline(p: Pipeline, timeline: Timeline) -> JobSummary:
     """The job's walk, the same for every task: hold and open the output folder (fresh, or
     resumed with equal settings), hand the shards out, mark it complete, write the report.
-    Ray and the workers start when the first shard needs one."""
+    Ray and the workers start when the first shard needs one.
+
+    Ctrl-C (KeyboardInterrupt) once the folder is open stops the walk; the workers and a
+    private Ray are stopped, the lock let go, and the run's summary and the report of the
+    whole job are made all the same, with further Ctrl-Cs held back meanwhile
+    (`_HeldInterrupts`); then `JobInterrupted` carries the summary. Once every part is
+    recorded, a Ctrl-C no longer stops anything: the folder is marked complete first."""
     opts, folder = p.opts, p.folder
+    for warning in p.part.warnings:  # at once: before the user waits for the job
+        log(warning)
     if folder.local:  # named as the user gave it (a path, or its file:// URI's path)
         check_output_reachable(folder.path if is_uri(p.output_dir) else Path(p.output_dir))
-    with ExitStack() as stack:
-        stack.enter_context(hold_output_dir(folder))  # one job per output folder at a time
-        manifest = open_output_dir(folder, p.settings, opts.overwrite)
-        retry = reopen_batches_with_errors(folder, manifest) if opts.retry_errors else set()
-        if retry:
-            log(f"nanoserve: --retry-errors: computing again {len(retry)} batch(es) of an "
-                f"earlier run that hold error rows")
-        if manifest.complete:
-            if p.spec.openai is not None and not folder.exists(OUTPUT_NAME):  # (removed since)
-                write_outputs(folder, iter_shards(p.info),
-                              lambda shards: make_fragments(shards, None, p.local))
-            timeline.mark("prepare")
-            return JobSummary(str(folder), 0, 0, manifest.rows_done, 0, 0,
-                              timeline.marks["prepare"], 0.0, 0.0, 0,
-                              timings=timeline.timings(), task=p.kind.name, **p.part.summary)
-
-        def start_pool() -> WorkerPool:  # on the first shard that needs a worker
-            timeline.mark("prepare")
-            stack.enter_context(RaySession(opts.address))
-            timeline.mark("ray")
-            pool = WorkerPool.start(opts, timeline, actor=p.part.actor,
-                                    actor_kwargs={**p.part.actor_kwargs, "spec": p.spec})
-            stack.callback(pool.shutdown)
-            timeline.mark("workers")
-            return pool
-
-        run = _JobRun(opts, folder, manifest, start_pool, p.info.num_rows, timeline, retry,
-                      p.local, p.kind)
-        run.execute(iter_shards(p.info))
-        if p.spec.openai is not None:
-            write_outputs(folder, iter_shards(p.info),
-                          lambda shards: make_fragments(shards, run.pool, p.local))
-        mark_complete(folder, manifest)
-    timeline.mark("shutdown")
-    summary = dataclasses.replace(run.summary(timeline.marks["shutdown"]), **p.part.summary)
-    for warning in summary.warnings:
-        log(warning)
-    report_settings = {"options": dataclasses.asdict(opts), "model": p.settings["model"],
-                       "input": p.settings["input"], **p.part.report_settings}
+    held = _HeldInterrupts()
     try:
-        path = write_report(folder, report_data(run.report, summary, report_settings,
-                                                opts.batch_size))
-    except Exception as e:  # the rows are written and recorded: a failed report loses nothing
+        with ExitStack() as stack:
+            stack.enter_context(hold_output_dir(folder))  # one job per output folder at a time
+            manifest = open_output_dir(folder, p.settings, opts.overwrite)
+            retry = reopen_batches_with_errors(folder, manifest) if opts.retry_errors else set()
+            if retry:
+                log(f"nanoserve: --retry-errors: computing again {len(retry)} batch(es) of an "
+                    f"earlier run that hold error rows")
+            if manifest.complete:
+                held.hold()
+                return _rerun_of_complete(p, manifest, timeline)
+
+            def start_pool() -> WorkerPool:  # on the first shard that needs a worker
+                timeline.mark("prepare")
+                stack.enter_context(RaySession(opts.address))
+                timeline.mark("ray")
+                pool = WorkerPool.start(opts, timeline, actor=p.part.actor,
+                                        actor_kwargs={**p.part.actor_kwargs, "spec": p.spec})
+                stack.callback(pool.shutdown)
+                timeline.mark("workers")
+                return pool
+
+            run = _JobRun(opts, folder, manifest, start_pool, p.info.num_rows, timeline, retry,
+                          p.local, p.kind)
+            try:
+                run.execute(iter_shards(p.info))
+                _fault_hold_after_parts("last")
+            except KeyboardInterrupt:
+                held.hold(caught=True)
+            else:
+                held.hold()
+            # Complete: the walk ended, or Ctrl-C came after every part was recorded.
+            if not held.caught or len(manifest.done) == num_shards(p.info):
+                if p.spec.openai is not None:
+                    write_outputs(folder, iter_shards(p.info),
+                                  lambda shards: make_fragments(shards, run.pool, p.local))
+                mark_complete(folder, manifest)
+            else:
+                log("nanoserve: interrupted: stopping the workers; the summary and the report "
+                    "follow")
+        # (the workers, a private Ray and the lock are let go: with Ctrl-C held back)
+        timeline.mark("shutdown")
+        summary = run.summary(timeline.marks["shutdown"])
+        for warning in summary.warnings:
+            log(warning)
+        summary = dataclasses.replace(
+            summary, warnings=p.part.warnings + summary.warnings, **p.part.summary,
+            interrupted=None if manifest.complete else (len(manifest.done),
+                                                        num_shards(p.info)))
+        summary = _with_report(p, summary, run.report, manifest, run.written)
+    finally:  # (a Ctrl-C before the folder was open ends the job at once: nothing was done)
+        held.release()
+    if summary.interrupted is not None:
+        raise JobInterrupted(summary)
+    if held.caught:
+        log("nanoserve: Ctrl-C came after the last part was written: the job was completed "
+            "first")
+    return summary
+
+
+class JobInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped the job before its last part; `summary` is the run's (its report is
+    written, the lock let go): the caller prints it, then ends as on any Ctrl-C."""
+
+    def __init__(self, summary: JobSummary) -> None:
+        super().__init__("interrupted")
+        self.summary = summary
+
+
+class _HeldInterrupts:
+    """Ctrl-C (SIGINT) noted instead of raised, from `hold()` to `release()`, while the job
+    stops its workers, lets the folder go and writes its summary and report (a second Ctrl-C
+    would otherwise cut them short). Only the main thread can hold it; elsewhere (a job run
+    from another thread) nothing is held. `caught`: a Ctrl-C came (or `hold(caught=True)`
+    says one did)."""
+
+    def __init__(self) -> None:
+        self.caught = False
+        self._previous: Any = None
+        self._held = False
+
+    def hold(self, caught: bool = False) -> None:
+        self.caught = self.caught or caught
+        if self._held or threading.current_thread() is not threading.main_thread():
+            return
+        self._previous = signal.signal(signal.SIGINT, self._note)
+        self._held = True
+
+    def _note(self, signum: int, frame: Any) -> None:
+        log("nanoserve: Ctrl-C held back until the folder, the summary and the report are "
+            "written (a moment)")
+        self.caught = True
+
+    def release(self) -> None:
+        if self._held:
+            signal.signal(signal.SIGINT, self._previous if self._previous is not None
+                          else signal.default_int_handler)
+            self._held = False
+
+
+def _rerun_of_complete(p: Pipeline, manifest: Manifest, timeline: Timeline) -> JobSummary:
+    """A rerun that finds every part recorded: it starts neither Ray nor a worker; it writes
+    what an earlier run stopped before writing (the OpenAI files, `_SUCCESS`, the report)."""
+    folder = p.folder
+    if p.spec.openai is not None and not folder.exists(OUTPUT_NAME):  # (removed since)
+        write_outputs(folder, iter_shards(p.info),
+                      lambda shards: make_fragments(shards, None, p.local))
+    if not folder.exists(SUCCESS_NAME):  # stopped between the manifest and `_SUCCESS`
+        mark_complete(folder, manifest)
+    timeline.mark("prepare")
+    summary = JobSummary(str(folder), 0, 0, manifest.rows_done, 0, 0,
+                         timeline.marks["prepare"], 0.0, 0.0, 0,
+                         timings=timeline.timings(), task=p.kind.name,
+                         warnings=p.part.warnings, **p.part.summary)
+    if folder.exists(REPORT_NAME):  # the earlier run's report is kept
+        return summary
+    return _with_report(p, summary, ReportLog(), manifest, set())
+
+
+def _with_report(p: Pipeline, summary: JobSummary, report: ReportLog, manifest: Manifest,
+                 written: set[int]) -> JobSummary:
+    """Write the job's report: this run's `report` log and `summary`, and the whole job (the
+    parts of earlier runs, those recorded and not `written` by this run, read back); the
+    summary with its path. A report that cannot be written loses nothing (the rows are
+    written and recorded): one line says so."""
+    job = JobTotals(num_shards(p.info))
+    job.add_run(report, summary)
+    settings = {"options": dataclasses.asdict(p.opts), "model": p.settings["model"],
+                "input": p.settings["input"], **p.part.report_settings}
+    try:
+        for shard_id in sorted(manifest.done - written):
+            job.add_part(p.folder, part_name(shard_id))
+        path = write_report(p.folder, report_data(report, summary, settings,
+                                                  p.opts.batch_size, job))
+    except Exception as e:
         log(f"nanoserve: the job report could not be written: {type(e).__name__}: "
             f"{first_line(str(e))}")
         return summary
@@ -440,8 +562,6 @@ class _JobRun:
         that are computed again (their parts are replaced), never adopted. `local`: the
         shard walk without an engine, for error rows made here. `kind`: the task (its
         progress rates, its summary's finish reasons)."""
-        from tqdm import tqdm
-
         self.opts = opts
         self.kind = kind
         self.retry = retry
@@ -456,10 +576,12 @@ class _JobRun:
         self.deaths_in_a_row = 0
         self.rows = self.error_rows = self.num_batches = 0
         self.rows_resumed = manifest.rows_done  # output rows earlier runs wrote and kept
+        self.written: set[int] = set()  # shard ids whose parts this run recorded
         self.input_rows = 0
         self.truncated_rows = 0
         self.finish_reasons: Counter = Counter()
         self.cut_constrained: Counter = Counter()  # constrained rows ended by length, by max_tokens
+        self.empty_answers = 0  # rows that ended at 'stop' with no text
         self.results_back = 0  # answers (or deaths) of pieces collected
         self.input_tokens = self.output_tokens = 0
         self.padded_slots = self.padded_real = 0
@@ -469,8 +591,18 @@ class _JobRun:
         self.report = ReportLog()  # what the job report shows (`ray_jobs.report.report`)
         self.timeline = timeline
         self.t0 = time.perf_counter()
-        self.bar = tqdm(total=total_rows, unit="row", file=sys.stderr, disable=not opts.progress,
-                        dynamic_ncols=True, desc=f"nanoserve {kind.command}")
+        # The bar (`opts.progress`), shown from when the workers are ready, so that its clock,
+        # rate and time left are the generation's, not Ray's start and the model's load: input
+        # rows answered (`bar_rows`: pieces back, shards resumed) plus, for the pieces in
+        # flight, the rows their workers' engines have finished so far (`partial`, and their
+        # output tokens, by the piece's ref), asked every PROGRESS_POLL_S.
+        self.total_rows = total_rows
+        self.bar: Any = None
+        self.bar_rows = 0
+        self.partial: dict[Any, int] = {}
+        self.partial_tokens: dict[Any, int] = {}
+        self.progress_asks: dict[Any, int] = {}  # `progress` calls sent: ref -> worker
+        self.next_ask = 0.0
 
     def execute(self, shards: Iterator[Shard]) -> None:
         """Hold what each live worker may take (`hold_limits`) plus the queue; take the next
@@ -497,7 +629,8 @@ class _JobRun:
                     del self.timeline.marks["first_batch"]
                 self.timeline.mark("generate")
         finally:
-            self.bar.close()
+            if self.bar is not None:
+                self.bar.close()
 
     def _has_room(self) -> bool:
         """Whether a new shard could be sent now (before the pool starts: yes)."""
@@ -510,7 +643,19 @@ class _JobRun:
         when the first piece is ready to go."""
         if self.pool is None:
             self.pool = self.start_pool()
+            self._open_bar()
         return self.pool.pick(piece.suspect, piece.prefix())
+
+    def _open_bar(self) -> None:
+        """The progress bar, from now (the workers are ready), starting at the rows resumed."""
+        if not self.opts.progress:
+            return
+        from tqdm import tqdm
+
+        self.t0 = time.perf_counter()
+        self.bar = tqdm(total=self.total_rows, initial=self.bar_rows, unit="row",
+                        file=sys.stderr, dynamic_ncols=True,
+                        desc=f"nanoserve {self.kind.command}")
 
     def _admit(self, shard: Shard) -> None:
         """Skip a shard an earlier run wrote (unless it is to be retried), or queue it."""
@@ -520,7 +665,8 @@ class _JobRun:
                     self.folder, self.manifest, shard.shard_id, shard.digest(),
                     beside=self.local.beside_part(shard.shard_id)):
                 self.rows_resumed += self.manifest.rows_done - before
-                self.bar.update(shard.num_rows)
+                self.bar_rows += shard.num_rows
+                self._show()
                 return
         self.queue.append(_Piece(_Pending(shard, shard.num_rows), (0, shard.num_rows)))
 
@@ -543,7 +689,11 @@ class _JobRun:
         import ray
 
         self.pool.grow()  # workers on GPUs that joined the cluster (ray_jobs.dispatch.autoscale)
-        ready, _ = ray.wait(list(self.in_flight), num_returns=1, timeout=self.pool.poll_s)
+        timeout = self.pool.poll_s
+        if self.bar is not None:  # wake to ask the workers how far their rows are
+            timeout = PROGRESS_POLL_S if timeout is None else min(timeout, PROGRESS_POLL_S)
+        ready, _ = ray.wait(list(self.in_flight), num_returns=1, timeout=timeout)
+        self._ask_progress()
         if not ready:
             return  # nothing finished within the poll: look for joining GPUs again
         sent = self._pop(ready[0])
@@ -557,6 +707,8 @@ class _JobRun:
 
     def _pop(self, ref: Any) -> _Sent:
         sent = self.in_flight.pop(ref)
+        self.partial.pop(ref, None)
+        self.partial_tokens.pop(ref, None)
         worker = self.pool.workers[sent.worker]
         worker.in_flight -= 1
         worker.rows_in_flight -= sent.piece.samples()
@@ -680,6 +832,8 @@ class _JobRun:
         self.manifest.record(shard.shard_id, rows)
         self.manifest.save(self.folder)
         self.num_batches += 1
+        self.written.add(shard.shard_id)
+        _fault_hold_after_parts(len(self.written))
 
     def _count(self, out: ShardOutcome) -> None:
         self.rows += out.rows
@@ -687,27 +841,84 @@ class _JobRun:
         self.error_rows += out.error_rows
         self.finish_reasons.update(out.finish_reasons)
         self.cut_constrained.update(out.cut_constrained)
+        self.empty_answers += out.empty_answers
         self.input_tokens += out.input_tokens
         self.output_tokens += out.output_tokens
         self.truncated_rows += out.truncated
         self.report.written_rows(out.rows, out.errors)
+        self.bar_rows += out.input_rows
+        self._show()
+
+    def _ask_progress(self) -> None:
+        """With the bar on: read the workers' answers to `progress` (`ShardWorker.progress`)
+        that are back, and ask each worker with pieces in flight again every
+        PROGRESS_POLL_S. A worker that died answers nothing: its pieces count when they
+        come back from another."""
+        if self.bar is None or self.pool is None:
+            return
+        import ray
+
+        if self.progress_asks:
+            ready, _ = ray.wait(list(self.progress_asks), num_returns=len(self.progress_asks),
+                                timeout=0)
+            pieces = {(s.worker, s.piece.pending.shard.shard_id, *s.piece.rows): ref
+                      for ref, s in self.in_flight.items()}
+            for ask in ready:
+                worker = self.progress_asks.pop(ask)
+                try:
+                    answer = ray.get(ask)
+                except ray.exceptions.RayError:
+                    continue
+                for shard_id, lo, hi, rows, tokens in answer:
+                    ref = pieces.get((worker, shard_id, lo, hi))
+                    if ref is not None:  # (not back yet: its rows still count here)
+                        self.partial[ref] = min(rows, hi - lo)
+                        self.partial_tokens[ref] = tokens
+        now = time.perf_counter()
+        if now >= self.next_ask:
+            self.next_ask = now + PROGRESS_POLL_S
+            asked = set(self.progress_asks.values())
+            for index, w in enumerate(self.pool.workers):
+                if w.alive and w.in_flight and w.handle is not None and index not in asked:
+                    self.progress_asks[w.handle.progress.remote()] = index
+        self._show()
+
+    def _show(self) -> None:
+        """Move the bar to the rows answered so far (never back: a dead worker's finished
+        rows are counted again when they come back) and show the rates."""
+        if self.bar is None:
+            return
         elapsed = max(time.perf_counter() - self.t0, 1e-9)
-        self.bar.update(out.input_rows)
-        self.bar.set_postfix_str(self._rates(elapsed), refresh=False)
+        shown = SimpleNamespace(
+            kind=self.kind, output_tokens=self.output_tokens + sum(self.partial_tokens.values()),
+            input_rows=self.input_rows + sum(self.partial.values()),
+            input_tokens=self.input_tokens)
+        self.bar.set_postfix_str(_JobRun._rates(shown, elapsed), refresh=False)
+        rows = self.bar_rows + sum(self.partial.values())
+        if rows > self.bar.n:
+            self.bar.update(rows - self.bar.n)  # (tqdm's rate and time left follow the rows)
+        else:
+            self.bar.refresh()  # the time since the start moves on
 
     def _rates(self, elapsed: float) -> str:
-        """The progress bar's rates after `elapsed` seconds (the task's)."""
+        """The progress bar's rates after `elapsed` seconds (the task's), from the counts
+        `self` has (the run's, or those shown: the pieces in flight included)."""
         return self.kind.progress(self, elapsed)
 
     def _warnings(self) -> tuple[str, ...]:
-        cut = sum(self.cut_constrained.values())
-        if not cut:
-            return ()
-        low, high = min(self.cut_constrained), max(self.cut_constrained)
-        limit = f"max_tokens {low}" if low == high else f"max_tokens {low}-{high}"
-        return (f"warning: {cut} constrained row(s) ended by length ({limit}): their text is "
-                f"cut short and need not match its constraint (JSON schema, regex or choice); "
-                f"raise --max-tokens",)
+        out = []
+        if cut := sum(self.cut_constrained.values()):
+            low, high = min(self.cut_constrained), max(self.cut_constrained)
+            limit = f"max_tokens {low}" if low == high else f"max_tokens {low}-{high}"
+            out.append(f"warning: {cut} constrained row(s) ended by length ({limit}): their "
+                       f"text is cut short and need not match its constraint (JSON schema, "
+                       f"regex or choice); raise --max-tokens")
+        if self.empty_answers:
+            out.append(f"warning: {self.empty_answers} row(s) ended with an empty answer "
+                       f"(finish_reason 'stop', generated_text ''): the model ended them at "
+                       f"once, as a chat model given a raw 'prompt' often does (give it "
+                       f"'messages')")
+        return tuple(out)
 
     def summary(self, wall_time_s: float) -> JobSummary:
         waste = 1 - self.padded_real / self.padded_slots if self.padded_slots else 0.0
@@ -728,6 +939,7 @@ class _JobRun:
             input_rows=self.input_rows,
             finish_reasons={**dict.fromkeys(reasons, 0), **self.finish_reasons} if reasons else {},
             warnings=self._warnings(), task=self.kind.name, truncated_rows=self.truncated_rows,
+            empty_answers=self.empty_answers,
         )
 
 
@@ -754,6 +966,23 @@ def make_fragments(shards: list[Shard], pool: WorkerPool | None, local: ShardRun
                                  f"(rerun it to resume)") from None
 
 
+def _fault_hold_after_parts(at: int | str) -> None:
+    """Testing hook `NANOSERVE_FAULT_HOLD_AFTER_PARTS=<k>:<path>`: once this run has recorded
+    its k-th part (`at`, or "last": once the walk has recorded every part of the job), the
+    driver appends its pid to `<path>.holding` and waits while `<path>` exists (a test sends
+    Ctrl-C at that moment)."""
+    spec = os.environ.get(FAULT_HOLD_AFTER_PARTS)
+    if not spec:
+        return
+    k, _, path = spec.partition(":")
+    if k != str(at) or not os.path.exists(path):
+        return
+    with open(f"{path}.holding", "a") as f:
+        f.write(f"{os.getpid()}\n")
+    while os.path.exists(path):
+        time.sleep(0.05)
+
+
 def _fetch(ref: Any, timeout: float | None = None) -> tuple[str, Any]:
     """A task's outcome: ('ok', table), ('raised', RayTaskError) when `run_batch` raised,
     or ('died', error) when its worker died (or did not answer within `timeout`)."""
@@ -767,6 +996,6 @@ def _fetch(ref: Any, timeout: float | None = None) -> tuple[str, Any]:
         return "died", e
 
 
-__all__ = ["TASKS", "JobOptions", "JobSummary", "WorkerReport", "run_batch_job",
+__all__ = ["TASKS", "JobInterrupted", "JobOptions", "JobSummary", "WorkerReport", "run_batch_job",
            "run_embed_job", "run_job"]
 

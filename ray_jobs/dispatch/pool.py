@@ -290,10 +290,11 @@ class WorkerPool:
             actor_options["runtime_env"] = {"env_vars": env}
         # Threaded actor: a worker holds several batches at once (`hold_limits`), so its
         # engine (continuous scheduler) admits the next batches' rows as rows finish. A
-        # static engine still runs one batch at a time (a lock).
+        # static engine still runs one batch at a time (a lock). One thread more answers
+        # the driver's `progress` calls while every batch's thread waits on the engine.
         actor_cls = ray.remote(actor).options(
-            max_restarts=0, max_task_retries=0, max_concurrency=actor_threads(opts, bool(num_gpus)),
-            **actor_options)
+            max_restarts=0, max_task_retries=0,
+            max_concurrency=actor_threads(opts, bool(num_gpus)) + 1, **actor_options)
         kwargs = {"model": opts.model, "dtype": opts.dtype,
                   "kv_cache_fraction": opts.kv_cache_fraction,
                   "kv_cache_bytes": opts.kv_cache_bytes, "num_threads": num_threads,

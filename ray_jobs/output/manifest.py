@@ -185,8 +185,12 @@ def hold_output_dir(folder: Path | OutputDir) -> Iterator[None]:
     `folder/_nanoserve.lock`, or InputError naming the process that holds it. Two jobs
     writing one folder would delete each other's temporary files and record each other's
     batches. The kernel drops the lock when the holder exits, however it dies (SIGKILL
-    included), so a killed job never leaves the folder locked. The lock file stays (Parquet
-    readers skip `_` names). Where `fcntl` is missing (not POSIX) nothing is locked."""
+    included), so a killed job never leaves the folder locked. The holder removes the file
+    when it lets go (a job done, refused, failed or interrupted leaves no `_nanoserve.lock`
+    behind; a SIGKILLed one leaves it unlocked, and the next job takes it). A lock taken on
+    a file its holder removed in the meantime is let go and taken again on the new file, so
+    two jobs never hold two files of one name. Where `fcntl` is missing (not POSIX) nothing
+    is locked."""
     out = OutputDir.open(folder)
     if not out.local:
         with out.hold():
@@ -202,21 +206,38 @@ def hold_output_dir(folder: Path | OutputDir) -> Iterator[None]:
         yield
         return
     path = folder / LOCK_NAME
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
             raise InputError(
                 f"another nanoserve job (pid {holder}) is writing to output folder {folder}; "
                 f"wait for it to end, or choose another folder"
             ) from None
+        if _same_file(fd, path):
+            break
+        os.close(fd)  # its holder removed it as it let go: take the lock on the new file
+    try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield
     finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)  # still locked: a job that opens it now takes the new file
         os.close(fd)  # releases the lock
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether `path` still names the file open as `fd`."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    own = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
 
 
 def open_output_dir(folder: Path | OutputDir, settings: dict[str, Any],

@@ -23,7 +23,10 @@ with the job's settings, phases and summary. What it shows:
   `nanoserve.prompt_tokens_cached`;
 - error rows by cause (`error_cause`: the message up to its details);
 - the settings, the phases (`JobSummary.timings`) and the summary (rows by finish reason,
-  and the summary's warnings above it: constrained rows cut by `max_tokens`).
+  empty answers, and the summary's warnings above it: constrained rows cut by `max_tokens`,
+  ...; whether Ctrl-C stopped the run);
+- first, the whole job over every run into the folder (`JobTotals`: this run's counts, and
+  the earlier runs' parts read back), so a resumed job's report covers all of it.
 
 Plots are drawn by matplotlib (Agg, no pyplot state) as inline SVG: no script, no file or
 network fetch; each figure is cleared once drawn, and matplotlib is imported only when a
@@ -173,8 +176,63 @@ class ReportLog:
             self.error_causes[cause] += 1
 
 
+class JobTotals:
+    """The whole job's rows as its parts hold them, over every run that wrote into the
+    folder: this run's (`add_run`, from the driver's counts) and the earlier runs' (`add_part`,
+    read back from each part they wrote: a run killed without a report counts too). Counts
+    only: its size does not grow with the parts."""
+
+    COLUMNS = ("finish_reason", "error", "generated_text", "num_generated_tokens")
+
+    def __init__(self, total_batches: int | None = None) -> None:
+        self.total_batches = total_batches  # the job's batches (None: not known)
+        self.batches = {"this run": 0, "earlier runs": 0}
+        self.rows = {"this run": 0, "earlier runs": 0}
+        self.finish_reasons: Counter = Counter()
+        self.empty_answers = 0
+        self.output_tokens = 0
+        self.error_causes: Counter = Counter()
+
+    def add_run(self, log: ReportLog, summary: Any) -> None:
+        """This run's rows: the batches it wrote and their rows, by finish reason and cause."""
+        self.batches["this run"] += summary.num_batches
+        self.rows["this run"] += summary.rows
+        self.finish_reasons.update({k: v for k, v in summary.finish_reasons.items() if v})
+        self.empty_answers += getattr(summary, "empty_answers", 0)
+        self.output_tokens += summary.output_tokens
+        self.error_causes.update(log.error_causes)
+
+    def add_part(self, folder: Any, name: str) -> None:
+        """An earlier run's part, read back (the few columns counted; an embedding part has
+        no finish_reason: its error rows are those with an `error`)."""
+        schema = folder.parquet_schema(name)
+        columns = [c for c in self.COLUMNS if schema is not None and c in schema.names]
+        table = folder.read_parquet(name, columns).to_pydict()
+        errors = table.get("error", [])
+        reasons = table.get("finish_reason") or ["error" if e is not None else None
+                                                 for e in errors]
+        self.batches["earlier runs"] += 1
+        self.rows["earlier runs"] += len(reasons)
+        self.finish_reasons.update(r for r in reasons if r is not None)
+        texts = table.get("generated_text", [None] * len(reasons))
+        self.empty_answers += sum(r == "stop" and t == "" for r, t in zip(reasons, texts))
+        self.output_tokens += sum(n or 0 for n in table.get("num_generated_tokens", ()))
+        for e in errors:
+            if e is not None:
+                cause = error_cause(e)
+                if cause not in self.error_causes and len(self.error_causes) >= MAX_ERROR_CAUSES:
+                    cause = OTHER_CAUSES
+                self.error_causes[cause] += 1
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"total_batches": self.total_batches, "batches": dict(self.batches),
+                "rows": dict(self.rows), "finish_reasons": dict(self.finish_reasons),
+                "empty_answers": self.empty_answers, "output_tokens": self.output_tokens,
+                "error_causes": dict(self.error_causes.most_common())}
+
+
 def report_data(log: ReportLog, summary: Any, settings: dict[str, Any],
-                batch_size: int) -> dict[str, Any]:
+                batch_size: int, job: JobTotals | None = None) -> dict[str, Any]:
     """The report's numbers, JSON-ready (what the page shows and embeds). Bounded whatever
     the number of batches: totals, and bins, not per-batch records.
     - `summary` (the `JobSummary` without its workers), `workers` (their `WorkerReport`s
@@ -194,7 +252,9 @@ def report_data(log: ReportLog, summary: Any, settings: dict[str, Any],
       their share wasted, the same bins;
     - `error_causes` (error rows by cause, most first), `totals` (rows, error_rows,
       batches written this run, output tokens, padding and early-finish waste, prefix-cache
-      hit rate: exact)."""
+      hit rate: exact);
+    - `job` (`JobTotals.as_dict`: the whole job over every run, earlier runs' parts read
+      back; this run's alone when `job` is None)."""
     p = dict(log.pieces)
     summary_d = dataclasses.asdict(summary)
     workers = summary_d.pop("workers")
@@ -206,8 +266,12 @@ def report_data(log: ReportLog, summary: Any, settings: dict[str, Any],
     bins = log.time_bins.as_dict()
     by_worker = log.worker_bins.as_dict()
     length = len(bins["pieces"])
+    if job is None:
+        job = JobTotals()
+        job.add_run(log, summary)
     return {
         "summary": summary_d,
+        "job": job.as_dict(),
         "workers": workers,
         "settings": settings,
         "batch_size": batch_size,
@@ -251,6 +315,7 @@ def write_report(folder: Any, data: dict[str, Any]) -> str:
 def render_html(data: dict[str, Any]) -> str:
     s, t = data["summary"], data["totals"]
     sections = [
+        _section("The whole job (every run into this folder)", _job_table(data["job"])),
         _section("Output tokens per second", _plot_throughput(data)),
         _section("Rows finished per worker", _plot_worker_rows(data)),
         _section("Batch fill", _plot_fill(data)),
@@ -270,6 +335,8 @@ def render_html(data: dict[str, Any]) -> str:
         *([("finish_reasons", "rows by finish reason",
             ", ".join(f"{k} {v}" for k, v in s["finish_reasons"].items()))]
           if s.get("finish_reasons") else []),
+        *([("empty_answers", "empty answers (finish_reason stop, no text)", s["empty_answers"])]
+          if s.get("empty_answers") else []),
         ("rows_resumed", "rows done by an earlier run", s["rows_resumed"]),
         ("input_tokens", "input tokens", s["input_tokens"]),
         ("output_tokens", "output tokens", s["output_tokens"]),
@@ -283,8 +350,12 @@ def render_html(data: dict[str, Any]) -> str:
     ]
     rows = "".join(f'<tr><th>{html.escape(label)}</th><td data-key="{key}">'
                    f"{html.escape(str(value))}</td></tr>" for key, label, value in headline)
-    warnings = "".join(f'<p class="warning">{html.escape(w)}</p>'
-                       for w in s.get("warnings") or ())
+    notes = list(s.get("warnings") or ())
+    if s.get("interrupted"):
+        done, total = s["interrupted"]
+        notes.append(f"interrupted (Ctrl-C): {done} of {total} batches are written; rerun the "
+                     f"same command to resume")
+    warnings = "".join(f'<p class="warning">{html.escape(w)}</p>' for w in notes)
     settings = _table(sorted(_flatten(data["settings"]).items()))
     payload = json.dumps(data).replace("</", "<\\/")
     return (
@@ -305,6 +376,31 @@ _CSS = ("body{font-family:sans-serif;margin:2em auto;max-width:60em;color:#222;b
         "border-bottom:1px solid #ddd;font-size:.9em}td{font-family:monospace}"
         "section{margin-top:1.5em}svg{max-width:100%;height:auto}"
         ".warning{color:#8a4b00;background:#fff4e0;padding:.4em .8em}")
+
+
+def _job_table(job: dict[str, Any]) -> str:
+    """The whole job's rows and batches, this run's and earlier runs' (resumed), by finish
+    reason, and its error rows by cause."""
+    batches, rows = job["batches"], job["rows"]
+    written = sum(batches.values())
+    of = f" of {job['total_batches']}" if job.get("total_batches") is not None else ""
+    pairs = [("batches written", f"{written}{of} ({batches['this run']} this run, "
+                                 f"{batches['earlier runs']} by earlier runs)"),
+             ("rows", f"{sum(rows.values())} ({rows['this run']} this run, "
+                      f"{rows['earlier runs']} by earlier runs)")]
+    if job["finish_reasons"]:
+        pairs.append(("rows by finish reason",
+                      ", ".join(f"{k} {v}" for k, v in job["finish_reasons"].items())))
+    if job["empty_answers"]:
+        pairs.append(("empty answers (finish_reason stop, no text)", job["empty_answers"]))
+    pairs.append(("error rows", sum(job["error_causes"].values())))
+    pairs.append(("output tokens", job["output_tokens"]))
+    body = "<table>" + "".join(
+        f'<tr><th>{html.escape(k)}</th><td data-job="{html.escape(k)}">{html.escape(str(v))}'
+        f"</td></tr>" for k, v in pairs) + "</table>"
+    if job["error_causes"]:
+        body += "<h3>Error rows by cause</h3>" + _table(list(job["error_causes"].items()))
+    return body
 
 
 def _workers_table(workers: list[dict[str, Any]]) -> str:
@@ -511,5 +607,5 @@ def _plot_phases(data: dict[str, Any]) -> str:
     return _svg(fig)
 
 
-__all__ = ["REPORT_DATA_ID", "ReportLog", "error_cause", "report_data", "render_html",
+__all__ = ["REPORT_DATA_ID", "JobTotals", "ReportLog", "error_cause", "report_data", "render_html",
            "write_report"]

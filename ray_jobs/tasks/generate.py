@@ -26,7 +26,13 @@ import pyarrow as pa
 from nanoserve.errors import InputError, NanoserveError
 from ray_jobs.input.io import InputInfo
 from ray_jobs.output import openai_files
-from ray_jobs.preparation.prepare import ColumnPlan, RowPreparer, output_controls
+from ray_jobs.preparation.prepare import (
+    ColumnPlan,
+    RowPreparer,
+    column_slips,
+    output_controls,
+    unread_template_kwargs,
+)
 from ray_jobs.preparation.row_images import ModelImages
 from ray_jobs.workers.options import JobOptions
 from ray_jobs.workers.tasks import ShardOutcome, ShardWorker, TaskKind, TaskPlan
@@ -90,6 +96,8 @@ class GenerateTask:
         return error_rows(message, row.num_prompt_tokens, row.n)
 
     def count(self, out: ShardOutcome, row: Any, samples: list[dict[str, Any]]) -> None:
+        out.empty_answers += sum(res["finish_reason"] == "stop" and res["generated_text"] == ""
+                                 for res in samples)
         if row.params is not None and row.params.structured_outputs is not None:
             cut = sum(res["finish_reason"] == "length" for res in samples)
             if cut:
@@ -175,11 +183,14 @@ def plan_job(opts: JobOptions, own: dict[str, Any], info: InputInfo, plan: Colum
                "chat_template_kwargs": opts.chat_template_kwargs,
                "reasoning_parser": reasoning.name if reasoning else None,
                "max_batch_tokens": opts.max_batch_tokens}
+    warnings = column_slips(info.schema.names) + unread_template_kwargs(
+        tokenizer, preparer.template_kwargs, "--chat-template-kwargs")
     return TaskPlan(opts, schema, GenerateTask(plan, options, tokenizer, config,
                                                preparer=preparer),
                     RayBatchWorker, controls, options, summary={"reasoning": reasoning_line},
                     openai_output=openai_files.wants_openai_output(opts.output_format,
-                                                                   info.openai_rows))
+                                                                   info.openai_rows),
+                    warnings=tuple(warnings))
 
 
 def progress(run: Any, elapsed: float) -> str:

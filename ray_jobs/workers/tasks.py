@@ -83,6 +83,7 @@ class ShardOutcome:
     truncated: int = 0  # embedding: inputs cut to the limit
     finish_reasons: Counter = field(default_factory=Counter)
     cut_constrained: Counter = field(default_factory=Counter)  # by max_tokens
+    empty_answers: int = 0  # generation: rows that ended at 'stop' with no text
     errors: list[str] = field(default_factory=list)  # each error row's message
     meta: dict[bytes, bytes] = field(default_factory=dict)  # the engine's (ray_jobs.workers.worker keys)
     record: Any = None  # the report's `PieceRecord` (None: nothing went to the engine)
@@ -105,6 +106,9 @@ class TaskPlan:
     settings: dict[str, Any] = field(default_factory=dict)  # the manifest's, beside the job's
     report_settings: dict[str, Any] = field(default_factory=dict)  # the report's, beside the job's
     summary: dict[str, Any] = field(default_factory=dict)  # `JobSummary` fields the task sets
+    # one line each, printed before the job starts and kept in the summary: what the job
+    # would otherwise ignore silently (a misspelt per-row column, unread template options)
+    warnings: tuple[str, ...] = ()
     # generation's OpenAI output files (`ray_jobs.output.openai_files`): each shard's lines written
     # with its part, joined by the driver at the end
     openai_output: bool = False
@@ -331,6 +335,7 @@ class ShardWorker:
         self.load_error: str | None = None
         self._runner: ShardRunner | None = None
         self._runner_lock = threading.Lock()
+        self._pieces: dict[int, tuple[int, int, int]] = {}  # by thread: (shard id, lo, hi)
         try:
             super().__init__(*args, **kwargs)
         except NanoserveError as e:
@@ -347,7 +352,24 @@ class ShardWorker:
 
     def run_shard(self, shard: Shard, rows: tuple[int, int] | None = None,
                   write: bool = True) -> ShardOutcome:
-        return self._shard_runner().run(shard, rows, write)
+        me = threading.get_ident()
+        self._pieces[me] = (shard.shard_id, *(rows or (0, shard.num_rows)))
+        try:
+            return self._shard_runner().run(shard, rows, write)
+        finally:
+            del self._pieces[me]
+
+    def progress(self) -> list[tuple[int, int, int, int, int]]:
+        """The pieces running here whose engine shows how far it is: (shard id, first row,
+        end row, rows finished, their output tokens) each. The actor has a thread more than
+        the pieces it holds, so this answers while they run."""
+        rows_finished = getattr(self, "rows_finished", None)  # the engine worker's, if any
+        out = []
+        for thread, piece in list(self._pieces.items()):
+            done = rows_finished(thread) if rows_finished is not None else None
+            if done is not None:
+                out.append((*piece, *done))
+        return out
 
     def write_fragments(self, shard: Shard) -> str:
         """`ShardRunner.write_fragments` of a committed shard, from its part."""

@@ -39,7 +39,14 @@ the driver forwards to its actors; never set them in production):
   node, certainly while the worker loads, then deletes the file);
 - `NANOSERVE_FAULT_HOLD_WHILE_FILE=<path>`: a batch waits before it starts for as long as
   that file exists (a test holds batches in flight, e.g. while it removes or adds a node,
-  then deletes the file; the workers of a one-machine test cluster share the file system).
+  then deletes the file; the workers of a one-machine test cluster share the file system);
+- `NANOSERVE_FAULT_HOLD_AFTER_ROWS=<k>:<path>`: a continuous engine's call stops between two
+  steps once k of its rows have finished, appends `<pid>` to `<path>.holding` and waits while
+  that file exists (a test sees the rows finished so far, e.g. on the progress bar).
+
+Progress: `rows_finished(thread)` tells how far the engine call a thread of the actor waits
+on is (a continuous engine's rows finish one by one inside a batch), which the job's actor
+reports to the driver between answers (`ray_jobs.workers.tasks.ShardWorker.progress`).
 """
 
 from __future__ import annotations
@@ -75,6 +82,7 @@ FAULT_OOM_ABOVE_ROWS = "NANOSERVE_FAULT_OOM_ABOVE_ROWS"
 FAULT_LOAD = "NANOSERVE_FAULT_LOAD"
 FAULT_HOLD_WHILE_FILE = "NANOSERVE_FAULT_HOLD_WHILE_FILE"
 FAULT_HOLD_LOAD_WHILE_FILE = "NANOSERVE_FAULT_HOLD_LOAD_WHILE_FILE"
+FAULT_HOLD_AFTER_ROWS = "NANOSERVE_FAULT_HOLD_AFTER_ROWS"
 
 
 @dataclass(frozen=True)
@@ -163,6 +171,7 @@ class BatchWorker:
 
             self._loop = EngineLoop(llm)
         self._engine_lock = threading.Lock()
+        self._running: dict[int, tuple[Any, int]] = {}  # by calling thread: (future, prompts)
 
     @property
     def oom_errors(self) -> int:
@@ -197,6 +206,18 @@ class BatchWorker:
 
     def gpu_ids(self) -> list:
         return ray_gpu_ids()
+
+    def rows_finished(self, thread_id: int) -> tuple[int, int] | None:
+        """How far the engine call that thread `thread_id` waits on is, as (its rows
+        finished, their output tokens): a row asking for n samples counts once its share of
+        the group's finished samples says so. None when that thread waits on no call whose
+        progress shows (a static engine's: its rows come back together)."""
+        running = self._running.get(thread_id)
+        if running is None:
+            return None
+        future, prompts = running
+        finished, size, tokens = future.progress()
+        return (finished * prompts // size if size else 0), tokens
 
     def run_batch(self, batch_rows: list[GenerationRequest]) -> pa.Table:
         _fault_hold_while_file()
@@ -294,11 +315,17 @@ class BatchWorker:
 
             from nanoserve.generate import BatchStats
 
+            future = self._loop.submit(prompts, params, alone=alone)
+            me = threading.get_ident()
+            self._running[me] = (future, len(prompts))
+            _fault_hold_after_rows(self._loop, future)
             try:
-                done = self._loop.submit(prompts, params, alone=alone).result()
+                done = future.result()
             except torch.OutOfMemoryError:
                 ooms[0] += 1
                 raise
+            finally:
+                self._running.pop(me, None)
             cached = sum(c.num_cached_tokens for c in done if c.sample_index == 0)  # per prompt
             n = sum(len(p) for p in prompts) - cached
             return done, BatchStats(num_rows=len(prompts), prefill_slots=n, prefill_real_tokens=n,
@@ -435,6 +462,30 @@ def _fault_kill_on_text(tokenizer: Any, rows: list[GenerationRequest]) -> None:
     if marker and any(marker in tokenizer.decode(list(r.prompt_token_ids)) for r in rows):
         time.sleep(0.2)  # as a crash in the middle of generation would
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _fault_hold_after_rows(loop: Any, future: Any) -> None:
+    """`NANOSERVE_FAULT_HOLD_AFTER_ROWS=<k>:<path>`: once k rows of this engine call have
+    finished, the engine's loop appends `<pid>` to `<path>.holding` and waits, between two
+    steps, while `<path>` exists (the call's other rows stay unfinished meanwhile)."""
+    spec = os.environ.get(FAULT_HOLD_AFTER_ROWS)
+    if not spec:
+        return
+    k, _, path = spec.partition(":")
+
+    def check() -> None:  # on the loop's thread, between two steps
+        if future.done():
+            return
+        if future.progress()[0] < int(k):
+            loop.call(check)  # again after the next step
+            return
+        if os.path.exists(path):
+            with open(f"{path}.holding", "a") as f:
+                f.write(f"{os.getpid()}\n")
+        while os.path.exists(path):
+            time.sleep(0.05)
+
+    loop.call(check)
 
 
 def _fault_hold_while_file() -> None:
