@@ -1,16 +1,17 @@
 """Single-file GGUF (llama.cpp) checkpoints: metadata to a `ModelConfig`, tensors to Hugging
 Face `LlamaForCausalLM` names, and the tokenizer metadata.
 
-Architectures (`general.architecture`): `llama` (Llama; llama.cpp also writes Mistral as
-`llama`, without its sliding window), `qwen2` (q/k/v biases) and `qwen3` (`attn_q_norm` /
-`attn_k_norm`), tensor names as the gguf package's constants give them.
+Architectures (`general.architecture`): the families whose record (nanoserve/families.py)
+names one (`gguf_name`): `llama` (Llama; llama.cpp also writes Mistral as `llama`, without
+its sliding window), `qwen2` (q/k/v biases) and `qwen3` (`attn_q_norm` / `attn_k_norm`),
+tensor names as the gguf package's constants give them.
 
 GGUF facts this module relies on:
 - tensor shapes are listed innermost-first; numpy arrays from `GGUFReader` are already
   outermost-first (a `[d_out, d_in]` weight is listed as `(d_in, d_out)`);
-- for `llama` only, llama.cpp permutes the rows of `attn_q` / `attn_k` per head for its
-  rotary layout (interleaved pairs); `_unpermute_rows` undoes it (n_head for q, n_kv_head
-  for k); Qwen files keep Hugging Face's row order;
+- for `llama` only (`gguf_permuted_qk`), llama.cpp permutes the rows of `attn_q` / `attn_k`
+  per head for its rotary layout (interleaved pairs); `_unpermute_rows` undoes it (n_head
+  for q, n_kv_head for k); Qwen files keep Hugging Face's row order;
 - metadata keys are prefixed by the architecture (`qwen2.embedding_length`);
 - there is no `output.weight` when the LM head is tied to the embedding.
 
@@ -33,6 +34,7 @@ from gguf.quants import dequantize
 
 from nanoserve.config import ModelConfig
 from nanoserve.errors import ModelError
+from nanoserve.families import GGUF_NAMES, by_gguf_name
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -53,12 +55,6 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-# GGUF architecture -> (transformers architecture, model_type)
-_GGUF_ARCHS = {
-    "llama": ("LlamaForCausalLM", "llama"),
-    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
-}
 
 _STORED_DTYPES = {  # GGUF types read as they are, no dequantization
     GGMLQuantizationType.F32: torch.float32,
@@ -114,10 +110,11 @@ def hf_name(gguf_name: str) -> str | None:
 def gguf_config_dict(reader: GGUFReader, path: str | Path = "") -> dict[str, Any]:
     """The GGUF metadata as a transformers-style `config.json` dict (5.x spelling)."""
     arch = _field(reader, "general.architecture")
-    if arch not in _GGUF_ARCHS:
+    family = by_gguf_name(arch)
+    if family is None:
         raise ModelError(
             f"{path}: GGUF architecture {arch!r} is not supported; nanoserve runs "
-            f"{', '.join(repr(a) for a in _GGUF_ARCHS)}"
+            f"{', '.join(repr(a) for a in GGUF_NAMES)}"
         )
     names = {t.name for t in reader.tensors}
 
@@ -148,12 +145,11 @@ def gguf_config_dict(reader: GGUFReader, path: str | Path = "") -> dict[str, Any
         vocab = len(tokens.data) if tokens is not None else None
     if vocab is None:
         raise ModelError(f"{path}: GGUF metadata gives no vocabulary size")
-    hf_arch, model_type = _GGUF_ARCHS[arch]
-    if arch == "qwen2" and "blk.0.attn_q.bias" not in names:
-        raise ModelError(f"{path}: a qwen2 GGUF needs q/k/v biases (blk.0.attn_q.bias)")
+    if family.qkv_bias and "blk.0.attn_q.bias" not in names:
+        raise ModelError(f"{path}: a {arch} GGUF needs q/k/v biases (blk.0.attn_q.bias)")
     return {
-        "architectures": [hf_arch],
-        "model_type": model_type,
+        "architectures": [family.architecture],
+        "model_type": family.model_type,
         "vocab_size": vocab,
         "hidden_size": hidden,
         "intermediate_size": meta("feed_forward_length"),
@@ -166,7 +162,7 @@ def gguf_config_dict(reader: GGUFReader, path: str | Path = "") -> dict[str, Any
         "rope_parameters": {"rope_type": "default", "rope_theta": meta("rope.freq_base", 10000.0)},
         "tie_word_embeddings": "output.weight" not in names,
         # Qwen2's q/k/v biases are the family's own; elsewhere a bias is unsupported
-        "attention_bias": arch != "qwen2" and "blk.0.attn_q.bias" in names,
+        "attention_bias": not family.qkv_bias and "blk.0.attn_q.bias" in names,
         "mlp_bias": "blk.0.ffn_up.bias" in names,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
@@ -185,7 +181,7 @@ def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         if name is None:
             continue
         w = _to_torch(t, path)  # [outermost, ..., innermost]
-        if config.architecture != "LlamaForCausalLM":
+        if not config.family.gguf_permuted_qk:
             pass  # only llama.cpp's llama converter permutes q/k rows
         elif name.endswith("q_proj.weight"):
             w = _unpermute_rows(w, config.num_attention_heads, f"{path}: {t.name}")

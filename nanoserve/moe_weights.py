@@ -9,7 +9,8 @@ Names as stored, per MoE layer N and expert e, and what they become:
 | `mlp.experts.e.down_proj` / `block_sparse_moe...w2`    | `mlp.experts.down_proj` [E, d, I]         |
 | `block_sparse_moe.gate.weight` (Mixtral's router)      | `mlp.gate.weight` [E, d]                  |
 
-(all under `model.layers.N.`, the per-expert ones with `.weight`). A checkpoint already
+(all under `model.layers.N.`, the per-expert ones with `.weight`; each family's module and
+expert names are its `MoeLayout` in nanoserve/families.py). A checkpoint already
 stored stacked (transformers 5.x's module names: `mlp.experts.gate_up_proj`) loads as it is;
 transformers 5.25's `save_pretrained` writes the per-expert names.
 
@@ -33,28 +34,25 @@ from nanoserve.errors import ModelError
 if TYPE_CHECKING:
     import torch
 
-# per-expert checkpoint names: (gate, up, down)
-_PER_EXPERT = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
-
-
-def _renamed(name: str) -> str:
-    return re.sub(r"^(model\.layers\.\d+\.)block_sparse_moe\.", r"\1mlp.", name)
-
 
 def _stack(config: ModelConfig, items: dict[str, Any],
            stack: Callable[[list[Any], list[Any], str], Any]) -> dict[str, Any]:
     """items (tensors or shapes by name) with each MoE layer's per-expert entries replaced by
     stack(per-expert source names, items, target), in place (a layer's per-expert tensors
     are freed as its stacked ones are made: the host never holds the experts twice)."""
-    if not config.moe_layers:
+    moe = config.family.moe
+    if not config.moe_layers or moe is None:
         return items
-    for name in [n for n in items if _renamed(n) != n]:
-        items[_renamed(name)] = items.pop(name)
+    if moe.module != "mlp":  # e.g. Mixtral's `block_sparse_moe.`: renamed `mlp.`
+        block = re.compile(rf"^(model\.layers\.\d+\.){re.escape(moe.module)}\.")
+        for name in [n for n in items if block.match(n)]:
+            items[block.sub(r"\1mlp.", name)] = items.pop(name)
     for layer in config.moe_layers:
         p = f"model.layers.{layer}.mlp.experts."
         if p + "gate_up_proj" in items or p + "down_proj" in items:
             continue  # stored stacked
-        names = next((n for n in _PER_EXPERT if f"{p}0.{n[0]}.weight" in items), _PER_EXPERT[0])
+        spellings = moe.expert_names
+        names = next((n for n in spellings if f"{p}0.{n[0]}.weight" in items), spellings[0])
         for target, parts in (("gate_up_proj", names[:2]), ("down_proj", names[2:])):
             sources = [[f"{p}{e}.{part}" for part in parts] for e in range(config.num_experts)]
             for group in sources:

@@ -33,6 +33,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from nanoserve.families import by_architecture
+
 PARSERS = ("qwen3", "deepseek_r1")
 # What `reasoning_parser` may also say: "auto" picks from the model family where that is
 # certain (`pick_parser`), "none" turns the split off.
@@ -224,15 +226,17 @@ def opens_think_in_prompt(tokenizer: Any) -> bool:
 
 
 def pick_parser(architecture: str, tokenizer: Any) -> tuple[str | None, str]:
-    """The reasoning parser the model family calls for, where certain, and why (one phrase
-    for the job summary). None where the tokenizer has no single <think> / </think> tokens,
-    or the family is not known to think."""
+    """The reasoning parser the model family calls for (its `reasoning_parser` in
+    nanoserve/families.py), where certain, and why (one phrase for the job summary). None
+    where the tokenizer has no single <think> / </think> tokens, or the family is not known
+    to think."""
     if not has_think_tags(tokenizer):
         return None, "the tokenizer has no <think> / </think> tokens"
     if opens_think_in_prompt(tokenizer):
         return "deepseek_r1", "its chat template opens <think> in the prompt"
-    if architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
-        return "qwen3", "a Qwen3 model with <think> / </think> tokens"
+    family = by_architecture(architecture)
+    if family is not None and family.reasoning_parser is not None:
+        return family.reasoning_parser, f"a {family.name} model with <think> / </think> tokens"
     return None, "the model family is not known to think (give --reasoning-parser)"
 
 

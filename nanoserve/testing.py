@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from nanoserve.families import Family
 
 
 def save_tiny_llama(folder: str | Path, tokenizer_source: str | Path) -> Path:
@@ -33,59 +37,96 @@ def save_tiny_llama(folder: str | Path, tokenizer_source: str | Path) -> Path:
     return folder
 
 
-# the mixture-of-experts families' tiny shapes: Qwen3-MoE with a dense layer 1
-# (mlp_only_layers), as Qwen3-MoE checkpoints may have; Mixtral's experts on every layer
-TINY_MOE = {
-    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                      norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1]),
-    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
-    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                      shared_expert_intermediate_size=64),
-}
+# The tiny test checkpoints' shape, every family's (a family's own options, its record's
+# `tiny` in nanoserve/families.py, go on top): hidden 64, 2 layers, GQA 4:2, untied.
+TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=1,
+                  eos_token_id=2)
 
 
-def save_tiny_family(folder: str | Path, family: str, tokenizer_source: str | Path, *,
-                     sliding_window: int | None = None, chat_template: str | None = None,
-                     special_tokens: dict[str, str] | None = None,
-                     eos_tokens: tuple[str, ...] = ()) -> Path:
-    """A tiny random checkpoint of `family` ('qwen2', 'qwen3', 'mistral', 'qwen3_moe',
-    'mixtral' or 'qwen2_moe' (`TINY_MOE`); hidden 64, 2 layers, GQA 4:2, untied, seed 0, random norm
-    weights and biases) through transformers' own class, with the tokenizer of
-    `tokenizer_source`. `sliding_window`: Mistral's, Mixtral's and Qwen3-MoE's on every
-    layer; Qwen2/3's (use_sliding_window) on layer 1 only, Qwen2-MoE's on layer 0. `chat_template` and
-    `special_tokens` ({'bos_token': ..., 'eos_token': ...}) go into tokenizer_config.json,
-    `eos_tokens` (token strings) into generation_config.json."""
-    import json
+def family_record(family: str | Family) -> Family:
+    """A family's record from its `model_type` ('qwen3', 'mixtral', ...) or itself."""
+    from nanoserve.families import FAMILIES, by_model_type
 
+    if not isinstance(family, str):
+        return family
+    record = by_model_type(family)
+    if record is None:
+        raise ValueError(f"no family {family!r}; choose {', '.join(f.model_type for f in FAMILIES)}")
+    return record
+
+
+def tiny_hf_config(family: str | Family, vocab_size: int, *, sliding_window: int | None = None,
+                   **options: Any) -> Any:
+    """transformers' config of `family`'s tiny test checkpoint: `TINY_SHAPE`, the family's
+    `tiny` options, `sliding_window` as its rule places it (Mistral's, Mixtral's and
+    Qwen3-MoE's on every layer; Qwen2/3's and Qwen2.5-VL's on layer 1 only, Qwen2-MoE's on
+    layer 0), then `options` (a vision family's `text_config` / `vision_config` merged)."""
+    from transformers import AutoConfig
+
+    family = family_record(family)
+    tiny = dict(family.tiny)
+    lm = {"vocab_size": vocab_size, **TINY_SHAPE, **_window_options(family, sliding_window)}
+    if not family.vision:
+        return AutoConfig.for_model(family.model_type, **{**lm, **tiny, **options})
+    text = {**lm, **tiny.pop("text_config", {}), **options.pop("text_config", {})}
+    vision = {**tiny.pop("vision_config", {}), **options.pop("vision_config", {})}
+    return AutoConfig.for_model(family.model_type, text_config=text, vision_config=vision,
+                                **{"tie_word_embeddings": False, **tiny, **options})
+
+
+def _window_options(family: Family, window: int | None) -> dict[str, Any]:
+    if family.window == "none":
+        if window is not None:
+            raise ValueError(f"{family.name} has no sliding window")
+        return {}
+    options: dict[str, Any] = {"sliding_window": window}
+    if family.window != "every_layer":
+        options["use_sliding_window"] = window is not None
+    if family.window in ("from_max_window_layers", "even_below_max_window_layers"):
+        options["max_window_layers"] = 1
+    return options
+
+
+def tiny_hf_model(family: str | Family, vocab_size: int, *, seed: int = 0,
+                  sliding_window: int | None = None, **options: Any) -> Any:
+    """A tiny random model of `family` through transformers' own class (`tiny_hf_config`;
+    seed `seed`), in eval mode, with random norm weights and biases (so a missing or
+    misplaced one shows) and routers that spread the tokens over the experts."""
     import torch
     import transformers
 
-    from nanoserve.tokenizer import Tokenizer
-
-    names = {"qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "qwen3_moe": "Qwen3Moe",
-             "mixtral": "Mixtral", "qwen2_moe": "Qwen2Moe"}
-    config_cls = getattr(transformers, f"{names[family]}Config")
-    model_cls = getattr(transformers, f"{names[family]}ForCausalLM")
-    folder = Path(folder)
-    tok = Tokenizer.from_path(tokenizer_source)
-    window = {"sliding_window": sliding_window}
-    if family in ("qwen2", "qwen3", "qwen2_moe"):
-        window.update(use_sliding_window=sliding_window is not None, max_window_layers=1)
-    elif family == "qwen3_moe":  # its window, when used, is on every layer
-        window.update(use_sliding_window=sliding_window is not None)
-    torch.manual_seed(0)
-    cfg = config_cls(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128,
-                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                     head_dim=16, max_position_embeddings=512, tie_word_embeddings=False,
-                     bos_token_id=1, eos_token_id=2, **window, **TINY_MOE.get(family, {}))
-    model = model_cls(cfg)
+    family = family_record(family)
+    torch.manual_seed(seed)
+    cfg = tiny_hf_config(family, vocab_size, sliding_window=sliding_window, **options)
+    model = getattr(transformers, family.architecture)(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.copy_(1 + 0.3 * torch.randn_like(p))
             elif name.endswith("mlp.gate.weight"):  # a router that spreads the tokens
                 p.copy_(0.5 * torch.randn_like(p))
-    model.save_pretrained(folder)
+    return model.eval()
+
+
+def save_tiny_family(folder: str | Path, family: str, tokenizer_source: str | Path, *,
+                     sliding_window: int | None = None, chat_template: str | None = None,
+                     special_tokens: dict[str, str] | None = None,
+                     eos_tokens: tuple[str, ...] = ()) -> Path:
+    """A tiny random checkpoint of `family` (a `model_type` of nanoserve/families.py without
+    a vision tower: 'qwen2', 'qwen3', 'mistral', 'qwen3_moe', 'mixtral', 'qwen2_moe', 'llama';
+    `tiny_hf_model`, seed 0) saved by transformers, with the tokenizer of `tokenizer_source`.
+    `sliding_window`: placed by the family's rule (`tiny_hf_config`). `chat_template` and
+    `special_tokens` ({'bos_token': ..., 'eos_token': ...}) go into tokenizer_config.json,
+    `eos_tokens` (token strings) into generation_config.json."""
+    import json
+
+    from nanoserve.tokenizer import Tokenizer
+
+    folder = Path(folder)
+    tok = Tokenizer.from_path(tokenizer_source)
+    tiny_hf_model(family, tok.vocab_size, sliding_window=sliding_window).save_pretrained(folder)
     tok.backend.save(str(folder / "tokenizer.json"))
     tokenizer_config = dict(special_tokens or {})
     if chat_template is not None:
@@ -98,7 +139,8 @@ def save_tiny_family(folder: str | Path, family: str, tokenizer_source: str | Pa
     return folder
 
 
-__all__ = ["save_fp8_checkpoint", "save_tiny_embedding", "save_tiny_family", "save_tiny_llama"]
+__all__ = ["TINY_SHAPE", "family_record", "save_fp8_checkpoint", "save_tiny_embedding",
+           "save_tiny_family", "save_tiny_llama", "tiny_hf_config", "tiny_hf_model"]
 
 
 def assert_rows_match_engine(llm, prompts: list[str], rows: list[dict], max_tokens: int) -> None:
@@ -193,9 +235,11 @@ def save_tiny_embedding(folder: str | Path, tokenizer_source: str | Path, *,
 
     from nanoserve.tokenizer import Tokenizer
 
-    names = {"qwen3": "Qwen3", "llama": "Llama", "mistral": "Mistral"}
-    config_cls = getattr(transformers, f"{names[family]}Config")
-    model_cls = getattr(transformers, f"{names[family]}Model")
+    record = family_record(family)
+    if record.base_model is None:
+        raise ValueError(f"{record.name} has no base model without an LM head")
+    config_cls = transformers.AutoConfig.for_model(record.model_type).__class__
+    model_cls = getattr(transformers, record.base_model)
     folder = Path(folder)
     tok = Tokenizer.from_path(tokenizer_source)
     torch.manual_seed(0)
@@ -418,26 +462,17 @@ def save_tiny_qwen2_5_vl(folder: str | Path, seed: int = 0, *, vision_depth: int
 
     import torch
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers import Qwen2_5_VLForConditionalGeneration
 
     folder = Path(folder)
     ids = {t: 256 + i for i, t in enumerate(VL_SPECIAL_TOKENS)}
-    cfg = Qwen2_5_VLConfig(
-        text_config=dict(vocab_size=272, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=512, rms_norm_eps=1e-6,
-                         tie_word_embeddings=False, bos_token_id=ids["<|endoftext|>"],
-                         eos_token_id=ids["<|im_end|>"],
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                          "mrope_section": [2, 3, 3]}),
-        vision_config=dict(depth=vision_depth, hidden_size=32, intermediate_size=64,
-                           num_heads=2, out_hidden_size=64, patch_size=14,
-                           spatial_merge_size=2, temporal_patch_size=2, window_size=56,
-                           fullatt_block_indexes=[vision_depth - 1]),
+    special = dict(bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"])
+    cfg = tiny_hf_config(
+        "qwen2_5_vl", 272, text_config=special,
+        vision_config=dict(depth=vision_depth, fullatt_block_indexes=[vision_depth - 1]),
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False,
-        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"])
+        vision_end_token_id=ids["<|vision_end|>"], **special)
     torch.manual_seed(seed)
     model = Qwen2_5_VLForConditionalGeneration(cfg)
     with torch.no_grad():

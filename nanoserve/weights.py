@@ -160,28 +160,30 @@ def _prepared_contents(path: Path) -> dict[str, bytes]:
     return prepared_contents(path, Tokenizer.from_gguf(path, open_gguf(path)).to_prepared())
 
 
-def _with_model_prefix(tensors: dict) -> dict:
+def _with_model_prefix(config: ModelConfig, tensors: dict) -> dict:
     """A base model saved alone (transformers' `Qwen3Model`/`LlamaModel`, as embedding
-    checkpoints are) names its tensors without the `model.` prefix: add it. A vision-language
-    model saved with the nested names (`model.language_model.*`, `model.visual.*`) gets the
-    flat ones (`model.*`, `visual.*`) that transformers 5.25 writes."""
-    if "model.language_model.embed_tokens.weight" in tensors:
-        tensors = {_flat_vl_name(name): t for name, t in tensors.items()}
+    checkpoints are) names its tensors without the `model.` prefix: add it. A family's
+    `renamed_prefixes` (nanoserve/families.py) are renamed: e.g. a vision-language model saved
+    with the nested names (`model.language_model.*`, `model.visual.*`) gets the flat ones
+    (`model.*`, `visual.*`) that transformers 5.25 writes."""
+    renamed = config.family.renamed_prefixes
+    if any(name.startswith(old) for name in tensors for old, _ in renamed):
+        tensors = {_renamed(name, renamed): t for name, t in tensors.items()}
     if "model.embed_tokens.weight" in tensors or "embed_tokens.weight" not in tensors:
         return tensors
     return {name if name.startswith("lm_head.") else f"model.{name}": t
             for name, t in tensors.items()}
 
 
-def _flat_vl_name(name: str) -> str:
-    for nested, flat in (("model.language_model.", "model."), ("model.visual.", "visual.")):
-        if name.startswith(nested):
-            return flat + name[len(nested):]
+def _renamed(name: str, prefixes: tuple[tuple[str, str], ...]) -> str:
+    for old, new in prefixes:
+        if name.startswith(old):
+            return new + name[len(old):]
     return name
 
 
 def _check_shapes(config: ModelConfig, shapes: dict[str, tuple[int, ...]], source: str) -> None:
-    shapes = stacked_shapes(config, _with_model_prefix(shapes))
+    shapes = stacked_shapes(config, _with_model_prefix(config, shapes))
     for name, shape in expected_shapes(config).items():
         if name not in shapes:
             raise ModelError(f"tensor {name!r} is missing from {source}")
@@ -245,7 +247,7 @@ def _checked(
 ) -> dict[str, torch.Tensor]:
     """Keep the expected tensors, in `expected_shapes` order; refuse missing or misshapen ones."""
     shapes = expected_shapes(config)
-    tensors = stack_experts(config, _with_model_prefix(tensors))
+    tensors = stack_experts(config, _with_model_prefix(config, tensors))
     missing = [name for name in shapes if name not in tensors]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""

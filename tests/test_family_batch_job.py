@@ -35,7 +35,7 @@ FAMILIES = {
     "qwen3": (6, "qwen3.jinja", {"eos_token": "<|im_end|>"}, ("<|im_end|>", "<|endoftext|>")),
     "mistral": (5, "mistral-7b-instruct-v0.1.jinja",
                 {"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>"}, ()),
-    # mixtures of experts (nanoserve/testing.py's TINY_MOE): the window on every layer
+    # mixtures of experts (their records' `tiny` options): the window on every layer
     "qwen3_moe": (6, "qwen3.jinja", {"eos_token": "<|im_end|>"}, ("<|im_end|>", "<|endoftext|>")),
     "mixtral": (5, "mistral-7b-instruct-v0.1.jinja",
                 {"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>"}, ()),

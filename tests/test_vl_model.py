@@ -63,7 +63,7 @@ def test_config_nested_and_flat(vl_pair):
     flat = {k: v for k, v in nested.items() if k != "text_config"} | nested["text_config"]
     flat["model_type"] = "qwen2_5_vl"
     flat["rope_scaling"] = {"type": "mrope", "mrope_section": [2, 3, 3]}  # 4.x spelling
-    del flat["rope_parameters"]
+    flat["rope_theta"] = flat.pop("rope_parameters")["rope_theta"]  # beside it, in 4.x
     a, b = ModelConfig.from_hf_dict(nested), ModelConfig.from_hf_dict(flat)
     assert a == b == model.config
     assert a.mrope_section == (2, 3, 3) and a.qkv_bias and a.image_token_id == IMG
