@@ -131,9 +131,9 @@ MUTATIONS = [
              "tests/test_choice_scores_job.py::test_job_rows_carry_label_probabilities",
              why="a scored row counts one generated token whatever its label's length"),
     # MoE configs (tests/test_moe_families.py)
-    Mutation("moe-norm-topk-default-flipped", "nanoserve/config.py",
-             'norm_topk_prob=bool(d.get("norm_topk_prob", False))',
-             'norm_topk_prob=bool(d.get("norm_topk_prob", True))',
+    Mutation("moe-norm-topk-default-flipped", "nanoserve/families.py",
+             '"moe_intermediate_size": 768, "norm_topk_prob": False,',
+             '"moe_intermediate_size": 768, "norm_topk_prob": True,',
              "tests/test_moe_families.py::test_norm_topk_prob_left_out_of_the_config",
              why="Qwen3-MoE / Qwen2-MoE renormalise top-k weights when config.json is silent"),
     # Qwen2.5-VL and the prefix cache (tests/test_vl_generate.py)
