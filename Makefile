@@ -12,9 +12,9 @@ PY := $(VENV)/bin/python
 # on the first job of a fresh install, or on every job where PYTHONDONTWRITEBYTECODE is set.
 # On a busy 2-core machine that made Ray's dashboard agent miss the 15 s its raylet waits.
 PIP := $(PY) -m pip
+# (A file written for a newer Python, one of torch's tests, does not compile: `|| true`.)
 COMPILE_JOB_MODULES = $(PY) -m compileall -q -j 0 $$($(PY) -c "import sysconfig; \
-	p = sysconfig.get_paths()['purelib']; print(p + '/ray', p + '/torch')") > /dev/null \
-	|| echo "some of Ray's or torch's modules did not compile; they compile when imported"
+	p = sysconfig.get_paths()['purelib']; print(p + '/ray', p + '/torch')") > /dev/null || true
 # torch 2.13, installed first so the package's own `torch>=2.4` is already met. On a machine
 # without an NVIDIA GPU (no nvidia-smi) the CPU build, without CUDA libraries, where pip's
 # configured index offers one (the `+cpu` local version), else the default wheel.
