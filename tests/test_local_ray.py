@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from ray_jobs.dispatch.local_ray import (
+    FAULT_AGENT_WAIT,
     OWNER_FILE,
     START_ATTEMPTS_ENV,
     TEMP_PREFIX,
@@ -100,13 +101,19 @@ if sys.argv and sys.argv[0].endswith(os.path.join("dashboard", "agent.py")):
 AGENT_TIMEOUT = "Ray's dashboard agent did not start within the raylet's time limit"
 
 
-def slow_agent_env(tmp_path, once: bool) -> dict[str, str]:
+def slow_agent_env(tmp_path, once: bool, raylet_waits: bool) -> dict[str, str]:
+    """The environment of a process whose private Ray has a late dashboard agent;
+    `raylet_waits`: started as Ray alone starts (`FAULT_AGENT_WAIT`), the raylet waiting for
+    the agent's port files, so the start fails."""
     site = tmp_path / "slow-agent"
     site.mkdir()
     (site / "sitecustomize.py").write_text(SLOW_AGENT_SITECUSTOMIZE)
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", START_ATTEMPTS_ENV)}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RAY_ADDRESS", START_ATTEMPTS_ENV, FAULT_AGENT_WAIT)}
     env.update(PYTHONPATH=os.pathsep.join([str(site), repo]), NS_TEST_SLOW_AGENT_S="20")
+    if raylet_waits:
+        env[FAULT_AGENT_WAIT] = "1"
     if once:
         marker = tmp_path / "slow-once"
         marker.write_text("")
@@ -114,22 +121,49 @@ def slow_agent_env(tmp_path, once: bool) -> dict[str, str]:
     return env
 
 
+PROCS_AND_TASK = (
+    "import json, time, ray, psutil\n"
+    "from ray_jobs.dispatch.local_ray import start_local_ray, stop_local_ray\n"
+    "t = time.perf_counter()\n"
+    "d = start_local_ray(num_cpus=1)\n"
+    "print('START_S', time.perf_counter() - t)\n"
+    "procs = [' '.join(p.cmdline()) for p in psutil.Process().children(recursive=True)]\n"
+    "print('PROCS=' + json.dumps(procs))\n"
+    "print('TASK', ray.get(ray.remote(lambda: 7).remote()))\n"
+    "stop_local_ray(d)\n"
+)
+
+
+def test_a_late_agent_does_not_hold_up_or_fail_the_start(tmp_path):
+    """Ray's dashboard agent starts later than the raylet's 15 s limit (it sleeps 20 s): the
+    start does not wait for it and does not fail, and tasks run. The private Ray runs only
+    what a job needs: no autoscaler monitor, no worker before a task asks for one."""
+    env = slow_agent_env(tmp_path, once=False, raylet_waits=False)
+    out = subprocess.run([sys.executable, "-c", PROCS_AND_TASK], env=env, capture_output=True,
+                         text=True, timeout=600, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "TASK 7" in out.stdout.splitlines()
+    assert "trying once more" not in out.stderr
+    start_s = float(next(ln for ln in out.stdout.splitlines()
+                         if ln.startswith("START_S")).split()[1])
+    assert start_s < 20, start_s  # the agent was still asleep when the start returned
+    procs = json.loads(next(ln for ln in out.stdout.splitlines()
+                            if ln.startswith("PROCS=")).removeprefix("PROCS="))
+    assert any("dashboard/agent.py" in p or "DashboardAgent" in p for p in procs), procs
+    assert any("raylet" in p for p in procs), procs
+    assert not [p for p in procs if "monitor.py" in p and "log_monitor" not in p], procs
+    workers = [p for p in procs if "ray::IDLE" in p
+               or ("default_worker.py" in p and "--raylet_socket_name" not in p)]  # not the raylet
+    assert workers == [], procs
+
+
 @pytest.mark.slow  # a start that fails takes Ray's 30 s wait for the raylet
 def test_a_start_that_times_out_is_tried_again_with_a_note(tmp_path):
-    """Ray's dashboard agent misses the raylet's limit once: the start is stopped, said in
-    one line, and tried again, and the second start serves tasks. The private Ray runs only
-    what a job needs: no autoscaler monitor, no worker before a task asks for one."""
-    script = (
-        "import json, ray, psutil\n"
-        "from ray_jobs.dispatch.local_ray import start_local_ray, stop_local_ray\n"
-        "d = start_local_ray(num_cpus=1)\n"
-        "procs = [' '.join(p.cmdline()) for p in psutil.Process().children(recursive=True)]\n"
-        "print('PROCS=' + json.dumps(procs))\n"
-        "print('TASK', ray.get(ray.remote(lambda: 7).remote()))\n"
-        "stop_local_ray(d)\n"
-    )
-    env = slow_agent_env(tmp_path, once=True)
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+    """Started as Ray alone starts (the raylet waits for its agents), the dashboard agent
+    misses the raylet's limit once: that start is stopped, said in one line, and tried
+    again, and the second start serves tasks."""
+    env = slow_agent_env(tmp_path, once=True, raylet_waits=True)
+    out = subprocess.run([sys.executable, "-c", PROCS_AND_TASK], env=env, capture_output=True,
                          text=True, timeout=600, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "TASK 7" in out.stdout.splitlines()
@@ -138,25 +172,19 @@ def test_a_start_that_times_out_is_tried_again_with_a_note(tmp_path):
     assert notes[0].startswith(f"nanoserve: Ray's local start failed ({AGENT_TIMEOUT}")
     assert notes[0].endswith("); trying once more")
     assert not os.path.exists(env["NS_TEST_SLOW_AGENT_ONCE"])  # the first agent was the slow one
-    procs = json.loads(next(ln for ln in out.stdout.splitlines()
-                            if ln.startswith("PROCS=")).removeprefix("PROCS="))
-    assert any("DashboardAgent" in p for p in procs) and any("raylet" in p for p in procs)
-    assert not [p for p in procs if "monitor.py" in p and "log_monitor" not in p], procs
-    workers = [p for p in procs if "ray::IDLE" in p
-               or ("default_worker.py" in p and "--raylet_socket_name" not in p)]  # not the raylet
-    assert workers == [], procs
 
 
 @pytest.mark.slow
 def test_a_start_that_keeps_failing_is_one_error_line(tmp_path, tiny_job_model):
-    """When every start fails (here one attempt: NANOSERVE_RAY_START_ATTEMPTS=1), the job
+    """When every start fails (started as Ray alone starts, the agent always late; here one
+    attempt: NANOSERVE_RAY_START_ATTEMPTS=1), the job
     exits 2 with one `error:` line naming what timed out, where Ray's logs are and what to
     try; no traceback, nothing written, nothing of that Ray left running."""
     import psutil
 
     inp = tmp_path / "in.jsonl"
     inp.write_text('{"prompt": "hello"}\n')
-    env = {**slow_agent_env(tmp_path, once=False), START_ATTEMPTS_ENV: "1"}
+    env = {**slow_agent_env(tmp_path, once=False, raylet_waits=True), START_ATTEMPTS_ENV: "1"}
     out = subprocess.run(
         [sys.executable, "-m", "nanoserve_cli", "batch", str(inp), "-o", str(tmp_path / "out"),
          "--model", str(tiny_job_model), "--address", "local", "--no-progress"],

@@ -9,12 +9,15 @@ before it could remove its folder leaves it behind, and the next private Ray sta
 machine removes every such folder whose owner process is gone.
 
 A private Ray starts only what a job needs, and survives a busy machine (`start_local_ray`):
-Ray 2.60's raylet gives its dashboard agent 15 s to start, a limit no option changes, and
-on a loaded 2-core machine the agent (importing every dashboard module) missed it in 4 of
-21 job starts. So the processes that would compete with the agent for the CPU while it
-starts are left out (no autoscaler monitor, no workers started ahead of need, no metrics),
-the timeouts that can be set are long, a failed start is tried once more after a note,
-and a second failure is one `NanoserveError` naming what timed out and what to try.
+Ray 2.60's raylet waits at most 15 s for each of its agents to write its port into a file,
+a limit no option changes, and on a loaded 2-core machine the dashboard agent (importing
+every dashboard module) missed it in 4 of 21 job starts. So the agents' ports are chosen
+before the start and their files written as soon as the GCS has named the node
+(`_AgentPortFiles`): the raylet starts without waiting for the agents, which come up when
+the machine lets them. Less is started (no autoscaler monitor, no workers started ahead of
+need, no metrics), the timeouts that can be set are long, a failed start is tried once
+more after a note, and a second failure is one `NanoserveError` naming what timed out and
+what to try.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import re
 import shutil
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -101,6 +105,13 @@ LOCAL_SYSTEM_CONFIG = {
 # Ray's node options that `ray.init` does not take but `ray start --head` does
 # (`--no-monitor`): the autoscaler monitor has nothing to do on one machine.
 LOCAL_NODE_OPTIONS = {"no_monitor": True}
+# The agents' ports, chosen before the start (`ray start --metrics-agent-port` and the like)
+# so that the raylet need not wait for the agents to say them (`_AgentPortFiles`).
+AGENT_PORT_FIELDS = ("metrics_agent_port", "metrics_export_port", "runtime_env_agent_port")
+# Testing hook (never set it in production): "1" starts Ray as Ray alone would, the raylet
+# waiting up to 15 s for each agent's port file, so a slow agent fails the start (the
+# tests' way to a real failed start: the retry and the error line).
+FAULT_AGENT_WAIT = "NANOSERVE_FAULT_RAY_AGENT_WAIT"
 # What each of Ray's port files names, for the error line (the raylet waits for each).
 _PORT_FILE_OWNERS = {
     "metrics_agent_port": "Ray's dashboard agent",
@@ -120,10 +131,10 @@ def start_local_ray(num_cpus: int | None = None, num_gpus: int | None = None,
     swapping 127.0.0.1 for the machine's network address. So token authentication can be
     off (RAY_AUTH_MODE=disabled unless set), and nothing is written under ~/.ray or /tmp/ray.
     No dashboard, no autoscaler monitor, no metrics, no workers started ahead of need
-    (`LOCAL_SYSTEM_CONFIG`, `LOCAL_NODE_OPTIONS`).
+    (`LOCAL_SYSTEM_CONFIG`, `LOCAL_NODE_OPTIONS`); the raylet does not wait for the agents
+    (`_AgentPortFiles`).
 
-    A start that fails (on a busy machine: an agent of Ray's that missed the raylet's 15 s
-    limit) is stopped, whatever of it was running, and tried once more after a line on
+    A start that fails is stopped, whatever of it was running, and tried once more after a line on
     stderr (`NANOSERVE_RAY_START_ATTEMPTS` starts in all, default 2); when the last fails,
     NanoserveError says what timed out and what to try, and that attempt's folder is kept
     for its logs (the next private Ray removes it).
@@ -146,8 +157,9 @@ def start_local_ray(num_cpus: int | None = None, num_gpus: int | None = None,
         temp_dir = tempfile.mkdtemp(prefix=TEMP_PREFIX)
         Path(temp_dir, OWNER_FILE).write_text(_owner_line(os.getpid()))
         before = _descendant_pids()
+        ports = {} if os.environ.get(FAULT_AGENT_WAIT) == "1" else _agent_ports()
         try:
-            with _node_options(LOCAL_NODE_OPTIONS):
+            with _node_options({**LOCAL_NODE_OPTIONS, **ports}), _AgentPortFiles(temp_dir, ports):
                 ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus,
                          object_store_memory=object_store_memory,
                          _node_ip_address="127.0.0.1", include_dashboard=False,
@@ -181,6 +193,72 @@ def _bytecode_hint() -> str:
     return (f"; Ray's modules have no bytecode here, so each of its processes compiles them "
             f"as it starts: `{sys.executable} -m compileall -q "
             f"{Path(agent.__file__).parents[1]}` once makes its start lighter")
+
+
+def _agent_ports() -> dict[str, int]:
+    """Free ports on 127.0.0.1 for the agents' servers, chosen here (RayParams' fields)."""
+    import socket
+
+    ports = {}
+    for field in AGENT_PORT_FIELDS:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports[field] = s.getsockname()[1]
+    return ports
+
+
+class _AgentPortFiles:
+    """Write, while `ray.init` runs, the port files the raylet waits for (Ray's own
+    `persist_port`, as its agents write them), as soon as the GCS has named the node and
+    before the raylet starts: the agents' ports chosen in advance (they bind to them when
+    they are up), and -1 ("not served") for the dashboard agent's HTTP port, which a
+    private Ray without a dashboard does not use. The raylet then starts without waiting
+    for the agents (Ray 2.60 allows them 15 s, which a busy 2-core machine can exceed), and
+    the agents write the same files again when they are up. A file already there is left
+    as it is."""
+
+    def __init__(self, temp_dir: str, ports: dict[str, int]) -> None:
+        from ray._raylet import (
+            DASHBOARD_AGENT_LISTEN_PORT_NAME,
+            METRICS_AGENT_PORT_NAME,
+            METRICS_EXPORT_PORT_NAME,
+            RUNTIME_ENV_AGENT_PORT_NAME,
+        )
+
+        self.temp_dir = Path(temp_dir)
+        self.ports = ports  # {}: write none (FAULT_AGENT_WAIT)
+        self.files = {METRICS_AGENT_PORT_NAME: ports.get("metrics_agent_port"),
+                      METRICS_EXPORT_PORT_NAME: ports.get("metrics_export_port"),
+                      RUNTIME_ENV_AGENT_PORT_NAME: ports.get("runtime_env_agent_port"),
+                      DASHBOARD_AGENT_LISTEN_PORT_NAME: -1}
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="nanoserve-ray-ports", daemon=True)
+
+    def __enter__(self) -> _AgentPortFiles:
+        if self.ports:
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.done.set()
+        if self.ports:
+            self.thread.join()
+
+    def _run(self) -> None:
+        from ray._raylet import GCS_SERVER_PORT_NAME, get_port_filename, persist_port
+
+        prefix = GCS_SERVER_PORT_NAME + "_"
+        while not self.done.wait(0.05):
+            found = [f for f in self.temp_dir.glob(f"session_*/{prefix}*")
+                     if not f.name.startswith(".")]
+            if not found:
+                continue
+            session, node_id = found[0].parent, found[0].name[len(prefix):]
+            for name, port in self.files.items():
+                with contextlib.suppress(Exception):  # the agent's own write wins
+                    if not (session / get_port_filename(node_id, name)).exists():
+                        persist_port(str(session), node_id, name, port)
+            return
 
 
 def start_attempts() -> int:
@@ -338,6 +416,7 @@ def _running_cluster_address() -> str | None:
         return None
 
 
-__all__ = ["LOCAL_NODE_OPTIONS", "LOCAL_SYSTEM_CONFIG", "OWNER_FILE", "SINGLE_MACHINE_ENV",
+__all__ = ["AGENT_PORT_FIELDS", "FAULT_AGENT_WAIT", "LOCAL_NODE_OPTIONS", "LOCAL_SYSTEM_CONFIG",
+           "OWNER_FILE", "SINGLE_MACHINE_ENV",
            "START_ATTEMPTS_ENV", "TEMP_PREFIX", "RaySession", "remove_stale_temp_dirs",
            "start_failure", "start_local_ray", "stop_local_ray"]
