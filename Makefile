@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 # (COMPILE_JOB_MODULES): every process of a job imports them (Ray's GCS helpers, agents and
 # workers, the worker's torch), and without bytecode each compiles them again as it starts:
 # on the first job of a fresh install, or on every job where PYTHONDONTWRITEBYTECODE is set.
-# On a busy 2-core machine that made Ray's dashboard agent miss the 15 s its raylet waits.
+# On a busy 2-core machine that made Ray's start (and the worker's load) slower still.
 PIP := $(PY) -m pip
 # (A file written for a newer Python, one of torch's tests, does not compile: `|| true`.)
 COMPILE_JOB_MODULES = $(PY) -m compileall -q -j 0 $$($(PY) -c "import sysconfig; \
