@@ -160,7 +160,12 @@ def _add_generate_parser(sub) -> None:
 
 
 def _run_generate(args) -> int:
-    from nanoserve.llm import LLM
+    """Every check that needs no model comes before the engine's imports (torch: seconds on
+    a busy machine), so a mistake is said at once. On stderr at the end: the tokens, the
+    generation's time and rate, and the load's."""
+    import time
+
+    from nanoserve.model_store import check_model_name
     from nanoserve.sampling import SamplingParams
 
     prompts = list(args.prompts)
@@ -180,8 +185,13 @@ def _run_generate(args) -> int:
                                 logprobs=args.logprobs, structured_outputs=structured)
     except ValueError as e:
         raise NanoserveError(str(e)) from None
+    check_model_name(args.model)
+    t0 = time.perf_counter()
+    from nanoserve.llm import LLM
+
     llm = LLM(args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
               kv_cache_dtype=args.kv_cache_dtype, max_batch_size=args.max_running_rows)
+    load_s = time.perf_counter() - t0
     if structured is not None:
         try:
             llm.grammars.check(structured)
@@ -191,7 +201,9 @@ def _run_generate(args) -> int:
     texts = [tok.apply_chat_template([{"role": "user", "content": p}]) if args.chat else p
              for p in prompts]
     ids = [tok.encode(t) for t in texts]
+    t1 = time.perf_counter()
     outs = llm.generate(ids, params)
+    generate_s = time.perf_counter() - t1
     for i, p in enumerate(prompts):
         print(f"=== [{i}] {p}")
         for out in outs[i * args.n:(i + 1) * args.n]:
@@ -202,7 +214,19 @@ def _run_generate(args) -> int:
             if out.logprobs is not None:
                 for entry in out.logprobs:
                     print("    " + _logprob_line(tok, entry))
+    tokens = sum(len(out.token_ids) for out in outs)
+    print(f"nanoserve: {tokens} tokens for {len(prompts)} prompt(s) in {generate_s:.1f} s "
+          f"({tokens / max(generate_s, 1e-9):.1f} tokens/s; {llm.device} with "
+          f"{_threads(llm)}); model loaded in {load_s:.1f} s", file=sys.stderr)
     return 0
+
+
+def _threads(llm) -> str:
+    if llm.device.type != "cpu":
+        return "its GPU"
+    import torch
+
+    return f"{torch.get_num_threads()} thread(s)"
 
 
 def _structured_flag(args) -> str:

@@ -211,8 +211,11 @@ class Embedder:
 
     @classmethod
     def load(cls, model: str, dtype: str | torch.dtype = "auto", device: str = "auto",
-             max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, **pooling: Any) -> Embedder:
-        """Load a checkpoint (folder or name) for embedding only: no KV pool."""
+             max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, num_threads: int | None = None,
+             **pooling: Any) -> Embedder:
+        """Load a checkpoint (folder or name) for embedding only: no KV pool. On the CPU,
+        `num_threads` as `nanoserve.llm.LLM`'s."""
+        from nanoserve.cpu_threads import configure_torch_threads
         from nanoserve.model import build_model
         from nanoserve.model_store import resolve_model
         from nanoserve.tokenizer import Tokenizer
@@ -221,6 +224,8 @@ class Embedder:
         path = resolve_model(model)
         dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu")
                            if device == "auto" else device)
+        if dev.type == "cpu":
+            configure_torch_threads(num_threads)
         config, state = load_checkpoint(path)
         built = build_model(config, state, _dtype(dtype, dev), dev)
         del state

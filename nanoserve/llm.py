@@ -14,6 +14,7 @@ import torch
 
 from nanoserve.cache import CacheShape, KVPool
 from nanoserve.config import ModelConfig
+from nanoserve.cpu_threads import configure_torch_threads
 from nanoserve.cuda_graph import MIN_DECODE_STEPS, graphs_wanted
 from nanoserve.dummy_weights import random_model
 from nanoserve.errors import CacheFullError, NanoserveError, check_positive_int
@@ -65,7 +66,8 @@ class LLM:
                  max_batch_size: int | None = None, decode_step: str = "auto",
                  scheduler: str = "auto", enable_prefix_caching: bool = True,
                  quantization: str | None = None, load_format: str = "auto",
-                 kv_cache_dtype: str = "auto", reasoning_parser: str | None = "auto") -> None:
+                 kv_cache_dtype: str = "auto", reasoning_parser: str | None = "auto",
+                 num_threads: int | None = None) -> None:
         """kv_cache_fraction: share of the GPU's free memory (after the weights) given to
         the KV pool. kv_cache_bytes: an exact pool size instead (the CPU default is 1 GiB).
         decode_step: "auto" (a CUDA graph per batch on a GPU, see nanoserve/cuda_graph.py),
@@ -101,7 +103,9 @@ class LLM:
         continuous scheduler, as many as the pool holds at 512 tokens a row, within 256 to
         1,024 (`nanoserve.running_rows`: 1,024 for an 8B model on an H200,
         where a step of 1,024 rows shares the weights' read and its GEMMs are compute-bound);
-        elsewhere 256. An FP8 cache holds twice the tokens (benchmarks/RESULTS.md)."""
+        elsewhere 256. An FP8 cache holds twice the tokens (benchmarks/RESULTS.md).
+        num_threads: on the CPU, torch's intra-op threads (default: the cores this process
+        may run on; `nanoserve.cpu_threads`, the set-up every entry point shares)."""
         if max_batch_size is not None:
             check_positive_int(max_batch_size, "max_batch_size (the most rows running at once)")
         self.enable_prefix_caching = enable_prefix_caching
@@ -118,6 +122,8 @@ class LLM:
         self.device = resolve_device(device)
         if self.device.type == "cuda":
             keep_kernels_with_models()
+        else:
+            configure_torch_threads(num_threads)
         self.dtype = resolve_dtype(dtype, self.device)
         check_quantization(quantization, self.device)  # before reading any weights
         self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype, self.device)

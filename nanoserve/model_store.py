@@ -47,6 +47,7 @@ import hashlib
 import json
 import mmap
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -121,12 +122,43 @@ def fetch_default_model(
     return target
 
 
+# Other spellings of the default model's name: its own in any case, and its Hugging Face id.
+DEFAULT_MODEL_ALIASES = (DEFAULT_MODEL, "huggingfacetb/smollm2-135m-instruct")
+# A Hugging Face Hub id: "org/name", one slash, no path syntax.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+
+
+def is_default_model_name(name_or_path: str | Path) -> bool:
+    """Whether the user's model argument names the default model: `DEFAULT_MODEL` as it is,
+    or (when no file or folder has that name) one of `DEFAULT_MODEL_ALIASES` in any case,
+    e.g. "SmolLM2-135M-Instruct" or "HuggingFaceTB/SmolLM2-135M-Instruct"."""
+    name = str(name_or_path)
+    if name == DEFAULT_MODEL:
+        return True
+    return (name.strip().lower() in DEFAULT_MODEL_ALIASES
+            and not Path(name).expanduser().exists())
+
+
 def resolve_model(name_or_path: str | Path) -> Path:
-    """Map the user's model argument to a path: the default model's name to its cached (and,
-    on first use, fetched) `.gguf` file; an existing `.gguf` file or Hugging Face folder (one
-    with `config.json`) to itself. Anything else is a ModelError."""
-    if str(name_or_path) == DEFAULT_MODEL:
+    """Map the user's model argument to a path: the default model's name
+    (`is_default_model_name`) to its cached (and, on first use, fetched) `.gguf` file; an
+    existing `.gguf` file or Hugging Face folder (one with `config.json`) to itself.
+    Anything else is a ModelError."""
+    if is_default_model_name(name_or_path):
         return fetch_default_model()
+    return _local_model(name_or_path)
+
+
+def check_model_name(name_or_path: str | Path) -> None:
+    """What `resolve_model` checks without fetching or reading anything: the default
+    model's name, or a `.gguf` file or a folder with `config.json`; else ModelError (with
+    how to get a Hub model into a folder, for a name like "org/model"). Cheap: the command
+    line calls it before its heavy imports."""
+    if not is_default_model_name(name_or_path):
+        _local_model(name_or_path)
+
+
+def _local_model(name_or_path: str | Path) -> Path:
     path = Path(name_or_path).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return path
@@ -137,6 +169,13 @@ def resolve_model(name_or_path: str | Path) -> Path:
         raise ModelError(f"cannot use {name_or_path} as a model: the folder has no config.json; {expected}")
     if path.is_file():
         raise ModelError(f"cannot use {name_or_path} as a model: a model file must end in .gguf; {expected}")
+    if _HUB_ID.fullmatch(str(name_or_path)):
+        raise ModelError(
+            f"no such model: {name_or_path} is not a file or folder here, and nanoserve "
+            f"fetches no model but its default ({DEFAULT_MODEL}); download the Hugging Face "
+            f"model into a folder first, e.g. `hf download {name_or_path} --local-dir "
+            f"models/{Path(str(name_or_path)).name}` (huggingface_hub's command line), and "
+            f"pass that folder")
     raise ModelError(f"no such model: {name_or_path}; {expected}")
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from nanoserve.cli import LIST_FLAGS
 from nanoserve.errors import InputError
-from nanoserve.model_store import DEFAULT_MODEL
+from nanoserve.model_store import DEFAULT_MODEL, check_model_name
 
 BATCH_DESCRIPTION = """\
 Generate a completion for every row of a Parquet or JSON Lines file (or a folder tree of
@@ -294,9 +294,8 @@ def run_batch_cli(args: argparse.Namespace) -> int:
     """Run the generation job; print the summary on stdout. NanoserveError propagates to the
     caller (`nanoserve.cli.run_command` turns it into `error: ...` and exit status 2). The
     sampling options are checked first, so a typo is refused before the model's files are
-    read."""
+    read, and the model's name before the job's own imports."""
     from nanoserve.sampling import SamplingParams
-    from ray_jobs.dispatch.driver import run_job
 
     try:
         SamplingParams(**{"max_tokens": args.max_tokens, "temperature": args.temperature,
@@ -309,6 +308,8 @@ def run_batch_cli(args: argparse.Namespace) -> int:
     if args.kv_cache_memory is not None and args.kv_cache_memory <= 0:
         raise InputError(f"--kv-cache-memory must be > 0 GiB, got {args.kv_cache_memory}")
     json_schema = None if args.json_schema is None else read_json_schema(args.json_schema)
+    check_model_name(args.model)
+    from ray_jobs.dispatch.driver import run_job
 
     summary = run_job(
         args.input, args.output_dir, task="generate", **_job_options(args),
@@ -331,6 +332,7 @@ def run_batch_cli(args: argparse.Namespace) -> int:
 
 def run_embed_cli(args: argparse.Namespace) -> int:
     """Run the embedding job; print the summary on stdout (errors as `run_batch_cli`)."""
+    check_model_name(args.model)
     from ray_jobs.dispatch.driver import run_job
 
     summary = run_job(

@@ -78,3 +78,37 @@ def test_batch_and_embed_read_the_flags_they_share_alike():
                      "batch_size": 1024, "max_batch_tokens": 65536, "num_workers": "2",
                      "worker_start_timeout_s": 5.0, "address": "local", "overwrite": True,
                      "retry_errors": True, "progress": False}
+
+
+FAST_ERROR_SCRIPT = """
+import sys
+from nanoserve_cli import main
+rc = main(sys.argv[1:])
+print("RC", rc, sorted(m for m in ("torch", "ray", "ray_jobs.dispatch.driver") if m in sys.modules))
+"""
+HUB_NAME_ERROR = ("error: no such model: org/no-such-model is not a file or folder here, and "
+                  "nanoserve fetches no model but its default (smollm2-135m-instruct); download "
+                  "the Hugging Face model into a folder first, e.g. `hf download "
+                  "org/no-such-model --local-dir models/no-such-model` (huggingface_hub's "
+                  "command line), and pass that folder")
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["generate"], "error: no prompts: give them as arguments or with --file"),
+    (["generate", "--model", "org/no-such-model", "hi"], HUB_NAME_ERROR),
+    (["batch", "in.jsonl", "-o", "out", "--model", "org/no-such-model"], HUB_NAME_ERROR),
+    (["embed", "in.jsonl", "-o", "out", "--model", "org/no-such-model"], HUB_NAME_ERROR),
+])
+def test_mistakes_are_said_before_the_heavy_imports(argv, error, tmp_path):
+    """A missing prompt or an unknown model is one line, exit 2, before the engine (torch)
+    or the job (its driver, Ray) is imported: at once, not after their seconds of imports."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    out = subprocess.run([sys.executable, "-c", FAST_ERROR_SCRIPT, *argv], capture_output=True,
+                         text=True, timeout=120, cwd=tmp_path, env=env)
+    assert out.stderr.strip().splitlines() == [error]
+    assert out.stdout.strip() == "RC 2 []"

@@ -144,3 +144,18 @@ def test_one_summary_says_each_tasks_own_lines():
         "wall time: 2.0 s, 3.0 rows/s, 50.0 tokens/s",
         "batches: 3 on 0 worker(s); output: out",
         "recovered: 1 worker restart(s), 0 device out-of-memory error(s)"]
+
+
+def test_the_generation_rate_stands_beside_the_whole_walls():
+    """The wall time's rate counts the job's fixed cost (Ray's start, the workers' load);
+    beside it, the rate over the first-batch and generate phases, when the run had them."""
+    common = dict(output_dir="out", rows=6, error_rows=0, rows_resumed=0, input_tokens=100,
+                  output_tokens=40, wall_time_s=20.0, output_tokens_per_s=2.0,
+                  padding_waste=0.0, num_batches=3, finish_reasons={"stop": 6})
+    timed = driver.JobSummary(**common, timings={"prepare": 1.0, "ray": 9.0, "workers": 5.0,
+                                                 "first_batch": 1.5, "generate": 2.5,
+                                                 "shutdown": 1.0})
+    assert "wall time: 20.0 s, 2.0 output tokens/s (generation: 4.0 s, 10.0 output tokens/s)" \
+        in timed.format().splitlines()
+    resumed = driver.JobSummary(**common, timings={"prepare": 1.0})  # nothing left to run
+    assert "wall time: 20.0 s, 2.0 output tokens/s" in resumed.format().splitlines()

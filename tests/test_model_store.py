@@ -12,6 +12,8 @@ from nanoserve import model_store
 from nanoserve.errors import ModelError
 from nanoserve.model_store import (
     DEFAULT_MODEL,
+    DEFAULT_MODEL_SIZE,
+    check_model_name,
     default_model_path,
     fetch_default_model,
     resolve_model,
@@ -128,3 +130,40 @@ def test_resolve_unknown_model_is_refused(tmp_path, cache, monkeypatch, kind, wh
         r"a Hugging Face folder, or a \.gguf file",
     ):
         resolve_model(target)
+
+
+@pytest.mark.parametrize("name", ["SmolLM2-135M-Instruct", "smollm2-135M-instruct",
+                                  "HuggingFaceTB/SmolLM2-135M-Instruct", DEFAULT_MODEL])
+def test_the_default_model_as_users_type_it(name, tmp_path, cache, monkeypatch):
+    """The default model's name in any case, and its Hugging Face id, name the default
+    model (already in the cache here: no fetch); a folder of that name in the working
+    directory is that folder."""
+    _refuse_pip(monkeypatch)
+    target = default_model_path()
+    target.parent.mkdir(parents=True)
+    with open(target, "wb") as f:
+        f.truncate(DEFAULT_MODEL_SIZE)  # what the cache's cheap completeness check reads
+    monkeypatch.chdir(tmp_path)
+    check_model_name(name)
+    assert resolve_model(name) == target
+    if name != DEFAULT_MODEL:
+        folder = tmp_path / name
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text("{}")
+        assert resolve_model(name).resolve() == folder
+
+
+@pytest.mark.parametrize("resolve", [resolve_model, check_model_name])
+def test_a_hub_name_says_how_to_get_a_local_folder(resolve, tmp_path, cache, monkeypatch):
+    """A Hugging Face id that is not a local folder is refused with the command that
+    downloads it into one; `check_model_name` says the same without a fetch or a read."""
+    _refuse_pip(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelError) as e:
+        resolve("meta-llama/Llama-3.2-1B-Instruct")
+    assert str(e.value) == (
+        "no such model: meta-llama/Llama-3.2-1B-Instruct is not a file or folder here, and "
+        "nanoserve fetches no model but its default (smollm2-135m-instruct); download the "
+        "Hugging Face model into a folder first, e.g. `hf download "
+        "meta-llama/Llama-3.2-1B-Instruct --local-dir models/Llama-3.2-1B-Instruct` "
+        "(huggingface_hub's command line), and pass that folder")

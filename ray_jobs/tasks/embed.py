@@ -142,19 +142,13 @@ class EmbedWorker:
     def __init__(self, model: str, dtype: str = "auto", device: str | None = None,
                  num_threads: int | None = None, pooling: dict[str, Any] | None = None,
                  max_batch_tokens: int = 16384, **_generation: Any) -> None:
-        import os
-
-        import torch
-
         from nanoserve.embed import Embedder, PoolingConfig
         from ray_jobs.workers.worker import _fault_hold_load_while_file, _fault_on_load, pick_device
 
         _fault_hold_load_while_file()
         _fault_on_load()
-        if num_threads is not None:
-            torch.set_num_threads(max(1, min(num_threads, os.cpu_count() or 1)))
         self.embedder = Embedder.load(model, dtype=dtype, device=device or pick_device(),
-                                      max_batch_tokens=max_batch_tokens)
+                                      max_batch_tokens=max_batch_tokens, num_threads=num_threads)
         self.embedder.pooling = PoolingConfig(**(pooling or {}))
         self.embedder.limit = self.embedder.pooling.max_input_tokens or self.embedder.limit
         self.embedder.dim = self.embedder.pooling.dimensions or self.embedder.config.hidden_size

@@ -199,10 +199,15 @@ def progress(run: Any, elapsed: float) -> str:
 
 
 def summary_lines(s: Any) -> list[str]:
-    """The summary's generation lines (`ray_jobs.dispatch.driver.JobSummary.format`)."""
+    """The summary's generation lines (`ray_jobs.dispatch.driver.JobSummary.format`). The
+    wall time's rate counts the job's fixed cost (Ray's start, the workers' load); beside
+    it, the rate while the workers generated (the first batch and generate phases)."""
+    generating = s.timings.get("first_batch", 0.0) + s.timings.get("generate", 0.0)
     return [
         f"tokens: {s.input_tokens} input, {s.output_tokens} output",
-        f"wall time: {s.wall_time_s:.1f} s, {s.output_tokens_per_s:.1f} output tokens/s",
+        f"wall time: {s.wall_time_s:.1f} s, {s.output_tokens_per_s:.1f} output tokens/s"
+        + (f" (generation: {generating:.1f} s, {s.output_tokens / generating:.1f} output "
+           f"tokens/s)" if generating > 0 else ""),
         f"padding waste: {s.padding_waste:.1%} of the padded prefill",
         *([f"prefix cache: {s.prefix_hit_rate:.1%} of prompt tokens served from it"]
           if s.prefix_hit_rate is not None else []),

@@ -132,19 +132,18 @@ class BatchWorker:
         block)."""
         _fault_hold_load_while_file()
         t0 = time.perf_counter()
-        import torch
+        import torch  # noqa: F401  (timed: the worker's imports)
 
         from nanoserve.llm import LLM
 
         imports_s = time.perf_counter() - t0
         _fault_on_load()
-        if num_threads is not None:
-            torch.set_num_threads(max(1, min(num_threads, os.cpu_count() or 1)))
         llm = LLM(model=model, dtype=dtype, device=device or pick_device(),
                   kv_cache_fraction=kv_cache_fraction, kv_cache_bytes=kv_cache_bytes,
                   scheduler=scheduler, enable_prefix_caching=prefix_caching,
                   quantization=quantization, kv_cache_dtype=kv_cache_dtype,
-                  max_batch_size=max_batch_size, reasoning_parser=reasoning_parser)
+                  max_batch_size=max_batch_size, reasoning_parser=reasoning_parser,
+                  num_threads=num_threads)
         self._attach(llm)
         self.load_timings = {"imports_s": imports_s, **getattr(llm, "load_timings", {})}
 
