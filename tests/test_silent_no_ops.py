@@ -19,7 +19,7 @@ import pytest
 
 from ray_jobs import run_batch_job
 from ray_jobs.output.manifest import REPORT_NAME
-from ray_jobs.preparation.prepare import column_slips, unread_template_kwargs
+from ray_jobs.preparation.silent_no_ops import column_slips, unread_template_kwargs
 
 KV_BYTES = 32 << 20
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"

@@ -29,11 +29,10 @@ from ray_jobs.output import openai_files
 from ray_jobs.preparation.prepare import (
     ColumnPlan,
     RowPreparer,
-    column_slips,
     output_controls,
-    unread_template_kwargs,
 )
 from ray_jobs.preparation.row_images import ModelImages
+from ray_jobs.preparation.silent_no_ops import column_slips, unread_template_kwargs
 from ray_jobs.workers.options import JobOptions
 from ray_jobs.workers.tasks import ShardOutcome, ShardWorker, TaskKind, TaskPlan
 from ray_jobs.workers.worker import BatchWorker, GenerationRequest, error_rows
