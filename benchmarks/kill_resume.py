@@ -10,7 +10,8 @@ local Ray of W CPU workers:
 
 1. When a quarter of the shards' parts are written, one worker's process (a process of
    the driver's session named `ray::RayBatchWorker...`) is SIGKILLed; the job replaces it
-   and runs its shards again.
+   and runs its shards again. The other workers are stopped (SIGSTOP) until the driver
+   says it replaced the dead one, so a fast job cannot end before the driver's kill.
 2. When half of them are written, the driver's whole session (the driver and the local
    Ray it started, workers included) is SIGKILLed.
 3. The same command runs again: it adopts the parts already written and computes the
@@ -131,6 +132,28 @@ def kill_a_worker(sid: int) -> int:
     raise SystemExit(f"no process named {WORKER_TITLE} in the driver's session")
 
 
+def pause_workers(sid: int) -> list[int]:
+    """SIGSTOP the session's job workers (the live ones: the killed worker's replacement,
+    started later, runs); their pids. While they are stopped no part is written, so the
+    job cannot finish while the driver notices the killed worker and replaces it."""
+    paused = [pid for pid, cmd in session_processes(sid).items()
+              if cmd.startswith(WORKER_TITLE)]
+    for pid in paused:
+        try:
+            os.kill(pid, signal.SIGSTOP)
+        except ProcessLookupError:
+            pass
+    return paused
+
+
+def resume_workers(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+
 def kill_session(sid: int) -> None:
     try:
         os.killpg(sid, signal.SIGKILL)
@@ -175,7 +198,11 @@ def run(rows: int, workers: int, batch_size: int, model: str, work: Path) -> Kil
             try:
                 at_worker = wait_for_parts(out, max(1, shards // 4), first, log)
                 kill_a_worker(first.pid)
-                replaced = wait_for_line(log, REPLACED, first)
+                paused = pause_workers(first.pid)
+                try:
+                    replaced = wait_for_line(log, REPLACED, first)
+                finally:
+                    resume_workers(paused)
                 at_driver = wait_for_parts(out, max(at_worker + 1, shards // 2), first, log)
             finally:
                 kill_session(first.pid)
