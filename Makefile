@@ -6,17 +6,18 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # --no-compile: pip does not compile every installed file to bytecode (about 30 s of 80 on
-# 2 cores). Ray's and torch's modules are compiled after the install all the same
+# 2 cores). What the demo's install put in the venv (the package's dependencies: Ray, torch,
+# pyarrow, numpy, pandas and theirs) is compiled after it all the same, in parallel
 # (COMPILE_JOB_MODULES): every process of a job imports them (Ray's GCS helpers, agents and
-# workers, the worker's torch, and pandas, which pyarrow imports in the worker's first
-# `pa.array` of Python values), and without bytecode each compiles them again as it starts:
-# on the first job of a fresh install, or on every job where PYTHONDONTWRITEBYTECODE is set.
-# On a busy 2-core machine that made Ray's start (and the worker's load) slower still.
+# workers, the worker's torch, and pandas with dateutil, pytz and numpy, which pyarrow imports
+# in the worker's first `pa.array` of Python values), and without bytecode each compiles them
+# again as it starts: on the first job of a fresh install, or on every job where
+# PYTHONDONTWRITEBYTECODE is set. On a busy 2-core machine that made Ray's start and the
+# worker's first batch minutes slower. The test extra (transformers, moto, ...) is not.
 PIP := $(PY) -m pip
 # (A file written for a newer Python, one of torch's tests, does not compile: `|| true`.)
 COMPILE_JOB_MODULES = $(PY) -m compileall -q -j 0 $$($(PY) -c "import sysconfig; \
-	p = sysconfig.get_paths()['purelib']; print(p + '/ray', p + '/torch', p + '/pandas')") \
-	> /dev/null || true
+	print(sysconfig.get_paths()['purelib'])") > /dev/null || true
 # torch 2.13, installed first so the package's own `torch>=2.4` is already met. On a machine
 # without an NVIDIA GPU (no nvidia-smi) the CPU build, without CUDA libraries, where pip's
 # configured index offers one (the `+cpu` local version), else the default wheel.
