@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from nanoserve.errors import NanoserveError, first_line
+from nanoserve import NanoserveError, first_line
 from ray_jobs.input.shards import InputSpec, Shard, read_shard
 from ray_jobs.input.storage import OutputDir
 from ray_jobs.output.manifest import BESIDE_DIGEST_KEY, PART_DIGEST_KEY, beside_digest, part_name
