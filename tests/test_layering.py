@@ -12,7 +12,8 @@ embedding; report: phases and the HTML report; dispatch: the driver and the acto
 entry points, `ray_jobs.cli` and `ray_jobs.data_processor`, and the package's own
 `__init__`, at the top level, above every stage). Every import counts, function-local and
 TYPE_CHECKING ones included (read from the source with `ast`, nothing imported); modules in
-subpackages too."""
+subpackages too. And the job and the command line see the engine only through its public
+API: `import nanoserve` or `from nanoserve import <a name in nanoserve.__all__>`."""
 
 from __future__ import annotations
 
