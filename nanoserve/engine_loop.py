@@ -1,7 +1,7 @@
 """One continuous batch that outlives any caller: a thread that owns a
 `ContinuousScheduler` and takes work from other threads.
 
-    loop = EngineLoop(llm)
+    loop = llm.start_loop()                 # an EngineLoop(llm)
     future = loop.submit(prompts, params)   # from any thread
     future.progress()                       # (rows finished, rows, their tokens) so far
     completions = future.result()           # when the group's last row finishes
@@ -9,6 +9,9 @@
 Rows submitted while others run join the running batch as rows finish, so a caller that
 keeps two groups submitted (the batch worker, holding two of the driver's batches) never
 lets the batch drain between groups.
+
+Under the LLM's reasoning parser, a group's completions come back split like `LLM.generate`'s
+(`nanoserve.reasoning.split_completions`: `reasoning`, `text` the answer).
 
 Failures: if a step raises (the device ran out of memory, say), every row then queued or
 running is dropped with its blocks freed, and every unfinished group's future gets the
@@ -37,6 +40,7 @@ from typing import Any
 import torch
 
 from nanoserve.generate import BatchStats
+from nanoserve.reasoning import split_completions
 from nanoserve.sampling import SamplingParams
 from nanoserve.scheduler import ContinuousScheduler
 from nanoserve.sequence import SequenceOutput
@@ -188,7 +192,8 @@ class EngineLoop:
             self._live.remove(future)
             if alone:
                 self._alone = False
-            future.set_result(outputs)
+            future.set_result(split_completions(getattr(self.llm, "reasoning", None), prompts,
+                                                params, outputs))
 
         self._live.append(future)
         self._alone = self._alone or alone

@@ -9,6 +9,9 @@ GPU and on the CPU), or in static batches that fit that pool.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,6 +28,7 @@ from nanoserve.kv_cache_dtype import read_kv_scales, resolve_kv_cache_dtype
 from nanoserve.model_runner import ContinuousRunner
 from nanoserve.model_store import DEFAULT_MODEL, keep_kernels_with_models, resolve_model
 from nanoserve.multimodal import MultimodalPrompt, chat_prompt
+from nanoserve.reasoning import resolve_parser, split_completions
 from nanoserve.running_rows import CPU_DEFAULT_ROWS, default_max_rows
 from nanoserve.sampling import SamplingParams
 from nanoserve.scheduler import generate_continuous
@@ -34,7 +38,10 @@ from nanoserve.tokenizer import Tokenizer
 from nanoserve.weights import load_checkpoint
 from nanoserve_kernels.kv_quant import is_fp8
 
-__all__ = ["LLM", "SCHEDULERS", "Completion", "resolve_device", "resolve_dtype"]
+if TYPE_CHECKING:
+    from nanoserve.engine_loop import EngineLoop
+
+__all__ = ["LLM", "SCHEDULERS", "Completion", "RowFit", "resolve_device", "resolve_dtype"]
 
 SCHEDULERS = ("auto", "static", "continuous")
 
@@ -147,8 +154,6 @@ class LLM:
         # Structured outputs: xgrammar's view of this tokenizer, built at the first
         # constrained row; each constraint compiled once.
         self.grammars = GrammarCache(self.tokenizer, config.vocab_size, self.eos_token_ids)
-        from nanoserve.reasoning import resolve_parser
-
         try:
             self.reasoning, self.reasoning_line = resolve_parser(
                 reasoning_parser, config.architecture, self.tokenizer)
@@ -226,24 +231,56 @@ class LLM:
                 torch.cuda.empty_cache()  # below: static batches, halved until they fit
             else:
                 self.last_stats = stats
-                return self._split_reasoning(prompt_token_ids, params, outs)
+                return split_completions(self.reasoning, prompt_token_ids, params, outs)
         out: list[Completion] = []
         for batch in self._plan(prompt_token_ids, params):
             out.extend(self._run(prompt_token_ids, params, batch))
-        return self._split_reasoning(prompt_token_ids, params, out)
+        return split_completions(self.reasoning, prompt_token_ids, params, out)
 
-    def _split_reasoning(self, prompts: list[list[int]], params: list[SamplingParams],
-                         outs: list[Completion]) -> list[Completion]:
-        """Under a reasoning parser: each completion's think block split from its answer."""
-        if self.reasoning is None:
-            return outs
-        owners = [p for p, sp in zip(prompts, params) for _ in range(sp.n)]
-        for prompt, out in zip(owners, outs, strict=True):
-            reasoning, answer, n, _ = self.reasoning.split_text(prompt, out.token_ids)
-            out.reasoning, out.num_reasoning_tokens = reasoning, n
-            if out.finish_reason != "error":
-                out.text = answer
-        return outs
+    @property
+    def reasoning_parser(self) -> str | None:
+        """The name of the reasoning parser this engine runs (None: no split)."""
+        return self.reasoning.name if self.reasoning is not None else None
+
+    def start_loop(self) -> EngineLoop:
+        """A new `nanoserve.engine_loop.EngineLoop` over this engine (continuous scheduler
+        only, else ValueError): one running batch that rows are submitted to from any thread,
+        their results streamed back as futures (`progress()` while they run), its counters,
+        and work run between two steps (`call`). Its completions are split by the reasoning
+        parser like `generate`'s. Invariant: while it runs, this LLM's `generate` must not
+        be called, and `score_labels` runs only through its `call`."""
+        from nanoserve.engine_loop import EngineLoop
+
+        return EngineLoop(self)
+
+    def row_fit(self, prompt: Sequence[int], params: SamplingParams, together: int = 1
+                ) -> RowFit:
+        """Whether `together` samples of `prompt`, run alone, fit the KV pool at their peak
+        (prompt + the steps `generate` runs: max_tokens, capped by the context)."""
+        steps = self._max_new(prompt, params)
+        need = blocks_for_batch([len(prompt)] * together, steps, self.pool.block_size)
+        return RowFit(need, steps, self.pool.block_size, self.pool.num_blocks)
+
+    def label_token_ids(self, labels: Sequence[str], prompt: Sequence[int] = ()
+                        ) -> list[list[int]]:
+        """Each label's token ids, encoded alone without special tokens. ValueError (one
+        line) for an empty list, an empty label or one given twice, or when `prompt` and
+        its longest label do not fit the model's context."""
+        from nanoserve.choice_scores import check_fits, label_token_ids
+
+        ids = label_token_ids(self.tokenizer, labels)
+        check_fits(prompt, ids, self.max_context)
+        return ids
+
+    def score_labels(self, prompts: list[list[int]], label_ids: list[list[list[int]]]
+                     ) -> list[list[float]]:
+        """Per prompt, its labels' probabilities (`label_ids[i]`: prompt i's labels' token
+        ids, from `label_token_ids`), normalised over them: forward passes over the labels
+        on this engine's model and pool (`nanoserve.choice_scores`). Not beside another
+        call on the engine: under a running `start_loop`, through its `call`."""
+        from nanoserve.choice_scores import label_logprobs, normalise
+
+        return [normalise(s) for s in label_logprobs(self.model, self.pool, prompts, label_ids)]
 
     def chat(self, conversations: list[list[dict]] | list[dict],
              params: SamplingParams | list[SamplingParams] | None = None, *,
@@ -343,6 +380,21 @@ class LLM:
                               pooling=pooling, normalize=normalize, dimensions=dimensions,
                               instruction=instruction, max_input_tokens=max_input_tokens)
         return Embedder(self.model, self.tokenizer, cfg, max_batch_tokens).embed(inputs)
+
+
+@dataclass(frozen=True)
+class RowFit:
+    """A row's KV need against the pool (`LLM.row_fit`): `blocks` of `block_size` tokens for
+    `steps` new tokens; the pool holds `pool_blocks`."""
+
+    blocks: int
+    steps: int
+    block_size: int
+    pool_blocks: int
+
+    @property
+    def fits(self) -> bool:
+        return self.blocks <= self.pool_blocks
 
 
 def continuous_step_mode(decode_step: str, device: torch.device) -> str:

@@ -59,10 +59,7 @@ class ReasoningParser:
     def __init__(self, name: str, tokenizer: Any) -> None:
         if name not in PARSERS:
             raise ValueError(f"unknown reasoning parser {name!r}; choose {', '.join(PARSERS)}")
-        ids = tuple(tokenizer.token_to_id(t) for t in (THINK_OPEN, THINK_CLOSE))
-        if None in ids:
-            raise ValueError(f"reasoning parser {name!r}: the tokenizer has no single "
-                             f"{THINK_OPEN} / {THINK_CLOSE} tokens")
+        ids = _think_ids(name, tokenizer)
         self.name = name
         self.tokenizer = tokenizer
         self.open_id, self.close_id = ids
@@ -214,6 +211,15 @@ def has_think_tags(tokenizer: Any) -> bool:
     return all(tokenizer.token_to_id(t) is not None for t in (THINK_OPEN, THINK_CLOSE))
 
 
+def _think_ids(name: str, tokenizer: Any) -> tuple[int, int]:
+    """The tokenizer's (<think>, </think>) ids; ValueError naming parser `name` without them."""
+    ids = tuple(tokenizer.token_to_id(t) for t in (THINK_OPEN, THINK_CLOSE))
+    if None in ids:
+        raise ValueError(f"reasoning parser {name!r}: the tokenizer has no single "
+                         f"{THINK_OPEN} / {THINK_CLOSE} tokens")
+    return ids  # type: ignore[return-value]
+
+
 def opens_think_in_prompt(tokenizer: Any) -> bool:
     """Whether the chat template's generation prompt ends inside an opened think block (the
     DeepSeek-R1 distills', QwQ's, the Qwen3 thinking-only models')."""
@@ -240,18 +246,57 @@ def pick_parser(architecture: str, tokenizer: Any) -> tuple[str | None, str]:
     return None, "the model family is not known to think (give --reasoning-parser)"
 
 
+def choose_reasoning_parser(option: str | None, architecture: str, tokenizer: Any
+                            ) -> tuple[str | None, str | None]:
+    """What the engine will run for `reasoning_parser` `option` ("auto", "none"/None, or a
+    parser's name) on a model of `architecture` with `tokenizer`, decided without building a
+    parser: (the parser's name, or None for no split; a line saying which and why, or None
+    where nothing was asked of a model that cannot think: `option` auto/none and no think
+    tags). Passing the name on as an `LLM`'s `reasoning_parser` runs that parser. ValueError
+    for an unknown name or a tokenizer without the tags (a parser given by name)."""
+    name, line = _choose(option, architecture, tokenizer)
+    if option in (None, "none", "auto") and not has_think_tags(tokenizer):
+        return name, None  # a model that cannot think: nothing to say
+    return name, line
+
+
 def resolve_parser(name: str | None, architecture: str, tokenizer: Any
                    ) -> tuple[ReasoningParser | None, str]:
     """The parser for `reasoning_parser` `name` ("auto", "none"/None, or a parser's name)
-    and a line saying which and why. ValueError for an unknown name or a tokenizer without
-    the tags (a parser given by name)."""
-    if name is None or name == "none":
+    and a line saying which and why (`LLM.__init__`, once per engine). ValueError for an
+    unknown name or a tokenizer without the tags (a parser given by name)."""
+    picked, line = _choose(name, architecture, tokenizer)
+    return (ReasoningParser(picked, tokenizer) if picked else None), line
+
+
+def _choose(option: str | None, architecture: str, tokenizer: Any) -> tuple[str | None, str]:
+    """(the parser's name or None, the line saying which and why) for `option`."""
+    if option is None or option == "none":
         return None, "reasoning parser: none"
-    if name == "auto":
+    if option == "auto":
         picked, why = pick_parser(architecture, tokenizer)
         if picked is None:
             return None, f"reasoning parser: none ({why})"
-        return ReasoningParser(picked, tokenizer), f"reasoning parser: {picked} (auto: {why})"
-    if name not in PARSERS:
-        raise ValueError(f"unknown reasoning parser {name!r}; choose {', '.join(CHOICES)}")
-    return ReasoningParser(name, tokenizer), f"reasoning parser: {name}"
+        return picked, f"reasoning parser: {picked} (auto: {why})"
+    if option not in PARSERS:
+        raise ValueError(f"unknown reasoning parser {option!r}; choose {', '.join(CHOICES)}")
+    _think_ids(option, tokenizer)
+    return option, f"reasoning parser: {option}"
+
+
+def split_completions(parser: ReasoningParser | None, prompts: Sequence[Any],
+                      params: Sequence[Any], outs: list[Any]) -> list[Any]:
+    """Under a parser, each completion (`SequenceOutput`, in place; a prompt's n samples
+    consecutive) with its think block split from its answer: `reasoning`,
+    `num_reasoning_tokens`, and `text` the answer alone (an error's text untouched). The
+    engine's one place for the split (`LLM.generate`, `EngineLoop`'s results). A prompt is
+    token ids or a `MultimodalPrompt` (its `token_ids`)."""
+    if parser is None:
+        return outs
+    owners = [getattr(p, "token_ids", p) for p, sp in zip(prompts, params) for _ in range(sp.n)]
+    for prompt, out in zip(owners, outs, strict=True):
+        reasoning, answer, n, _ = parser.split_text(prompt, out.token_ids)
+        out.reasoning, out.num_reasoning_tokens = reasoning, n
+        if out.finish_reason != "error":
+            out.text = answer
+    return outs

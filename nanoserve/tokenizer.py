@@ -550,6 +550,22 @@ def _byte_alphabet() -> frozenset[str]:
     return frozenset(_bytes_to_unicode().values())
 
 
+@lru_cache(maxsize=1)
+def _unicode_to_bytes() -> dict[str, int]:
+    return {c: b for b, c in _bytes_to_unicode().items()}
+
+
+def byte_level_bytes(piece: str | None) -> bytes | None:
+    """The bytes a byte-level BPE token's string spells (GPT-2's byte alphabet), or None
+    when it is not one (None, or a character outside that alphabet)."""
+    if piece is None:
+        return None
+    decoder = _unicode_to_bytes()
+    if not all(c in decoder for c in piece):
+        return None
+    return bytes(decoder[c] for c in piece)
+
+
 # -------------------------------------------------------------------- shared helpers
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from nanoserve.cli import ENGINE_COMMANDS, SuggestingParser, add_engine_parsers, run_command
+from nanoserve import ENGINE_COMMANDS, SuggestingParser, add_engine_parsers, run_command
 from ray_jobs.cli import JOB_COMMANDS, add_job_parsers
 
 COMMANDS = {**ENGINE_COMMANDS, **JOB_COMMANDS}

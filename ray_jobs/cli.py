@@ -22,9 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from nanoserve.cli import LIST_FLAGS
-from nanoserve.errors import InputError
-from nanoserve.model_store import DEFAULT_MODEL, check_model_name
+from nanoserve import DEFAULT_MODEL, LIST_FLAGS, InputError, check_model_name
 
 BATCH_DESCRIPTION = """\
 Generate a completion for every row of a Parquet or JSON Lines file (or a folder tree of
@@ -295,7 +293,7 @@ def run_batch_cli(args: argparse.Namespace) -> int:
     caller (`nanoserve.cli.run_command` turns it into `error: ...` and exit status 2). The
     sampling options are checked first, so a typo is refused before the model's files are
     read, and the model's name before the job's own imports."""
-    from nanoserve.sampling import SamplingParams
+    from nanoserve import SamplingParams
 
     try:
         SamplingParams(**{"max_tokens": args.max_tokens, "temperature": args.temperature,
@@ -351,7 +349,7 @@ def read_json_schema(path: Path) -> str:
     """The text of a `--json-schema FILE`; InputError (one line naming the file) when it
     cannot be read, is not JSON, or is not a usable schema's shape (whether it compiles is
     checked with the model's tokenizer, before any worker starts)."""
-    from nanoserve.structured import StructuredOutputs
+    from nanoserve import StructuredOutputs
 
     try:
         text = path.read_text(encoding="utf-8")
@@ -370,7 +368,7 @@ def read_json_schema(path: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m ray_jobs.cli ARGS` is `nanoserve batch ARGS`."""
-    from nanoserve.cli import SuggestingParser, run_command
+    from nanoserve import SuggestingParser, run_command
 
     parser = SuggestingParser(prog="nanoserve batch", description=BATCH_DESCRIPTION,
                               formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -65,7 +65,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from nanoserve.model_store import DEFAULT_MODEL, resolve_model
+from nanoserve import DEFAULT_MODEL, resolve_model
 from ray_jobs.input.io import InputChunk, result_schema
 from ray_jobs.preparation.prepare import (
     ColumnPlan,
@@ -138,7 +138,8 @@ class DatasetGenerator(DatasetStage):
         self.worker = BatchWorker(str(path), dtype=dtype, kv_cache_fraction=kv_cache_fraction,
                                   kv_cache_bytes=kv_cache_bytes, scheduler=scheduler,
                                   num_threads=num_threads, reasoning_parser=reasoning_parser)
-        self.reasoning = self.worker.llm.reasoning  # the engine's parser (None: no split)
+        # the parser the engine resolved and applies (None: no split)
+        self.reasoning = self.worker.llm.reasoning_parser
         self._preparers: dict[pa.Schema, tuple[RowPreparer, tuple[str, ...]]] = {}
 
     def _preparer(self, schema: pa.Schema) -> tuple[RowPreparer, tuple[str, ...]]:
@@ -162,8 +163,7 @@ class DatasetGenerator(DatasetStage):
 
     def _task(self, schema: pa.Schema) -> tuple[GenerateTask, pa.Schema]:
         preparer, controls = self._preparer(schema)
-        options = {"defaults": self.sampling,
-                   "reasoning_parser": self.reasoning.name if self.reasoning else None}
+        options = {"defaults": self.sampling}
         task = GenerateTask(preparer.plan, options, self.tokenizer, self.config,
                             engine=self.worker.run_batch, preparer=preparer)
         return task, result_schema(controls)
@@ -224,8 +224,7 @@ def build_processor(model: str = DEFAULT_MODEL, *, concurrency: int = 1,
     keyword arguments are then `pooling`, `normalize`, `dimensions`, `instruction`,
     `max_input_tokens`, `truncate`, `embedding_dtype` (see `run_job`) and
     `max_batch_tokens` (default 65,536), resolved against the model's files here."""
-    from nanoserve.errors import InputError
-    from nanoserve.sampling import SamplingParams
+    from nanoserve import InputError, SamplingParams
 
     task = sampling.pop("task", "generate")
     if concurrency < 1:
@@ -245,7 +244,7 @@ def build_processor(model: str = DEFAULT_MODEL, *, concurrency: int = 1,
         params = SamplingParams(**sampling)
     except (TypeError, ValueError) as e:
         raise InputError(f"invalid sampling options: {e}") from None
-    from nanoserve.chat_template import template_kwargs
+    from nanoserve import template_kwargs
 
     try:
         chat_template_kwargs = template_kwargs(chat_template_kwargs) or None
@@ -292,7 +291,7 @@ def _actor_pool(stage: type, constructor: dict[str, Any], concurrency: int, num_
 def _embedding_options(model: str, options: dict[str, Any]) -> dict[str, Any]:
     """`DatasetEmbedder`'s `options`, `pooling` and `max_batch_tokens`, resolved against the
     model's files (InputError for an unknown or a bad option)."""
-    from nanoserve.errors import InputError
+    from nanoserve import InputError
 
     options = dict(options)
     max_batch_tokens = options.pop("max_batch_tokens", EMBED_BATCH_TOKENS)

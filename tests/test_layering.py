@@ -12,7 +12,8 @@ embedding; report: phases and the HTML report; dispatch: the driver and the acto
 entry points, `ray_jobs.cli` and `ray_jobs.data_processor`, and the package's own
 `__init__`, at the top level, above every stage). Every import counts, function-local and
 TYPE_CHECKING ones included (read from the source with `ast`, nothing imported); modules in
-subpackages too."""
+subpackages too. And the job and the command line see the engine only through its public
+API: `import nanoserve` or `from nanoserve import <a name in nanoserve.__all__>`."""
 
 from __future__ import annotations
 
@@ -133,3 +134,67 @@ def test_the_tasks_plug_into_one_job_from_above():
            for imp in imports_of(path) if imp in mods and imp not in (name, "ray_jobs")
            and (level(imp) < level(name) or level(imp) == level(name) < BOTTOM)]
     assert bad == []
+
+
+# The engine's public API: `nanoserve.__all__`. The job and the command line import only
+# `nanoserve` itself or those names from it, never a module of the engine (its internals:
+# the KV pool's block count, the engine loop's class, label log-probabilities over a model
+# and a pool, the tokenizer's private tables, ...). No exceptions.
+API_USERS = ["ray_jobs", "nanoserve_cli"]
+
+
+def public_api() -> set[str]:
+    """The names in `nanoserve/__init__.py`'s `__all__` (read with `ast`, nothing imported)."""
+    tree = ast.parse((REPO / "nanoserve" / "__init__.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            return set(ast.literal_eval(node.value))
+    raise AssertionError("nanoserve/__init__.py has no literal __all__")
+
+
+def engine_imports_outside_the_api(path: Path, api: set[str]) -> list[str]:
+    """Each import in `path` of the engine that is not `import nanoserve` or
+    `from nanoserve import <a name in api>`, as written (`nanoserve.x`, `nanoserve:name`)."""
+    bad = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            bad += [a.name for a in node.names
+                    if a.name.split(".")[0] == "nanoserve" and a.name != "nanoserve"]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module == "nanoserve":
+                bad += [f"nanoserve:{a.name}" for a in node.names if a.name not in api]
+            elif node.module.split(".")[0] == "nanoserve":
+                bad.append(node.module)
+    return bad
+
+
+def test_the_public_api_is_what_the_package_exports():
+    """`__all__` lists every name the package resolves lazily, and only those; `import
+    nanoserve` stays free of torch (each name imports its module at its first use)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, nanoserve; assert 'torch' not in sys.modules; "
+            "assert set(nanoserve.__all__) == set(nanoserve._PUBLIC), "
+            "set(nanoserve.__all__) ^ set(nanoserve._PUBLIC)")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+    assert public_api() and "LLM" in public_api() and "SamplingParams" in public_api()
+
+
+@pytest.mark.parametrize("package", API_USERS)
+def test_the_job_uses_only_the_engines_public_api(package):
+    api = public_api()
+    bad = [(name, imp) for name, path in modules(package).items()
+           for imp in engine_imports_outside_the_api(path, api)]
+    assert bad == []
+
+
+def test_an_import_outside_the_api_is_caught(tmp_path):
+    """The rule's own check: an internal module, a private name, a name not exported."""
+    src = tmp_path / "m.py"
+    src.write_text("import nanoserve\nfrom nanoserve import LLM\n"
+                   "from nanoserve.generate import blocks_for_batch\nimport nanoserve.llm\n"
+                   "def f():\n    from nanoserve import EngineLoop\n")
+    assert sorted(engine_imports_outside_the_api(src, public_api())) == [
+        "nanoserve.generate", "nanoserve.llm", "nanoserve:EngineLoop"]

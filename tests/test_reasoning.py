@@ -391,6 +391,15 @@ def test_parser_auto_pick(think_llm, tiny_llm):
     parser, line = resolve_parser("auto", "LlamaForCausalLM", r1_tok)
     assert parser.name == "deepseek_r1" and line.startswith("reasoning parser: deepseek_r1 (auto")
     assert resolve_parser("none", "Qwen3ForCausalLM", tok) == (None, "reasoning parser: none")
+    from nanoserve import choose_reasoning_parser  # the job's: a name, no parser built
+
+    assert choose_reasoning_parser("auto", "Qwen3ForCausalLM", tok) == (
+        "qwen3", "reasoning parser: qwen3 (auto: a Qwen3 model with <think> / </think> tokens)")
+    assert choose_reasoning_parser("auto", "Qwen3ForCausalLM", tiny_llm.tokenizer) == (None, None)
+    assert choose_reasoning_parser("none", "Qwen3ForCausalLM", tok) == (
+        None, "reasoning parser: none")
+    with pytest.raises(ValueError, match="'qwen3': the tokenizer has no single <think>"):
+        choose_reasoning_parser("qwen3", "Qwen3ForCausalLM", tiny_llm.tokenizer)
 
 
 # --- the budget and the parser's auto-pick through the batch job, OpenAI files, Ray Data ----

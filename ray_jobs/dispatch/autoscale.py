@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from nanoserve.errors import NanoserveError
+from nanoserve import NanoserveError
 from ray_jobs.workers.options import WorkerRange
 
 GROW_POLL_S = 2.0  # how often a job that can grow asks the cluster for its GPUs

@@ -83,8 +83,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from nanoserve.errors import InputError, NanoserveError
-from nanoserve.model_store import resolve_model
+from nanoserve import InputError, NanoserveError, resolve_model
 from ray_jobs.dispatch.local_ray import RaySession
 from ray_jobs.dispatch.placement import check_output_reachable
 from ray_jobs.dispatch.pool import WorkerPool, WorkerReport, first_line, log

@@ -34,7 +34,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from nanoserve.errors import NanoserveError
+from nanoserve import NanoserveError
 from ray_jobs.input.storage import process_alive, process_start_time
 
 

@@ -21,7 +21,7 @@ import os
 import socket
 from pathlib import Path
 
-from nanoserve.errors import InputError
+from nanoserve import InputError
 
 RAY_WORKING_DIR_MARK = ("runtime_resources", "working_dir_files")  # Ray's unpacked job dirs
 

@@ -32,8 +32,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from nanoserve.errors import ModelError, NanoserveError, first_line
-from nanoserve.running_rows import CPU_DEFAULT_ROWS, MAX_DEFAULT_ROWS
+from nanoserve import CPU_DEFAULT_ROWS, MAX_DEFAULT_ROWS, ModelError, NanoserveError, first_line
 from ray_jobs.dispatch.autoscale import (
     GROW_POLL_S,
     LostNode,

@@ -74,7 +74,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pyarrow.types as pat
 
-from nanoserve.errors import InputError
+from nanoserve import InputError
 from ray_jobs.input.json_shapes import drop_narrow, widen
 from ray_jobs.input.storage import Location, check_bucket, open_lines, resolve, storage_error
 

@@ -48,7 +48,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from nanoserve.errors import InputError, NanoserveError
+from nanoserve import InputError, NanoserveError
 
 LEASE_ENV = "NANOSERVE_LOCK_LEASE_S"  # the lease's length in seconds (default LEASE_S)
 LEASE_S = 120.0

@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nanoserve.errors import InputError
+from nanoserve import InputError
 from ray_jobs.input.storage import Location, OutputDir
 
 MANIFEST_NAME = "_nanoserve_manifest.json"

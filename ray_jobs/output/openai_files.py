@@ -43,7 +43,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from nanoserve.errors import NanoserveError
+from nanoserve import NanoserveError
 from ray_jobs.input.openai_requests import CHAT_URL, COMPLETIONS_URL
 from ray_jobs.input.storage import OutputDir
 
@@ -243,18 +243,8 @@ class TokenText:
                 "text_offset": offsets}
 
 
-@lru_cache(maxsize=1)
-def _byte_decoder() -> dict[str, int]:
-    from nanoserve.tokenizer import _bytes_to_unicode
-
-    return {c: b for b, c in _bytes_to_unicode().items()}
-
-
 def _byte_level_bytes(piece: str | None) -> bytes | None:
     """The bytes of a byte-level BPE token's string, or None when it is not one."""
-    if piece is None:
-        return None
-    decoder = _byte_decoder()
-    if not all(c in decoder for c in piece):
-        return None
-    return bytes(decoder[c] for c in piece)
+    from nanoserve import byte_level_bytes
+
+    return byte_level_bytes(piece)

@@ -32,7 +32,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from nanoserve.errors import InputError
+from nanoserve import InputError
 
 WINDOW_BATCHES = 8  # default window: this many full batches of rows
 

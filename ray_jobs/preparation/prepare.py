@@ -64,10 +64,17 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.types as pat
 
-from nanoserve.config import ModelConfig
-from nanoserve.errors import InputError, ModelError, NanoserveError
-from nanoserve.sampling import MAX_N, SamplingParams
-from nanoserve.structured import GrammarCache, StructuredOutputs, structured_from_request
+from nanoserve import (
+    MAX_N,
+    GrammarCache,
+    InputError,
+    ModelConfig,
+    ModelError,
+    NanoserveError,
+    SamplingParams,
+    StructuredOutputs,
+    structured_from_request,
+)
 from ray_jobs.input.io import (
     CONTROL_COLUMNS,
     DEFAULT_ID_COLUMN,
@@ -340,7 +347,7 @@ class RowPreparer:
                  grammars: GrammarCache | None = None,
                  chat_template_kwargs: dict[str, Any] | str | None = None,
                  images: ModelImages | None = None) -> None:
-        from nanoserve.chat_template import template_kwargs
+        from nanoserve import template_kwargs
 
         self.plan = plan
         self.images = images
@@ -388,7 +395,7 @@ class RowPreparer:
                         and not pat.is_null(self.plan.input_schema.field(c).type)]
         if not chat_columns or not hasattr(self.tokenizer, "chat_template"):
             return
-        from nanoserve.chat_template import ChatTemplate
+        from nanoserve import ChatTemplate
 
         source = self.tokenizer.chat_template
         if not source:
@@ -486,7 +493,7 @@ class RowPreparer:
         check_takes_images(self.images)
         if not read_images:
             return None, ()
-        from nanoserve.multimodal import chat_prompt
+        from nanoserve import chat_prompt
 
         images = self.images
         prompt = self._in_template(lambda: chat_prompt(
@@ -505,7 +512,7 @@ class RowPreparer:
         row = values.get(TEMPLATE_KWARGS_COLUMN) if self.plan.template_kwargs_column else None
         if row is None:
             return self.template_kwargs
-        from nanoserve.chat_template import template_kwargs
+        from nanoserve import template_kwargs
 
         if isinstance(row, dict):
             row = _json_value(row)
@@ -674,7 +681,6 @@ def load_model_meta(path: Path) -> tuple[ModelConfig, Any]:
 
 @functools.lru_cache(maxsize=2)
 def _load_model_meta(path: Path, stamp: tuple) -> tuple[ModelConfig, Any]:
-    from nanoserve.tokenizer import Tokenizer
-    from nanoserve.weights import validate_checkpoint
+    from nanoserve import Tokenizer, validate_checkpoint
 
     return validate_checkpoint(path), Tokenizer.from_path(path)

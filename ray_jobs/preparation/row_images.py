@@ -38,8 +38,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.types as pat
 
-from nanoserve.errors import InputError
-from nanoserve.image_input import ImageConfig
+from nanoserve import ImageConfig, InputError
 from ray_jobs.input.json_shapes import IMAGE_COLUMN
 
 IMAGE_PARTS = ("image_url", "image")  # content-part types that hold an image

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from nanoserve.errors import NanoserveError
+from nanoserve import NanoserveError
 from ray_jobs.preparation.prepare import (
     CONSTRAINT_COLUMNS,
     OTHER_OVERRIDES,
@@ -46,7 +46,7 @@ def unread_template_kwargs(tokenizer: Any, kwargs: dict[str, Any], flag: str) ->
         return []
     import difflib
 
-    from nanoserve.chat_template import ChatTemplate
+    from nanoserve import ChatTemplate
 
     try:
         read = ChatTemplate(source).variables()

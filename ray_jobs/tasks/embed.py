@@ -29,7 +29,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from nanoserve.errors import InputError, NanoserveError
+from nanoserve import InputError, NanoserveError
 from ray_jobs.input.io import InputChunk, InputInfo
 from ray_jobs.preparation.prepare import (
     MESSAGES,
@@ -83,7 +83,7 @@ class EmbedPreparer:
 
     def __init__(self, plan: ColumnPlan, tokenizer: Any, vocab_size: int, limit: int,
                  instruction: str | None = None, truncate: bool = True) -> None:
-        from nanoserve.embed import with_instruction
+        from nanoserve import with_instruction
 
         self.plan, self.tokenizer, self.vocab_size = plan, tokenizer, vocab_size
         self.limit, self.instruction, self.truncate = limit, instruction, truncate
@@ -142,7 +142,7 @@ class EmbedWorker:
     def __init__(self, model: str, dtype: str = "auto", device: str | None = None,
                  num_threads: int | None = None, pooling: dict[str, Any] | None = None,
                  max_batch_tokens: int = 16384, **_generation: Any) -> None:
-        from nanoserve.embed import Embedder, PoolingConfig
+        from nanoserve import Embedder, PoolingConfig
         from ray_jobs.workers.worker import _fault_hold_load_while_file, _fault_on_load, pick_device
 
         _fault_hold_load_while_file()
@@ -338,7 +338,7 @@ def take_options(options: dict[str, Any]) -> dict[str, Any]:
 def embed_settings(model_path: Path, config: Any, own: dict[str, Any]) -> EmbedSettings:
     """The embedding options (`take_options`' result) resolved against the model folder
     (nanoserve.embed.resolve_pooling). InputError for a bad one."""
-    from nanoserve.embed import resolve_pooling
+    from nanoserve import resolve_pooling
 
     pooling = resolve_pooling(
         model_path, config.hidden_size, config.max_position_embeddings,

@@ -8,7 +8,8 @@ What generation adds to the job's walk (`ray_jobs.workers.tasks`, `ray_jobs.disp
   the job writes the OpenAI output files (an input of OpenAI batch requests, or
   `--output-format openai`);
 - on the workers (`GenerateTask`, `RayBatchWorker`): rows prepared, run by
-  `BatchWorker.run_batch` (one result row per sample), the think block split off after;
+  `BatchWorker.run_batch` (one result row per sample; the engine's reasoning parser, the
+  one picked here and named in the workers' `reasoning_parser`, split the think block off);
   in a job with OpenAI output files, each shard's lines of them written with its part
   (`ray_jobs.workers.tasks.ShardRunner.commit`);
 - what the user sees: tokens, output tokens/s, padding waste and the prefix cache's hit rate
@@ -23,7 +24,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from nanoserve.errors import InputError, NanoserveError
+from nanoserve import InputError, NanoserveError
 from ray_jobs.input.io import InputInfo
 from ray_jobs.output import openai_files
 from ray_jobs.preparation.prepare import (
@@ -40,8 +41,8 @@ from ray_jobs.workers.worker import BatchWorker, GenerationRequest, error_rows
 
 class GenerateTask:
     """Generation: rows prepared by `ray_jobs.preparation.prepare.RowPreparer`, run by
-    `BatchWorker.run_batch`, one result row per sample; a reasoning parser splits the
-    think block off after."""
+    `BatchWorker.run_batch`, one result row per sample (the think block already split off
+    by the engine's reasoning parser, if it runs one)."""
 
     verb = "generation"  # in the message of rows whose run raised
 
@@ -49,7 +50,7 @@ class GenerateTask:
                  engine: Any = None, grammars: Any = None, preparer: Any = None,
                  static_rows: int | None = None, images: Any = None) -> None:
         """`options`: the job's `JobSpec.task_options` (sampling `defaults`,
-        `chat_template_kwargs`, `reasoning_parser`, `max_batch_tokens`); `static_rows`: the
+        `chat_template_kwargs`, `max_batch_tokens`); `static_rows`: the
         most rows a static engine runs at once (None: a continuous engine, or none);
         `images`: the model's `ray_jobs.preparation.row_images.ModelImages` (None: it takes no images)."""
         eos = tuple(sorted(set(config.eos_token_ids) | set(tokenizer.eos_token_ids)))
@@ -60,11 +61,6 @@ class GenerateTask:
         self.engine = engine
         self.static_rows = static_rows
         self.max_batch_tokens = options.get("max_batch_tokens")
-        self.reasoning = None
-        if options.get("reasoning_parser"):
-            from nanoserve.reasoning import ReasoningParser
-
-            self.reasoning = ReasoningParser(options["reasoning_parser"], tokenizer)
 
     def groups(self, rows: list[Any]) -> list[list[int]]:
         """The engine calls for `rows` (indices into them): one of all the rows, in input
@@ -85,11 +81,7 @@ class GenerateTask:
 
     def results(self, table: pa.Table, rows: list[Any]) -> list[list[dict[str, Any]]]:
         """The engine's table as each row's samples' results."""
-        out = _per_row(table.to_pylist(), [r.n for r in rows])
-        if self.reasoning is not None:
-            out = [[split_reasoning(self.reasoning, r.prompt_token_ids, res) for res in samples]
-                   for r, samples in zip(rows, out)]
-        return out
+        return _per_row(table.to_pylist(), [r.n for r in rows])
 
     def error_results(self, message: str, row: Any) -> list[dict[str, Any]]:
         return error_rows(message, row.num_prompt_tokens, row.n)
@@ -129,17 +121,6 @@ def _per_row(table_rows: list[dict[str, Any]], samples: list[int]) -> list[list[
     return out
 
 
-def split_reasoning(parser: Any, prompt_ids: Any, res: dict[str, Any]) -> dict[str, Any]:
-    """A result row with its think block split off (`nanoserve.reasoning`): `reasoning`
-    (null where the output has no block), `num_reasoning_tokens`, and `generated_text` the
-    answer only (empty when the block never closed: finish_reason stays as the row ended,
-    'length' when it hit max_tokens while thinking). Error rows pass unchanged."""
-    if res["finish_reason"] == "error" or res["generated_token_ids"] is None:
-        return res
-    reasoning, answer, n, _ = parser.split_text(prompt_ids, res["generated_token_ids"])
-    return {**res, "generated_text": answer, "reasoning": reasoning, "num_reasoning_tokens": n}
-
-
 def take_options(options: dict[str, Any]) -> dict[str, Any]:
     """Generation's options are the job's own (`JobOptions`): none to take."""
     return {}
@@ -161,17 +142,16 @@ def plan_job(opts: JobOptions, own: dict[str, Any], info: InputInfo, plan: Colum
                            opts.sampling_defaults(), eos_token_ids=eos,
                            chat_template_kwargs=opts.chat_template_kwargs,
                            images=ModelImages.of(config, model_path))
-    from nanoserve.reasoning import has_think_tags, resolve_parser
+    from nanoserve import choose_reasoning_parser
 
-    try:
-        reasoning, reasoning_line = resolve_parser(opts.reasoning_parser, config.architecture,
-                                                   tokenizer)
+    try:  # the engine's choice, made once here: no parser is built on the driver
+        reasoning, reasoning_line = choose_reasoning_parser(opts.reasoning_parser,
+                                                            config.architecture, tokenizer)
     except ValueError as e:
         raise InputError(f"--reasoning-parser: {e}") from None
-    if opts.reasoning_parser in (None, "none", "auto") and not has_think_tags(tokenizer):
-        reasoning_line = None  # a model that cannot think: nothing to say
-    # The workers' engines run the parser picked here (budgets, constraints after thinking).
-    opts = dataclasses.replace(opts, reasoning_parser=reasoning.name if reasoning else "none")
+    # The workers' engines run the parser picked here, by name (`JobOptions.reasoning_parser`,
+    # the engine's option): it splits their completions, steers budgets and constraints.
+    opts = dataclasses.replace(opts, reasoning_parser=reasoning or "none")
     if reasoning is None and (opts.max_thinking_tokens is not None
                               or "max_thinking_tokens" in plan.override_columns):
         raise InputError("--max-thinking-tokens / a 'max_thinking_tokens' column needs a "
@@ -180,7 +160,6 @@ def plan_job(opts: JobOptions, own: dict[str, Any], info: InputInfo, plan: Colum
     schema = plan.output_schema(controls)  # an input column that clashes is refused here
     options = {"defaults": opts.sampling_defaults(),
                "chat_template_kwargs": opts.chat_template_kwargs,
-               "reasoning_parser": reasoning.name if reasoning else None,
                "max_batch_tokens": opts.max_batch_tokens}
     warnings = column_slips(info.schema.names) + unread_template_kwargs(
         tokenizer, preparer.template_kwargs, "--chat-template-kwargs")
@@ -217,4 +196,4 @@ GENERATE = TaskKind("generate", "batch", ("stop", "length", "error"), take_optio
                     prompt_column, plan_job, progress, summary_lines)
 
 
-__all__ = ["GENERATE", "GenerateTask", "RayBatchWorker", "split_reasoning"]
+__all__ = ["GENERATE", "GenerateTask", "RayBatchWorker"]

@@ -10,9 +10,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from nanoserve.errors import InputError, NanoserveError, check_positive_int
-from nanoserve.model_store import DEFAULT_MODEL
-from nanoserve.quantization import check_online
+from nanoserve import DEFAULT_MODEL, InputError, NanoserveError, check_online, check_positive_int
 from ray_jobs.input.io import DEFAULT_CHUNK_ROWS, INPUT_FORMATS
 from ray_jobs.output.openai_files import OUTPUT_FORMATS
 
@@ -152,7 +150,7 @@ class JobOptions:
         if so is not None and so.problems():
             raise InputError(f"{asked[0]}: {so.problems()[0]}")
         if self.chat_template_kwargs is not None:
-            from nanoserve.chat_template import template_kwargs
+            from nanoserve import template_kwargs
 
             try:
                 kwargs = template_kwargs(self.chat_template_kwargs, "--chat-template-kwargs")
@@ -161,7 +159,7 @@ class JobOptions:
             object.__setattr__(self, "chat_template_kwargs",
                                json.dumps(kwargs, ensure_ascii=False) if kwargs else None)
         if self.choice_scores:
-            from nanoserve.structured import check_labels
+            from nanoserve import check_labels
 
             if not self.choice:
                 raise InputError("--choice-scores needs the labels: give them with --choice")
@@ -170,7 +168,7 @@ class JobOptions:
             except ValueError as e:
                 raise InputError(f"--choice: {e}") from None
         if self.reasoning_parser is not None:
-            from nanoserve.reasoning import CHOICES
+            from nanoserve import REASONING_PARSER_CHOICES as CHOICES
 
             if self.reasoning_parser not in CHOICES:
                 raise InputError(f"unknown reasoning parser {self.reasoning_parser!r}; choose "
@@ -208,7 +206,7 @@ class JobOptions:
         """The job-wide `nanoserve.structured.StructuredOutputs`, or None."""
         if self.json_schema is None and self.regex is None and not self.choice:
             return None
-        from nanoserve.structured import StructuredOutputs
+        from nanoserve import StructuredOutputs
 
         return StructuredOutputs(json=self.json_schema, regex=self.regex,
                                  choice=self.choice or None)

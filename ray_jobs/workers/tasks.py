@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from nanoserve.errors import NanoserveError, first_line
+from nanoserve import NanoserveError, first_line
 from ray_jobs.input.shards import InputSpec, Shard, read_shard
 from ray_jobs.input.storage import OutputDir
 from ray_jobs.output.manifest import BESIDE_DIGEST_KEY, PART_DIGEST_KEY, beside_digest, part_name
@@ -57,7 +57,8 @@ class JobSpec:
     """What every worker needs to run any shard of the job, sent once when its actor
     starts: the input, the column plan, the output schema and folder, the task's own
     options (`task_options`: generation's sampling defaults, chat-template options and
-    reasoning parser; embedding's limit, instruction, truncation and vector dtype), and
+    batch-token limit, the reasoning parser being its engine's; embedding's limit,
+    instruction, truncation and vector dtype), and
     for a job that writes OpenAI output files what their lines need (`openai`)."""
 
     task: str  # "generate" or "embed"

@@ -63,8 +63,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from nanoserve.errors import ModelError, NanoserveError
-from nanoserve.sampling import SamplingParams
+from nanoserve import ModelError, NanoserveError, SamplingParams
 from ray_jobs.input.io import WORKER_RESULT_SCHEMA
 
 PREFILL_SLOTS_KEY = b"nanoserve.prefill_slots"  # rows x longest prompt, summed over sub-batches
@@ -95,7 +94,7 @@ class GenerationRequest:
         """What the engine takes: the token ids, or a `MultimodalPrompt` with the images."""
         if not self.images:
             return list(self.prompt_token_ids)
-        from nanoserve.multimodal import MultimodalPrompt
+        from nanoserve import MultimodalPrompt
 
         return MultimodalPrompt(list(self.prompt_token_ids), self.images)
 
@@ -134,7 +133,7 @@ class BatchWorker:
         t0 = time.perf_counter()
         import torch  # noqa: F401  (timed: the worker's imports)
 
-        from nanoserve.llm import LLM
+        from nanoserve import LLM
 
         imports_s = time.perf_counter() - t0
         _fault_on_load()
@@ -164,11 +163,7 @@ class BatchWorker:
         # Continuous scheduler: one running batch across calls (the actor takes two batches
         # at once, and the second's rows join as the first's finish). Static: one call at a
         # time on the engine.
-        self._loop = None
-        if getattr(llm, "runner", None) is not None:
-            from nanoserve.engine_loop import EngineLoop
-
-            self._loop = EngineLoop(llm)
+        self._loop = llm.start_loop() if getattr(llm, "runner", None) is not None else None
         self._engine_lock = threading.Lock()
         self._running: dict[int, tuple[Any, int]] = {}  # by calling thread: (future, prompts)
 
@@ -259,14 +254,10 @@ class BatchWorker:
                        ) -> tuple[list[list[dict[str, Any]]], Any]:
         """Result rows per request (`_generate`'s completions): a request that asks for
         choice scores runs as one scoring sequence per label and gives one row, its text
-        the most likely label (`nanoserve.choice_scores`)."""
-        from nanoserve.choice_scores import check_fits, label_token_ids
-
-        spans = [label_token_ids(self.llm.tokenizer, p.structured_outputs.choice)
-                 if p.choice_scores else None for p in params]
-        for prompt, span in zip(prompts, spans):
-            if span is not None:
-                check_fits(prompt, span, self.llm.max_context)  # ValueError: the row's error
+        the most likely label (`LLM.score_labels`)."""
+        # a label list that is bad or does not fit after its prompt: the row's ValueError
+        spans = [self.llm.label_token_ids(p.structured_outputs.choice, prompt)
+                 if p.choice_scores else None for prompt, p in zip(prompts, params)]
         plain = [k for k, span in enumerate(spans) if span is None]
         done, stats = (self._generate([prompts[k] for k in plain], [params[k] for k in plain],
                                       ooms, alone=alone) if plain else ([], None))
@@ -274,28 +265,26 @@ class BatchWorker:
         if len(done) != want:
             raise RuntimeError(f"the engine answered {len(done)} samples for {want} asked")
         scored = [k for k, span in enumerate(spans) if span is not None]
-        sums = self._label_logprobs([prompts[k] for k in scored],
-                                    [spans[k] for k in scored]) if scored else []
-        sums_of = dict(zip(scored, sums))
+        probs = self._score_labels([prompts[k] for k in scored],
+                                   [spans[k] for k in scored]) if scored else []
+        probs_of = dict(zip(scored, probs))
+        reasoning = getattr(self.llm, "reasoning_parser", None) is not None
         out, at = [], 0
         for k, (prompt, p, span) in enumerate(zip(prompts, params, spans)):
             if span is None:
-                out.append([_completion_row(c) for c in done[at:at + p.n]])
+                out.append([_completion_row(c, reasoning) for c in done[at:at + p.n]])
                 at += p.n
             else:
-                out.append([_scored_row(p.structured_outputs.choice, span, sums_of[k],
-                                        len(prompt))])
+                out.append([_scored_row(p.structured_outputs.choice, span, probs_of[k],
+                                        len(prompt), reasoning)])
         return out, stats
 
-    def _label_logprobs(self, prompts: list[list[int]], spans: list[list[list[int]]]
-                        ) -> list[list[float]]:
-        """Each scored request's labels' summed logprobs (`nanoserve.choice_scores.
-        label_logprobs`): on the engine loop's thread between its steps (continuous), or
-        holding the static engine's turn."""
-        from nanoserve.choice_scores import label_logprobs
-
+    def _score_labels(self, prompts: list[list[int]], spans: list[list[list[int]]]
+                      ) -> list[list[float]]:
+        """Each scored request's labels' probabilities (`LLM.score_labels`): on the engine
+        loop's thread between its steps (continuous), or holding the static engine's turn."""
         def run() -> list[list[float]]:
-            return label_logprobs(self.llm.model, self.llm.pool, prompts, spans)
+            return self.llm.score_labels(prompts, spans)
 
         if self._loop is not None:
             return self._loop.call(run).result()
@@ -312,7 +301,7 @@ class BatchWorker:
         if self._loop is not None:
             import torch
 
-            from nanoserve.generate import BatchStats
+            from nanoserve import BatchStats
 
             future = self._loop.submit(prompts, params, alone=alone)
             me = threading.get_ident()
@@ -370,19 +359,15 @@ class BatchWorker:
                 self.llm.grammars.check(r.params.structured_outputs)
             except ValueError as e:
                 return error_rows(str(e), n, samples)
-        steps = max(1, min(r.params.max_tokens, self.llm.max_context - n))
-        pool = self.llm.pool
-        from nanoserve.generate import blocks_for_batch  # the engine: not on the driver
-
         together = samples if self._loop is None else 1
-        need = blocks_for_batch([n] * together, steps, pool.block_size)
-        if need <= pool.num_blocks:
+        fit = self.llm.row_fit(r.prompt_token_ids, r.params, together)
+        if fit.fits:
             return None
         what = f"{samples} samples of {n} prompt tokens" if together > 1 else f"{n} prompt tokens"
         return error_rows(
-            f"does not fit the worker's KV cache even alone: {what} + {steps} new "
-            f"need {need} blocks of {pool.block_size} tokens, the cache holds {pool.num_blocks}; "
-            f"give the cache more memory or ask for fewer tokens", n, samples)
+            f"does not fit the worker's KV cache even alone: {what} + {fit.steps} new "
+            f"need {fit.blocks} blocks of {fit.block_size} tokens, the cache holds "
+            f"{fit.pool_blocks}; give the cache more memory or ask for fewer tokens", n, samples)
 
     def _run_alone(self, prompt: list[int], params: SamplingParams,
                    ooms: list[int]) -> tuple[list[dict[str, Any]], Any]:
@@ -498,23 +483,25 @@ def _first_line(text: str) -> str:
     return lines[0] if lines else text
 
 
-def _scored_row(labels: tuple[str, ...], label_ids: list[list[int]], sums: list[float],
-                num_input_tokens: int) -> dict[str, Any]:
+def _scored_row(labels: tuple[str, ...], label_ids: list[list[int]], probs: list[float],
+                num_input_tokens: int, reasoning: bool = False) -> dict[str, Any]:
     """A choice-scores request as one result row: `choice_scores` {label: probability},
-    its text and tokens the most likely label's (the first of equals)."""
-    from nanoserve.choice_scores import normalise
-
-    probs = normalise(sums)
+    its text and tokens the most likely label's (the first of equals); under a reasoning
+    parser no think block (a label is scored right after the prompt)."""
     best = max(range(len(probs)), key=lambda j: probs[j])
     return {"generated_text": labels[best], "generated_token_ids": list(label_ids[best]),
             "num_input_tokens": num_input_tokens, "num_generated_tokens": len(label_ids[best]),
             "finish_reason": "stop", "error": None, "sample_index": 0, "logprobs": None,
-            "prompt_logprobs": None, "choice_scores": list(zip(labels, probs))}
+            "prompt_logprobs": None, "choice_scores": list(zip(labels, probs)),
+            **({"reasoning": None, "num_reasoning_tokens": 0} if reasoning else {})}
 
 
-def _completion_row(c: Any) -> dict[str, Any]:
+def _completion_row(c: Any, reasoning: bool = False) -> dict[str, Any]:
     """A completion as a result row (`WORKER_RESULT_SCHEMA`). A sample the engine ended with
-    finish_reason 'error' (its structured output allowed no next token) is an error row."""
+    finish_reason 'error' (its structured output allowed no next token) is an error row.
+    `reasoning`: the engine ran a reasoning parser, which split the completion (its `text`
+    the answer): its think block's text and tokens go in `reasoning` and
+    `num_reasoning_tokens` (else both stay null)."""
     if c.finish_reason == "error":
         return error_row(c.error or "generation failed", c.num_prompt_tokens, c.sample_index)
     return {"generated_text": c.text, "generated_token_ids": list(c.token_ids),
@@ -522,7 +509,9 @@ def _completion_row(c: Any) -> dict[str, Any]:
             "finish_reason": c.finish_reason, "error": None,
             "sample_index": c.sample_index,
             "logprobs": _logprob_dicts(c.logprobs),
-            "prompt_logprobs": _logprob_dicts(c.prompt_logprobs), "choice_scores": None}
+            "prompt_logprobs": _logprob_dicts(c.prompt_logprobs), "choice_scores": None,
+            **({"reasoning": c.reasoning, "num_reasoning_tokens": c.num_reasoning_tokens}
+               if reasoning else {})}
 
 
 def _logprob_dicts(entries: list[Any] | None) -> list[dict[str, Any]] | None:
