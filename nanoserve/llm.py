@@ -26,7 +26,7 @@ from nanoserve.model_runner import ContinuousRunner
 from nanoserve.model_store import DEFAULT_MODEL, keep_kernels_with_models, resolve_model
 from nanoserve.multimodal import MultimodalPrompt, chat_prompt
 from nanoserve.running_rows import CPU_DEFAULT_ROWS, default_max_rows
-from nanoserve.sampling import SamplingParams
+from nanoserve.sampling import SamplingParams, token_budget
 from nanoserve.scheduler import generate_continuous
 from nanoserve.sequence import SequenceOutput as Completion
 from nanoserve.structured import GrammarCache
@@ -284,7 +284,9 @@ class LLM:
         return choice_scores(self, prompts, labels)
 
     def _max_new(self, prompt: list[int], p: SamplingParams) -> int:
-        return max(1, min(p.max_tokens, self.max_context - len(prompt)))
+        """The prompt's generation budget (`token_budget`; ValueError when the prompt
+        fills the context)."""
+        return token_budget(p.max_tokens, len(prompt), self.max_context)
 
     def _plan(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
         """Consecutive rows grouped while the batch fits the pool and max_batch_size."""

@@ -64,7 +64,7 @@ from typing import Any
 import pyarrow as pa
 
 from nanoserve.errors import ModelError, NanoserveError
-from nanoserve.sampling import SamplingParams
+from nanoserve.sampling import SamplingParams, token_budget
 from ray_jobs.input.io import WORKER_RESULT_SCHEMA
 
 PREFILL_SLOTS_KEY = b"nanoserve.prefill_slots"  # rows x longest prompt, summed over sub-batches
@@ -348,7 +348,7 @@ class BatchWorker:
         """Error rows (one per sample) for a request that cannot run even alone (empty, no
         room in the model's context, a structured output that does not compile, more than
         the KV pool holds), else None: such a row never fails the rest of its batch. (The
-        step count is `LLM.generate`'s: max_tokens, capped by the context. The static
+        step count is the engine's `token_budget`, as `LLM.generate` counts it. The static
         engine runs a request's samples in one batch, so they must fit the pool together;
         the continuous one can run them one by one.)"""
         n = len(r.prompt_token_ids)
@@ -361,16 +361,15 @@ class BatchWorker:
         if r.images and r.params.choice_scores:
             return error_rows("choice scores are computed for prompts without images only",
                               n, samples)
-        if n >= self.llm.max_context:
-            return error_rows(f"prompt has {n} tokens; the model's context is "
-                              f"{self.llm.max_context} tokens, which leaves no room to "
-                              f"generate", n, samples)
+        try:
+            steps = token_budget(r.params.max_tokens, n, self.llm.max_context)
+        except ValueError as e:
+            return error_rows(str(e), n, samples)
         if r.params.structured_outputs is not None:
             try:
                 self.llm.grammars.check(r.params.structured_outputs)
             except ValueError as e:
                 return error_rows(str(e), n, samples)
-        steps = max(1, min(r.params.max_tokens, self.llm.max_context - n))
         pool = self.llm.pool
         from nanoserve.generate import blocks_for_batch  # the engine: not on the driver
 
