@@ -183,7 +183,7 @@ SAMPLING = _table(
     Option("temperature", float, 0.0, "0 is greedy (default: 0)", check=_temperature),
     Option("top_k", int, 0, "0: no cut (default: 0)", check=_top_k),
     Option("top_p", float, 1.0, "nucleus mass kept, in (0, 1] (default: 1.0)", check=_top_p),
-    Option("seed", int, None, "sampling seed of every row (default: a fresh one per row)",
+    Option("seed", int, None, "sampling seed of every prompt (default: a fresh one for each)",
            check=_seed),
     Option("stop", str, (), "stop string (repeatable)", metavar="TEXT", repeat=True,
            check=_stop),
