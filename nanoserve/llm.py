@@ -24,8 +24,8 @@ from nanoserve.image_input import ImageConfig
 from nanoserve.kv_cache_dtype import read_kv_scales, resolve_kv_cache_dtype
 from nanoserve.model_runner import ContinuousRunner
 from nanoserve.model_store import keep_kernels_with_models, resolve_model
-from nanoserve.options import ENGINE
 from nanoserve.multimodal import MultimodalPrompt, chat_prompt
+from nanoserve.options import ENGINE
 from nanoserve.running_rows import CPU_DEFAULT_ROWS, default_max_rows
 from nanoserve.sampling import SamplingParams, token_budget
 from nanoserve.scheduler import generate_continuous

@@ -177,7 +177,7 @@ class DatasetEmbedder(DatasetStage):
     `EmbedPreparer`. `options`: `EmbedTask`'s (`EmbedSettings.task_options`)."""
 
     def __init__(self, model: str, options: dict[str, Any], pooling: dict[str, Any],
-                 prompt_column: str | None = None, dtype: str = "auto",
+                 prompt_column: str | None = None, dtype: str = ENGINE["dtype"].default,
                  num_threads: int | None = None,
                  max_batch_tokens: int = EMBED_BATCH_TOKENS) -> None:
         path = resolve_model(model)

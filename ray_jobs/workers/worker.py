@@ -64,6 +64,7 @@ from typing import Any
 import pyarrow as pa
 
 from nanoserve.errors import ModelError, NanoserveError
+from nanoserve.options import ENGINE
 from nanoserve.sampling import SamplingParams, token_budget
 from ray_jobs.input.io import WORKER_RESULT_SCHEMA
 
@@ -116,11 +117,14 @@ def pick_device() -> str:
 
 
 class BatchWorker:
-    def __init__(self, model: str, dtype: str = "auto", kv_cache_fraction: float = 0.5,
+    def __init__(self, model: str, dtype: str = ENGINE["dtype"].default,
+                 kv_cache_fraction: float = ENGINE["kv_cache_fraction"].default,
                  device: str | None = None, num_threads: int | None = None,
-                 kv_cache_bytes: int | None = None, scheduler: str = "auto",
-                 prefix_caching: bool = True, quantization: str | None = None,
-                 kv_cache_dtype: str = "auto", max_batch_size: int | None = None,
+                 kv_cache_bytes: int | None = None, scheduler: str = ENGINE["scheduler"].default,
+                 prefix_caching: bool = ENGINE["prefix_caching"].default,
+                 quantization: str | None = ENGINE["quantization"].default,
+                 kv_cache_dtype: str = ENGINE["kv_cache_dtype"].default,
+                 max_batch_size: int | None = ENGINE["max_running_rows"].default,
                  reasoning_parser: str | None = "auto") -> None:
         """Load the model once. `device` None picks one (see the module docstring);
         `num_threads` caps torch's CPU threads (at most the machine's cores);
