@@ -203,3 +203,12 @@ def test_the_scan_finds_a_default_written_again():
     for source in ("class A:\n    max_tokens: int = 2560\n", "f(max_tokens=256)",
                    "def f(max_tokens=256.0): ..."):
         assert not _declared_again(source), source
+
+
+def test_the_declaration_is_torch_free():
+    """The CLIs and the job's driver read it without loading the engine."""
+    import subprocess
+    import sys
+
+    code = "import sys, nanoserve.options; assert 'torch' not in sys.modules, 'torch'"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
