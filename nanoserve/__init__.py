@@ -53,6 +53,14 @@ _PUBLIC = {
     "CPU_DEFAULT_ROWS": ("nanoserve.running_rows", "CPU_DEFAULT_ROWS"),
     "MAX_DEFAULT_ROWS": ("nanoserve.running_rows", "MAX_DEFAULT_ROWS"),
     "check_online": ("nanoserve.quantization", "check_online"),
+    "token_budget": ("nanoserve.sampling", "token_budget"),
+    "check_room": ("nanoserve.sampling", "check_room"),
+    # the options every entry point shares, declared once
+    "Option": ("nanoserve.options", "Option"),
+    "ENGINE": ("nanoserve.options", "ENGINE"),
+    "SAMPLING": ("nanoserve.options", "SAMPLING"),
+    "STRUCTURED": ("nanoserve.options", "STRUCTURED"),
+    "add_option": ("nanoserve.options", "add_option"),
     # the model's files
     "DEFAULT_MODEL": ("nanoserve.model_store", "DEFAULT_MODEL"),
     "check_model_name": ("nanoserve.model_store", "check_model_name"),
@@ -89,6 +97,7 @@ __all__ = [
     "NanoserveError", "InputError", "ModelError", "check_positive_int", "first_line",
     "LLM", "Completion", "RowFit", "BatchStats", "SamplingParams", "MAX_N",
     "MultimodalPrompt", "chat_prompt", "CPU_DEFAULT_ROWS", "MAX_DEFAULT_ROWS", "check_online",
+    "token_budget", "check_room", "Option", "ENGINE", "SAMPLING", "STRUCTURED", "add_option",
     "DEFAULT_MODEL", "check_model_name", "resolve_model", "ModelConfig", "validate_checkpoint",
     "Tokenizer", "byte_level_bytes", "ChatTemplate", "template_kwargs", "ImageConfig",
     "StructuredOutputs", "GrammarCache", "structured_from_request", "check_labels",

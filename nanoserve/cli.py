@@ -17,6 +17,7 @@ from typing import NoReturn
 
 from nanoserve.errors import NanoserveError
 from nanoserve.model_store import DEFAULT_MODEL
+from nanoserve.options import ENGINE, SAMPLING, STRUCTURED, add_option
 
 
 class SuggestingParser(argparse.ArgumentParser):
@@ -121,42 +122,22 @@ def _add_generate_parser(sub) -> None:
                                    "(one prompt per line) and print each completion.")
     p.add_argument("prompts", nargs="*", help="prompt texts")
     p.add_argument("--file", type=Path, help="a text file with one prompt per line")
-    p.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"model name ({DEFAULT_MODEL}), Hugging Face folder, or .gguf file "
-                        f"(default: %(default)s)")
-    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default: 64)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    add_option(p, ENGINE["model"], "generate")
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
+        add_option(p, SAMPLING[name], "generate")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
-    p.add_argument("--n", type=int, default=1, metavar="N",
-                   help="samples per prompt, 1-128; sample i draws with seed + i (with "
-                        "temperature 0 all are the same greedy text) (default: 1)")
-    p.add_argument("--logprobs", type=int, default=None, metavar="K",
-                   help="print each generated token's logprob and rank and the K (0-20) most "
-                        "likely tokens at its place")
+    add_option(p, SAMPLING["n"], "generate")
+    add_option(p, SAMPLING["logprobs"], "generate")
     s = p.add_argument_group("structured output (at most one; a completion cut short by "
                              "--max-tokens ends with finish_reason=length and may not parse)")
-    s.add_argument("--json-schema", type=Path, default=None, metavar="FILE",
-                   help="a JSON schema file: the text is JSON valid under it")
-    s.add_argument("--regex", default=None, metavar="REGEX",
-                   help="the whole text matches this regular expression")
-    s.add_argument("--choice", action="append", default=[], metavar="TEXT",
-                   help="the text is one of these: the flag once for each choice, "
-                        "--choice yes --choice no")
+    for name in ("json_schema", "regex", "choice"):
+        add_option(s, STRUCTURED[name], "generate")
     p.once_per_value = LIST_FLAGS  # a word after `--choice yes` would be a prompt
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    p.add_argument("--quantization", choices=("fp8",), default=None,
-                   help="fp8: quantize the model's projections to FP8 at load (a GPU of "
-                        "compute capability 8.9+; FP8 checkpoints need no flag)")
+    add_option(p, ENGINE["dtype"], "generate")
+    add_option(p, ENGINE["quantization"], "generate")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3"),
-                   help="auto (the model's dtype) or fp8: float8 e4m3 keys and values, twice "
-                        "the tokens per byte (a GPU of compute capability 8.9+)")
-    p.add_argument("--max-running-rows", type=int, default=None, metavar="N",
-                   help="the most rows decoding at once (default: on a GPU as many as the KV "
-                        "pool holds at 512 tokens a row, 256 to 1,024; 256 on the CPU)")
+    for name in ("kv_cache_dtype", "max_running_rows"):
+        add_option(p, ENGINE[name], "generate")
 
 
 def _run_generate(args) -> int:
@@ -176,8 +157,9 @@ def _run_generate(args) -> int:
             raise NanoserveError(f"cannot read {args.file}: {e.strerror}") from None
     if not prompts:
         raise NanoserveError("no prompts: give them as arguments or with --file")
-    if args.max_running_rows is not None and args.max_running_rows < 1:
-        raise NanoserveError(f"--max-running-rows must be >= 1, got {args.max_running_rows}")
+    for name in ("dtype", "max_running_rows"):  # the checks argparse does not make
+        if (problem := ENGINE[name].problem(getattr(args, name), ENGINE[name].flag)):
+            raise NanoserveError(problem)
     structured = _structured_output(args)
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from nanoserve.attention import AttentionMetadata
 from nanoserve.errors import InputError, ModelError
+from nanoserve.options import ENGINE
 
 POOLING_MODES = ("last", "mean", "cls")
 DEFAULT_MAX_BATCH_TOKENS = 16384
@@ -210,7 +211,8 @@ class Embedder:
         self._suffix: tuple[int, ...] | None = None
 
     @classmethod
-    def load(cls, model: str, dtype: str | torch.dtype = "auto", device: str = "auto",
+    def load(cls, model: str, dtype: str | torch.dtype = ENGINE["dtype"].default,
+             device: str = "auto",
              max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, num_threads: int | None = None,
              **pooling: Any) -> Embedder:
         """Load a checkpoint (folder or name) for embedding only: no KV pool. On the CPU,

@@ -26,11 +26,12 @@ from nanoserve.generate import DECODE_STEP_MODES, BatchStats, blocks_for_batch, 
 from nanoserve.image_input import ImageConfig
 from nanoserve.kv_cache_dtype import read_kv_scales, resolve_kv_cache_dtype
 from nanoserve.model_runner import ContinuousRunner
-from nanoserve.model_store import DEFAULT_MODEL, keep_kernels_with_models, resolve_model
+from nanoserve.model_store import keep_kernels_with_models, resolve_model
 from nanoserve.multimodal import MultimodalPrompt, chat_prompt
+from nanoserve.options import ENGINE
 from nanoserve.reasoning import resolve_parser, split_completions
 from nanoserve.running_rows import CPU_DEFAULT_ROWS, default_max_rows
-from nanoserve.sampling import SamplingParams
+from nanoserve.sampling import SamplingParams, token_budget
 from nanoserve.scheduler import generate_continuous
 from nanoserve.sequence import SequenceOutput as Completion
 from nanoserve.structured import GrammarCache
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
 
 __all__ = ["LLM", "SCHEDULERS", "Completion", "RowFit", "resolve_device", "resolve_dtype"]
 
-SCHEDULERS = ("auto", "static", "continuous")
+SCHEDULERS = ENGINE["scheduler"].choices
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_KV_CACHE_BYTES = 1 << 30  # a CPU pool of 1 GiB unless told otherwise
@@ -61,21 +62,27 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
         return dtype
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in _DTYPES:
-        raise NanoserveError(f"unknown dtype {dtype!r}; choose auto, {', '.join(_DTYPES)}")
+    if problem := ENGINE["dtype"].problem(dtype):
+        raise NanoserveError(problem)
     return _DTYPES[dtype]
 
 
 class LLM:
-    def __init__(self, model: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto",
-                 device: str = "auto", kv_cache_fraction: float = 0.8,
+    def __init__(self, model: str = ENGINE["model"].default,
+                 dtype: str | torch.dtype = ENGINE["dtype"].default, device: str = "auto",
+                 kv_cache_fraction: float = ENGINE["kv_cache_fraction"].default_for("LLM"),
                  kv_cache_bytes: int | None = None, block_size: int = 16,
-                 max_batch_size: int | None = None, decode_step: str = "auto",
-                 scheduler: str = "auto", enable_prefix_caching: bool = True,
-                 quantization: str | None = None, load_format: str = "auto",
-                 kv_cache_dtype: str = "auto", reasoning_parser: str | None = "auto",
+                 max_batch_size: int | None = ENGINE["max_running_rows"].default,
+                 decode_step: str = "auto", scheduler: str = ENGINE["scheduler"].default,
+                 enable_prefix_caching: bool = ENGINE["prefix_caching"].default,
+                 quantization: str | None = ENGINE["quantization"].default,
+                 load_format: str = "auto",
+                 kv_cache_dtype: str = ENGINE["kv_cache_dtype"].default,
+                 reasoning_parser: str | None = "auto",
                  num_threads: int | None = None) -> None:
-        """kv_cache_fraction: share of the GPU's free memory (after the weights) given to
+        """The defaults of the options `nanoserve.options.ENGINE` declares are its (the
+        KV share is `LLM`'s own override there), and so are their checks.
+        kv_cache_fraction: share of the GPU's free memory (after the weights) given to
         the KV pool. kv_cache_bytes: an exact pool size instead (the CPU default is 1 GiB).
         decode_step: "auto" (a CUDA graph per batch on a GPU, see nanoserve/cuda_graph.py),
         "eager", "static" or "graph": how decode steps run (the tokens are the same). With
@@ -116,9 +123,8 @@ class LLM:
         if max_batch_size is not None:
             check_positive_int(max_batch_size, "max_batch_size (the most rows running at once)")
         self.enable_prefix_caching = enable_prefix_caching
-        if scheduler not in SCHEDULERS:
-            raise NanoserveError(f"scheduler must be one of {', '.join(SCHEDULERS)}, "
-                                 f"got {scheduler!r}")
+        if problem := ENGINE["scheduler"].problem(scheduler):
+            raise NanoserveError(problem)
         self.scheduler = scheduler
         if decode_step not in DECODE_STEP_MODES:
             raise NanoserveError(f"decode_step must be one of {', '.join(DECODE_STEP_MODES)}, "
@@ -321,7 +327,9 @@ class LLM:
         return choice_scores(self, prompts, labels)
 
     def _max_new(self, prompt: list[int], p: SamplingParams) -> int:
-        return max(1, min(p.max_tokens, self.max_context - len(prompt)))
+        """The prompt's generation budget (`token_budget`; ValueError when the prompt
+        fills the context)."""
+        return token_budget(p.max_tokens, len(prompt), self.max_context)
 
     def _plan(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
         """Consecutive rows grouped while the batch fits the pool and max_batch_size."""

@@ -9,7 +9,6 @@ device for the whole batch at once.
 
 from __future__ import annotations
 
-import math
 import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -17,33 +16,43 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # imported where tensors are made: a job's driver needs SamplingParams only
     import torch
 
+from nanoserve.options import MAX_LOGPROBS, MAX_N, SAMPLING, SEED_RANGE, STRUCTURED
 from nanoserve.structured import StructuredOutputs, allowed_tokens, masked_argmax
 
-SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes
-MAX_N = 128  # samples per prompt
-MAX_LOGPROBS = 20  # alternatives per token
+__all__ = ["MAX_LOGPROBS", "MAX_N", "SEED_RANGE", "SamplingParams", "check_room", "row_seed",
+           "sample_next", "token_budget"]
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    max_tokens: int = 256  # cap on generated tokens; finish_reason 'length' when hit
-    temperature: float = 0.0  # 0 means greedy (argmax), exactly
-    top_k: int = 0  # 0 or -1: no top-k cut
-    top_p: float = 1.0  # nucleus mass kept, in (0, 1]
-    seed: int | None = None  # per-row seed; None draws a fresh one
-    stop: tuple[str, ...] = ()  # stop strings: the text is cut before the first one
+    """A request's sampling values. The defaults and the checks of the fields that
+    `nanoserve.options.SAMPLING` declares are its (written once there); `problems` adds the
+    checks between fields (a choice list for `choice_scores`, ...)."""
+
+    # cap on generated tokens (finish_reason 'length' when hit), and the context's room
+    # (`token_budget`)
+    max_tokens: int = SAMPLING["max_tokens"].default
+    temperature: float = SAMPLING["temperature"].default  # 0 means greedy (argmax), exactly
+    top_k: int = SAMPLING["top_k"].default  # 0 or -1: no top-k cut
+    top_p: float = SAMPLING["top_p"].default  # nucleus mass kept, in (0, 1]
+    seed: int | None = SAMPLING["seed"].default  # per-row seed; None draws a fresh one
+    # stop strings: the text is cut before the first one
+    stop: tuple[str, ...] = SAMPLING["stop"].default
     stop_token_ids: tuple[int, ...] = ()  # extra token ids that end the row (kept in output)
-    ignore_eos: bool = False  # keep going past the model's EOS tokens
-    n: int = 1  # samples of the prompt (prefilled once); sample i draws with seed + i
-    logprobs: int | None = None  # per generated token: its logprob, rank and this many top
-    prompt_logprobs: int | None = None  # the same for each prompt token after the first
+    ignore_eos: bool = SAMPLING["ignore_eos"].default  # keep going past the model's EOS tokens
+    # samples of the prompt (prefilled once); sample i draws with seed + i
+    n: int = SAMPLING["n"].default
+    # per generated token: its logprob, rank and this many top
+    logprobs: int | None = SAMPLING["logprobs"].default
+    # the same for each prompt token after the first
+    prompt_logprobs: int | None = SAMPLING["prompt_logprobs"].default
     structured_outputs: StructuredOutputs | None = None  # JSON schema, regex, choice, grammar
     # with a choice list: score every label (nanoserve.choice_scores) instead of sampling;
     # the batch job's worker runs it (the engine's generate does not read it)
-    choice_scores: bool = False
+    choice_scores: bool = STRUCTURED["choice_scores"].default
     # under a reasoning parser: the think block holds at most this many tokens, then the
     # engine closes it and the answer follows (nanoserve.reasoning.ThinkSteer)
-    max_thinking_tokens: int | None = None
+    max_thinking_tokens: int | None = SAMPLING["max_thinking_tokens"].default
     extra: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -56,33 +65,8 @@ class SamplingParams:
 
     def problems(self) -> list[str]:
         """What is wrong with these values, as messages a user can act on."""
-        out = []
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            out.append(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        t = self.temperature
-        if not isinstance(t, (int, float)) or math.isnan(t) or t < 0 or math.isinf(t):
-            out.append(f"temperature must be a finite number >= 0, got {t!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            out.append(f"top_k must be an integer >= 0 (or -1 for none), got {self.top_k!r}")
-        p = self.top_p
-        if not isinstance(p, (int, float)) or math.isnan(p) or not (0 < p <= 1):
-            out.append(f"top_p must be in (0, 1], got {p!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            out.append(f"seed must be an integer, got {self.seed!r}")
-        elif self.seed is not None and not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
-            out.append(f"seed must be in [-2**63, 2**64), got {self.seed}")
-        if any(not isinstance(s, str) or s == "" for s in self.stop):
-            out.append("stop strings must be non-empty strings")
-        if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
-            out.append(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
-        for name in ("logprobs", "prompt_logprobs"):
-            k = getattr(self, name)
-            if k is not None and (isinstance(k, bool) or not isinstance(k, int)
-                                  or not 0 <= k <= MAX_LOGPROBS):
-                out.append(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {k!r}")
-        m = self.max_thinking_tokens
-        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 0):
-            out.append(f"max_thinking_tokens must be an integer >= 0, got {m!r}")
+        out = [p for name, option in SAMPLING.items()
+               if (p := option.problem(getattr(self, name))) is not None]
         so = self.structured_outputs
         if self.choice_scores is not False:
             if self.choice_scores is not True:
@@ -108,6 +92,23 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def check_room(num_prompt_tokens: int, max_context: int) -> None:
+    """ValueError when a prompt of `num_prompt_tokens` leaves no position of the model's
+    context (`max_context` tokens) to generate in. The one place this limit is said."""
+    if num_prompt_tokens >= max_context:
+        raise ValueError(f"prompt has {num_prompt_tokens} tokens; the model's context is "
+                         f"{max_context} tokens, which leaves no room to generate")
+
+
+def token_budget(max_tokens: int, num_prompt_tokens: int, max_context: int) -> int:
+    """The tokens a request may generate: its `max_tokens`, cut to the room the model's
+    context leaves after its prompt; always >= 1. ValueError (`check_room`) when the
+    prompt leaves no room. The engine (`Sequence`, `LLM`'s planning) and the job (its
+    rows' parameters, its worker's KV check) settle a request's limit here, and only here."""
+    check_room(num_prompt_tokens, max_context)
+    return min(max_tokens, max_context - num_prompt_tokens)
 
 
 def row_seed(params: SamplingParams, sample_index: int = 0) -> int | None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nanoserve.logprobs import Logprobs, entries
-from nanoserve.sampling import SamplingParams, row_seed
+from nanoserve.sampling import SamplingParams, row_seed, token_budget
 
 
 @dataclass
@@ -42,10 +42,9 @@ class Sequence:
                  max_context: int, tokenizer=None, grammars=None, sample_index: int = 0) -> None:
         if not prompt_ids:
             raise ValueError("empty prompt: a row needs at least one token")
-        if len(prompt_ids) >= max_context:
-            raise ValueError(
-                f"prompt has {len(prompt_ids)} tokens; the model's context is {max_context}"
-            )
+        # Tokens this row may still add: its cap, or what the context has room for
+        # (ValueError for a prompt that leaves none).
+        max_new = token_budget(params.max_tokens, len(prompt_ids), max_context)
         if params.stop and tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
         self.prompt_ids = list(prompt_ids)
@@ -73,8 +72,7 @@ class Sequence:
         self.logprobs: list | None = [] if params.logprobs is not None else None
         self.prompt_logprobs: Logprobs | None = None  # set by the prefill
         self.error: str | None = None
-        # Tokens this row may still add: its cap, or what the context has room for.
-        self.max_new = min(params.max_tokens, max_context - len(prompt_ids))
+        self.max_new = max_new
         self._stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             self._stop_ids.update(eos_token_ids)

@@ -22,7 +22,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from nanoserve import DEFAULT_MODEL, LIST_FLAGS, InputError, check_model_name
+from nanoserve import (
+    ENGINE,
+    LIST_FLAGS,
+    SAMPLING,
+    STRUCTURED,
+    InputError,
+    add_option,
+    check_model_name,
+)
 
 BATCH_DESCRIPTION = """\
 Generate a completion for every row of a Parquet or JSON Lines file (or a folder tree of
@@ -103,14 +111,13 @@ def add_embed_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     return p
 
 
-def _add_input_output(p: argparse.ArgumentParser, output_help: str) -> None:
+def _add_input_output(p: argparse.ArgumentParser, output_help: str, entry: str) -> None:
     p.add_argument("input", help="a .parquet or JSON Lines file (.jsonl, .json, also .gz or .zst), "
                    "or a folder of them (read recursively); a local path or a URI: s3://, "
                    "gs://, ... (credentials from the store's usual environment and config)")
     p.add_argument("-o", "--output", "--output-dir", dest="output_dir", required=True,
                    metavar="OUTPUT_DIR", help=output_help)
-    p.add_argument("--model", default=DEFAULT_MODEL,
-                   help="model name, Hugging Face folder, or .gguf file (default: %(default)s)")
+    add_option(p, ENGINE["model"], entry)
 
 
 def _add_columns(p: argparse.ArgumentParser, prompt_help: str) -> None:
@@ -120,12 +127,12 @@ def _add_columns(p: argparse.ArgumentParser, prompt_help: str) -> None:
                    help="the column holding row ids (default: 'id' if present, else positions)")
 
 
-def _add_execution(p: argparse.ArgumentParser, batch_size: int, max_batch_tokens: int | None,
+def _add_execution(p: argparse.ArgumentParser, entry: str, batch_size: int,
+                   max_batch_tokens: int | None,
                    max_batch_tokens_help: str) -> argparse._ArgumentGroup:
     """The execution group with the flags both tasks have; the task adds its own to it."""
     r = p.add_argument_group("execution")
-    r.add_argument("--dtype", default="auto",
-                   help="auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16, float16")
+    add_option(r, ENGINE["dtype"], entry)
     r.add_argument("--batch-size", type=int, default=batch_size,
                    help=f"rows per batch, and so per part (default: {batch_size})")
     r.add_argument("--max-batch-tokens", type=int, default=max_batch_tokens,
@@ -170,41 +177,18 @@ def _job_options(args: argparse.Namespace) -> dict[str, Any]:
 def _add_batch_arguments(p: argparse.ArgumentParser) -> None:
     _add_input_output(p, "folder or object-store prefix (s3://bucket/out) for the Parquet "
                          "parts and the manifest (and output.jsonl / errors.jsonl for OpenAI "
-                         "batch files)")
+                         "batch files)", "batch")
     s = p.add_argument_group("sampling (defaults; per-row columns override them)")
-    s.add_argument("--max-tokens", type=int, default=256, help="(default: %(default)s)")
-    s.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
-    s.add_argument("--top-p", type=float, default=1.0, help="(default: 1.0)")
-    s.add_argument("--top-k", type=int, default=0, help="0: no cut (default: 0)")
-    s.add_argument("--seed", type=int, default=None, help="sampling seed of every row")
-    s.add_argument("--stop", action="append", default=[], metavar="TEXT",
-                   help="stop string (repeatable)")
-    s.add_argument("--ignore-eos", action="store_true", help="generate past end-of-sequence")
-    s.add_argument("--n", type=int, default=1, metavar="N",
-                   help="samples per row, 1-128: one output row each (column 'sample_index'), "
-                        "sample i drawing with seed + i; greedy rows (temperature 0) give n "
-                        "equal samples (default: 1)")
-    s.add_argument("--logprobs", type=int, default=None, metavar="K",
-                   help="per generated token: its logprob and rank and the K (0-20) most likely "
-                        "tokens, in the output column 'logprobs' (default: none)")
-    s.add_argument("--prompt-logprobs", type=int, default=None, metavar="K",
-                   help="the same for each prompt token after the first, in the column "
-                        "'prompt_logprobs' (default: none)")
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos",
+                 "n", "logprobs", "prompt_logprobs"):
+        add_option(s, SAMPLING[name], "batch")
     g = p.add_argument_group(
         "structured output (the job's default, at most one; per-row columns override it; a "
         "row cut short by --max-tokens ends with finish_reason 'length' and may not parse)")
-    g.add_argument("--json-schema", type=Path, default=None, metavar="FILE",
-                   help="a JSON schema file: a row's text is JSON valid under it")
-    g.add_argument("--regex", default=None, metavar="REGEX",
-                   help="a row's whole text matches this regular expression")
-    g.add_argument("--choice", action="append", default=[], metavar="TEXT",
-                   help="a row's text is one of these: the flag once for each choice, "
-                        "--choice A --choice B (as in nanoserve generate)")
+    for name in ("json_schema", "regex", "choice"):
+        add_option(g, STRUCTURED[name], "batch")
     p.once_per_value = LIST_FLAGS  # `--choice A B in.jsonl`: refused, not B read as INPUT
-    g.add_argument("--choice-scores", action="store_true",
-                   help="with --choice: each row's probability of every label in the column "
-                        "'choice_scores' (from forward passes, not sampling); its text the "
-                        "most likely label")
+    add_option(g, STRUCTURED["choice_scores"], "batch")
     p.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
                    help='options for the chat template, e.g. \'{"enable_thinking": false}\' '
                         "(a row's 'chat_template_kwargs' column updates them; a key the "
@@ -215,10 +199,7 @@ def _add_batch_arguments(p: argparse.ArgumentParser) -> None:
                         "'num_reasoning_tokens', 'generated_text' the answer only; a "
                         "structured output applies after the block (default auto: picked "
                         "from the model family where certain, stated in the summary)")
-    p.add_argument("--max-thinking-tokens", type=int, default=None, metavar="N",
-                   help="with a reasoning parser: at N tokens of thinking the engine closes "
-                        "the think block and the answer follows (a row's "
-                        "'max_thinking_tokens' column overrides it)")
+    add_option(p, SAMPLING["max_thinking_tokens"], "batch")
     _add_columns(p, "the column holding the prompt (text, messages or token ids)")
     o = p.add_argument_group("OpenAI batch files")
     o.add_argument("--input-format", choices=("auto", "openai", "plain"), default="auto",
@@ -230,39 +211,21 @@ def _add_batch_arguments(p: argparse.ArgumentParser) -> None:
                         "batch output shape, in input order, once the job completes; parquet: "
                         "the parts only; auto: openai when the input holds OpenAI batch "
                         "requests (default: auto)")
-    r = _add_execution(p, 64, None, "a static engine's cap on rows x max(prompt + "
-                                    "max_tokens) in one of its batches (default: none)")
-    r.add_argument("--quantization", choices=("fp8",), default=None,
-                   help="fp8: each worker quantizes the model's projections to FP8 at load "
-                        "(GPUs of compute capability 8.9+; FP8 checkpoints need no flag)")
-    r.add_argument("--kv-cache-fraction", type=float, default=0.5,
-                   help="share of each GPU's free memory for the KV block pool (default: 0.5)")
+    r = _add_execution(p, "batch", 64, None, "a static engine's cap on rows x max(prompt + "
+                                             "max_tokens) in one of its batches (default: none)")
+    add_option(r, ENGINE["quantization"], "batch")
+    add_option(r, ENGINE["kv_cache_fraction"], "batch")
     r.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
                    help="exact KV pool size per worker in GiB, instead of the fraction "
                         "(default on the CPU: 1)")
-    r.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3"), default="auto",
-                   help="auto (the model's dtype) or fp8: keys and values stored as float8 e4m3 "
-                        "with per-layer scales, twice the tokens per byte; GPUs of compute "
-                        "capability 8.9 or newer (default: auto)")
-    r.add_argument("--max-running-rows", type=int, default=None, metavar="N",
-                   help="the most rows each worker's engine decodes at once (default: on a "
-                        "GPU as many as its KV pool holds at 512 tokens a row, 256 to 1,024; "
-                        "256 on the CPU). A worker is sent three times that many rows")
-    r.add_argument("--scheduler", choices=("auto", "static", "continuous"), default="auto",
-                   help="the engine's batching in each worker: continuous (rows join as others "
-                        "finish, and the next batch's rows as this batch's finish; decode steps "
-                        "replayed as CUDA graphs on a GPU), static (each batch runs to its "
-                        "longest row), or auto: continuous (default: auto)")
-    r.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
-                   help="prefill every row's whole prompt, even a prefix that an earlier row's "
-                        "KV blocks already hold (default: shared prefixes are computed and "
-                        "stored once per worker)")
+    for name in ("kv_cache_dtype", "max_running_rows", "scheduler", "prefix_caching"):
+        add_option(r, ENGINE[name], "batch")
     _add_cluster_and_reruns(p)
 
 
 def _add_embed_arguments(p: argparse.ArgumentParser) -> None:
     _add_input_output(p, "folder or object-store prefix (s3://bucket/out) for the Parquet "
-                         "parts and the manifest")
+                         "parts and the manifest", "embed")
     e = p.add_argument_group("embedding (default: what the model folder says)")
     e.add_argument("--pooling", choices=("last", "mean", "cls"), default=None,
                    help="the row's last token (Qwen3-Embedding), the mean of its tokens, or "
@@ -283,8 +246,8 @@ def _add_embed_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--float16", dest="embedding_dtype", action="store_const", const="float16",
                    default="float32", help="store the vectors as float16 (default: float32)")
     _add_columns(p, "the column holding the text or token ids")
-    _add_execution(p, 1024, 65536, "tokens per batch, at most (rows x longest row; default: "
-                                   "65536)")
+    _add_execution(p, "embed", 1024, 65536, "tokens per batch, at most (rows x longest row; "
+                                            "default: 65536)")
     _add_cluster_and_reruns(p)
 
 

@@ -65,7 +65,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from nanoserve import DEFAULT_MODEL, resolve_model
+from nanoserve import ENGINE, SAMPLING, resolve_model
 from ray_jobs.input.io import InputChunk, result_schema
 from ray_jobs.preparation.prepare import (
     ColumnPlan,
@@ -124,10 +124,12 @@ class DatasetStage(abc.ABC):
 class DatasetGenerator(DatasetStage):
     """Generation's stage: a `BatchWorker` per actor, rows prepared by `RowPreparer`."""
 
-    def __init__(self, model: str = DEFAULT_MODEL, sampling: dict[str, Any] | None = None,
-                 prompt_column: str | None = None, dtype: str = "auto",
-                 kv_cache_fraction: float = 0.5, kv_cache_bytes: int | None = None,
-                 scheduler: str = "auto", num_threads: int | None = None,
+    def __init__(self, model: str = ENGINE["model"].default,
+                 sampling: dict[str, Any] | None = None, prompt_column: str | None = None,
+                 dtype: str = ENGINE["dtype"].default,
+                 kv_cache_fraction: float = ENGINE["kv_cache_fraction"].default,
+                 kv_cache_bytes: int | None = None,
+                 scheduler: str = ENGINE["scheduler"].default, num_threads: int | None = None,
                  chat_template_kwargs: dict[str, Any] | None = None,
                  reasoning_parser: str | None = "auto") -> None:
         path = resolve_model(model)
@@ -174,7 +176,7 @@ class DatasetEmbedder(DatasetStage):
     `EmbedPreparer`. `options`: `EmbedTask`'s (`EmbedSettings.task_options`)."""
 
     def __init__(self, model: str, options: dict[str, Any], pooling: dict[str, Any],
-                 prompt_column: str | None = None, dtype: str = "auto",
+                 prompt_column: str | None = None, dtype: str = ENGINE["dtype"].default,
                  num_threads: int | None = None,
                  max_batch_tokens: int = EMBED_BATCH_TOKENS) -> None:
         path = resolve_model(model)
@@ -198,11 +200,12 @@ class DatasetEmbedder(DatasetStage):
         return self._tasks[schema]
 
 
-def build_processor(model: str = DEFAULT_MODEL, *, concurrency: int = 1,
+def build_processor(model: str = ENGINE["model"].default, *, concurrency: int = 1,
                     num_gpus: float = 1, num_cpus: float | None = None, batch_size: int = 64,
-                    prompt_column: str | None = None, dtype: str = "auto",
-                    kv_cache_fraction: float = 0.5, kv_cache_bytes: int | None = None,
-                    scheduler: str = "auto", chat_template_kwargs: dict[str, Any] | None = None,
+                    prompt_column: str | None = None, dtype: str = ENGINE["dtype"].default,
+                    kv_cache_fraction: float = ENGINE["kv_cache_fraction"].default,
+                    kv_cache_bytes: int | None = None,
+                    scheduler: str = ENGINE["scheduler"].default, chat_template_kwargs: dict[str, Any] | None = None,
                     reasoning_parser: str | None = "auto", **sampling: Any) -> Callable[[Any], Any]:
     """A function `Dataset -> Dataset` that appends the result columns to every row (see
     the module docstring). `concurrency` actors, each with `num_gpus` GPUs (1: one engine
@@ -237,7 +240,11 @@ def build_processor(model: str = DEFAULT_MODEL, *, concurrency: int = 1,
                            concurrency, num_gpus, num_cpus, batch_size)
     if task != "generate":
         raise InputError(f"task must be 'generate' or 'embed', got {task!r}")
-    sampling = {"max_tokens": 256, **sampling}
+    for name, value in (("dtype", dtype), ("kv_cache_fraction", kv_cache_fraction),
+                        ("scheduler", scheduler)):
+        if problem := ENGINE[name].problem(value):
+            raise InputError(problem)
+    sampling = {"max_tokens": SAMPLING["max_tokens"].default, **sampling}
     if "stop" in sampling:
         sampling["stop"] = tuple(sampling["stop"] or ())
     try:

@@ -148,7 +148,7 @@ def test_generate_flag_max_running_rows(tiny_job_model, capsys):
 
     assert nanoserve_main(["generate", "--max-running-rows", "0", "hi"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["error: --max-running-rows must be >= 1, got 0"], err
+    assert err == ["error: --max-running-rows must be an int >= 1, got 0"], err
     texts = []
     for extra in ([], ["--max-running-rows", "1"]):
         rc = nanoserve_main(["generate", "--model", str(tiny_job_model), "--device", "cpu",

@@ -73,7 +73,9 @@ from nanoserve import (
     NanoserveError,
     SamplingParams,
     StructuredOutputs,
+    check_room,
     structured_from_request,
+    token_budget,
 )
 from ray_jobs.input.io import (
     CONTROL_COLUMNS,
@@ -464,11 +466,7 @@ class RowPreparer:
             return (), ()
         if not ids:
             raise ValueError(f"empty prompt (column {column!r})")
-        if len(ids) + 1 > self.max_context:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens; the model's context is {self.max_context} "
-                f"tokens, which leaves no room to generate"
-            )
+        check_room(len(ids), self.max_context)
         return ids, images
 
     def _text(self, value: Any, column: str) -> str:
@@ -551,9 +549,9 @@ class RowPreparer:
             params = SamplingParams(**fields)
         except ValueError as e:
             raise ValueError(f"invalid sampling values: {e}") from None
-        room = self.max_context - num_prompt_tokens  # >= 1, checked with the prompt
-        if params.max_tokens > room:
-            params = dataclasses.replace(params, max_tokens=room)
+        budget = token_budget(params.max_tokens, num_prompt_tokens, self.max_context)
+        if params.max_tokens > budget:
+            params = dataclasses.replace(params, max_tokens=budget)
         if params.structured_outputs is not None and not params.choice_scores:
             self._check_choices_fit(params.structured_outputs, params.max_tokens, "max_tokens")
         return params

@@ -29,7 +29,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from nanoserve import InputError, NanoserveError
+from nanoserve import ENGINE, InputError, NanoserveError
 from ray_jobs.input.io import InputChunk, InputInfo
 from ray_jobs.preparation.prepare import (
     MESSAGES,
@@ -139,7 +139,7 @@ class EmbedWorker:
     request: `embedding` (float32 list), `num_input_tokens`, `error`, and for the job's
     bookkeeping `finish_reason` ('stop' or 'error') and `num_generated_tokens` (0)."""
 
-    def __init__(self, model: str, dtype: str = "auto", device: str | None = None,
+    def __init__(self, model: str, dtype: str = ENGINE["dtype"].default, device: str | None = None,
                  num_threads: int | None = None, pooling: dict[str, Any] | None = None,
                  max_batch_tokens: int = 16384, **_generation: Any) -> None:
         from nanoserve import Embedder, PoolingConfig

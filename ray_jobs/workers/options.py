@@ -10,13 +10,22 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from nanoserve import DEFAULT_MODEL, InputError, NanoserveError, check_online, check_positive_int
+from nanoserve import (
+    ENGINE,
+    SAMPLING,
+    STRUCTURED,
+    InputError,
+    NanoserveError,
+    check_online,
+    check_positive_int,
+)
 from ray_jobs.input.io import DEFAULT_CHUNK_ROWS, INPUT_FORMATS
 from ray_jobs.output.openai_files import OUTPUT_FORMATS
+from ray_jobs.preparation.batching import WINDOW_BATCHES
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-SCHEDULERS = ("auto", "static", "continuous")  # as nanoserve.llm.SCHEDULERS (no torch here)
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # as nanoserve.kv_cache_dtype's
+DTYPES = ENGINE["dtype"].choices
+SCHEDULERS = ENGINE["scheduler"].choices
+KV_CACHE_DTYPES = ENGINE["kv_cache_dtype"].choices
 
 
 @dataclass(frozen=True)
@@ -63,26 +72,31 @@ def parse_num_workers(value: int | str | None) -> WorkerRange | None:
 @dataclass(frozen=True)
 class JobOptions:
     """The job's options (the CLI's flags). Sampling fields are the defaults that per-row
-    columns override."""
+    columns override. The fields that `nanoserve.options` declares (sampling, structured
+    output, engine) take their defaults and checks from it; the job's own are here."""
 
-    model: str = DEFAULT_MODEL
-    max_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-    n: int = 1  # samples per row (1-128): one output row each, sample i drawing with seed + i
-    logprobs: int | None = None  # per generated token: its logprob, rank and this many top
-    prompt_logprobs: int | None = None  # the same for each prompt token after the first
+    model: str = ENGINE["model"].default
+    max_tokens: int = SAMPLING["max_tokens"].default
+    temperature: float = SAMPLING["temperature"].default
+    top_p: float = SAMPLING["top_p"].default
+    top_k: int = SAMPLING["top_k"].default
+    seed: int | None = SAMPLING["seed"].default
+    stop: tuple[str, ...] = SAMPLING["stop"].default
+    ignore_eos: bool = SAMPLING["ignore_eos"].default
+    # samples per row (1-128): one output row each, sample i drawing with seed + i
+    n: int = SAMPLING["n"].default
+    # per generated token: its logprob, rank and this many top
+    logprobs: int | None = SAMPLING["logprobs"].default
+    # the same for each prompt token after the first
+    prompt_logprobs: int | None = SAMPLING["prompt_logprobs"].default
     # A structured output for every row that sets none of its own (at most one of these):
-    json_schema: str | dict | None = None  # a JSON schema (JSON text, or a dict)
-    regex: str | None = None  # the whole text matches it
-    choice: tuple[str, ...] = ()  # the text is one of these
+    # a JSON schema (JSON text, or a dict)
+    json_schema: str | dict | None = STRUCTURED["json_schema"].default
+    regex: str | None = STRUCTURED["regex"].default  # the whole text matches it
+    choice: tuple[str, ...] = STRUCTURED["choice"].default  # the text is one of these
     # with `choice`: each row's probability of every label (the `choice_scores` column),
     # from forward passes, and the most likely label as its text
-    choice_scores: bool = False
+    choice_scores: bool = STRUCTURED["choice_scores"].default
     # chat-template options for every chat row (e.g. {"enable_thinking": false}), a dict or
     # its JSON text, kept as JSON text; a row's `chat_template_kwargs` column updates them
     chat_template_kwargs: str | dict | None = None
@@ -91,15 +105,16 @@ class JobOptions:
     reasoning_parser: str | None = "auto"
     # under a reasoning parser: at most this many tokens in a think block, then the engine
     # closes it (a row's `max_thinking_tokens` column overrides it)
-    max_thinking_tokens: int | None = None
-    dtype: str = "auto"  # bfloat16 on GPU, float32 on CPU
-    quantization: str | None = None  # "fp8": projections quantized at load (GPU workers)
+    max_thinking_tokens: int | None = SAMPLING["max_thinking_tokens"].default
+    dtype: str = ENGINE["dtype"].default  # bfloat16 on GPU, float32 on CPU
+    # "fp8": projections quantized at load (GPU workers)
+    quantization: str | None = ENGINE["quantization"].default
     # None: one per GPU of the cluster, 1 without GPUs; or "MIN-MAX" / "auto": GPU workers
     # that grow as GPUs join (see ray_jobs.dispatch.autoscale)
     num_workers: int | str | None = None
     batch_size: int = 64  # rows per batch
     max_batch_tokens: int | None = None  # rows x max(prompt + max_tokens) per batch
-    window_batches: int = 8  # batches' worth of rows sorted by length together
+    window_batches: int = WINDOW_BATCHES  # batches' worth of rows sorted by length together
     prompt_column: str | None = None
     id_column: str | None = None
     # 'auto': JSONL lines shaped as OpenAI batch requests are read as such; 'openai': every
@@ -111,15 +126,18 @@ class JobOptions:
     address: str | None = None  # Ray address; None: RAY_ADDRESS, a running cluster, or local
     overwrite: bool = False
     retry_errors: bool = False  # compute again the written batches that hold error rows
-    kv_cache_fraction: float = 0.5  # of a GPU's free memory, for the KV pool
+    kv_cache_fraction: float = ENGINE["kv_cache_fraction"].default  # of a GPU's free memory
     kv_cache_bytes: int | None = None  # the KV pool's exact size per worker (else the above)
-    kv_cache_dtype: str = "auto"  # the model's dtype, or "fp8" (e4m3, sm_89+ GPUs)
+    # the model's dtype, or "fp8" (e4m3, sm_89+ GPUs)
+    kv_cache_dtype: str = ENGINE["kv_cache_dtype"].default
     # each worker's engine: the most rows decoding at once (LLM's max_batch_size); a worker
     # holds a few times that many rows (`ray_jobs.dispatch.pool.hold_limits`); None: the engine's
     # default (`nanoserve.model_runner.default_max_rows`: from its KV pool, 256-1,024 on a GPU)
-    max_running_rows: int | None = None
-    scheduler: str = "auto"  # each worker's engine: continuous (nanoserve.llm.LLM)
-    prefix_caching: bool = True  # engines reuse the KV blocks of shared prompt prefixes
+    max_running_rows: int | None = ENGINE["max_running_rows"].default
+    # each worker's engine: continuous (nanoserve.llm.LLM)
+    scheduler: str = ENGINE["scheduler"].default
+    # engines reuse the KV blocks of shared prompt prefixes
+    prefix_caching: bool = ENGINE["prefix_caching"].default
     chunk_rows: int = DEFAULT_CHUNK_ROWS  # rows read and tokenized at a time
     # batches a worker holds at once; None: as many as keep its engine full (`hold_limits`)
     max_in_flight_per_worker: int | None = None
@@ -173,27 +191,19 @@ class JobOptions:
             if self.reasoning_parser not in CHOICES:
                 raise InputError(f"unknown reasoning parser {self.reasoning_parser!r}; choose "
                                  f"{', '.join(CHOICES)}")
-        m = self.max_thinking_tokens
-        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 0):
-            raise InputError(f"--max-thinking-tokens must be an integer >= 0, got {m!r}")
-        if self.scheduler not in SCHEDULERS:
-            raise NanoserveError(f"unknown scheduler {self.scheduler!r}; choose "
-                                 f"{', '.join(SCHEDULERS)}")
+        thinking = SAMPLING["max_thinking_tokens"]
+        if problem := thinking.problem(self.max_thinking_tokens, thinking.flag):
+            raise InputError(problem)
+        for name in ("scheduler", "dtype", "kv_cache_fraction", "kv_cache_dtype",
+                     "max_running_rows"):  # the engine's options, checked as LLM checks them
+            if problem := ENGINE[name].problem(getattr(self, name)):
+                raise NanoserveError(problem)
         for name, value, choices in (("input format", self.input_format, INPUT_FORMATS),
                                      ("output format", self.output_format, OUTPUT_FORMATS)):
             if value not in choices:
                 raise NanoserveError(f"unknown {name} {value!r}; choose {', '.join(choices)}")
-        if self.dtype not in DTYPES:
-            raise NanoserveError(f"unknown dtype {self.dtype!r}; choose {', '.join(DTYPES)}")
         check_online(self.quantization)
         parse_num_workers(self.num_workers)  # raises NanoserveError if invalid
-        if not 0 < self.kv_cache_fraction <= 1:
-            raise NanoserveError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise NanoserveError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; choose "
-                                 f"{', '.join(KV_CACHE_DTYPES)}")
-        if self.max_running_rows is not None:
-            check_positive_int(self.max_running_rows, "max_running_rows")
         if self.max_in_flight_per_worker is not None:
             check_positive_int(self.max_in_flight_per_worker, "max_in_flight_per_worker")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:

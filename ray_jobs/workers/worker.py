@@ -63,7 +63,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from nanoserve import ModelError, NanoserveError, SamplingParams
+from nanoserve import ENGINE, ModelError, NanoserveError, SamplingParams
 from ray_jobs.input.io import WORKER_RESULT_SCHEMA
 
 PREFILL_SLOTS_KEY = b"nanoserve.prefill_slots"  # rows x longest prompt, summed over sub-batches
@@ -115,11 +115,14 @@ def pick_device() -> str:
 
 
 class BatchWorker:
-    def __init__(self, model: str, dtype: str = "auto", kv_cache_fraction: float = 0.5,
+    def __init__(self, model: str, dtype: str = ENGINE["dtype"].default,
+                 kv_cache_fraction: float = ENGINE["kv_cache_fraction"].default,
                  device: str | None = None, num_threads: int | None = None,
-                 kv_cache_bytes: int | None = None, scheduler: str = "auto",
-                 prefix_caching: bool = True, quantization: str | None = None,
-                 kv_cache_dtype: str = "auto", max_batch_size: int | None = None,
+                 kv_cache_bytes: int | None = None, scheduler: str = ENGINE["scheduler"].default,
+                 prefix_caching: bool = ENGINE["prefix_caching"].default,
+                 quantization: str | None = ENGINE["quantization"].default,
+                 kv_cache_dtype: str = ENGINE["kv_cache_dtype"].default,
+                 max_batch_size: int | None = ENGINE["max_running_rows"].default,
                  reasoning_parser: str | None = "auto") -> None:
         """Load the model once. `device` None picks one (see the module docstring);
         `num_threads` caps torch's CPU threads (at most the machine's cores);
@@ -337,7 +340,7 @@ class BatchWorker:
         """Error rows (one per sample) for a request that cannot run even alone (empty, no
         room in the model's context, a structured output that does not compile, more than
         the KV pool holds), else None: such a row never fails the rest of its batch. (The
-        step count is `LLM.generate`'s: max_tokens, capped by the context. The static
+        step count is the engine's `token_budget`, as `LLM.generate` counts it. The static
         engine runs a request's samples in one batch, so they must fit the pool together;
         the continuous one can run them one by one.)"""
         n = len(r.prompt_token_ids)
@@ -350,17 +353,16 @@ class BatchWorker:
         if r.images and r.params.choice_scores:
             return error_rows("choice scores are computed for prompts without images only",
                               n, samples)
-        if n >= self.llm.max_context:
-            return error_rows(f"prompt has {n} tokens; the model's context is "
-                              f"{self.llm.max_context} tokens, which leaves no room to "
-                              f"generate", n, samples)
+        together = samples if self._loop is None else 1
+        try:  # the step count first: a prompt that fills the context is refused here
+            fit = self.llm.row_fit(r.prompt_token_ids, r.params, together)
+        except ValueError as e:
+            return error_rows(str(e), n, samples)
         if r.params.structured_outputs is not None:
             try:
                 self.llm.grammars.check(r.params.structured_outputs)
             except ValueError as e:
                 return error_rows(str(e), n, samples)
-        together = samples if self._loop is None else 1
-        fit = self.llm.row_fit(r.prompt_token_ids, r.params, together)
         if fit.fits:
             return None
         what = f"{samples} samples of {n} prompt tokens" if together > 1 else f"{n} prompt tokens"
