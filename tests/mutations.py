@@ -143,7 +143,7 @@ MUTATIONS = [
              why="after a cache hit that ends inside an image, its first uncached token loses "
                  "its embedding"),
     # the driver's input scan and the worker's depth (tests/test_bad_input.py, test_dispatch.py)
-    Mutation("ids-held-after-spill-unchecked", "ray_jobs/input/io.py",
+    Mutation("ids-held-after-spill-unchecked", "ray_jobs/input/ids.py",
              "        if self.spill_dir is not None:\n            self._spill()\n            buckets",
              "        if self.spill_dir is not None:\n            buckets",
              "tests/test_bad_input.py::test_duplicate_ids_held_in_memory_after_a_spill",

@@ -27,7 +27,6 @@ from nanoserve.sampling import SamplingParams
 from ray_jobs import run_batch_job
 from ray_jobs.cli import main as batch_main
 from ray_jobs.dispatch.pool import WorkerPool
-from ray_jobs.input.io import WORKER_RESULT_SCHEMA
 from ray_jobs.output.manifest import (
     LOCK_NAME,
     MANIFEST_NAME,
@@ -36,6 +35,7 @@ from ray_jobs.output.manifest import (
     Manifest,
     part_name,
 )
+from ray_jobs.preparation.result_columns import WORKER_RESULT_SCHEMA
 from ray_jobs.workers.worker import BatchWorker, GenerationRequest
 
 REPO = Path(__file__).resolve().parents[1]

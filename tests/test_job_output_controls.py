@@ -27,8 +27,8 @@ from nanoserve.sampling import SamplingParams
 from nanoserve.structured import StructuredOutputs
 from nanoserve_cli import main as nanoserve_main
 from ray_jobs import run_batch_job
-from ray_jobs.input.io import LOGPROBS_TYPE, RESULT_COLUMNS
 from ray_jobs.output.manifest import REPORT_NAME, Manifest
+from ray_jobs.preparation.result_columns import LOGPROBS_TYPE, RESULT_COLUMNS
 from ray_jobs.workers.worker import BatchWorker, GenerationRequest
 
 KV_BYTES = 32 << 20

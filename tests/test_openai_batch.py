@@ -647,9 +647,9 @@ def refuse_rows_in_this_process(mp):
     """This process is the job's driver (its workers are Ray's own processes): make it fail
     if it reads input rows after the scan (rows in the job's schema: a shard's, or the
     whole input again) or the rows of a part."""
-    from ray_jobs.input import io, shards
+    from ray_jobs.input import io, jsonl, shards
 
-    scan = io._iter_jsonl
+    scan = jsonl._iter_jsonl
 
     def scan_only(*args, schema=None, **kwargs):
         if schema is not None:
@@ -660,6 +660,7 @@ def refuse_rows_in_this_process(mp):
         raise AssertionError("the driver read a part's rows")
 
     mp.setattr(io, "_iter_jsonl", scan_only)
+    mp.setattr(jsonl, "_iter_jsonl", scan_only)
     mp.setattr(shards, "_iter_jsonl", scan_only)
     mp.setattr(pq, "read_table", refuse)
 

@@ -37,7 +37,7 @@ each worker every PROGRESS_POLL_S how many of their rows its engine has finished
 (`ShardWorker.progress`), so it moves inside a batch, not only when the batch comes back.
 
 Memory stays flat: the driver holds the scan's cut points (16 bytes a shard), the id
-hashes when the input has ids (8 bytes a row, `ray_jobs.input.io`), and the descriptors of the
+hashes when the input has ids (8 bytes a row, `ray_jobs.input.ids`), and the descriptors of the
 shards in flight; the manifest records done shard ids, never per-row data. A part holds
 its shard's rows in input order, and parts are numbered in input order.
 
@@ -88,7 +88,8 @@ from nanoserve.model_store import resolve_model
 from ray_jobs.dispatch.local_ray import RaySession
 from ray_jobs.dispatch.placement import check_output_reachable
 from ray_jobs.dispatch.pool import WorkerPool, WorkerReport, first_line, log
-from ray_jobs.input.io import InputInfo, scan_input
+from ray_jobs.input.files import InputInfo
+from ray_jobs.input.io import scan_input
 from ray_jobs.input.shards import InputSpec, Shard, iter_shards, num_shards
 from ray_jobs.input.storage import OutputDir, is_uri
 from ray_jobs.output.manifest import (

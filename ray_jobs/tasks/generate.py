@@ -24,7 +24,7 @@ from typing import Any
 import pyarrow as pa
 
 from nanoserve.errors import InputError, NanoserveError
-from ray_jobs.input.io import InputInfo
+from ray_jobs.input.files import InputInfo
 from ray_jobs.output import openai_files
 from ray_jobs.preparation.prepare import (
     ColumnPlan,

@@ -13,7 +13,7 @@ from typing import Any
 from nanoserve.errors import InputError, NanoserveError, check_positive_int
 from nanoserve.model_store import DEFAULT_MODEL
 from nanoserve.quantization import check_online
-from ray_jobs.input.io import DEFAULT_CHUNK_ROWS, INPUT_FORMATS
+from ray_jobs.input.files import DEFAULT_CHUNK_ROWS, INPUT_FORMATS
 from ray_jobs.output.openai_files import OUTPUT_FORMATS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
