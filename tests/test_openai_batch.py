@@ -755,7 +755,7 @@ def test_retry_errors_rewrites_the_retried_shards_lines(tmp_path, ray_session, c
 
 def test_an_interrupted_job_resumes_to_complete_files_with_every_request_once(
         tmp_path, ray_session, chat_model, monkeypatch):
-    from ray_jobs.dispatch import driver
+    from ray_jobs.dispatch import job_run
     from ray_jobs.output.manifest import Manifest
     from ray_jobs.output.openai_files import fragment_names
 
@@ -767,13 +767,13 @@ def test_an_interrupted_job_resumes_to_complete_files_with_every_request_once(
     out = tmp_path / "out"
     options = {"model": str(chat_model), "max_tokens": 2, "batch_size": 3,
                "kv_cache_bytes": KV_BYTES, "progress": False}
-    original = driver._JobRun._write
+    original = job_run._JobRun._write
 
     def write_then_stop(self, shard, tables):
         original(self, shard, tables)
         raise KeyboardInterrupt  # the driver stops after its first recorded shard
 
-    monkeypatch.setattr(driver._JobRun, "_write", write_then_stop)
+    monkeypatch.setattr(job_run._JobRun, "_write", write_then_stop)
     with pytest.raises(KeyboardInterrupt):  # one shard at a time: the second is never sent
         run_batch_job(path, out, **options, max_in_flight_per_worker=1)
     monkeypatch.undo()

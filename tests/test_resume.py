@@ -25,7 +25,7 @@ from pathlib import Path
 import pyarrow.dataset as ds
 import pytest
 
-import ray_jobs.dispatch.driver as driver
+import ray_jobs.dispatch.job_run as job_run
 from nanoserve.errors import InputError
 from nanoserve.testing import assert_rows_match_engine
 from ray_jobs import run_batch_job
@@ -152,7 +152,7 @@ def test_driver_killed_mid_job_resumes_keeping_written_parts(tiny_job_model, tin
 def finished_job(ray_session, tiny_job_model, tmp_path_factory):
     """A finished job of 6 rows in 3 batches, run once. On the way it checks that the
     driver never holds more than its in-flight limit of batches (1 worker x 2)."""
-    original = driver._JobRun._submit
+    original = job_run._JobRun._submit
     held = []
 
     def submit(self, piece, index):
@@ -165,7 +165,7 @@ def finished_job(ray_session, tiny_job_model, tmp_path_factory):
     options = {"model": str(tiny_job_model), "max_tokens": MAX_TOKENS, "batch_size": 2,
                "kv_cache_bytes": 32 << 20, "progress": False, "max_in_flight_per_worker": 2}
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(driver._JobRun, "_submit", submit)
+        mp.setattr(job_run._JobRun, "_submit", submit)
         run_batch_job(path, folder / "out", **options)
     assert held and max(held) <= 2
     return path, folder / "out", options
