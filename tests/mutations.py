@@ -81,7 +81,7 @@ MUTATIONS = [
              "tests/test_fp8_kv.py::test_continuous_batching_over_an_fp8_pool",
              why="a continuous decode step reads the FP8 pool without its layer's scales"),
     # the continuous runner's padded prefill lengths (tests/test_scheduler.py)
-    Mutation("prefill-length-rule", "nanoserve/model_runner.py",
+    Mutation("prefill-length-rule", "nanoserve/fixed_prefill.py",
              "step = 64 if n <= 1024 else 128 if n <= 4096 else 256",
              "step = 64 if n <= 1024 else 128 if n <= 4096 else 256 if n <= 8192 else 128",
              "tests/test_scheduler.py::test_prefill_length_rounds_up_to_few_shapes",
