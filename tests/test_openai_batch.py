@@ -31,7 +31,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -428,7 +427,7 @@ def kill_group(pgid):
 
 
 def test_driver_killed_mid_job_resumes_to_the_same_files(tmp_path, ray_session, chat_model,
-                                                         request):
+                                                         private_ray_env):
     requests = [req(f"q{i}", COMP if i % 3 else CHAT,  # seeded: OpenAI's temperature 1
                     {"prompt": f"Request {i} says {'ab' * (i % 5)}", "max_tokens": 2, "seed": i}
                     if i % 3 else {"messages": [{"role": "user", "content": f"Hi {i}"}],
@@ -437,11 +436,7 @@ def test_driver_killed_mid_job_resumes_to_the_same_files(tmp_path, ray_session, 
     requests[7]["body"]["logit_bias"] = {"1": 5}  # an unsupported field: an error line
     path = write_jsonl(tmp_path / "requests.jsonl", requests)
     out = tmp_path / "out"
-    ray_tmp = tempfile.mkdtemp(prefix="ns-t-")
-    request.addfinalizer(lambda: shutil.rmtree(ray_tmp, ignore_errors=True))
-    env = {**os.environ, "TMPDIR": ray_tmp, "PYTHONPATH": str(REPO),
-           "RAY_USAGE_STATS_ENABLED": "0"}
-    env.pop("RAY_ADDRESS", None)
+    env = private_ray_env
     command = [sys.executable, "-m", "nanoserve_cli", "batch", str(path), "-o", str(out),
                "--model", str(chat_model), "--batch-size", "2", "--max-tokens", "2",
                "--kv-cache-memory", "0.03125", "--address", "local", "--no-progress"]
@@ -482,33 +477,6 @@ def test_driver_killed_mid_job_resumes_to_the_same_files(tmp_path, ray_session, 
 
 
 # --- object storage ------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def s3():
-    """moto's S3 server on 127.0.0.1, and the AWS environment pointing at it."""
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    env = {"AWS_ACCESS_KEY_ID": "nanoserve-test-key", "AWS_SECRET_ACCESS_KEY": "test-secret",
-           "AWS_DEFAULT_REGION": "us-east-1", "AWS_REGION": "us-east-1",
-           "AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_EC2_METADATA_DISABLED": "true"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    import boto3
-
-    client = boto3.client("s3")
-    try:
-        yield client
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        server.stop()
 
 
 def test_s3_request_file_in_and_openai_files_out(s3, ray_session, chat_model, tmp_path):

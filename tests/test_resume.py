@@ -18,7 +18,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -99,15 +98,12 @@ def assert_rows_match_oracle(llm, prompts, rows):
 
 
 def test_driver_killed_mid_job_resumes_keeping_written_parts(tiny_job_model, tiny_llm, tmp_path,
-                                                            request):
+                                                            private_ray_env):
     prompts = prompts_of(120)
     path = write_prompts(tmp_path / "in.jsonl", prompts)
     out = tmp_path / "out"
-    ray_tmp = tempfile.mkdtemp(prefix="ns-t-")  # short: Ray's socket paths stay < 108 chars
-    request.addfinalizer(lambda: shutil.rmtree(ray_tmp, ignore_errors=True))
-    env = {**os.environ, "TMPDIR": ray_tmp, "PYTHONPATH": str(REPO),
-           "RAY_USAGE_STATS_ENABLED": "0"}
-    env.pop("RAY_ADDRESS", None)
+    env = private_ray_env
+    ray_tmp = env["TMPDIR"]  # the private Ray's session folders
     command = [sys.executable, "-m", "nanoserve_cli", "batch", str(path), "-o", str(out),
                "--model", str(tiny_job_model), "--batch-size", "2", "--max-tokens", str(MAX_TOKENS),
                "--address", "local", "--no-progress",
