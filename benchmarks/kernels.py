@@ -482,7 +482,8 @@ def sweep_shape(batch: int, ctx: int, copy_bw: float, show: int = 8) -> None:
 
 def host_overhead(calls: int = 2000) -> None:
     """Host microseconds per decode call and per piece of it (no device sync inside the loop)."""
-    from nanoserve_kernels.paged_attention import check_decode_args, paged_decode_attention
+    from nanoserve_kernels.kv_args import check_decode_args
+    from nanoserve_kernels.paged_attention import paged_decode_attention
 
     q, k_cache, v_cache, tables, lens = decode_case(1, 128)
 

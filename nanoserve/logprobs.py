@@ -37,7 +37,7 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()  # (token_id, logprob), most likely first
 
     def as_dict(self) -> dict:
-        """The Arrow/JSON form (`ray_jobs.input.io.LOGPROBS_TYPE`)."""
+        """The Arrow/JSON form (`ray_jobs.preparation.result_columns.LOGPROBS_TYPE`)."""
         return {"token_id": self.token_id, "logprob": self.logprob, "rank": self.rank,
                 "top": [{"token_id": t, "logprob": lp} for t, lp in self.top]}
 

@@ -12,23 +12,9 @@ token of block 0 and its token is never read.
 Block tables live per row slot too: `block_tables[r]` [W] int32, W = the most blocks a row
 can ever hold. The host sends only what changed (a row's new blocks) before a step.
 
-Packed prefill of N tokens (several rows' new tokens in one row [1, N]): on a CUDA device a
-row of padding follows them up to `prefill_length(N)` tokens (token 0, write slot -1, the
-padding row slot's table), so its GEMMs meet 56 shapes up to 8,192: cuBLAS picks each new
-shape's kernel on the host, 5-15x the cost of a shape it has met. No real row attends to the
-padding and every other op is per token, so real rows' results are those of the unpadded
-prefill (up to the GEMMs' rounding at another row count).
-
-Fixed-tensor prefills ("graph" and "static" modes): a packed prefill of a padded length T
-<= `prefill_tokens` reads its inputs from fixed views of one device buffer (token ids,
-positions, K/V slots [T]; row starts, row slots, context lengths [B + 1]; and the prefill
-kernel's work table, whose grid depends on T alone) and writes its final hidden states into
-one shared [T_max, d] buffer; in "graph" mode that forward is one CUDA graph per
-`prefill_length` value and kind (rows within their own tokens, or after cached blocks
-through their block tables), captured the first time that length and kind run, so a
-prefill costs the host one input copy and one replay instead of ~10 launches a layer. The
-LM head, sampling and prompt logprobs run after it, uncaptured (they depend on the rows).
-Longer prefills run eagerly.
+Packed prefills, and the fixed tensors they run from up to `prefill_tokens`:
+`nanoserve.fixed_prefill`. Capturing the steps' and prefills' CUDA graphs, and running
+uncaptured when they do not fit: `nanoserve.step_graphs`.
 
 Decode step for n rows, run at the smallest bucket b >= n (buckets 1, 2, 4, 8, then
 multiples of 16 up to 256 and of 32 above, up to max_batch_size: `decode_buckets`): inputs are fixed views [b] of one device buffer
@@ -42,9 +28,7 @@ device, and overwrite their argmax in last_tok. A structured output's greedy ste
 every row's masked argmax after it instead, from a fixed bitmask buffer: one more graph
 per bucket, captured at its first use (`_masked_step`), its masks filled on the host by
 a fill thread while the host prepares the next step (`begin_sampling`). The graphs of
-all buckets write their logits into one shared buffer; graphs that do not fit in the
-memory the KV pool left are dropped at load, and the steps run "static" (see
-`_capture_all`).
+all buckets write their logits into one shared buffer.
 
 Staging and result buffers form a ring of RING entries; an operation (a prefill or a
 step) takes the next entry, and the host waits for the entry's previous use to have
@@ -55,7 +39,6 @@ from __future__ import annotations
 
 import logging
 import time
-import warnings
 from dataclasses import dataclass, field
 from itertools import chain
 
@@ -64,15 +47,20 @@ import torch
 
 from nanoserve.attention import AttentionMetadata
 from nanoserve.cache import KVPool
+from nanoserve.fixed_prefill import (
+    PREFILL_GRAPH_TOKENS,
+    FixedPrefills,
+    prefill_length,
+    prefill_lengths,
+)
 from nanoserve.logprobs import prompt_logprob_rows
 from nanoserve.model import LlamaForCausalLM, PlacedImages
 from nanoserve.sampling import MAX_LOGPROBS
 from nanoserve.step_cache import StepCache
+from nanoserve.step_graphs import StepGraphs
 from nanoserve.step_sampling import StepSampling, sample_step
 from nanoserve.structured import FillThread
 from nanoserve_kernels import backend as kernel_backend
-from nanoserve_kernels.paged_prefill import default_block_m
-from nanoserve_kernels.prefill_attention import PREFILL_BLOCK_M, prefill_work, prefill_work_size
 
 log = logging.getLogger(__name__)
 
@@ -93,28 +81,6 @@ STEP_MODES = ("eager", "static", "graph")
 # Context length the captured decode kernel's split count is chosen for (a longer context
 # is still read whole: the last split takes the rest).
 SPLIT_CONTEXT_HINT = 4096
-# The longest packed prefill (padded) run from fixed tensors: one CUDA graph per
-# `prefill_length` up to it and kind (2 x 56 graphs at 8,192, the scheduler's default
-# admission).
-PREFILL_GRAPH_TOKENS = 8192
-
-
-def prefill_length(n: int) -> int:
-    """The tokens a packed prefill of n runs at when padded: n rounded up to a multiple of 64
-    (n <= 1,024), 128 (<= 4,096) or 256 (about 2% more tokens at the usual 4,000-8,000): 56
-    lengths up to 8,192, each a prefill graph of each kind once met (mode "graph").
-    Uncaptured, few shapes matter too: cuBLAS picks a GEMM's kernel on the host for
-    each new shape, 0.34 ms a call at a new row count against 0.03 ms at one it has met (an
-    H200, the 1B shape's q/k/v projection), and a prefill of the 1B shape makes 64 such
-    calls."""
-    step = 64 if n <= 1024 else 128 if n <= 4096 else 256
-    return -(-n // step) * step
-
-
-def prefill_lengths(max_tokens: int) -> list[int]:
-    """Every `prefill_length` value up to max_tokens, ascending."""
-    return sorted(t for t in {prefill_length(n) for n in range(1, max_tokens + 1)}
-                  if t <= max_tokens)
 
 
 def decode_buckets(max_batch_size: int) -> list[int]:
@@ -141,7 +107,7 @@ class Launched:
     masks: torch.Tensor | None = None  # its bitmask rows, being filled (`begin_sampling`)
 
 
-class ContinuousRunner:
+class ContinuousRunner(StepGraphs, FixedPrefills):
     """Owns the fixed device tensors, the ring and (mode "graph") one CUDA graph per bucket.
     Built once per engine (LLM) and reused by every continuous batch run on its pool."""
 
@@ -228,14 +194,6 @@ class ContinuousRunner:
         elif mode == "static":
             self._prefill_buffers()
 
-    def _prefill_buffers(self) -> None:
-        """The fixed prefills' input buffer (every layout up to prefill_tokens, then the
-        samplers') and their hidden states' output [T_max, d]."""
-        T, B = self.prefill_tokens, self.max_batch_size
-        size = 3 * T + 3 * self._pf_rows + 1 + 2 * max(self._work_size(T, p)[0] for p in (0, 1))
-        self._pf_buf = torch.zeros(size + 2 * B if T else 0, dtype=torch.long, device=self.device)
-        self._pf_hidden = torch.empty(T, self.model.config.hidden_size, dtype=self.model.dtype,
-                                      device=self.device)  # [T_max, d]
 
     # --- the step's forward -----------------------------------------------------------------
 
@@ -262,107 +220,6 @@ class ContinuousRunner:
     def _views(self, b: int) -> tuple[torch.Tensor, ...]:
         return tuple(self._inputs[i, :b] for i in range(4))
 
-    def _capture_all(self) -> None:
-        """One graph per decode bucket, largest first, in one memory pool; each warmed up
-        on a side stream first. The padding-only inputs store nothing and read block 0.
-
-        Memory: the graphs live outside the KV pool, in what the pool left free (LLM's
-        `kv_cache_fraction`); their size is logged. If they do not fit there (or a capture
-        fails), the runner drops them and runs the same step uncaptured ("static": the same
-        tokens, launched one by one), with a warning that says how to leave room."""
-        t0 = time.perf_counter()
-        torch.cuda.empty_cache()  # (the capture ends by emptying it: the same base before)
-        before = torch.cuda.memory_reserved(self.device)
-        self._inputs[0].fill_(self.pad)
-        self._inputs[1].zero_()
-        self._inputs[2].fill_(-1)
-        self._inputs[3].fill_(1)
-        try:
-            self._capture_buckets()
-            failure = None
-        except torch.OutOfMemoryError:
-            failure = "out of memory"
-        except RuntimeError as exc:  # a capture the driver refused
-            failure = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        if failure is not None:  # here the exception and its frames are gone
-            self._drop_graphs(failure)
-            return
-        self.capture_s = time.perf_counter() - t0
-        self.graph_bytes = max(0, torch.cuda.memory_reserved(self.device) - before)
-        free, _ = torch.cuda.mem_get_info(self.device)
-        log.info("captured %d decode-step graphs (batch %d..%d) in %.1f s: %.0f MiB outside "
-                 "the KV pool, %.0f MiB of the device left free (prefills up to %d tokens are "
-                 "captured as their lengths are met)", len(self._graphs), min(self.buckets),
-                 max(self.buckets), self.capture_s, self.graph_bytes / 2**20, free / 2**20,
-                 self.prefill_tokens)
-
-    def _capture_buckets(self) -> None:
-        """The decode steps' graphs, largest bucket first, in one memory pool (the fixed
-        prefills' graphs join it as their lengths are met: `_prefill_fixed`)."""
-        self._mempool = torch.cuda.graph_pool_handle()
-        self._prefill_buffers()
-        for b in sorted(self.buckets, reverse=True):
-            views = self._views(b)
-            self._graph_out[b], self._graphs[b] = self._capture(self._forward, *views)
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()  # the warm-ups' memory (the graphs keep their pool)
-
-    def _capture(self, fn, *args, warm: bool = True) -> tuple[object, torch.cuda.CUDAGraph]:
-        """fn(*args) run once on a side stream (warm: a warm-up), then captured there into
-        the runner's memory pool: (its result, the graph). What `torch.cuda.graph` does,
-        without its device sync and emptied caches before each capture (the warm-ups' memory
-        freed, then allocated again); `_capture_buckets` empties them once."""
-        if self._side is None:
-            self._side = torch.cuda.Stream(self.device)
-        side = self._side
-        side.wait_stream(torch.cuda.current_stream())
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(side), warnings.catch_warnings():
-            if warm:
-                fn(*args)
-            # An allocation that fails before the first kernel leaves an empty graph,
-            # which torch reports as a capture on the wrong stream; the failure itself
-            # is what `_capture_all` reports. A captured forward is never empty.
-            warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
-            # thread_local: another thread's CUDA calls (none of ours) cannot spoil it
-            graph.capture_begin(pool=self._mempool, capture_error_mode="thread_local")
-            try:
-                out = fn(*args)
-            finally:
-                graph.capture_end()
-        torch.cuda.current_stream().wait_stream(side)
-        return out, graph
-
-    def _drop_graphs(self, failure: str) -> None:
-        """A capture failed: release what it made and run uncaptured from now on."""
-        self._graphs.clear()
-        self._graph_out.clear()
-        self._pf_graphs.clear()
-        self._mask_graphs.clear()
-        self._mask_out.clear()
-        self.prefill_tokens, self._pf_buf, self._pf_hidden = 0, None, None  # eager prefills
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
-        free, _ = torch.cuda.mem_get_info(self.device)
-        self.capture_error = failure
-        self.mode = "static"
-        advice = ("to capture them, leave room with a smaller kv_cache_fraction "
-                  "(--kv-cache-fraction) or max_batch_size" if failure == "out of memory"
-                  else "the tokens are the same")
-        log.warning("the decode-step CUDA graphs were not captured (%s; %.0f MiB of the device "
-                    "free after the KV pool): decode steps run uncaptured, which is slower; %s",
-                    failure, free / 2**20, advice)
-
-    def capture_summary(self) -> dict:
-        """How this runner's steps run: step mode, decode-step graphs and prefill graphs
-        captured so far, the decode graphs' memory (MiB) and capture time (s), and why they
-        were not captured (None when they were or when none were asked for)."""
-        return {"step_mode": self.mode, "graphs": len(self._graphs),
-                "prefill_graphs": len(self._pf_graphs),
-                "prefill_capture_s": round(self.prefill_capture_s, 2),
-                "mask_graphs": len(self._mask_graphs),
-                "graph_mib": round(self.graph_bytes / 2**20, 1),
-                "capture_s": round(self.capture_s, 2), "capture_error": self.capture_error}
 
     # --- the ring ---------------------------------------------------------------------------
 
@@ -601,151 +458,6 @@ class ContinuousRunner:
                                           AttentionMetadata.packed(cu_t, max(lens)), placed)
         return hidden, ids_t, cu, last, idx
 
-    def _prefill_fixed(self, T, tokens, lens, writes, slots, cached, sample_from, sample_slots):
-        """A packed prefill from the fixed tensors at padded length T (captured in "graph"
-        mode): what `_prefill_eager` returns, as views of the fixed buffers."""
-        n = sum(lens)
-        if T > n:  # a row of padding: it stores nothing and no row attends to it
-            tokens, lens, writes = tokens + [[0] * (T - n)], lens + [T - n], writes + [-1] * (T - n)
-            slots, cached = slots + [self.pad], cached + [0]
-        cu = [0]
-        for m in lens:
-            cu.append(cu[-1] + m)
-        paged = any(cached)
-        start = self._stage_prefill(T, paged, tokens, writes, cached, slots,
-                                    [cu[i + 1] - 1 for i in sample_from], sample_slots)
-        graph = self._pf_graphs.get((T, paged))
-        if graph is not None:
-            graph.replay()
-            self.prefill_replays += 1
-        else:
-            self._prefill_forward(T, paged)
-            if self.mode == "graph" and (T, paged) not in self._pf_failed:
-                self._capture_prefill(T, paged)
-        S = len(sample_from)
-        last, idx = self._pf_buf[start:start + 2 * S].split([S, S])
-        return self._pf_hidden[:T][None], self._prefill_views(T, paged)[0], cu, last, idx
-
-    def capture_prefills(self, max_tokens: int | None = None) -> int:
-        """Capture now, before any row runs, the fixed prefills of every length up to
-        `max_tokens` (default `prefill_tokens`) and both kinds not captured yet, so that no
-        prefill of a run pays its capture. The first of each kind is warmed up by a run
-        first (its kernels compiled, cuBLAS set up on the capture stream); the others only
-        meet new GEMM shapes, which a capture may. Each runs rows of
-        padding alone (each within the model's context): they store nothing, and the paged
-        kind's rows read one block of the padding row's table (block 0, in range). Returns
-        how many were captured (mode "graph" only)."""
-        if self.mode != "graph" or not self.prefill_tokens:
-            return 0
-        t0 = time.perf_counter()
-        bs = self.pool.block_size
-        # the most tokens a padding row holds: within the context and its block table
-        row = min(self.model.config.max_position_embeddings, self.width * bs) - bs
-        done = 0
-        warm = {False: True, True: True}  # per kind: its next capture runs a warm-up first
-        for T in prefill_lengths(min(max_tokens or self.prefill_tokens, self.prefill_tokens)):
-            lens = [min(row, T - i) for i in range(0, T, row)]
-            for paged in (False, True):
-                if (T, paged) in self._pf_graphs or (T, paged) in self._pf_failed:
-                    continue
-                if len(lens) >= self._pf_rows:
-                    continue
-                self._stage_prefill(T, paged, [[0] * n for n in lens], [-1] * T,
-                                    [bs if paged else 0] * len(lens), [self.pad] * len(lens),
-                                    [], [])
-                try:
-                    self._pf_graphs[T, paged] = self._capture(self._prefill_forward, T, paged,
-                                                              warm=warm[paged])[1]
-                    warm[paged] = False
-                    done += 1
-                except (torch.OutOfMemoryError, RuntimeError) as exc:
-                    self._pf_failed.add((T, paged))
-                    log.warning("the prefill graph of %d tokens was not captured (%s): such "
-                                "prefills run uncaptured; the tokens are the same", T,
-                                (str(exc).strip().splitlines() or [type(exc).__name__])[0])
-        torch.cuda.synchronize(self.device)
-        self.prefill_capture_s += time.perf_counter() - t0
-        return done
-
-    def _capture_prefill(self, T: int, paged: bool) -> None:
-        """Capture the fixed prefill of T tokens and kind `paged`, just run uncaptured (its
-        warm-up: its kernels are compiled, its shapes met), for the next prefills of that
-        length and kind. The capture records launches and runs nothing: the inputs staged
-        for the run just queued stay as they are. Lengths are captured as they are met, so
-        a small job pays for few (all 112 at load took the 1B shape's engine 9.4 s more to
-        load on an H200). A capture that fails (the memory the KV pool left is short) leaves
-        that length and kind uncaptured, with a warning, and the run goes on."""
-        t0 = time.perf_counter()
-        try:
-            self._pf_graphs[T, paged] = self._capture(self._prefill_forward, T, paged,
-                                                      warm=False)[1]
-        except (torch.OutOfMemoryError, RuntimeError) as exc:
-            self._pf_failed.add((T, paged))
-            log.warning("the prefill graph of %d tokens was not captured (%s): such prefills "
-                        "run uncaptured, which costs the host more; the tokens are the same",
-                        T, (str(exc).strip().splitlines() or [type(exc).__name__])[0])
-        self.prefill_capture_s += time.perf_counter() - t0
-
-    def _work_size(self, T: int, paged: bool) -> tuple[int, int]:
-        """(the work table's entries, the kernel's block of queries) for a fixed prefill of
-        T tokens: the ragged kernel's, or the paged one's after cached blocks."""
-        cfg = self.model.config
-        bm = (default_block_m(cfg.num_attention_heads // cfg.num_key_value_heads) if paged
-              else PREFILL_BLOCK_M)
-        return prefill_work_size(T, self._pf_rows, bm), bm
-
-    def _prefill_views(self, T: int, paged: bool) -> tuple[torch.Tensor, ...]:
-        """Padded length T's inputs, fixed views of one buffer: token ids [1, T], positions
-        [1, T], K/V slots [T], row starts [rows + 1], row slots [rows], context lengths
-        [rows] and the prefill kernel's work table [2 * P] (int64 here; the forward narrows
-        what the kernels take as int32)."""
-        R, P = self._pf_rows, self._work_size(T, paged)[0]
-        ids, pos, writes, cu, rows, ctx, work = self._pf_buf[:3 * T + 3 * R + 1 + 2 * P].split(
-            [T, T, T, R + 1, R, R, 2 * P])
-        return ids[None], pos[None], writes, cu, rows, ctx, work
-
-    def _prefill_forward(self, T: int, paged: bool) -> None:
-        """A fixed prefill's forward (what its graph holds): the final hidden states of its T
-        tokens into the shared buffer. paged: its rows attend to cached blocks through their
-        block tables (the paged prefill kernel), else within their own tokens."""
-        ids, pos, writes, cu, rows, ctx, work = self._prefill_views(T, paged)
-        meta = AttentionMetadata.packed(cu.to(torch.int32), T, work.to(torch.int32).view(2, -1))
-        if paged:
-            cache = StepCache(self.pool, writes, self.block_tables.index_select(0, rows),
-                              ctx.to(torch.int32))
-        else:
-            cache = StepCache(self.pool, writes)
-        hidden = self.model.hidden_states(ids, pos, cache, meta)
-        self._pf_hidden[:T].copy_(hidden[0])
-
-    def _stage_prefill(self, T: int, paged: bool, tokens: list[list[int]], writes: list[int],
-                       cached: list[int], slots: list[int], sample_last: list[int],
-                       sample_slots: list[int]) -> int:
-        """Copy a fixed prefill's inputs into its views (rows `tokens` of T tokens in all,
-        padding included, each after its `cached` tokens; their K/V slots and row slots),
-        and after them its samplers' last positions and row slots: returns where those
-        start. Rows past the last are empty (row slot: the padding's)."""
-        lens = [len(t) for t in tokens]
-        R = self._pf_rows
-        P, bm = self._work_size(T, paged)
-        cu = np.full(R + 1, T, dtype=np.int64)
-        cu[0] = 0
-        cu[1:len(lens) + 1] = np.cumsum(lens)
-        rows = np.full(R, self.pad, dtype=np.int64)
-        rows[:len(slots)] = slots
-        ctx = np.zeros(R, dtype=np.int64)
-        ctx[:len(lens)] = np.add(cached, lens)
-        host = np.concatenate([
-            np.fromiter(chain(chain.from_iterable(tokens),
-                              chain.from_iterable(map(range, cached, np.add(cached, lens))),
-                              writes), dtype=np.int64, count=3 * T),
-            cu, rows, ctx, prefill_work(lens, P, bm).ravel(),
-            np.asarray(sample_last + sample_slots, np.int64)])
-        src = torch.from_numpy(host)
-        if self.device.type == "cuda":
-            src = torch.empty(src.shape, dtype=src.dtype, pin_memory=True).copy_(src)
-        self._pf_buf[:src.numel()].copy_(src, non_blocking=True)
-        return 3 * T + 3 * R + 1 + 2 * P
 
     def decode(self, slots: list[int], positions: list[int], writes: list[int],
                new_blocks: list[tuple[int, int, int]], sampling: StepSampling | None,
@@ -901,5 +613,4 @@ def _as_input(tokens: torch.Tensor, sampling: StepSampling | None) -> torch.Tens
     return tokens.clamp_min(0) if sampling is not None and sampling.masked else tokens
 
 
-__all__ = ["RING", "STEP_MODES", "ContinuousRunner", "Launched", "decode_buckets",
-           "prefill_length"]
+__all__ = ["RING", "STEP_MODES", "ContinuousRunner", "Launched", "decode_buckets"]

@@ -12,7 +12,7 @@ and drives a `ContinuousRunner` (nanoserve/model_runner.py). Each iteration of `
       hold at most `max_prefill_tokens` tokens together (the first always goes), and the
       pool keeps one free block per running row after their prompts (what the next step
       can need); the admitted rows are prefilled together, packed (on a GPU followed by
-      a padding row: `nanoserve.model_runner.prefill_length`), and new rows sample their
+      a padding row: `nanoserve.fixed_prefill.prefill_length`), and new rows sample their
       first token on the device;
    b. one decode step for every running row that may still need a token, the rows ordered
       longest context first (so the attention kernel's programs for the longest rows

@@ -3,12 +3,14 @@
 `save_tiny_llama` writes a tiny random `LlamaForCausalLM` through transformers' own
 `save_pretrained` (so the engine loads it through the real checkpoint path), with a real
 tokenizer: batch jobs over it run in seconds on a CPU and still tokenize text as the model
-they stand in for would.
+they stand in for would. `write_tiny_gguf` writes a tiny GGUF file (a model's metadata
+from its transformers config, any more keys, and the tensors as given, quantized or not).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +45,46 @@ TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                   max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=1,
                   eos_token_id=2)
+
+
+def write_tiny_gguf(path: str | Path, arch: str, tensors: Iterable[tuple[str, Any, Any]],
+                    config: Any = None, *, rope_dimensions: bool = False,
+                    head_lengths: bool = False,
+                    metadata: Callable[[Any], None] | None = None) -> Path:
+    """A GGUF file of architecture `arch` at `path`, written with gguf's GGUFWriter: with
+    `config` (a transformers config), the model's hyperparameters under llama.cpp's keys
+    (`rope_dimensions`: also the rotary dimension count; `head_lengths`: also the key and
+    value lengths, head_dim); then whatever `metadata(writer)` adds (a tokenizer, ...);
+    then `tensors`, each (GGUF name, numpy array, raw GGML type or None: the array's own)."""
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(str(path), arch)
+    if config is not None:
+        writer.add_block_count(config.num_hidden_layers)
+        writer.add_context_length(config.max_position_embeddings)
+        writer.add_embedding_length(config.hidden_size)
+        writer.add_feed_forward_length(config.intermediate_size)
+        writer.add_head_count(config.num_attention_heads)
+        writer.add_head_count_kv(config.num_key_value_heads)
+        if head_lengths:
+            writer.add_key_length(config.head_dim)
+            writer.add_value_length(config.head_dim)
+        writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+        writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+        if rope_dimensions:
+            writer.add_rope_dimension_count(config.head_dim)
+        writer.add_vocab_size(config.vocab_size)
+        writer.add_bos_token_id(config.bos_token_id)
+        writer.add_eos_token_id(config.eos_token_id)
+    if metadata is not None:
+        metadata(writer)
+    for name, array, raw_dtype in tensors:
+        writer.add_tensor(name, array, raw_dtype=raw_dtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(path)
 
 
 def family_record(family: str | Family) -> Family:

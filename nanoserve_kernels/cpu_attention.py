@@ -29,9 +29,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from nanoserve_kernels.kv_args import (
+    check_context_lens,
+    check_decode_args,
+    check_paged_prefill_args,
+    check_window,
+)
 from nanoserve_kernels.kv_quant import is_fp8
-from nanoserve_kernels.paged_attention import check_context_lens, check_decode_args, check_window
-from nanoserve_kernels.paged_prefill import check_paged_prefill_args, check_row_lengths
+from nanoserve_kernels.paged_prefill import check_row_lengths
 from nanoserve_kernels.prefill_attention import check_prefill_args, check_prompt_lengths
 
 MAX_PADDING = 4  # padded (query, key) pairs per real pair above which rows run one by one

@@ -74,7 +74,8 @@ import functools
 import torch
 
 from nanoserve_kernels._triton import HAS_TRITON, interpret_requested, next_power_of_2, tl, triton
-from nanoserve_kernels.kv_quant import check_kv_scales, dequantize_reference, is_fp8
+from nanoserve_kernels.kv_args import check_context_lens, check_decode_args, check_window
+from nanoserve_kernels.kv_quant import dequantize_reference, is_fp8
 from nanoserve_kernels.online_softmax import (
     online_softmax_probs,
     online_softmax_step,
@@ -84,12 +85,9 @@ from nanoserve_kernels.online_softmax import (
 # Decided when this module is imported, like Triton's own choice in `@triton.jit` below.
 INTERPRETED = HAS_TRITON and interpret_requested()
 
-_INDEX_DTYPES = (torch.int32, torch.int64)
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _F16_QUERY_DTYPES = (torch.float16, torch.bfloat16)  # exact in float16 at a power-of-two scale
-_FLOAT_DTYPES = (*_KERNEL_DTYPES, torch.float64)  # float64: the reference only
 _LOG2E = 1.4426950408889634
-NO_WINDOW = 2**31 - 1  # the kernels' "no window": longer than any int32 context
 # How the decode kernel multiplies an FP8 cache's entries (module docstring): "f16" widens
 # them to float16 (the default), "e4m3" splits q into two e4m3 terms (the earlier form).
 FP8_FORMS = ("f16", "e4m3")
@@ -104,85 +102,6 @@ _MAX_SPLITS = 64
 # Program order of the decode grid (see `paged_decode_attention`'s `heads_fastest`): KV heads
 # of a row side by side measured 1-4% faster than rows side by side on an H200.
 _HEADS_FASTEST = True
-
-
-def check_decode_args(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-) -> None:
-    """Shape, dtype and device checks shared by the kernel and the reference (no device sync)."""
-    if q.dim() != 3:
-        raise ValueError(f"q must be [batch, num_q_heads, head_dim], got shape {tuple(q.shape)}")
-    if k_cache.dim() != 4:
-        raise ValueError(
-            "k_cache must be [num_blocks, block_size, num_kv_heads, head_dim], "
-            f"got shape {tuple(k_cache.shape)}"
-        )
-    if v_cache.shape != k_cache.shape:
-        raise ValueError(
-            f"v_cache shape {tuple(v_cache.shape)} differs from k_cache {tuple(k_cache.shape)}"
-        )
-    batch, num_q_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    if k_cache.shape[3] != head_dim:
-        raise ValueError(f"head_dim of q ({head_dim}) and of the cache ({k_cache.shape[3]}) differ")
-    if num_kv_heads == 0 or num_q_heads % num_kv_heads != 0:
-        raise ValueError(
-            f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
-        )
-    cache_dtype = k_cache.dtype if is_fp8(k_cache.dtype) else q.dtype
-    if q.dtype not in _FLOAT_DTYPES or k_cache.dtype != cache_dtype or v_cache.dtype != cache_dtype:
-        raise ValueError(
-            f"q, k_cache and v_cache must share one of {_FLOAT_DTYPES} (or both caches be "
-            f"float8_e4m3fn), got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
-        )
-    check_kv_scales(k_cache.dtype, k_scale, v_scale)
-    if block_tables.dim() != 2 or block_tables.shape[0] != batch:
-        raise ValueError(
-            f"block_tables must be [batch={batch}, max_blocks], got shape {tuple(block_tables.shape)}"
-        )
-    if context_lens.shape != (batch,):
-        raise ValueError(
-            f"context_lens must be [batch={batch}], got shape {tuple(context_lens.shape)}"
-        )
-    if block_tables.dtype not in _INDEX_DTYPES or context_lens.dtype not in _INDEX_DTYPES:
-        raise ValueError(
-            "block_tables and context_lens must be int32 (or int64), got "
-            f"{block_tables.dtype} and {context_lens.dtype}"
-        )
-    devices = {t.device for t in (q, k_cache, v_cache, block_tables, context_lens)}
-    if len(devices) != 1:
-        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
-
-
-def check_window(window: int | None) -> int:
-    """`window` as the kernels take it: None -> NO_WINDOW; otherwise an int >= 1."""
-    if window is None:
-        return NO_WINDOW
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise ValueError(f"window must be a positive int or None, got {window!r}")
-    return min(window, NO_WINDOW)
-
-
-def check_context_lens(context_lens: torch.Tensor, block_tables: torch.Tensor,
-                       block_size: int) -> tuple[torch.Tensor, int]:
-    """(context_lens as int64, the longest context) of a non-empty batch: every row >= 1
-    token, none past its block table's capacity (ValueError otherwise)."""
-    lens = context_lens.long()
-    if bool((lens <= 0).any()):
-        raise ValueError(f"every row needs context_lens >= 1, got {lens.tolist()}")
-    max_ctx = int(lens.max())
-    if max_ctx > block_tables.shape[1] * block_size:
-        raise ValueError(
-            f"a context of {max_ctx} tokens needs more than the {block_tables.shape[1]} blocks "
-            f"of {block_size} tokens that block_tables holds per row"
-        )
-    return lens, max_ctx
 
 
 def paged_decode_attention_reference(
@@ -703,9 +622,6 @@ def paged_decode_attention(
 __all__ = [
     "FP8_FORMS",
     "F16_TILING",
-    "NO_WINDOW",
-    "check_decode_args",
-    "check_window",
     "choose_num_splits",
     "default_tiling",
     "paged_decode_attention",

@@ -34,73 +34,16 @@ from __future__ import annotations
 import torch
 
 from nanoserve_kernels._triton import HAS_TRITON, interpret_requested, next_power_of_2, tl, triton
-from nanoserve_kernels.kv_quant import check_kv_scales, dequantize_reference, is_fp8
+from nanoserve_kernels.kv_args import check_paged_prefill_args, check_window
+from nanoserve_kernels.kv_quant import dequantize_reference, is_fp8
 from nanoserve_kernels.online_softmax import online_softmax_step
-from nanoserve_kernels.paged_attention import check_window
 from nanoserve_kernels.prefill_attention import check_prompt_lengths, check_work, prefill_program
 
 # Decided when this module is imported, like Triton's own choice in `@triton.jit` below.
 INTERPRETED = HAS_TRITON and interpret_requested()
 
-_INDEX_DTYPES = (torch.int32, torch.int64)
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_FLOAT_DTYPES = (*_KERNEL_DTYPES, torch.float64)  # float64: the reference only
 _LOG2E = 1.4426950408889634
-
-
-def check_paged_prefill_args(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    context_lens: torch.Tensor,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-) -> None:
-    """Shape, dtype and device checks shared by the kernel and the reference (no device sync)."""
-    if q.dim() != 3:
-        raise ValueError(f"q must be [N, Hq, D], got shape {tuple(q.shape)}")
-    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
-        raise ValueError(
-            "k_cache and v_cache must both be [num_blocks, block_size, Hkv, D], got "
-            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
-        )
-    num_q_heads, head_dim = q.shape[1:]
-    num_kv_heads = k_cache.shape[2]
-    if k_cache.shape[3] != head_dim:
-        raise ValueError(f"head_dim of q ({head_dim}) and of the cache ({k_cache.shape[3]}) differ")
-    if num_kv_heads == 0 or num_q_heads % num_kv_heads != 0:
-        raise ValueError(
-            f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
-        )
-    cache_dtype = k_cache.dtype if is_fp8(k_cache.dtype) else q.dtype
-    if q.dtype not in _FLOAT_DTYPES or k_cache.dtype != cache_dtype or v_cache.dtype != cache_dtype:
-        raise ValueError(
-            f"q, k_cache and v_cache must share one of {_FLOAT_DTYPES} (or both caches be "
-            f"float8_e4m3fn), got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
-        )
-    check_kv_scales(k_cache.dtype, k_scale, v_scale)
-    if cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape[0] < 1 or cu_seqlens_q.dtype != torch.int32:
-        raise ValueError(
-            f"cu_seqlens_q must be a 1-D int32 tensor [B + 1], got {cu_seqlens_q.dtype} "
-            f"of shape {tuple(cu_seqlens_q.shape)}"
-        )
-    batch = cu_seqlens_q.shape[0] - 1
-    if block_tables.dim() != 2 or block_tables.shape[0] != batch:
-        raise ValueError(
-            f"block_tables must be [B={batch}, max_blocks], got shape {tuple(block_tables.shape)}"
-        )
-    if context_lens.shape != (batch,):
-        raise ValueError(f"context_lens must be [B={batch}], got shape {tuple(context_lens.shape)}")
-    if block_tables.dtype not in _INDEX_DTYPES or context_lens.dtype not in _INDEX_DTYPES:
-        raise ValueError(
-            "block_tables and context_lens must be int32 (or int64), got "
-            f"{block_tables.dtype} and {context_lens.dtype}"
-        )
-    devices = {t.device for t in (q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens)}
-    if len(devices) != 1:
-        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
 
 
 def check_row_lengths(n: int, block_tables: torch.Tensor, block_size: int,
@@ -362,7 +305,6 @@ def paged_prefill_attention(
 
 
 __all__ = [
-    "check_paged_prefill_args",
     "default_block_m",
     "paged_prefill_attention",
     "paged_prefill_attention_reference",

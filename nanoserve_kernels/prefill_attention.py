@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from nanoserve_kernels._triton import HAS_TRITON, interpret_requested, next_power_of_2, tl, triton
+from nanoserve_kernels.kv_args import check_window
 from nanoserve_kernels.online_softmax import online_softmax_step
-from nanoserve_kernels.paged_attention import check_window
 
 # Decided when this module is imported, like Triton's own choice in `@triton.jit` below.
 INTERPRETED = HAS_TRITON and interpret_requested()

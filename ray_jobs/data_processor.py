@@ -22,7 +22,7 @@ Contract (see docs/interfaces.md):
   `guided_regex`, `guided_choice`, `guided_grammar`);
 - output: every input row, once per sample (n rows for a row asking for n samples, its
   columns repeated), with its columns unchanged and the result columns of
-  `ray_jobs.input.io.RESULT_SCHEMA` appended (`generated_text`, `generated_token_ids`,
+  `ray_jobs.preparation.result_columns.RESULT_SCHEMA` appended (`generated_text`, `generated_token_ids`,
   `num_input_tokens`, `num_generated_tokens`, `finish_reason`, `error`), then the output
   controls the batch can need (`prepare.output_controls`): `sample_index` when the default
   `n` is above 1 or the batch has an `n` column, `logprobs` / `prompt_logprobs` when the
@@ -66,7 +66,7 @@ from typing import Any
 import pyarrow as pa
 
 from nanoserve import ENGINE, SAMPLING, resolve_model
-from ray_jobs.input.io import InputChunk, result_schema
+from ray_jobs.input.files import InputChunk
 from ray_jobs.preparation.prepare import (
     ColumnPlan,
     RowPreparer,
@@ -74,6 +74,7 @@ from ray_jobs.preparation.prepare import (
     output_controls,
     plan_columns,
 )
+from ray_jobs.preparation.result_columns import result_schema
 from ray_jobs.preparation.row_images import ModelImages
 from ray_jobs.tasks.embed import (
     EMBED_BATCH_TOKENS,

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
+
+REPO = Path(__file__).resolve().parents[1]
 
 # --- weights / model store: the real default model and its transformers oracle -------------
 
@@ -96,7 +101,63 @@ def smollm2_llm(smollm2_gguf_path):
     return LLM(model=str(smollm2_gguf_path), device="cpu")
 
 
+@pytest.fixture
+def private_ray_env():
+    """The environment of a job run in a child process (`nanoserve batch` or a script) that
+    starts its own private local Ray: this checkout first on PYTHONPATH, no usage stats, no
+    RAY_ADDRESS to join, and TMPDIR a fresh folder of a short name (Ray's socket paths stay
+    < 108 chars; its session folders go there), removed at the end."""
+    import shutil
+    import tempfile
+
+    ray_tmp = tempfile.mkdtemp(prefix="ns-t-")
+    env = {**os.environ, "TMPDIR": ray_tmp, "PYTHONPATH": str(REPO),
+           "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("RAY_ADDRESS", None)
+    try:
+        yield env
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
 # --- end of batch job fixtures ---------------------------------------------------------------
+
+
+# --- object storage: a real S3 API server ----------------------------------------------------
+
+S3_SECRET = "nanoserve-test-secret-7f3a91"  # the server's secret key: never in any output
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """moto's S3 server on 127.0.0.1 (a free port), and the AWS environment pointing at
+    it (secret key `S3_SECRET`); a boto3 client for the tests' own checks. Stopped and the
+    environment restored at the end."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {"AWS_ACCESS_KEY_ID": "nanoserve-test-key", "AWS_SECRET_ACCESS_KEY": S3_SECRET,
+           "AWS_DEFAULT_REGION": "us-east-1", "AWS_REGION": "us-east-1",
+           "AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_EC2_METADATA_DISABLED": "true"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    import boto3
+
+    client = boto3.client("s3")
+    try:
+        yield client
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        server.stop()
+
+
+# --- end of object storage fixtures ----------------------------------------------------------
 
 
 # --- job-level errors: found before Ray starts -----------------------------------------------

@@ -46,7 +46,7 @@ os.environ.pop("RAY_ADDRESS", None)
 import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
-import ray_jobs.dispatch.driver as driver  # noqa: E402
+import ray_jobs.dispatch.job_run as job_run  # noqa: E402
 import ray_jobs.dispatch.pool as pool  # noqa: E402
 from ray_jobs import run_batch_job  # noqa: E402
 
@@ -225,7 +225,7 @@ def main(model: str, results: Path) -> None:
         s.record["nodes"] = {"a": a.node_id, "b": b.node_id}
         s.hold_batches()
         full = lambda p: all(w.in_flight == 2 for w in p.workers)  # noqa: E731
-        with patched(driver._JobRun, "_submit", remove_node_of_worker_when(cluster, s, full)):
+        with patched(job_run._JobRun, "_submit", remove_node_of_worker_when(cluster, s, full)):
             s.run(num_workers=2, worker_start_timeout_s=WORKER_START_S)
         s.release_batches()
 
@@ -236,7 +236,7 @@ def main(model: str, results: Path) -> None:
         s = Scenario(results, "busiest_node_lost", 16)
         s.record["nodes"] = {"first": survivor.node_id, "c": c.node_id}
         s.hold_batches()
-        with patched(driver._JobRun, "_submit", remove_node_of_worker_when(cluster, s, full)):
+        with patched(job_run._JobRun, "_submit", remove_node_of_worker_when(cluster, s, full)):
             s.run(num_workers=3, worker_start_timeout_s=WORKER_START_S)
         s.release_batches()
 
@@ -266,7 +266,7 @@ def main(model: str, results: Path) -> None:
                 s.release_batches()
             return adopt
 
-        with patched(driver._JobRun, "_submit", add_at_first_submit), \
+        with patched(job_run._JobRun, "_submit", add_at_first_submit), \
                 patched(pool.WorkerPool, "_adopt", release_on_adopt):
             s.run(num_workers="1-2")
         s.release_batches()
@@ -315,7 +315,7 @@ def main(model: str, results: Path) -> None:
                     s.release_batches()
             return log
 
-        with patched(driver._JobRun, "_submit", add_node_at_first_submit), \
+        with patched(job_run._JobRun, "_submit", add_node_at_first_submit), \
                 patched(pool, "log", release_on_load_death):
             s.run(num_workers="1-2", worker_start_timeout_s=WORKER_START_S)
         for remover in removers:

@@ -81,7 +81,7 @@ MUTATIONS = [
              "tests/test_fp8_kv.py::test_continuous_batching_over_an_fp8_pool",
              why="a continuous decode step reads the FP8 pool without its layer's scales"),
     # the continuous runner's padded prefill lengths (tests/test_scheduler.py)
-    Mutation("prefill-length-rule", "nanoserve/model_runner.py",
+    Mutation("prefill-length-rule", "nanoserve/fixed_prefill.py",
              "step = 64 if n <= 1024 else 128 if n <= 4096 else 256",
              "step = 64 if n <= 1024 else 128 if n <= 4096 else 256 if n <= 8192 else 128",
              "tests/test_scheduler.py::test_prefill_length_rounds_up_to_few_shapes",
@@ -143,7 +143,7 @@ MUTATIONS = [
              why="after a cache hit that ends inside an image, its first uncached token loses "
                  "its embedding"),
     # the driver's input scan and the worker's depth (tests/test_bad_input.py, test_dispatch.py)
-    Mutation("ids-held-after-spill-unchecked", "ray_jobs/input/io.py",
+    Mutation("ids-held-after-spill-unchecked", "ray_jobs/input/ids.py",
              "        if self.spill_dir is not None:\n            self._spill()\n            buckets",
              "        if self.spill_dir is not None:\n            buckets",
              "tests/test_bad_input.py::test_duplicate_ids_held_in_memory_after_a_spill",

@@ -144,9 +144,9 @@ def test_duplicate_ids_found_through_the_buckets_on_disk(tmp_path, capsys, no_ra
     the first repeated id by position named, nulls skipped, and the spill folder removed."""
     import tempfile
 
-    import ray_jobs.input.io as io
+    import ray_jobs.input.ids as ids
 
-    monkeypatch.setattr(io, "ID_SPILL_ROWS", 4)
+    monkeypatch.setattr(ids, "ID_SPILL_ROWS", 4)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
     rows = [{"id": None if i % 10 == 3 else f"q{i}", "prompt": "hi"} for i in range(100)]
@@ -161,9 +161,9 @@ def test_duplicate_ids_found_through_the_buckets_on_disk(tmp_path, capsys, no_ra
 def test_duplicate_ids_held_in_memory_after_a_spill(tmp_path, capsys, no_ray, monkeypatch):
     """Two files, ids spilled every 4: the first file's four ids go to disk, the second's
     two stay in memory when the scan ends, and one of those repeats an id on disk."""
-    import ray_jobs.input.io as io
+    import ray_jobs.input.ids as ids
 
-    monkeypatch.setattr(io, "ID_SPILL_ROWS", 4)
+    monkeypatch.setattr(ids, "ID_SPILL_ROWS", 4)
     data = tmp_path / "data"
     data.mkdir()
     pq.write_table(pa.table({"id": [1, 2, 3, 4], "prompt": list("abcd")}), data / "a.parquet")

@@ -8,7 +8,6 @@ errors must surface as `error: ...` with exit status 2 before any worker starts.
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -27,7 +26,6 @@ from nanoserve.sampling import SamplingParams
 from ray_jobs import run_batch_job
 from ray_jobs.cli import main as batch_main
 from ray_jobs.dispatch.pool import WorkerPool
-from ray_jobs.input.io import WORKER_RESULT_SCHEMA
 from ray_jobs.output.manifest import (
     LOCK_NAME,
     MANIFEST_NAME,
@@ -36,6 +34,7 @@ from ray_jobs.output.manifest import (
     Manifest,
     part_name,
 )
+from ray_jobs.preparation.result_columns import WORKER_RESULT_SCHEMA
 from ray_jobs.workers.worker import BatchWorker, GenerationRequest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -259,14 +258,14 @@ GPU_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_one_worker_per_logical_gpu(tmp_path, smollm2_gguf_path):
+def test_one_worker_per_logical_gpu(tmp_path, smollm2_gguf_path, private_ray_env):
     """A Ray with two logical GPUs (on the CPU): two actors, pinned to different GPU ids,
     both given batches. Runs in its own process, so it has its own Ray."""
     path = _write(tmp_path / "in.jsonl",
                   "".join(json.dumps({"prompt": f"Number {i} is"}) + "\n" for i in range(2)))
     proc = subprocess.run([sys.executable, "-c", GPU_SCRIPT, str(path), str(tmp_path / "out")],
                           cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+                          env=private_ray_env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("WORKERS="))
     workers = json.loads(line.removeprefix("WORKERS="))

@@ -14,7 +14,7 @@ import pytest
 from nanoserve.chat_template import ChatTemplate, template_kwargs
 from nanoserve.errors import InputError
 from nanoserve.sampling import SamplingParams
-from ray_jobs.input.io import InputChunk
+from ray_jobs.input.files import InputChunk
 from ray_jobs.input.openai_requests import flatten_request
 from ray_jobs.preparation.prepare import RowPreparer, plan_columns
 from ray_jobs.workers.options import JobOptions

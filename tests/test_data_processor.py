@@ -21,7 +21,7 @@ import pytest
 from nanoserve.errors import InputError
 from ray_jobs import run_batch_job
 from ray_jobs.data_processor import build_processor
-from ray_jobs.input.io import RESULT_COLUMNS
+from ray_jobs.preparation.result_columns import RESULT_COLUMNS
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_TOKENS = 4

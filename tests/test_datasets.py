@@ -21,7 +21,8 @@ import pytest
 
 from nanoserve.errors import InputError
 from ray_jobs import run_batch_job
-from ray_jobs.input.io import iter_chunks, list_input_files, scan_input
+from ray_jobs.input.files import list_input_files
+from ray_jobs.input.io import iter_chunks, scan_input
 
 
 def jsonl(rows):

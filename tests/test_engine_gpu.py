@@ -123,8 +123,9 @@ def test_continuous_batching_on_the_gpu_equals_each_row_alone(tiny_model_dir):
     graph per batch-size bucket; rows joining and leaving, a pool small enough to preempt)
     gives each row the tokens the static path gives it alone, and every block back."""
     from nanoserve.cache import CacheShape, KVPool
+    from nanoserve.fixed_prefill import prefill_lengths
     from nanoserve.generate import generate_batch
-    from nanoserve.model_runner import ContinuousRunner, prefill_lengths
+    from nanoserve.model_runner import ContinuousRunner
     from nanoserve.sampling import SamplingParams
     from nanoserve.scheduler import generate_continuous
 
@@ -157,8 +158,9 @@ def test_prefill_graphs_captured_at_load_give_each_row_its_tokens_alone(tiny_mod
     alone (it writes nothing: the pool's blocks all stay free), the run captures nothing
     more, replays them, and each row gets the tokens the static path gives it alone."""
     from nanoserve.cache import CacheShape, KVPool
+    from nanoserve.fixed_prefill import prefill_lengths
     from nanoserve.generate import generate_batch
-    from nanoserve.model_runner import ContinuousRunner, prefill_lengths
+    from nanoserve.model_runner import ContinuousRunner
     from nanoserve.sampling import SamplingParams
     from nanoserve.scheduler import generate_continuous
 
@@ -226,7 +228,7 @@ def test_graphs_that_do_not_fit_fall_back_to_uncaptured_steps(tiny_model_dir, ca
         caplog.clear()
         try:
             torch.cuda.set_per_process_memory_fraction(cap / total)
-            with caplog.at_level(logging.WARNING, logger="nanoserve.model_runner"), \
+            with caplog.at_level(logging.WARNING, logger="nanoserve.step_graphs"), \
                     warnings.catch_warnings(record=True) as seen:
                 warnings.simplefilter("always")
                 runner = ContinuousRunner(model, pool, 64, "graph")
@@ -290,7 +292,7 @@ def test_a_prefill_graph_that_fails_leaves_its_prefills_uncaptured(tiny_model_di
         return [o.token_ids for o in outs], runner
 
     want, _ = run("static")
-    with caplog.at_level(logging.WARNING, logger="nanoserve.model_runner"):
+    with caplog.at_level(logging.WARNING, logger="nanoserve.step_graphs"):
         got, runner = run("graph")
     assert got == want
     assert (64, False) in runner._pf_failed and (64, False) not in runner._pf_graphs

@@ -25,7 +25,7 @@ from pathlib import Path
 import pyarrow.dataset as ds
 import pytest
 
-import ray_jobs.dispatch.driver as driver
+import ray_jobs.dispatch.job_run as job_run
 from nanoserve.errors import ModelError, NanoserveError
 from nanoserve.sampling import SamplingParams
 from nanoserve.testing import assert_rows_match_engine
@@ -75,7 +75,7 @@ def test_worker_killed_mid_batch_is_replaced_and_its_batches_run_again(
     """SIGKILL the worker's process (pid from the actor's own `info()`) right after the
     third batch is sent to it, while the second is running: both run again on a fresh
     actor; every row is written once and equals the engine's output."""
-    original = driver._JobRun._submit
+    original = job_run._JobRun._submit
     killed = []
 
     def submit_then_kill(self, piece, index):
@@ -85,7 +85,7 @@ def test_worker_killed_mid_batch_is_replaced_and_its_batches_run_again(
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)
 
-    monkeypatch.setattr(driver._JobRun, "_submit", submit_then_kill)
+    monkeypatch.setattr(job_run._JobRun, "_submit", submit_then_kill)
     path = write_prompts(tmp_path / "in.jsonl", PROMPTS)
     summary = run_job(tiny_job_model, path, tmp_path / "out")
     assert killed
@@ -103,7 +103,7 @@ def test_continuous_worker_killed_holding_two_batches(
     """The continuous scheduler: a worker runs the rows of its two in-flight batches in one
     running batch. SIGKILL it right after its second batch is sent: both batches run again
     on a fresh actor; every row is written once and equals the engine's output."""
-    original = driver._JobRun._submit
+    original = job_run._JobRun._submit
     killed = []
 
     def submit_then_kill(self, piece, index):
@@ -114,7 +114,7 @@ def test_continuous_worker_killed_holding_two_batches(
             os.kill(worker.info["pid"], signal.SIGKILL)
             killed.append(worker.info["pid"])
 
-    monkeypatch.setattr(driver._JobRun, "_submit", submit_then_kill)
+    monkeypatch.setattr(job_run._JobRun, "_submit", submit_then_kill)
     path = write_prompts(tmp_path / "in.jsonl", PROMPTS)
     summary = run_job(tiny_job_model, path, tmp_path / "out", scheduler="continuous")
     assert killed and summary.worker_restarts == 1

@@ -186,35 +186,22 @@ def _write_gguf(path, family: str, hf) -> None:
     """hf's weights as llama.cpp's converter writes a `family` GGUF: no q/k row permutation
     (that is llama-only), names from the gguf package's tensor-name table."""
     import gguf
-    from gguf import GGUFWriter
+
+    from nanoserve.testing import write_tiny_gguf
 
     arch = {"qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3}[family]
     names = gguf.get_tensor_name_map(arch, hf.config.num_hidden_layers)
     cfg = hf.config
-    writer = GGUFWriter(path, family)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_key_length(cfg.head_dim)
-    writer.add_value_length(cfg.head_dim)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    writer.add_vocab_size(cfg.vocab_size)
-    writer.add_bos_token_id(cfg.bos_token_id)
-    writer.add_eos_token_id(cfg.eos_token_id)
-    for name, t in hf.state_dict().items():
-        if cfg.tie_word_embeddings and name == "lm_head.weight":
-            continue
-        gname = names.get_name(name, try_suffixes=(".weight", ".bias"))
-        assert gname is not None, name
-        writer.add_tensor(gname, t.numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+
+    def tensors():
+        for name, t in hf.state_dict().items():
+            if cfg.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            gname = names.get_name(name, try_suffixes=(".weight", ".bias"))
+            assert gname is not None, name
+            yield gname, t.numpy(), None
+
+    write_tiny_gguf(path, family, tensors(), cfg, head_lengths=True)
 
 
 # head_dim: what transformers' GGUF loader assumes (it does not read key_length for these

@@ -14,11 +14,9 @@ import fcntl
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -96,17 +94,13 @@ def ctrl_c_when_held(command, env, hold: Path, tmp_path: Path, name: str):
         return proc.returncode, out.read(), err.read()
 
 
-def test_ctrl_c_mid_job_then_after_the_last_part(tiny_job_model, tmp_path, request):
+def test_ctrl_c_mid_job_then_after_the_last_part(tiny_job_model, tmp_path, private_ray_env):
     path = tmp_path / "in.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"Row {i} of the job"}) + "\n"
                             for i in range(ROWS)))
     out = tmp_path / "out"
-    ray_tmp = tempfile.mkdtemp(prefix="ns-t-")  # short: Ray's socket paths stay < 108 chars
-    request.addfinalizer(lambda: shutil.rmtree(ray_tmp, ignore_errors=True))
     hold = tmp_path / "hold"
-    env = {**os.environ, "TMPDIR": ray_tmp, "PYTHONPATH": str(REPO),
-           "RAY_USAGE_STATS_ENABLED": "0"}
-    env.pop("RAY_ADDRESS", None)
+    env = private_ray_env
     command = [sys.executable, "-m", "nanoserve_cli", "batch", str(path), "-o", str(out),
                "--model", str(tiny_job_model), "--batch-size", "2", "--max-tokens", "2",
                "--address", "local", "--no-progress", "--kv-cache-memory", "0.03125"]

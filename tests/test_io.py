@@ -1,5 +1,5 @@
-"""ray_jobs.input.io: input files as a stream of record batches, schema unification, atomic
-parts."""
+"""ray_jobs.input.io (with .files and .jsonl): input files as a stream of record batches, schema
+unification; and atomic parts (ray_jobs.output.manifest.write_part_atomic)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from nanoserve.errors import InputError
-from ray_jobs.input.io import iter_chunks, list_input_files, scan_input, write_part_atomic
+from ray_jobs.input.files import list_input_files
+from ray_jobs.input.io import iter_chunks, scan_input
+from ray_jobs.output.manifest import write_part_atomic
 
 
 def write_jsonl(path, rows):

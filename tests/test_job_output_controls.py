@@ -21,14 +21,14 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pytest
 
-import ray_jobs.dispatch.driver as driver
+import ray_jobs.dispatch.job_run as job_run
 from nanoserve.errors import InputError
 from nanoserve.sampling import SamplingParams
 from nanoserve.structured import StructuredOutputs
 from nanoserve_cli import main as nanoserve_main
 from ray_jobs import run_batch_job
-from ray_jobs.input.io import LOGPROBS_TYPE, RESULT_COLUMNS
 from ray_jobs.output.manifest import REPORT_NAME, Manifest
+from ray_jobs.preparation.result_columns import LOGPROBS_TYPE, RESULT_COLUMNS
 from ray_jobs.workers.worker import BatchWorker, GenerationRequest
 
 KV_BYTES = 32 << 20
@@ -286,7 +286,7 @@ def test_an_interrupted_n_job_resumes_each_sample_exactly_once(tmp_path, ray_ses
     options = {"model": str(tiny_job_model), "max_tokens": 3, "batch_size": 4, "n": 2,
                "temperature": 0.8, "seed": 3, "regex": r"[a-z]{2,5}",
                "kv_cache_bytes": KV_BYTES, "progress": False}
-    original = driver._JobRun._write
+    original = job_run._JobRun._write
     written = []
 
     def write_then_stop(self, shard, tables):
@@ -294,7 +294,7 @@ def test_an_interrupted_n_job_resumes_each_sample_exactly_once(tmp_path, ray_ses
         written.append(shard.shard_id)
         raise KeyboardInterrupt  # the driver stops after its first recorded part
 
-    monkeypatch.setattr(driver._JobRun, "_write", write_then_stop)
+    monkeypatch.setattr(job_run._JobRun, "_write", write_then_stop)
     with pytest.raises(KeyboardInterrupt):  # one shard at a time: the second is never sent
         run_batch_job(path, out, **options, max_in_flight_per_worker=1)
     monkeypatch.undo()

@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import ray_jobs.dispatch.driver as driver
+import ray_jobs.dispatch.job_run as job_run
 from ray_jobs import run_batch_job
 from ray_jobs.output.manifest import REPORT_NAME
 
@@ -107,7 +108,7 @@ def test_warning_goes_to_stderr_too(tmp_path, ray_session, tiny_job_model, capfd
 
 def test_no_warning_without_constrained_rows():
     run = SimpleNamespace(cut_constrained={}, empty_answers=0)
-    assert driver._JobRun._warnings(run) == ()
+    assert job_run._JobRun._warnings(run) == ()
 
 
 def test_progress_rates_of_the_generation_and_embedding_tasks():
@@ -115,9 +116,9 @@ def test_progress_rates_of_the_generation_and_embedding_tasks():
     from ray_jobs.tasks.generate import GENERATE
 
     counts = dict(output_tokens=30, input_rows=10, input_tokens=250)
-    assert driver._JobRun._rates(SimpleNamespace(kind=GENERATE, **counts), 2.0) == \
+    assert job_run._JobRun._rates(SimpleNamespace(kind=GENERATE, **counts), 2.0) == \
         "15.0 out tok/s"
-    assert driver._JobRun._rates(SimpleNamespace(kind=EMBED, **counts), 2.0) == \
+    assert job_run._JobRun._rates(SimpleNamespace(kind=EMBED, **counts), 2.0) == \
         "5.0 rows/s, 125.0 input tok/s"
     assert (GENERATE.command, EMBED.command) == ("batch", "embed")  # "nanoserve embed" bar
 

@@ -31,7 +31,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -428,7 +427,7 @@ def kill_group(pgid):
 
 
 def test_driver_killed_mid_job_resumes_to_the_same_files(tmp_path, ray_session, chat_model,
-                                                         request):
+                                                         private_ray_env):
     requests = [req(f"q{i}", COMP if i % 3 else CHAT,  # seeded: OpenAI's temperature 1
                     {"prompt": f"Request {i} says {'ab' * (i % 5)}", "max_tokens": 2, "seed": i}
                     if i % 3 else {"messages": [{"role": "user", "content": f"Hi {i}"}],
@@ -437,11 +436,7 @@ def test_driver_killed_mid_job_resumes_to_the_same_files(tmp_path, ray_session, 
     requests[7]["body"]["logit_bias"] = {"1": 5}  # an unsupported field: an error line
     path = write_jsonl(tmp_path / "requests.jsonl", requests)
     out = tmp_path / "out"
-    ray_tmp = tempfile.mkdtemp(prefix="ns-t-")
-    request.addfinalizer(lambda: shutil.rmtree(ray_tmp, ignore_errors=True))
-    env = {**os.environ, "TMPDIR": ray_tmp, "PYTHONPATH": str(REPO),
-           "RAY_USAGE_STATS_ENABLED": "0"}
-    env.pop("RAY_ADDRESS", None)
+    env = private_ray_env
     command = [sys.executable, "-m", "nanoserve_cli", "batch", str(path), "-o", str(out),
                "--model", str(chat_model), "--batch-size", "2", "--max-tokens", "2",
                "--kv-cache-memory", "0.03125", "--address", "local", "--no-progress"]
@@ -482,33 +477,6 @@ def test_driver_killed_mid_job_resumes_to_the_same_files(tmp_path, ray_session, 
 
 
 # --- object storage ------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def s3():
-    """moto's S3 server on 127.0.0.1, and the AWS environment pointing at it."""
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    env = {"AWS_ACCESS_KEY_ID": "nanoserve-test-key", "AWS_SECRET_ACCESS_KEY": "test-secret",
-           "AWS_DEFAULT_REGION": "us-east-1", "AWS_REGION": "us-east-1",
-           "AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_EC2_METADATA_DISABLED": "true"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    import boto3
-
-    client = boto3.client("s3")
-    try:
-        yield client
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        server.stop()
 
 
 def test_s3_request_file_in_and_openai_files_out(s3, ray_session, chat_model, tmp_path):
@@ -647,9 +615,9 @@ def refuse_rows_in_this_process(mp):
     """This process is the job's driver (its workers are Ray's own processes): make it fail
     if it reads input rows after the scan (rows in the job's schema: a shard's, or the
     whole input again) or the rows of a part."""
-    from ray_jobs.input import io, shards
+    from ray_jobs.input import io, jsonl, shards
 
-    scan = io._iter_jsonl
+    scan = jsonl._iter_jsonl
 
     def scan_only(*args, schema=None, **kwargs):
         if schema is not None:
@@ -660,6 +628,7 @@ def refuse_rows_in_this_process(mp):
         raise AssertionError("the driver read a part's rows")
 
     mp.setattr(io, "_iter_jsonl", scan_only)
+    mp.setattr(jsonl, "_iter_jsonl", scan_only)
     mp.setattr(shards, "_iter_jsonl", scan_only)
     mp.setattr(pq, "read_table", refuse)
 
@@ -754,7 +723,7 @@ def test_retry_errors_rewrites_the_retried_shards_lines(tmp_path, ray_session, c
 
 def test_an_interrupted_job_resumes_to_complete_files_with_every_request_once(
         tmp_path, ray_session, chat_model, monkeypatch):
-    from ray_jobs.dispatch import driver
+    from ray_jobs.dispatch import job_run
     from ray_jobs.output.manifest import Manifest
     from ray_jobs.output.openai_files import fragment_names
 
@@ -766,13 +735,13 @@ def test_an_interrupted_job_resumes_to_complete_files_with_every_request_once(
     out = tmp_path / "out"
     options = {"model": str(chat_model), "max_tokens": 2, "batch_size": 3,
                "kv_cache_bytes": KV_BYTES, "progress": False}
-    original = driver._JobRun._write
+    original = job_run._JobRun._write
 
     def write_then_stop(self, shard, tables):
         original(self, shard, tables)
         raise KeyboardInterrupt  # the driver stops after its first recorded shard
 
-    monkeypatch.setattr(driver._JobRun, "_write", write_then_stop)
+    monkeypatch.setattr(job_run._JobRun, "_write", write_then_stop)
     with pytest.raises(KeyboardInterrupt):  # one shard at a time: the second is never sent
         run_batch_job(path, out, **options, max_in_flight_per_worker=1)
     monkeypatch.undo()

@@ -11,7 +11,7 @@ import pytest
 
 from nanoserve.errors import InputError
 from nanoserve.sampling import SamplingParams
-from ray_jobs.input.io import InputChunk
+from ray_jobs.input.files import InputChunk
 from ray_jobs.preparation.prepare import RowPreparer, plan_columns
 
 DEFAULTS = {"max_tokens": 8, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None,

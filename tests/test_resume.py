@@ -18,14 +18,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import pyarrow.dataset as ds
 import pytest
 
-import ray_jobs.dispatch.driver as driver
+import ray_jobs.dispatch.job_run as job_run
 from nanoserve.errors import InputError
 from nanoserve.testing import assert_rows_match_engine
 from ray_jobs import run_batch_job
@@ -99,15 +98,12 @@ def assert_rows_match_oracle(llm, prompts, rows):
 
 
 def test_driver_killed_mid_job_resumes_keeping_written_parts(tiny_job_model, tiny_llm, tmp_path,
-                                                            request):
+                                                            private_ray_env):
     prompts = prompts_of(120)
     path = write_prompts(tmp_path / "in.jsonl", prompts)
     out = tmp_path / "out"
-    ray_tmp = tempfile.mkdtemp(prefix="ns-t-")  # short: Ray's socket paths stay < 108 chars
-    request.addfinalizer(lambda: shutil.rmtree(ray_tmp, ignore_errors=True))
-    env = {**os.environ, "TMPDIR": ray_tmp, "PYTHONPATH": str(REPO),
-           "RAY_USAGE_STATS_ENABLED": "0"}
-    env.pop("RAY_ADDRESS", None)
+    env = private_ray_env
+    ray_tmp = env["TMPDIR"]  # the private Ray's session folders
     command = [sys.executable, "-m", "nanoserve_cli", "batch", str(path), "-o", str(out),
                "--model", str(tiny_job_model), "--batch-size", "2", "--max-tokens", str(MAX_TOKENS),
                "--address", "local", "--no-progress",
@@ -152,7 +148,7 @@ def test_driver_killed_mid_job_resumes_keeping_written_parts(tiny_job_model, tin
 def finished_job(ray_session, tiny_job_model, tmp_path_factory):
     """A finished job of 6 rows in 3 batches, run once. On the way it checks that the
     driver never holds more than its in-flight limit of batches (1 worker x 2)."""
-    original = driver._JobRun._submit
+    original = job_run._JobRun._submit
     held = []
 
     def submit(self, piece, index):
@@ -165,7 +161,7 @@ def finished_job(ray_session, tiny_job_model, tmp_path_factory):
     options = {"model": str(tiny_job_model), "max_tokens": MAX_TOKENS, "batch_size": 2,
                "kv_cache_bytes": 32 << 20, "progress": False, "max_in_flight_per_worker": 2}
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(driver._JobRun, "_submit", submit)
+        mp.setattr(job_run._JobRun, "_submit", submit)
         run_batch_job(path, folder / "out", **options)
     assert held and max(held) <= 2
     return path, folder / "out", options

@@ -537,7 +537,7 @@ def test_rows_a_preemption_ends_leave_the_queue_to_the_next_step(tiny_model):
 
 
 def test_prefill_length_rounds_up_to_few_shapes():
-    from nanoserve.model_runner import prefill_length
+    from nanoserve.fixed_prefill import prefill_length
 
     got = [prefill_length(n) for n in range(1, 9000)]
     assert all(n <= g < n + 256 for n, g in zip(range(1, 9000), got))
@@ -554,7 +554,7 @@ def test_prefill_length_rounds_up_to_few_shapes():
 
 
 def test_prefill_lengths_lists_each_padded_length_once():
-    from nanoserve.model_runner import prefill_length, prefill_lengths
+    from nanoserve.fixed_prefill import prefill_length, prefill_lengths
 
     assert prefill_lengths(8192) == sorted({prefill_length(n) for n in range(1, 8193)})
     assert prefill_lengths(200) == [64, 128, 192] and prefill_lengths(0) == []

@@ -258,7 +258,7 @@ def test_every_probe_is_an_error_row_not_a_job_failure(tmp_path, chat_model, pro
     """The row preparation the job runs on the driver, with the model's real tokenizer: each
     probe ends its row with a clear error, and the probe's side effect never happens."""
     from nanoserve.tokenizer import Tokenizer
-    from ray_jobs.input.io import InputChunk
+    from ray_jobs.input.files import InputChunk
     from ray_jobs.preparation.prepare import RowPreparer, plan_columns
 
     marker = tmp_path / "PWNED"
@@ -301,7 +301,7 @@ def test_template_failing_at_render_is_a_row_error_not_a_crash(tmp_path, chat_mo
     """A template that raises something other than a template error (division by zero, the
     sandbox's range limit) still ends only its row."""
     from nanoserve.tokenizer import Tokenizer
-    from ray_jobs.input.io import InputChunk
+    from ray_jobs.input.files import InputChunk
     from ray_jobs.preparation.prepare import RowPreparer, plan_columns
 
     model = model_variant(tmp_path, chat_model, body + CHATML)

@@ -2,7 +2,7 @@
 gives the line-by-line scan's answer (schema, row count, cut points, OpenAI rows), and the
 shards cover every row exactly once, in input order.
 
-The oracle is the line-by-line scan itself (`ray_jobs.input.io._iter_jsonl`, every block sent
+The oracle is the line-by-line scan itself (`ray_jobs.input.jsonl._iter_jsonl`, every block sent
 there) and `iter_chunks`, which reads the whole input in one stream."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-import ray_jobs.input.io as io
+import ray_jobs.input.jsonl as jsonl
 from ray_jobs.input.io import iter_chunks, scan_input
 from ray_jobs.input.shards import InputSpec, iter_shards, num_shards, read_shard
 
@@ -42,9 +42,9 @@ TEXTS = {
 
 def scan_both(path, monkeypatch, shard_rows=7):
     """(fast scan, line-by-line scan), both over blocks of ~300 bytes."""
-    monkeypatch.setattr(io, "SCAN_BLOCK_BYTES", 300)
+    monkeypatch.setattr(jsonl, "SCAN_BLOCK_BYTES", 300)
     fast = scan_input(path, chunk_rows=5, shard_rows=shard_rows)
-    monkeypatch.setattr(io, "_arrow_block", lambda *a: None)
+    monkeypatch.setattr(jsonl, "_arrow_block", lambda *a: None)
     slow = scan_input(path, chunk_rows=5, shard_rows=shard_rows)
     monkeypatch.undo()
     return fast, slow
@@ -66,8 +66,8 @@ def test_the_fast_scan_reads_arrow_blocks_where_it_can(tmp_path, monkeypatch):
     """The plain file goes through Arrow's reader, not a Python object a row."""
     path = tmp_path / "in.jsonl"
     path.write_text(TEXTS["plain"])
-    monkeypatch.setattr(io, "SCAN_BLOCK_BYTES", 300)
-    monkeypatch.setattr(io, "_iter_jsonl", None)  # any call would fail
+    monkeypatch.setattr(jsonl, "SCAN_BLOCK_BYTES", 300)
+    monkeypatch.setattr(jsonl, "_iter_jsonl", None)  # any call would fail
     assert scan_input(path, chunk_rows=5, shard_rows=7).num_rows == len(PLAIN)
 
 
@@ -75,7 +75,7 @@ def test_the_fast_scan_reads_arrow_blocks_where_it_can(tmp_path, monkeypatch):
 def test_shards_read_every_row_once_in_input_order(tmp_path, monkeypatch, name):
     path = tmp_path / "in.jsonl"
     path.write_bytes(TEXTS[name].encode("utf-8", "surrogatepass"))
-    monkeypatch.setattr(io, "SCAN_BLOCK_BYTES", 300)
+    monkeypatch.setattr(jsonl, "SCAN_BLOCK_BYTES", 300)
     info = scan_input(path, chunk_rows=5, shard_rows=7)
     spec = InputSpec.of(info, 5)
     shards = list(iter_shards(info))

@@ -1,5 +1,5 @@
-"""The batch job on object storage: a real S3 API server (moto's, started here on
-127.0.0.1 and stopped at the end) serves `s3://` input and output through pyarrow's own S3
+"""The batch job on object storage: a real S3 API server (moto's, on 127.0.0.1: the
+`s3` fixture of tests/conftest.py) serves `s3://` input and output through pyarrow's own S3
 client and boto3, with credentials and endpoint from the standard AWS environment
 (`AWS_ENDPOINT_URL`).
 
@@ -26,6 +26,7 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
+from conftest import S3_SECRET as SECRET  # must never appear in any output or message
 
 from nanoserve.errors import InputError, NanoserveError
 from nanoserve.testing import assert_rows_match_engine
@@ -43,38 +44,8 @@ from ray_jobs.input.storage import (
 from ray_jobs.output.manifest import MANIFEST_NAME, SUCCESS_NAME
 
 REPO = Path(__file__).resolve().parents[1]
-SECRET = "nanoserve-test-secret-7f3a91"  # must never appear in any output or message
 MAX_TOKENS = 2
 LIMIT_S = 300
-
-
-@pytest.fixture(scope="module")
-def s3():
-    """moto's S3 server on 127.0.0.1 (a free port), and the AWS environment pointing at
-    it; a boto3 client for the tests' own checks. Stopped and the environment restored at
-    the end."""
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    env = {"AWS_ACCESS_KEY_ID": "nanoserve-test-key", "AWS_SECRET_ACCESS_KEY": SECRET,
-           "AWS_DEFAULT_REGION": "us-east-1", "AWS_REGION": "us-east-1",
-           "AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_EC2_METADATA_DISABLED": "true"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    import boto3
-
-    client = boto3.client("s3")
-    try:
-        yield client
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        server.stop()
 
 
 _buckets = iter(range(10**6))

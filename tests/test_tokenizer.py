@@ -117,30 +117,29 @@ def gguf_vocab(hf):
 
 def _write_tokenizer_gguf(path, vocab, *, model="gpt2", pre="smollm", add_bos=False):
     """A GGUF file holding a tokenizer and one tiny tensor (enough for transformers)."""
-    from gguf import GGUFWriter
+    from nanoserve.testing import write_tiny_gguf
 
-    writer = GGUFWriter(str(path), "llama")
-    writer.add_context_length(64)
-    writer.add_embedding_length(8)
-    writer.add_block_count(1)
-    writer.add_feed_forward_length(16)
-    writer.add_head_count(2)
-    writer.add_head_count_kv(1)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_tokenizer_model(model)
-    writer.add_tokenizer_pre(pre)
-    writer.add_token_list(vocab["tokens"])
-    writer.add_token_types(vocab["token_types"])
-    writer.add_token_merges(vocab["merges"])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_add_bos_token(add_bos)
-    writer.add_chat_template(vocab["chat_template"])
-    writer.add_tensor("token_embd.weight", np.zeros((len(vocab["tokens"]), 8), np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    def metadata(writer):
+        writer.add_context_length(64)
+        writer.add_embedding_length(8)
+        writer.add_block_count(1)
+        writer.add_feed_forward_length(16)
+        writer.add_head_count(2)
+        writer.add_head_count_kv(1)
+        writer.add_layer_norm_rms_eps(1e-5)
+        writer.add_tokenizer_model(model)
+        writer.add_tokenizer_pre(pre)
+        writer.add_token_list(vocab["tokens"])
+        writer.add_token_types(vocab["token_types"])
+        writer.add_token_merges(vocab["merges"])
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
+        writer.add_add_bos_token(add_bos)
+        writer.add_chat_template(vocab["chat_template"])
+
+    write_tiny_gguf(path, "llama", [("token_embd.weight",
+                                     np.zeros((len(vocab["tokens"]), 8), np.float32), None)],
+                    metadata=metadata)
     return path
 
 

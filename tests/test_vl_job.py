@@ -360,7 +360,7 @@ def test_openai_request_file_with_image_parts(vl_model, hf_vl, pictures, ray_ses
 
 def test_a_text_model_makes_image_rows_error_rows(tiny_job_model, pictures):
     from nanoserve.tokenizer import Tokenizer
-    from ray_jobs.input.io import InputChunk
+    from ray_jobs.input.files import InputChunk
     from ray_jobs.preparation.prepare import RowPreparer, plan_columns
 
     batch = pa.RecordBatch.from_pylist([

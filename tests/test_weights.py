@@ -11,13 +11,14 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGMLQuantizationType
 from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from nanoserve.config import ModelConfig
 from nanoserve.errors import ModelError
 from nanoserve.gguf_file import gguf_tokenizer_metadata
+from nanoserve.testing import write_tiny_gguf
 from nanoserve.weights import expected_shapes, load_checkpoint, validate_checkpoint
 
 TINY = dict(
@@ -145,28 +146,6 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def _write_llama_gguf_metadata(writer: GGUFWriter, cfg: LlamaConfig) -> None:
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    writer.add_rope_dimension_count(cfg.head_dim)
-    writer.add_vocab_size(cfg.vocab_size)
-    writer.add_bos_token_id(cfg.bos_token_id)
-    writer.add_eos_token_id(cfg.eos_token_id)
-
-
-def _finish(writer: GGUFWriter) -> None:
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
 def test_tiny_gguf_mixed_types_untied_equal_transformers(tmp_path):
     """An untied tiny model written as GGUF with Q8_0, F16, BF16 and F32 tensors: our loader
     and transformers' agree on every tensor; F32 tensors (q/k included, after the permutation
@@ -175,8 +154,7 @@ def test_tiny_gguf_mixed_types_untied_equal_transformers(tmp_path):
     cfg = LlamaConfig(**TINY, tie_word_embeddings=False, rope_theta=50000.0)
     original = LlamaForCausalLM(cfg).state_dict()
     path = tmp_path / "tiny.gguf"
-    writer = GGUFWriter(path, "llama")
-    _write_llama_gguf_metadata(writer, cfg)
+    tensors = []  # (GGUF name, array, raw type)
     stored = {}  # HF name -> the GGUF type it was written as
     for name, t in original.items():
         if name in _GGUF_GLOBAL:
@@ -191,18 +169,18 @@ def test_tiny_gguf_mixed_types_untied_equal_transformers(tmp_path):
             w = _llama_cpp_permute(w, cfg.num_key_value_heads)
         if gname == "token_embd.weight":
             qtype = GGMLQuantizationType.Q8_0
-            writer.add_tensor(gname, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+            tensors.append((gname, gguf.quants.quantize(w, qtype), qtype))
         elif gname.endswith("attn_v.weight"):
             qtype = GGMLQuantizationType.BF16
-            writer.add_tensor(gname, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+            tensors.append((gname, gguf.quants.quantize(w, qtype), qtype))
         elif "ffn_" in gname and w.ndim == 2:
             qtype = GGMLQuantizationType.F16
-            writer.add_tensor(gname, w.astype(np.float16))
+            tensors.append((gname, w.astype(np.float16), None))
         else:
             qtype = GGMLQuantizationType.F32
-            writer.add_tensor(gname, w)
+            tensors.append((gname, w, None))
         stored[name] = qtype
-    _finish(writer)
+    write_tiny_gguf(path, "llama", tensors, cfg, rope_dimensions=True)
 
     config, ours = load_checkpoint(path)
     hf = LlamaForCausalLM.from_pretrained(
@@ -227,23 +205,18 @@ def test_tiny_gguf_mixed_types_untied_equal_transformers(tmp_path):
 def test_gguf_unsupported_quant_type_is_refused(tmp_path):
     cfg = LlamaConfig(**TINY)
     path = tmp_path / "q8_1.gguf"
-    writer = GGUFWriter(path, "llama")
-    _write_llama_gguf_metadata(writer, cfg)
     qtype = GGMLQuantizationType.Q8_1  # a llama.cpp block type gguf cannot dequantize
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
     raw = np.zeros((cfg.vocab_size, cfg.hidden_size // block_size * type_size), dtype=np.uint8)
-    writer.add_tensor("token_embd.weight", raw, raw_dtype=qtype)
-    _finish(writer)
+    write_tiny_gguf(path, "llama", [("token_embd.weight", raw, qtype)], cfg, rope_dimensions=True)
     with pytest.raises(ModelError, match=r"token_embd\.weight uses quantization type Q8_1"):
         load_checkpoint(path)
 
 
 def test_gguf_non_llama_architecture_is_refused(tmp_path):
     path = tmp_path / "gpt2.gguf"
-    writer = GGUFWriter(path, "gpt2")
-    writer.add_block_count(2)
-    writer.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
-    _finish(writer)
+    write_tiny_gguf(path, "gpt2", [("token_embd.weight", np.zeros((8, 4), dtype=np.float32), None)],
+                    metadata=lambda writer: writer.add_block_count(2))
     with pytest.raises(ModelError, match=r"GGUF architecture 'gpt2' is not supported; "
                                          r"nanoserve runs 'llama', 'qwen2', 'qwen3'"):
         load_checkpoint(path)

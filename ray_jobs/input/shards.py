@@ -23,15 +23,9 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-from ray_jobs.input.io import (
-    InputChunk,
-    InputFile,
-    InputInfo,
-    _conform_or_fail,
-    _iter_jsonl,
-    _parquet_file,
-    _with_partition_columns,
-)
+from ray_jobs.input.files import InputChunk, InputFile, InputInfo
+from ray_jobs.input.io import _conform_or_fail, _parquet_file, _with_partition_columns
+from ray_jobs.input.jsonl import _iter_jsonl
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from nanoserve import InputError
 from ray_jobs.input.storage import Location, OutputDir
 
@@ -78,6 +81,19 @@ _OURS_RE = re.compile(r"(part-\d+\.parquet|\.part-\d+\.parquet\.tmp-\d+|"
 
 def part_name(batch_id: int) -> str:
     return f"part-{batch_id:05d}.parquet"
+
+
+def write_part_atomic(table: pa.Table, path: Path) -> None:
+    """Write `table` as the Parquet file `path`: first under a hidden temporary name in the same
+    folder (ignored by readers), then renamed into place."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        pq.write_table(table, tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def file_fingerprint(path: Path | Location, label: str | None = None) -> dict[str, Any]:
@@ -119,7 +135,7 @@ def model_identity(path: Path) -> list[dict[str, Any]]:
 
 def input_identity(root: Path, files: list[Path] | tuple[Path, ...]) -> list[dict[str, Any]]:
     """Fingerprints of the input files, named relative to the input folder. `files` may be
-    `ray_jobs.input.io.InputFile`s (any filesystem; named by their `rel`)."""
+    `ray_jobs.input.files.InputFile`s (any filesystem; named by their `rel`)."""
     if files and not isinstance(files[0], Path):
         return [file_fingerprint(f.loc, f.rel) for f in files]
     base = root if root.is_dir() else root.parent

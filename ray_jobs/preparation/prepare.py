@@ -77,13 +77,8 @@ from nanoserve import (
     structured_from_request,
     token_budget,
 )
-from ray_jobs.input.io import (
-    CONTROL_COLUMNS,
-    DEFAULT_ID_COLUMN,
-    RESULT_COLUMNS,
-    InputChunk,
-    result_schema,
-)
+from ray_jobs.input.files import DEFAULT_ID_COLUMN, InputChunk
+from ray_jobs.preparation.result_columns import CONTROL_COLUMNS, RESULT_COLUMNS, result_schema
 from ray_jobs.preparation.row_images import (
     IMAGE_COLUMN,
     ModelImages,
@@ -159,7 +154,7 @@ class ColumnPlan:
 
     def output_schema(self, controls: tuple[str, ...] = ()) -> pa.Schema:
         """`id`, then the input columns (`passthrough_fields`), then the results
-        (`ray_jobs.input.io.result_schema(controls)`). InputError if an input column clashes with
+        (`ray_jobs.preparation.result_columns.result_schema(controls)`). InputError if an input column clashes with
         an output-control column."""
         if "sample_index" in controls and "sample_index" in self.input_schema.names:
             raise InputError("input column 'sample_index' clashes with the output column of "
@@ -170,7 +165,7 @@ class ColumnPlan:
 
 def output_controls(plan: ColumnPlan, defaults: dict[str, Any],
                     reasoning: bool = False) -> tuple[str, ...]:
-    """The output-control columns a job's output has (see `ray_jobs.input.io.CONTROL_SCHEMA`):
+    """The output-control columns a job's output has (see `ray_jobs.preparation.result_columns.CONTROL_SCHEMA`):
     `sample_index` when the default n is above 1 or the input has an `n` column, `logprobs`
     / `prompt_logprobs` when the job's default asks for them or the input has the column.
     A function of the options and the input's columns, never of the rows' values, so every

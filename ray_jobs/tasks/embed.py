@@ -30,7 +30,7 @@ from typing import Any
 import pyarrow as pa
 
 from nanoserve import ENGINE, InputError, NanoserveError
-from ray_jobs.input.io import InputChunk, InputInfo
+from ray_jobs.input.files import InputChunk, InputInfo
 from ray_jobs.preparation.prepare import (
     MESSAGES,
     PROMPT_COLUMNS,

@@ -25,7 +25,7 @@ from typing import Any
 import pyarrow as pa
 
 from nanoserve import InputError, NanoserveError
-from ray_jobs.input.io import InputInfo
+from ray_jobs.input.files import InputInfo
 from ray_jobs.output import openai_files
 from ray_jobs.preparation.prepare import (
     ColumnPlan,

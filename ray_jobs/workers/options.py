@@ -19,7 +19,7 @@ from nanoserve import (
     check_online,
     check_positive_int,
 )
-from ray_jobs.input.io import DEFAULT_CHUNK_ROWS, INPUT_FORMATS
+from ray_jobs.input.files import DEFAULT_CHUNK_ROWS, INPUT_FORMATS
 from ray_jobs.output.openai_files import OUTPUT_FORMATS
 from ray_jobs.preparation.batching import WINDOW_BATCHES
 

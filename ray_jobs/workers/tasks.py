@@ -314,7 +314,7 @@ def with_digest(table: pa.Table, shard: Shard, beside: str | None = None) -> pa.
 
 
 def _slice_chunk(chunk: Any, a: int, b: int) -> Any:
-    from ray_jobs.input.io import InputChunk
+    from ray_jobs.input.files import InputChunk
 
     errors = {i - a: e for i, e in chunk.row_errors.items() if a <= i < b}
     return InputChunk(chunk.batch.slice(a, b - a), chunk.file, errors, chunk.lines[a:b],

@@ -64,7 +64,7 @@ from typing import Any
 import pyarrow as pa
 
 from nanoserve import ENGINE, ModelError, NanoserveError, SamplingParams
-from ray_jobs.input.io import WORKER_RESULT_SCHEMA
+from ray_jobs.preparation.result_columns import WORKER_RESULT_SCHEMA
 
 PREFILL_SLOTS_KEY = b"nanoserve.prefill_slots"  # rows x longest prompt, summed over sub-batches
 PREFILL_TOKENS_KEY = b"nanoserve.prefill_real_tokens"
