@@ -110,7 +110,9 @@ def tiny_encoder(model_type: str, vocab_size: int, *, head: bool, seed: int = 0,
     """transformers' tiny random encoder of `model_type` ('bert', 'xlm-roberta',
     'modernbert'): its base model, or with `head` its `*ForSequenceClassification`
     (`options`: num_labels, problem_type, classifier_pooling, ...), in eval mode, with random
-    norm weights and biases (so a missing or misplaced one shows)."""
+    norm weights and biases (so a missing or misplaced one shows) and matrices drawn at
+    std 1/sqrt(fan-in), not transformers' 0.02: its tiny init leaves attention near uniform
+    and logits near the bias, where positions, rotary and segments barely show."""
     import torch
     import transformers
 
@@ -127,6 +129,8 @@ def tiny_encoder(model_type: str, vocab_size: int, *, head: bool, seed: int = 0,
         for name, p in model.named_parameters():
             if "norm" in name.lower() or name.endswith("bias"):
                 p.copy_(1 + 0.3 * torch.randn_like(p))
+            else:  # matrices of unit gain: attention that is not uniform, logits of size 1
+                p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
     return model.eval()
 
 
