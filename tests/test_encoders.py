@@ -32,7 +32,7 @@ PAIRS = [("what is an encoder?", "an encoder of words"), ("hello", "world"),
          ("the quick brown fox", "jumps over the lazy dog " * 12)]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _hf(folder: str, head: bool):
     from transformers import AutoModel, AutoModelForSequenceClassification
 
@@ -40,7 +40,7 @@ def _hf(folder: str, head: bool):
     return cls.from_pretrained(folder, dtype=torch.float32).eval()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _hf_tok(folder: str):
     from transformers import AutoTokenizer
 
