@@ -20,6 +20,10 @@ the defaults: `last`, normalised, all dimensions, the model's context as the inp
 An `instruction` prefixes each text as Qwen3-Embedding's queries are:
 `Instruct: {instruction}\\nQuery:{text}`.
 
+An encoder folder (BERT, XLM-RoBERTa, ModernBERT: nanoserve/encoder/) runs the same way
+through its `EncoderModel` (`Embedder.for_encoder`): bidirectional attention over the
+packed rows, pooled by mean where the folder has no Pooling config.
+
 Inputs longer than the limit are cut to it (keeping the tokenizer's closing special tokens,
 so last-token pooling still reads the end token); `Embedder.prepare` says which were cut.
 """
@@ -228,12 +232,32 @@ class Embedder:
                            if device == "auto" else device)
         if dev.type == "cpu":
             configure_torch_threads(num_threads)
+        from nanoserve.encoder.model import is_encoder_folder, load_encoder
+
+        if is_encoder_folder(path):  # BERT, XLM-R, ModernBERT: nanoserve/encoder/
+            return cls.for_encoder(load_encoder(path, _dtype(dtype, dev), dev), path,
+                                   max_batch_tokens, **pooling)
         config, state = load_checkpoint(path)
         built = build_model(config, state, _dtype(dtype, dev), dev)
         del state
         cfg = resolve_pooling(path, config.hidden_size, config.max_position_embeddings,
                               **pooling)
         return cls(built, Tokenizer.from_path(path), cfg, max_batch_tokens)
+
+    @classmethod
+    def for_encoder(cls, model: Any, folder: str | Path,
+                    max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, **pooling: Any) -> Embedder:
+        """An encoder (nanoserve/encoder/model.py's `EncoderModel`, loaded from `folder`) as
+        an embedding function: its tokenizer from the folder, its rows at most its max
+        positions; pooling as for a decoder, except that a folder without a Pooling config
+        pools by mean (sentence-transformers' default for a bare encoder)."""
+        from nanoserve.tokenizer import Tokenizer
+
+        if pooling.get("pooling") is None and "pooling" not in sentence_transformers_settings(folder):
+            pooling["pooling"] = "mean"
+        cfg = resolve_pooling(folder, model.config.hidden_size,
+                              model.config.max_position_embeddings, **pooling)
+        return cls(model, Tokenizer.from_path(folder), cfg, max_batch_tokens)
 
     @property
     def device(self) -> torch.device:

@@ -177,8 +177,13 @@ def by_gguf_name(name: str) -> Family | None:
 
 
 def supported() -> str:
-    """The supported architectures for an error message: 'LlamaForCausalLM (llama), ...'."""
-    return ", ".join(f"{f.architecture} ({f.model_type})" for f in FAMILIES)
+    """The supported architectures for an error message: 'LlamaForCausalLM (llama), ...;
+    encoders (...): BertModel, BertForSequenceClassification (bert), ...' (the encoders'
+    records: nanoserve/encoder/registry.py)."""
+    from nanoserve.encoder.registry import supported_encoders
+
+    decoders = ", ".join(f"{f.architecture} ({f.model_type})" for f in FAMILIES)
+    return f"{decoders}; encoders (nanoserve.encoder.Encoder, Embedder): {supported_encoders()}"
 
 
 __all__ = ["FAMILIES", "GGUF_NAMES", "SUPPORTED_ARCHITECTURES", "WINDOW_RULES", "Family",

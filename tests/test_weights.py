@@ -436,7 +436,8 @@ def test_unknown_architecture_is_refused(check, tiny_hf, tmp_path, change, expec
                  "Qwen2_5_VLForConditionalGeneration (qwen2_5_vl)")
     with pytest.raises(ModelError, match=rf"unsupported architecture .*{expected}") as e:
         check(folder)
-    assert str(e.value).endswith(f"nanoserve runs {supported}")
+    assert f"nanoserve runs {supported}; encoders" in str(e.value)
+    assert "BertForSequenceClassification (bert)" in str(e.value)  # the encoders listed too
 
 
 def test_no_such_checkpoint_is_refused(check, tmp_path):
