@@ -25,6 +25,7 @@ from nanoserve.embed import DEFAULT_MAX_BATCH_TOKENS, Embedder, _dtype
 from nanoserve.encoder.heads import Prediction, interpret
 from nanoserve.encoder.model import EncoderModel, load_encoder
 from nanoserve.encoder.tokenizer import EncoderTokenizer
+from nanoserve.options import ENGINE
 
 
 class Encoder:
@@ -38,7 +39,7 @@ class Encoder:
         self._embedders: dict[tuple, Embedder] = {}
 
     @classmethod
-    def load(cls, folder: str | Path, dtype: str | torch.dtype = "auto", device: str = "auto",
+    def load(cls, folder: str | Path, dtype: str | torch.dtype = ENGINE["dtype"].default, device: str = "auto",
              max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS) -> Encoder:
         dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu")
                            if device == "auto" else device)
