@@ -34,8 +34,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from nanoserve.attention import AttentionMetadata
 from nanoserve.errors import InputError, ModelError
+from nanoserve.model.attention import AttentionMetadata
 from nanoserve.options import ENGINE
 
 POOLING_MODES = ("last", "mean", "cls")
@@ -218,10 +218,10 @@ class Embedder:
         """Load a checkpoint (folder or name) for embedding only: no KV pool. On the CPU,
         `num_threads` as `nanoserve.llm.LLM`'s."""
         from nanoserve.cpu_threads import configure_torch_threads
-        from nanoserve.model import build_model
-        from nanoserve.model_store import resolve_model
-        from nanoserve.tokenizer import Tokenizer
-        from nanoserve.weights import load_checkpoint
+        from nanoserve.model.model import build_model
+        from nanoserve.weights.model_store import resolve_model
+        from nanoserve.weights.tokenizer import Tokenizer
+        from nanoserve.weights.weights import load_checkpoint
 
         path = resolve_model(model)
         dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu")
