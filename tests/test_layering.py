@@ -13,7 +13,13 @@ entry points, `ray_jobs.cli` and `ray_jobs.data_processor`, and the package's ow
 `__init__`, at the top level, above every stage). Every import counts, function-local and
 TYPE_CHECKING ones included (read from the source with `ast`, nothing imported); modules in
 subpackages too. And the job and the command line see the engine only through its public
-API: `import nanoserve` or `from nanoserve import <a name in nanoserve.__all__>`."""
+API: `import nanoserve` or `from nanoserve import <a name in nanoserve.__all__>`.
+
+Inside the engine (nanoserve), one subpackage per subsystem, each importing only those below
+it, between a base at the top level (errors, options, CPU threads) and the top level's rest:
+
+    base <- multimodal <- cache <- model <- weights <- sampling <- static <- scheduling <- top
+"""
 
 from __future__ import annotations
 
