@@ -15,6 +15,7 @@ import tokenizers
 import torch
 
 from nanoserve.model.config import ModelConfig
+from nanoserve.weights import gguf_file, model_store
 from nanoserve.weights.model_store import (
     CONFIG_FILE,
     MANIFEST_FILE,
@@ -26,13 +27,7 @@ from nanoserve.weights.model_store import (
     prepared_dir,
 )
 from nanoserve.weights.tokenizer import Tokenizer
-from nanoserve.weights.weights import (
-    _checked,
-    gguf_file,
-    load_checkpoint,
-    model_store,
-    validate_checkpoint,
-)
+from nanoserve.weights.weights import _checked, load_checkpoint, validate_checkpoint
 
 TEXTS = [
     "The capital of France is",
