@@ -1,4 +1,4 @@
-"""When a running batch admits new rows (`nanoserve.scheduler`: once max_batch_size /
+"""When a running batch admits new rows (`nanoserve.scheduling.scheduler`: once max_batch_size /
 ADMIT_SHARE row slots are free and ADMIT_WAIT_STEPS decode steps ran since its last
 admission, or at once when max_batch_size / ADMIT_FULL_SHARE are free), on the workloads of
 `benchmarks.vs_vllm` (3,000 short rows over shared system prompts, where rows end every
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-import nanoserve.scheduler as scheduler
+import nanoserve.scheduling.scheduler as scheduler
 from benchmarks.gpu_job import LLAMA_1B
 from benchmarks.vs_vllm import (
     VOCAB,
@@ -65,7 +65,7 @@ def timed_run(llm, prompts, max_tokens, device: str) -> dict:
 def check_tokens(llm, workloads, policies, vocab: int, shift: int) -> None:
     """Each workload's rows (greedy, ignore_eos) under every policy against each row run
     alone: the same token ids, or SystemExit naming the first difference."""
-    from nanoserve.sampling import SamplingParams
+    from nanoserve.sampling.params import SamplingParams
 
     for name, (prompts, max_tokens) in workloads.items():
         prompts = warmup_of(prompts, vocab, shift)
@@ -119,7 +119,7 @@ def main() -> None:
                                else nanovllm_workload(1024, vocab=vocab))
 
     from nanoserve.llm import LLM
-    from nanoserve.sampling import SamplingParams
+    from nanoserve.sampling.params import SamplingParams
 
     llm = LLM(str(model_dir), device=device, scheduler="continuous", enable_prefix_caching=True)
     default = (scheduler.ADMIT_SHARE, scheduler.ADMIT_FULL_SHARE, scheduler.ADMIT_WAIT_STEPS)

@@ -1,6 +1,6 @@
 """Label scores against one constrained token: ROWS classification rows x 4 labels scored
 with `LLM.choice_scores` (one packed prefill of each prompt, then the labels' later tokens
-over its blocks: `nanoserve.choice_scores.label_logprobs`), against the same rows generating
+over its blocks: `nanoserve.sampling.choice_scores.label_logprobs`), against the same rows generating
 one token under a choice constraint over the same labels (greedy, max_tokens=1), in one
 process. Prints a table and the ratio of rows/s (scores over constrained), the headline
 `choice-scores-over-constrained-1tok` (target on the GPU: >= 0.8). The first `--check` rows'
@@ -77,8 +77,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     from benchmarks.common import git_commit, markdown_table
     from nanoserve.llm import LLM
-    from nanoserve.sampling import SamplingParams
-    from nanoserve.structured import StructuredOutputs
+    from nanoserve.sampling.params import SamplingParams
+    from nanoserve.sampling.structured import StructuredOutputs
 
     kwargs = {"device": args.device}
     if args.shape:
@@ -139,7 +139,7 @@ def check_scores(llm, prompts: list[list[int]], scores: list[dict[str, float]]) 
     ~0 either way."""
     import math
 
-    from nanoserve.sampling import SamplingParams
+    from nanoserve.sampling.params import SamplingParams
 
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
     label_ids = [llm.tokenizer.encode(lb, add_special_tokens=False) for lb in LABELS]

@@ -88,10 +88,10 @@ def load_nanoserve(model: str):
     """(model, tokenizer, path): the engine's model in float32 on the CPU."""
     import torch
 
-    from nanoserve.model import build_model
-    from nanoserve.model_store import resolve_model
-    from nanoserve.tokenizer import Tokenizer
-    from nanoserve.weights import load_checkpoint
+    from nanoserve.model.model import build_model
+    from nanoserve.weights.model_store import resolve_model
+    from nanoserve.weights.tokenizer import Tokenizer
+    from nanoserve.weights.weights import load_checkpoint
 
     path = resolve_model(model)
     config, state_dict = load_checkpoint(path)

@@ -50,7 +50,7 @@ import json, sys, time
 {before}
 import nanoserve
 from nanoserve.llm import LLM
-from nanoserve.sampling import SamplingParams
+from nanoserve.sampling.params import SamplingParams
 prompts, max_tokens = json.loads(sys.argv[1]), int(sys.argv[2])
 llm = LLM()
 ids = [llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{{"role": "user", "content": p}}]))

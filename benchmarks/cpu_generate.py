@@ -91,8 +91,8 @@ def load_transformers(path: pathlib.Path):
 
 
 def nanoserve_generate(model, prompt: list[int], new_tokens: int) -> list[int]:
-    from nanoserve.generate import generate_batch
-    from nanoserve.sampling import SamplingParams
+    from nanoserve.sampling.params import SamplingParams
+    from nanoserve.static.generate import generate_batch
 
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     outs, _ = generate_batch(model, [prompt], [params], eos_token_ids=())
@@ -103,15 +103,15 @@ def nanoserve_generate_batch(model, prompts: list[list[int]], new_tokens: int,
                              scheduler: str = "static") -> list[list[int]]:
     """One batch through the static scheduler (`generate_batch`) or the continuous one
     (`generate_continuous`, every row admitted at once: what `LLM` runs on the CPU)."""
-    from nanoserve.sampling import SamplingParams
+    from nanoserve.sampling.params import SamplingParams
 
     params = [SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)] * len(prompts)
     if scheduler == "static":
-        from nanoserve.generate import generate_batch
+        from nanoserve.static.generate import generate_batch
 
         outs, _ = generate_batch(model, prompts, params, eos_token_ids=())
     else:
-        from nanoserve.scheduler import generate_continuous
+        from nanoserve.scheduling.scheduler import generate_continuous
 
         outs, _ = generate_continuous(model, prompts, params, eos_token_ids=(),
                                       max_batch_size=len(prompts))
@@ -272,7 +272,7 @@ def has_continuous() -> bool:
     """Whether this checkout has the continuous scheduler (a side by side run may time an
     older one)."""
     try:
-        import nanoserve.scheduler  # noqa: F401
+        import nanoserve.scheduling.scheduler  # noqa: F401
     except ImportError:
         return False
     return True

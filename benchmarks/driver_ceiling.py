@@ -119,8 +119,8 @@ def main(argv: list[str] | None = None) -> dict[int, dict]:
     if args.smoke:
         args.rows, args.workers, args.batch_size = [SMOKE_ROWS], 1, 1000
 
-    from nanoserve.model_store import DEFAULT_MODEL, resolve_model
     from nanoserve.testing import save_tiny_llama
+    from nanoserve.weights.model_store import DEFAULT_MODEL, resolve_model
 
     work = Path(tempfile.mkdtemp(prefix="ns-ceiling-"))
     results: dict[int, dict] = {}

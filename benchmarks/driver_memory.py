@@ -166,8 +166,8 @@ def main() -> None:
     args = p.parse_args()
     codes = [(c.resolve(), git_commit(c.resolve())) for c in args.code]
 
-    from nanoserve.model_store import DEFAULT_MODEL, resolve_model
     from nanoserve.testing import save_tiny_llama
+    from nanoserve.weights.model_store import DEFAULT_MODEL, resolve_model
 
     work = Path(tempfile.mkdtemp(prefix="ns-mem-"))
     try:

@@ -14,7 +14,7 @@ prefill gives each row its first token; a row of n output tokens then runs in de
 Measured here: the four projections of one layer (q/k/v, o, gate/up, down) and the LM head
 per row count, each as calls inside one CUDA graph over weights of their own (read from
 HBM, not L2), by cuBLAS (`F.linear`) in bf16 or `torch._scaled_mm` in FP8 (one scale per
-tensor, fast accumulation: as `nanoserve.fp8.Fp8Linear` runs them), interpolated between
+tensor, fast accumulation: as `nanoserve.weights.fp8.Fp8Linear` runs them), interpolated between
 the measured row counts; the prefill's projections at 8,192 rows a call; the read
 bandwidth as a sum's over 4 GiB. Left out, so the floor is below what
 any such engine can reach: the norms, rotary, SwiGLU, sampling, the attention's own
@@ -204,7 +204,7 @@ class _Gemms:
         ws = self._weights(name)
         x = torch.randn(rows, self.shapes[name][1], device="cuda", dtype=torch.bfloat16)
         if self._fp8(name):
-            from nanoserve.fp8 import FAST_ACCUM
+            from nanoserve.weights.fp8 import FAST_ACCUM
 
             xq = x.to(torch.float8_e4m3fn)
             calls = [lambda w=w: torch._scaled_mm(xq, w.t(), scale_a=self.unit,

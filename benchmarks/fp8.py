@@ -10,7 +10,7 @@ no checkpoint file; FP8 projections drawn and quantized one matrix at a time):
   28672): FP8 only, its bf16 weights (141 GB) do not fit one H200.
 All vocab 128256. Runs: bf16; fp8; fp8-unfused (fp8 with each activation quantized by a
 launch of its own before its projection, as before the norms and silu-and-mul quantized
-their outputs: `nanoserve.fp8.fuse_activation_quant` skipped); fp8+kv (fp8 with an FP8 KV
+their outputs: `nanoserve.weights.fp8.fuse_activation_quant` skipped); fp8+kv (fp8 with an FP8 KV
 cache, `kv_cache_dtype="fp8"`). The runs go one after the other in one process, each with a warm-up
 pass over the same lengths (other token ids) first. Prints one Markdown table: rate, ratio
 to bf16, the memory split (weights / KV pool / CUDA graphs), the pool's tokens, the largest
@@ -62,10 +62,10 @@ def model_folder(folder: Path, config: dict) -> Path:
 def run_one(folder: Path, weights: str, prompts, max_tokens, device: str,
             kv_cache_bytes: int | None) -> dict:
     """One engine over the workload: a warm-up pass, then the timed one."""
-    import nanoserve.dummy_weights as dummy
+    import nanoserve.weights.dummy_weights as dummy
     from nanoserve.errors import NanoserveError
     from nanoserve.llm import LLM
-    from nanoserve.sampling import SamplingParams
+    from nanoserve.sampling.params import SamplingParams
 
     quantization = "fp8" if weights.startswith("fp8") else None
     kv_cache_dtype = "fp8" if weights.endswith("+kv") else "auto"

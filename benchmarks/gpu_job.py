@@ -63,8 +63,8 @@ def make_random_model(folder: Path, device: str, config: dict = LLAMA_1B) -> Pat
     from safetensors.torch import save_file
     from tokenizers import Tokenizer, models
 
-    from nanoserve.config import ModelConfig
-    from nanoserve.weights import expected_shapes
+    from nanoserve.model.config import ModelConfig
+    from nanoserve.weights.weights import expected_shapes
 
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config))
@@ -103,7 +103,7 @@ def bench_engine(model_dir: Path, prompts, max_tokens, device: str = "cuda",
     workload but other tokens, so every kernel variant is compiled and no prompt block is
     in the prefix cache when the timed run starts."""
     from nanoserve.llm import LLM
-    from nanoserve.sampling import SamplingParams
+    from nanoserve.sampling.params import SamplingParams
 
     t = time.perf_counter()
     llm = LLM(str(model_dir), device=device, decode_step=decode_step, scheduler=scheduler,
@@ -216,9 +216,8 @@ def main() -> None:
     runs = args.engine_runs or (["static:graph", "continuous:graph"] if device == "cuda"
                                 else ["static:static", "continuous:static"])
     results = []
-    from nanoserve import scheduler as continuous_scheduler
-    from nanoserve import step_cache
-
+    from nanoserve.cache import step_cache
+    from nanoserve.scheduling import scheduler as continuous_scheduler
     for run in runs:
         scheduler, decode_step, variant = (run.split(":") + ["", ""])[:3]
         # given-order: decode steps list their rows as they run, not longest first;
@@ -247,7 +246,7 @@ def main() -> None:
                                  f"batch job, 1 actor, Llama-{args.shape} shape, random",
                                  ignore_eos=True,
                                  batch_size=256, num_workers=1))
-        from nanoserve.model_store import default_model_path
+        from nanoserve.weights.model_store import default_model_path
 
         if default_model_path().exists():
             results.append(bench_job(Path("examples/prompts.jsonl"), work / "out-smollm2",

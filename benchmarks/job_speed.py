@@ -87,7 +87,7 @@ def run_ray_part(repeats: int) -> list[dict]:
 def engine_rate(model_dir: Path, prompts, max_tokens, device: str, warm: bool = True) -> dict:
     """The engine's steady state: a warm-up on the same lengths, other tokens, then the run."""
     from nanoserve.llm import LLM
-    from nanoserve.sampling import SamplingParams
+    from nanoserve.sampling.params import SamplingParams
 
     t = time.perf_counter()
     llm = LLM(str(model_dir), device=device)
@@ -115,7 +115,7 @@ def first_run_child(model_dir: str, workload: str, rows: int, device: str) -> di
     import pyarrow.parquet as pq
 
     from nanoserve.llm import LLM
-    from nanoserve.sampling import SamplingParams
+    from nanoserve.sampling.params import SamplingParams
 
     t = pq.read_table(workload).slice(0, rows).to_pylist()
     prompts = [r["prompt_token_ids"] for r in t]

@@ -310,7 +310,7 @@ def fp8_decode_row(batch: int, ctx: int, copy_bw: float) -> str:
 
 BATCH_SCALE_ROWS = (256, 656, 1024)
 # (name, cache, keyword arguments of paged_decode_attention): the engine's decode read
-# (even splits, as `nanoserve/step_cache.py` passes them) over each cache and FP8 form
+# (even splits, as `nanoserve/cache/step_cache.py` passes them) over each cache and FP8 form
 BATCH_SCALE_VARIANTS = (
     ("bf16 cache", "bf16", {}),
     ("fp8, e4m3 form", "fp8", {"fp8_form": "e4m3"}),

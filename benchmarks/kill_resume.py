@@ -254,8 +254,8 @@ def main(argv: list[str] | None = None) -> KillResume:
     if args.rows // args.batch_size < 4:
         p.error("give at least 4 shards' rows: the kills land at a quarter and a half of them")
 
-    from nanoserve.model_store import DEFAULT_MODEL, resolve_model
     from nanoserve.testing import save_tiny_llama
+    from nanoserve.weights.model_store import DEFAULT_MODEL, resolve_model
 
     work = args.keep or Path(tempfile.mkdtemp(prefix="ns-kill-resume-"))
     work.mkdir(parents=True, exist_ok=True)

@@ -76,8 +76,8 @@ SMOKE = {**QWEN3_30B_A3B, "vocab_size": 4096, "hidden_size": 128, "intermediate_
 def weight_bytes(config: dict, fp8: bool) -> int:
     """The checkpoint's weight bytes: bf16 everywhere, or (fp8) every decoder projection and
     expert matrix in e4m3 with a float32 scale per output row (nanoserve's FP8 layout)."""
-    from nanoserve.config import ModelConfig
-    from nanoserve.weights import expected_shapes
+    from nanoserve.model.config import ModelConfig
+    from nanoserve.weights.weights import expected_shapes
 
     total = 0
     for name, shape in expected_shapes(ModelConfig.from_hf_dict(config)).items():

@@ -130,13 +130,13 @@ def main() -> None:
     global PROFILE
     PROFILE = args.profile
     from nanoserve.llm import LLM
-    from nanoserve.sampling import SamplingParams
-    from nanoserve.structured import StructuredOutputs
+    from nanoserve.sampling.params import SamplingParams
+    from nanoserve.sampling.structured import StructuredOutputs
 
     tok = args.tokenizer
     if tok is None:
-        from nanoserve.model_store import DEFAULT_MODEL, resolve_model
-        from nanoserve.tokenizer import Tokenizer
+        from nanoserve.weights.model_store import DEFAULT_MODEL, resolve_model
+        from nanoserve.weights.tokenizer import Tokenizer
 
         tok = Path(tempfile.mkdtemp()) / "tokenizer.json"
         tok.write_text(Tokenizer.from_path(resolve_model(DEFAULT_MODEL)).backend.to_str())

@@ -43,7 +43,7 @@ def random_workload(rows: int, vocab: int, seed: int = 0, lo: int = 100, hi: int
 
 def run(model_dir: Path, prompts, max_tokens, caching: bool, device: str) -> dict:
     from nanoserve.llm import LLM
-    from nanoserve.sampling import SamplingParams
+    from nanoserve.sampling.params import SamplingParams
 
     llm = LLM(str(model_dir), device=device, scheduler="continuous",
               enable_prefix_caching=caching)

@@ -110,7 +110,7 @@ import json, sys, time
 t0 = time.perf_counter()
 import nanoserve_cli
 from nanoserve.llm import LLM
-from nanoserve.sampling import SamplingParams
+from nanoserve.sampling.params import SamplingParams
 t1 = time.perf_counter()
 llm = LLM("smollm2-135m-instruct", device="cpu")
 t2 = time.perf_counter()
@@ -167,9 +167,9 @@ def generate_steps(tree: Path, cache: Path | None = None) -> dict:
 def tree_caches(trees: dict[str, Path], tmp: Path) -> dict[str, Path]:
     """One model cache per tree, the default model's GGUF file linked (or copied) into it.
     The prepared folder beside that file is keyed on the conversion code
-    (`nanoserve.model_store.conversion_key`), so two trees that differ there and share a
+    (`nanoserve.weights.model_store.conversion_key`), so two trees that differ there and share a
     cache would each write it again on every run (15-18 s of the demo job's "prepare")."""
-    from nanoserve.model_store import cache_root, fetch_default_model
+    from nanoserve.weights.model_store import cache_root, fetch_default_model
 
     source = fetch_default_model()
     caches = {}
@@ -285,8 +285,8 @@ def main() -> None:
         demo_main(args)
         return
 
-    from nanoserve.model_store import DEFAULT_MODEL, resolve_model
     from nanoserve.testing import save_tiny_llama
+    from nanoserve.weights.model_store import DEFAULT_MODEL, resolve_model
 
     with tempfile.TemporaryDirectory(prefix="ns-startup-") as tmp:
         work = Path(tmp)

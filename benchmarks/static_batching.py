@@ -16,7 +16,7 @@ batches). Rows are not sorted by length: this is static batching at its plainest
     python benchmarks/static_batching.py --threads 1 --quick  # batch sizes 1, 4, 16
 
 `--continuous` also runs each point's rows through continuous batching
-(`nanoserve.scheduler.generate_continuous`, at most B rows running, same pool), right after
+(`nanoserve.scheduling.scheduler.generate_continuous`, at most B rows running, same pool), right after
 the static run, and adds its tokens/s and the ratio to static. Its tokens must equal the
 static run's, row for row.
 """
@@ -93,10 +93,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     import torch
 
-    from nanoserve.cache import CacheShape, KVPool
-    from nanoserve.generate import BatchStats, blocks_for_batch, generate_batch
-    from nanoserve.sampling import SamplingParams
-    from nanoserve.scheduler import generate_continuous
+    from nanoserve.cache.pool import CacheShape, KVPool
+    from nanoserve.sampling.params import SamplingParams
+    from nanoserve.scheduling.scheduler import generate_continuous
+    from nanoserve.static.generate import BatchStats, blocks_for_batch, generate_batch
 
     args = parse_args(argv)
     threads = set_threads(args.threads)

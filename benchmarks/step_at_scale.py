@@ -37,7 +37,7 @@ def _profiled(llm, prompts, max_tokens: int) -> tuple[float, dict[str, float]]:
     """(wall seconds, {kernel name: microseconds}) of one generate."""
     from torch.profiler import ProfilerActivity, profile
 
-    from nanoserve.sampling import SamplingParams
+    from nanoserve.sampling.params import SamplingParams
 
     torch.cuda.synchronize()
     t = time.perf_counter()

@@ -92,7 +92,7 @@ def profile_engine(model_dir: Path, prompts, max_tokens, scheduler: str, step: s
     from torch.profiler import ProfilerActivity, profile
 
     from nanoserve.llm import LLM
-    from nanoserve.sampling import SamplingParams
+    from nanoserve.sampling.params import SamplingParams
 
     llm = LLM(str(model_dir), device="cuda", decode_step=step, scheduler=scheduler,
               load_format=load_format, quantization=quantization)

@@ -72,7 +72,7 @@ def tune(shape: tuple[int, int, int, int], dtype: str, sizes: list[int], device:
          space: list[dict[str, int]], reps: int) -> dict[str, dict[str, int]]:
     import torch
 
-    from nanoserve.fp8 import quantize_per_channel
+    from nanoserve.weights.fp8 import quantize_per_channel
     from nanoserve_kernels.fused_moe import fused_moe
     from nanoserve_kernels.fused_moe_configs import default_config
 

@@ -178,8 +178,8 @@ def run_nanoserve(model_dir: Path, rows: list, max_tokens: list[int], warm: tupl
     import torch
 
     from nanoserve.llm import LLM
-    from nanoserve.multimodal import chat_prompt
-    from nanoserve.sampling import SamplingParams
+    from nanoserve.multimodal.prompt import chat_prompt
+    from nanoserve.sampling.params import SamplingParams
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     t = time.perf_counter()

@@ -19,7 +19,7 @@ its max_tokens tokens, checked on both sides):
 --variants: nanoserve's engines, run one after another on every workload (default: one, as
 --quantization says): `bf16`, `fp8` (FP8 weights quantized at load), each optionally with
 `+fp8kv` (an FP8 KV cache). --max-batch-size: nanoserve's running-row limit (default: the
-engine's own, `nanoserve.running_rows`). --load-format dummy: neither side reads weights (the
+engine's own, `nanoserve.scheduling.running_rows`). --load-format dummy: neither side reads weights (the
 folder holds config.json and a tokenizer; each engine draws random weights on the GPU:
 `LLM(load_format="dummy")` in both), so no 16 GB checkpoint is written first.
 
@@ -199,7 +199,7 @@ def run_nanoserve(model_dir: Path, workloads: dict, device: str, vocab: int,
     import torch
 
     from nanoserve.llm import LLM
-    from nanoserve.sampling import SamplingParams
+    from nanoserve.sampling.params import SamplingParams
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     t = time.perf_counter()
@@ -253,7 +253,7 @@ def timed_generate(llm, prompts: list[list[int]], max_tokens: list[int], device:
     (`phases`: CUDA events around each step, no sync added) and busy_s."""
     import torch
 
-    from nanoserve.sampling import SamplingParams
+    from nanoserve.sampling.params import SamplingParams
 
     params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens]
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import ray.data
 
-from nanoserve.model_store import DEFAULT_MODEL
+from nanoserve import DEFAULT_MODEL
 from ray_jobs.data_processor import build_processor
 from ray_jobs.dispatch.local_ray import RaySession
 

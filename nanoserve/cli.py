@@ -16,8 +16,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from nanoserve.errors import NanoserveError
-from nanoserve.model_store import DEFAULT_MODEL
-from nanoserve.options import ENGINE, SAMPLING, STRUCTURED, add_option
+from nanoserve.options import DEFAULT_MODEL, ENGINE, SAMPLING, STRUCTURED, add_option
 
 
 class SuggestingParser(argparse.ArgumentParser):
@@ -146,8 +145,8 @@ def _run_generate(args) -> int:
     generation's time and rate, and the load's."""
     import time
 
-    from nanoserve.model_store import check_model_name
-    from nanoserve.sampling import SamplingParams
+    from nanoserve.sampling.params import SamplingParams
+    from nanoserve.weights.model_store import check_model_name
 
     prompts = list(args.prompts)
     if args.file is not None:
@@ -222,7 +221,7 @@ def _structured_output(args):
     one line for a file that cannot be read or a malformed constraint."""
     import json
 
-    from nanoserve.structured import StructuredOutputs
+    from nanoserve.sampling.structured import StructuredOutputs
 
     asked = [a for a, v in (("--json-schema", args.json_schema), ("--regex", args.regex),
                             ("--choice", args.choice)) if v is not None and v != []]
@@ -263,7 +262,7 @@ def _logprob_line(tok, entry) -> str:
 
 
 def _run_fetch_model(args) -> int:
-    from nanoserve.model_store import fetch_default_model
+    from nanoserve.weights.model_store import fetch_default_model
 
     path = fetch_default_model(force=args.force)
     print(path)

@@ -38,8 +38,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from nanoserve.attention import AttentionMetadata
 from nanoserve.errors import InputError, ModelError
+from nanoserve.model.attention import AttentionMetadata
 from nanoserve.options import ENGINE
 
 POOLING_MODES = ("last", "mean", "cls")
@@ -222,10 +222,10 @@ class Embedder:
         """Load a checkpoint (folder or name) for embedding only: no KV pool. On the CPU,
         `num_threads` as `nanoserve.llm.LLM`'s."""
         from nanoserve.cpu_threads import configure_torch_threads
-        from nanoserve.model import build_model
-        from nanoserve.model_store import resolve_model
-        from nanoserve.tokenizer import Tokenizer
-        from nanoserve.weights import load_checkpoint
+        from nanoserve.model.model import build_model
+        from nanoserve.weights.model_store import resolve_model
+        from nanoserve.weights.tokenizer import Tokenizer
+        from nanoserve.weights.weights import load_checkpoint
 
         path = resolve_model(model)
         dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu")
@@ -251,7 +251,7 @@ class Embedder:
         an embedding function: its tokenizer from the folder, its rows at most its max
         positions; pooling as for a decoder, except that a folder without a Pooling config
         pools by mean (sentence-transformers' default for a bare encoder)."""
-        from nanoserve.tokenizer import Tokenizer
+        from nanoserve.weights.tokenizer import Tokenizer
 
         if pooling.get("pooling") is None and "pooling" not in sentence_transformers_settings(folder):
             pooling["pooling"] = "mean"

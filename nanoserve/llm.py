@@ -15,32 +15,37 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from nanoserve.cache import CacheShape, KVPool
-from nanoserve.config import ModelConfig
+from nanoserve.cache.kv_cache_dtype import read_kv_scales, resolve_kv_cache_dtype
+from nanoserve.cache.pool import CacheShape, KVPool
 from nanoserve.cpu_threads import configure_torch_threads
-from nanoserve.cuda_graph import MIN_DECODE_STEPS, graphs_wanted
-from nanoserve.dummy_weights import random_model
 from nanoserve.errors import CacheFullError, NanoserveError, check_positive_int
-from nanoserve.fp8 import build_with_fp8, check_quantization
-from nanoserve.generate import DECODE_STEP_MODES, BatchStats, blocks_for_batch, generate_batch
-from nanoserve.image_input import ImageConfig
-from nanoserve.kv_cache_dtype import read_kv_scales, resolve_kv_cache_dtype
-from nanoserve.model_runner import ContinuousRunner
-from nanoserve.model_store import keep_kernels_with_models, resolve_model
-from nanoserve.multimodal import MultimodalPrompt, chat_prompt
+from nanoserve.model.config import ModelConfig
+from nanoserve.multimodal.image_input import ImageConfig
+from nanoserve.multimodal.prompt import MultimodalPrompt, chat_prompt
 from nanoserve.options import ENGINE
-from nanoserve.reasoning import resolve_parser, split_completions
-from nanoserve.running_rows import CPU_DEFAULT_ROWS, default_max_rows
-from nanoserve.sampling import SamplingParams, token_budget
-from nanoserve.scheduler import generate_continuous
-from nanoserve.sequence import SequenceOutput as Completion
-from nanoserve.structured import GrammarCache
-from nanoserve.tokenizer import Tokenizer
-from nanoserve.weights import load_checkpoint
+from nanoserve.sampling.params import SamplingParams, token_budget
+from nanoserve.sampling.reasoning import resolve_parser, split_completions
+from nanoserve.sampling.sequence import SequenceOutput as Completion
+from nanoserve.sampling.structured import GrammarCache
+from nanoserve.scheduling.model_runner import ContinuousRunner
+from nanoserve.scheduling.running_rows import CPU_DEFAULT_ROWS, default_max_rows
+from nanoserve.scheduling.scheduler import generate_continuous
+from nanoserve.static.cuda_graph import MIN_DECODE_STEPS, graphs_wanted
+from nanoserve.static.generate import (
+    DECODE_STEP_MODES,
+    BatchStats,
+    blocks_for_batch,
+    generate_batch,
+)
+from nanoserve.weights.dummy_weights import random_model
+from nanoserve.weights.fp8 import build_with_fp8, check_quantization
+from nanoserve.weights.model_store import keep_kernels_with_models, resolve_model
+from nanoserve.weights.tokenizer import Tokenizer
+from nanoserve.weights.weights import load_checkpoint
 from nanoserve_kernels.kv_quant import is_fp8
 
 if TYPE_CHECKING:
-    from nanoserve.engine_loop import EngineLoop
+    from nanoserve.scheduling.engine_loop import EngineLoop
 
 __all__ = ["LLM", "SCHEDULERS", "Completion", "RowFit", "resolve_device", "resolve_dtype"]
 
@@ -84,38 +89,38 @@ class LLM:
         KV share is `LLM`'s own override there), and so are their checks.
         kv_cache_fraction: share of the GPU's free memory (after the weights) given to
         the KV pool. kv_cache_bytes: an exact pool size instead (the CPU default is 1 GiB).
-        decode_step: "auto" (a CUDA graph per batch on a GPU, see nanoserve/cuda_graph.py),
+        decode_step: "auto" (a CUDA graph per batch on a GPU, see nanoserve/static/cuda_graph.py),
         "eager", "static" or "graph": how decode steps run (the tokens are the same). With
         the continuous scheduler "auto"/"graph" capture one graph per batch-size bucket and
-        one per prefill length and kind here, at load (nanoserve/model_runner.py).
+        one per prefill length and kind here, at load (nanoserve/scheduling/model_runner.py).
         scheduler: "static" (the prompts cut into static batches, each run to its longest
-        row), "continuous" (rows join as others finish: nanoserve/scheduler.py) or "auto"
+        row), "continuous" (rows join as others finish: nanoserve/scheduling/scheduler.py) or "auto"
         (continuous, on the CPU too: a static batch computes every row until its longest
         is done). Each row gets the tokens it gets alone either way (held to that by the
         tests).
         enable_prefix_caching: with the continuous scheduler, a prompt's leading full blocks
         that the pool already holds (an earlier row's same prefix) are reused, not
-        prefilled again (nanoserve/prefix_cache.py), with either scheduler (a static batch
+        prefilled again (nanoserve/cache/prefix_cache.py), with either scheduler (a static batch
         finds the blocks earlier batches on the pool named); a model with a sliding window
         too (a cache hit's prefill attends through the pool within the window).
         quantization: "fp8" quantizes a checkpoint's projections to FP8 e4m3 at load (a GPU
         of compute capability 8.9+ only; refused elsewhere). FP8 checkpoints need no flag:
-        FP8 GEMMs on such a GPU, dequantized weights elsewhere (nanoserve/fp8.py).
+        FP8 GEMMs on such a GPU, dequantized weights elsewhere (nanoserve/weights/fp8.py).
         load_format: "auto" reads the checkpoint; "dummy" reads only its config.json and
-        tokenizer and draws random weights on the device (nanoserve/dummy_weights.py: for
+        tokenizer and draws random weights on the device (nanoserve/weights/dummy_weights.py: for
         benchmarks of shapes whose checkpoint does not fit the disk).
         kv_cache_dtype: "auto" (the model's dtype) or "fp8" (float8 e4m3 with per-layer scales
         from the checkpoint, else 1.0: twice the tokens in the same memory; a GPU of compute
-        capability 8.9 or newer only; see nanoserve/kv_cache_dtype.py).
+        capability 8.9 or newer only; see nanoserve/cache/kv_cache_dtype.py).
         reasoning_parser: "qwen3" or "deepseek_r1" (vLLM's names), "auto" (picked from the
-        model family where certain: `nanoserve.reasoning.pick_parser`; `reasoning_line` says
+        model family where certain: `nanoserve.sampling.reasoning.pick_parser`; `reasoning_line` says
         which) or "none"/None. Under one, a completion's `reasoning` is its think block and
         `text` the answer alone; a structured output applies from the answer's start; and
-        `SamplingParams.max_thinking_tokens` bounds the block (nanoserve/reasoning.py).
+        `SamplingParams.max_thinking_tokens` bounds the block (nanoserve/sampling/reasoning.py).
         max_batch_size: the most rows decoding at once (and the largest captured step). Rows
         beyond it wait; fewer run when the pool runs out of blocks. None: on a GPU with the
         continuous scheduler, as many as the pool holds at 512 tokens a row, within 256 to
-        1,024 (`nanoserve.running_rows`: 1,024 for an 8B model on an H200,
+        1,024 (`nanoserve.scheduling.running_rows`: 1,024 for an 8B model on an H200,
         where a step of 1,024 rows shares the weights' read and its GEMMs are compute-bound);
         elsewhere 256. An FP8 cache holds twice the tokens (benchmarks/RESULTS.md).
         num_threads: on the CPU, torch's intra-op threads (default: the cores this process
@@ -249,13 +254,13 @@ class LLM:
         return self.reasoning.name if self.reasoning is not None else None
 
     def start_loop(self) -> EngineLoop:
-        """A new `nanoserve.engine_loop.EngineLoop` over this engine (continuous scheduler
+        """A new `nanoserve.scheduling.engine_loop.EngineLoop` over this engine (continuous scheduler
         only, else ValueError): one running batch that rows are submitted to from any thread,
         their results streamed back as futures (`progress()` while they run), its counters,
         and work run between two steps (`call`). Its completions are split by the reasoning
         parser like `generate`'s. Invariant: while it runs, this LLM's `generate` must not
         be called, and `score_labels` runs only through its `call`."""
-        from nanoserve.engine_loop import EngineLoop
+        from nanoserve.scheduling.engine_loop import EngineLoop
 
         return EngineLoop(self)
 
@@ -272,7 +277,7 @@ class LLM:
         """Each label's token ids, encoded alone without special tokens. ValueError (one
         line) for an empty list, an empty label or one given twice, or when `prompt` and
         its longest label do not fit the model's context."""
-        from nanoserve.choice_scores import check_fits, label_token_ids
+        from nanoserve.sampling.choice_scores import check_fits, label_token_ids
 
         ids = label_token_ids(self.tokenizer, labels)
         check_fits(prompt, ids, self.max_context)
@@ -282,9 +287,9 @@ class LLM:
                      ) -> list[list[float]]:
         """Per prompt, its labels' probabilities (`label_ids[i]`: prompt i's labels' token
         ids, from `label_token_ids`), normalised over them: forward passes over the labels
-        on this engine's model and pool (`nanoserve.choice_scores`). Not beside another
+        on this engine's model and pool (`nanoserve.sampling.choice_scores`). Not beside another
         call on the engine: under a running `start_loop`, through its `call`."""
-        from nanoserve.choice_scores import label_logprobs, normalise
+        from nanoserve.sampling.choice_scores import label_logprobs, normalise
 
         return [normalise(s) for s in label_logprobs(self.model, self.pool, prompts, label_ids)]
 
@@ -300,8 +305,8 @@ class LLM:
         content may be a list of {"type": "text", "text": ...}, {"type": "image_url",
         "image_url": {"url": data: URL, local path or file:// URL}} and {"type": "image",
         "image": path or bytes}; an image that cannot be used raises ImageError
-        (nanoserve/image_input.py)."""
-        from nanoserve.chat_template import template_kwargs
+        (nanoserve/multimodal/image_input.py)."""
+        from nanoserve.weights.chat_template import template_kwargs
 
         kwargs = template_kwargs(chat_template_kwargs)
         if conversations and isinstance(conversations[0], dict):
@@ -318,10 +323,10 @@ class LLM:
     def choice_scores(self, prompts: list[list[int]] | list[str],
                       labels: list[str]) -> list[dict[str, float]]:
         """One {label: probability} per prompt: the model's probability of each whole label
-        after the prompt, normalised over the labels (`nanoserve.choice_scores`). A prompt is
+        after the prompt, normalised over the labels (`nanoserve.sampling.choice_scores`). A prompt is
         token ids or a text (encoded with the tokenizer's BOS rule). ValueError for an
         empty label list or a label given twice."""
-        from nanoserve.choice_scores import choice_scores
+        from nanoserve.sampling.choice_scores import choice_scores
 
         prompts = [self.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
         return choice_scores(self, prompts, labels)

@@ -26,8 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nanoserve.model_store import DEFAULT_MODEL
-
+DEFAULT_MODEL = "smollm2-135m-instruct"  # fetched and prepared by nanoserve.weights.model_store
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes
 MAX_N = 128  # samples per prompt
 MAX_LOGPROBS = 20  # alternatives per token

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from nanoserve.families import Family
+    from nanoserve.model.families import Family
 
 
 def save_tiny_llama(folder: str | Path, tokenizer_source: str | Path) -> Path:
@@ -25,7 +25,7 @@ def save_tiny_llama(folder: str | Path, tokenizer_source: str | Path) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from nanoserve.tokenizer import Tokenizer
+    from nanoserve.weights.tokenizer import Tokenizer
 
     folder = Path(folder)
     tok = Tokenizer.from_path(tokenizer_source)
@@ -40,7 +40,7 @@ def save_tiny_llama(folder: str | Path, tokenizer_source: str | Path) -> Path:
 
 
 # The tiny test checkpoints' shape, every family's (a family's own options, its record's
-# `tiny` in nanoserve/families.py, go on top): hidden 64, 2 layers, GQA 4:2, untied.
+# `tiny` in nanoserve/model/families.py, go on top): hidden 64, 2 layers, GQA 4:2, untied.
 TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                   max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=1,
@@ -89,7 +89,7 @@ def write_tiny_gguf(path: str | Path, arch: str, tensors: Iterable[tuple[str, An
 
 def family_record(family: str | Family) -> Family:
     """A family's record from its `model_type` ('qwen3', 'mixtral', ...) or itself."""
-    from nanoserve.families import FAMILIES, by_model_type
+    from nanoserve.model.families import FAMILIES, by_model_type
 
     if not isinstance(family, str):
         return family
@@ -156,7 +156,7 @@ def save_tiny_family(folder: str | Path, family: str, tokenizer_source: str | Pa
                      sliding_window: int | None = None, chat_template: str | None = None,
                      special_tokens: dict[str, str] | None = None,
                      eos_tokens: tuple[str, ...] = ()) -> Path:
-    """A tiny random checkpoint of `family` (a `model_type` of nanoserve/families.py without
+    """A tiny random checkpoint of `family` (a `model_type` of nanoserve/model/families.py without
     a vision tower: 'qwen2', 'qwen3', 'mistral', 'qwen3_moe', 'mixtral', 'qwen2_moe', 'llama';
     `tiny_hf_model`, seed 0) saved by transformers, with the tokenizer of `tokenizer_source`.
     `sliding_window`: placed by the family's rule (`tiny_hf_config`). `chat_template` and
@@ -164,7 +164,7 @@ def save_tiny_family(folder: str | Path, family: str, tokenizer_source: str | Pa
     `eos_tokens` (token strings) into generation_config.json."""
     import json
 
-    from nanoserve.tokenizer import Tokenizer
+    from nanoserve.weights.tokenizer import Tokenizer
 
     folder = Path(folder)
     tok = Tokenizer.from_path(tokenizer_source)
@@ -189,7 +189,7 @@ def assert_rows_match_engine(llm, prompts: list[str], rows: list[dict], max_toke
     """The batch job's oracle check: `rows` (output rows of a job over the text `prompts`,
     row id = position) hold every prompt exactly once, and each row's tokens, text and
     finish reason are what `llm.generate` gives that prompt alone (greedy, `max_tokens`)."""
-    from nanoserve.sampling import SamplingParams
+    from nanoserve.sampling.params import SamplingParams
 
     assert sorted(r["id"] for r in rows) == list(range(len(prompts)))
     for row in rows:
@@ -275,7 +275,7 @@ def save_tiny_embedding(folder: str | Path, tokenizer_source: str | Path, *,
     import transformers
     from tokenizers import processors
 
-    from nanoserve.tokenizer import Tokenizer
+    from nanoserve.weights.tokenizer import Tokenizer
 
     record = family_record(family)
     if record.base_model is None:
@@ -331,7 +331,7 @@ def save_tiny_embedding(folder: str | Path, tokenizer_source: str | Path, *,
     return folder
 
 
-# --- FP8 checkpoints (nanoserve/quantization.py lists the formats) ----------------------------
+# --- FP8 checkpoints (nanoserve/model/quantization.py lists the formats) ----------------------------
 
 FP8_FORMATS = ("ct-tensor-static", "ct-tensor-scalar", "ct-channel-dynamic", "ct-block",
                "fbgemm", "fp8-block", "fp8-block-small", "fp8-tensor-static")

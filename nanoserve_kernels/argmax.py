@@ -19,7 +19,7 @@ A structured output's step takes the argmax among each row's allowed tokens only
 
 bitmask [b, ceil(V/32)] int32 (bit j of word w allows token 32 w + j; bits past V are
 ignored). The -1 says the row's grammar allows no token at all: the caller ends the row
-(`nanoserve.sequence.Sequence.append`) and must not feed -1 to the model.
+(`nanoserve.sampling.sequence.Sequence.append`) and must not feed -1 to the model.
 - `masked_argmax_reference`: torch (the bits expanded to a [b, V] bool mask).
 - `masked_argmax`: Triton, the same two launches reading the row's bitmask words beside its
   logits: one launch pair where the torch form is seven kernels over [b, V] tensors.

@@ -1,6 +1,6 @@
 """An FP8 GEMM's output with its scales still to apply, and the one step that applies them.
 
-`nanoserve.fp8.Fp8Linear` multiplies e4m3 operands with `torch._scaled_mm` at unit scales
+`nanoserve.weights.fp8.Fp8Linear` multiplies e4m3 operands with `torch._scaled_mm` at unit scales
 (one scale per tensor: cuBLAS picks its kernel by the shape; its kernel for row-wise scales
 is one 128 x 128 tile at every size, up to 2.2x slower at decode sizes on the H200), and the
 scales are applied after, by the kernel that reads the output next:

@@ -215,7 +215,7 @@ def build_processor(model: str = ENGINE["model"].default, *, concurrency: int = 
     leave as they finish; rows with images need it) or "static"; `sampling`: the
     `SamplingParams` fields (`max_tokens`, `temperature`,
     `top_p`, `top_k`, `seed`, `stop`, `ignore_eos`, `n`, `logprobs`, `prompt_logprobs`,
-    `structured_outputs`: a `nanoserve.structured.StructuredOutputs`) that per-row columns
+    `structured_outputs`: a `nanoserve.sampling.structured.StructuredOutputs`) that per-row columns
     override; `chat_template_kwargs`: chat-template options for every chat row (e.g.
     `{"enable_thinking": False}`; a row's `chat_template_kwargs` column updates them);
     `reasoning_parser`: "auto" (picked from the model family where certain), "none",

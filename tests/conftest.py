@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 def smollm2_gguf_path():
     """The default model's GGUF file, fetched into the user's cache (`$NANOSERVE_CACHE` or
     ~/.cache/nanoserve) at most once per machine."""
-    from nanoserve.model_store import DEFAULT_MODEL, resolve_model
+    from nanoserve.weights.model_store import DEFAULT_MODEL, resolve_model
 
     return resolve_model(DEFAULT_MODEL)
 
@@ -62,8 +62,8 @@ def tiny_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_model(tiny_model_dir):
-    from nanoserve.model import build_model
-    from nanoserve.weights import load_checkpoint
+    from nanoserve.model.model import build_model
+    from nanoserve.weights.weights import load_checkpoint
 
     config, sd = load_checkpoint(tiny_model_dir)
     return build_model(config, sd)

@@ -76,31 +76,31 @@ MUTATIONS = [
              "tests/test_embed.py::test_llm_embed_matches_transformers",
              why="mean pooling divides by one token too many (hidden by L2 normalisation)"),
     # the FP8 KV cache on the CPU (tests/test_fp8_kv.py)
-    Mutation("fp8-step-read-without-scales", "nanoserve/step_cache.py",
+    Mutation("fp8-step-read-without-scales", "nanoserve/cache/step_cache.py",
              "even_splits=EVEN_SPLITS, **self.pool.scales(layer))", "even_splits=EVEN_SPLITS)",
              "tests/test_fp8_kv.py::test_continuous_batching_over_an_fp8_pool",
              why="a continuous decode step reads the FP8 pool without its layer's scales"),
     # the continuous runner's padded prefill lengths (tests/test_scheduler.py)
-    Mutation("prefill-length-rule", "nanoserve/fixed_prefill.py",
+    Mutation("prefill-length-rule", "nanoserve/scheduling/fixed_prefill.py",
              "step = 64 if n <= 1024 else 128 if n <= 4096 else 256",
              "step = 64 if n <= 1024 else 128 if n <= 4096 else 256 if n <= 8192 else 128",
              "tests/test_scheduler.py::test_prefill_length_rounds_up_to_few_shapes",
              why="past 8,192 tokens lengths round to 128, not 256 (the 56 shapes below unchanged)"),
     # reasoning: the budget's forced tokens, the first mask, the prompt's think tags
     # (tests/test_reasoning.py)
-    Mutation("reasoning-newline-after-line-end", "nanoserve/reasoning.py",
+    Mutation("reasoning-newline-after-line-end", "nanoserve/sampling/reasoning.py",
              "        elif (self.num_reasoning == self.budget - 1 and p.newline_id is not None\n"
              "              and not (self.last is not None and p.ends_line(self.last))):\n",
              "        elif self.num_reasoning == self.budget - 1 and p.newline_id is not None:\n",
              "tests/test_reasoning.py::test_no_newline_is_forced_after_a_line_end",
              why="a newline is forced even when the block's last token already ends a line"),
-    Mutation("reasoning-first-mask-without-think", "nanoserve/reasoning.py",
+    Mutation("reasoning-first-mask-without-think", "nanoserve/sampling/reasoning.py",
              "            if self.phase == MAY_OPEN:\n"
              "                word, value = _bit(self.parser.open_id)\n"
              "                row[word] = int(row[word]) | value\n", "",
              "tests/test_reasoning.py::test_first_mask_holds_think_beside_the_grammar",
              why="a qwen3 row's first mask no longer allows <think> beside the grammar's tokens"),
-    Mutation("reasoning-first-think-tag", "nanoserve/reasoning.py",
+    Mutation("reasoning-first-think-tag", "nanoserve/sampling/reasoning.py",
              "for t in reversed(prompt_ids):", "for t in prompt_ids:",
              "tests/test_reasoning.py::test_empty_think_block_in_the_prompt_starts_the_answer",
              why="the prompt's first think tag is read instead of its last"),
@@ -118,11 +118,11 @@ MUTATIONS = [
              "tests/test_reasoning.py::test_openai_body_and_ray_data_take_the_budget",
              why="the Ray Data stage renders chat rows without its chat_template_kwargs"),
     # label scores (tests/test_choice_scores.py, tests/test_choice_scores_job.py)
-    Mutation("choice-scores-fork-not-copied", "nanoserve/choice_scores.py",
+    Mutation("choice-scores-fork-not-copied", "nanoserve/sampling/choice_scores.py",
              "            pool.copy_blocks(pairs)\n", "",
              "tests/test_choice_scores.py::test_label_logprobs_over_a_pool_of_stale_blocks",
              why="a multi-token label's fork reads a partly filled last block never copied"),
-    Mutation("choice-scores-blocks-round-down", "nanoserve/choice_scores.py",
+    Mutation("choice-scores-blocks-round-down", "nanoserve/sampling/choice_scores.py",
              "return -(-n // bs)", "return n // bs",
              "tests/test_choice_scores.py::test_a_ten_block_pool_scores_in_groups",
              why="a group's block count rounds down, so a group may not fit the pool"),
@@ -131,13 +131,13 @@ MUTATIONS = [
              "tests/test_choice_scores_job.py::test_job_rows_carry_label_probabilities",
              why="a scored row counts one generated token whatever its label's length"),
     # MoE configs (tests/test_moe_families.py)
-    Mutation("moe-norm-topk-default-flipped", "nanoserve/families.py",
+    Mutation("moe-norm-topk-default-flipped", "nanoserve/model/families.py",
              '"moe_intermediate_size": 768, "norm_topk_prob": False,',
              '"moe_intermediate_size": 768, "norm_topk_prob": True,',
              "tests/test_moe_families.py::test_norm_topk_prob_left_out_of_the_config",
              why="Qwen3-MoE / Qwen2-MoE renormalise top-k weights when config.json is silent"),
     # Qwen2.5-VL and the prefix cache (tests/test_vl_generate.py)
-    Mutation("vl-cache-hit-inside-image", "nanoserve/scheduler.py",
+    Mutation("vl-cache-hit-inside-image", "nanoserve/scheduling/scheduler.py",
              "from bisect import bisect_left", "from bisect import bisect_right as bisect_left",
              "tests/test_vl_generate.py::test_cache_hit_ending_inside_an_image",
              why="after a cache hit that ends inside an image, its first uncached token loses "
@@ -192,7 +192,7 @@ MUTATIONS = [
              "tests/test_kernels.py::test_kernels_under_the_triton_interpreter",
              why="the Triton cache-hit prefill attends past the window (under the interpreter)"),
     # GPU only: FP8 GEMMs (tests/test_fp8_gpu.py)
-    Mutation("fp8-static-input-scale-off", "nanoserve/fp8.py",
+    Mutation("fp8-static-input-scale-off", "nanoserve/weights/fp8.py",
              "xq = _cast(x2 / self.input_scale)", "xq = _cast(x2 / (self.input_scale * 1.03))",
              "tests/test_fp8_gpu.py::test_fp8_gemm_model_close_to_its_bf16_twin", gpu=True,
              why="static-scale activations quantized 3% off the scale they are multiplied back by"),

@@ -21,7 +21,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 
-from nanoserve.sampling import SamplingParams
+from nanoserve.sampling.params import SamplingParams
 from nanoserve_cli import main as nanoserve_main
 
 REPO = Path(__file__).resolve().parents[1]

@@ -22,7 +22,7 @@ import pytest
 
 import ray_jobs.dispatch.driver as driver
 from nanoserve.errors import InputError
-from nanoserve.sampling import SamplingParams
+from nanoserve.sampling.params import SamplingParams
 from ray_jobs import run_batch_job
 from ray_jobs.cli import main as batch_main
 from ray_jobs.dispatch.pool import WorkerPool

@@ -13,11 +13,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanoserve.block_manager import BlockAllocator, BlockTable, check_integrity
-from nanoserve.cache import BatchedPagedKVCache, CacheShape, KVPool, PagedKVCache
+from nanoserve.cache.block_manager import BlockAllocator, BlockTable, check_integrity
+from nanoserve.cache.pool import BatchedPagedKVCache, CacheShape, KVPool, PagedKVCache
 from nanoserve.errors import CacheFullError
-from nanoserve.generate import generate_batch, greedy_generate, greedy_generate_batch, pool_for
-from nanoserve.sampling import SamplingParams
+from nanoserve.sampling.params import SamplingParams
+from nanoserve.static.generate import (
+    generate_batch,
+    greedy_generate,
+    greedy_generate_batch,
+    pool_for,
+)
 
 SHAPE = CacheShape(num_layers=2, num_kv_heads=2, head_dim=8)
 HQ = 6  # query heads: GQA ratio 3
@@ -216,7 +221,7 @@ def test_batch_too_big_for_pool_is_refused_before_work(tiny_model):
 
 
 def test_prefill_metadata_packs_right_padded_rows_once():
-    from nanoserve.attention import AttentionMetadata
+    from nanoserve.model.attention import AttentionMetadata
 
     lens = torch.tensor([3, 1, 5])
     valid = torch.arange(5)[None] < lens[:, None]
@@ -234,7 +239,11 @@ def test_decode_reservation_equals_the_general_one(data):
     `reserve_all_or_nothing(tables, [1] * n)`, from any mix of rows at block boundaries,
     inside blocks, with spare blocks reserved ahead and with named blocks to evict; and when
     the pool is short, both raise CacheFullError and change nothing."""
-    from nanoserve.block_manager import decode_demand, reserve_all_or_nothing, reserve_one_each
+    from nanoserve.cache.block_manager import (
+        decode_demand,
+        reserve_all_or_nothing,
+        reserve_one_each,
+    )
 
     bs = data.draw(st.sampled_from([1, 4, 16]))
     lens = data.draw(st.lists(st.integers(0, 40), min_size=1, max_size=6))
@@ -279,7 +288,7 @@ def test_decode_reservation_equals_the_general_one(data):
 
 
 def test_decode_reservation_refuses_a_shared_tail():
-    from nanoserve.block_manager import reserve_one_each
+    from nanoserve.cache.block_manager import reserve_one_each
 
     alloc = BlockAllocator(8)
     t = BlockTable(4)
@@ -311,7 +320,7 @@ def test_registering_with_known_names_equals_hashing_them():
     """`register_full_blocks(tokens, alloc, names)` names the same blocks the same way as
     without `names`, from an empty table and after cached blocks; names too short for the
     blocks are not used."""
-    from nanoserve.prefix_cache import hash_blocks
+    from nanoserve.cache.prefix_cache import hash_blocks
 
     bs = 4
     tokens = list(range(100, 119))  # 4 full blocks and 3 tokens

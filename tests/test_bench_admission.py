@@ -24,7 +24,6 @@ def test_smoke_run_prints_a_row_per_workload_and_policy(tmp_path):
     for workload in ("shared", "many"):
         for policy in ("32/32/0", "2/2/0"):
             assert f"| {workload} | {policy} | " in proc.stdout, proc.stdout
-    from nanoserve import scheduler
-
+    from nanoserve.scheduling import scheduler
     default = (scheduler.ADMIT_SHARE, scheduler.ADMIT_FULL_SHARE, scheduler.ADMIT_WAIT_STEPS)
     assert f"default policy {'/'.join(map(str, default))}" in proc.stdout

@@ -32,8 +32,8 @@ REPO = Path(__file__).resolve().parents[1]
 def test_shapes_have_the_released_parameter_counts():
     """Qwen2.5-VL-3B-Instruct holds 3.75B parameters, 7B-Instruct 8.29B (their model cards'
     safetensors totals), vision tower included."""
-    from nanoserve.config import ModelConfig
-    from nanoserve.weights import expected_shapes
+    from nanoserve.model.config import ModelConfig
+    from nanoserve.weights.weights import expected_shapes
 
     def count(config):
         return sum(math.prod(s) for s in expected_shapes(ModelConfig.from_hf_dict(config)).values())
@@ -43,7 +43,7 @@ def test_shapes_have_the_released_parameter_counts():
 
 
 def test_workload_sizes_and_lengths(tmp_path):
-    from nanoserve.image_input import ImageConfig, smart_resize
+    from nanoserve.multimodal.image_input import ImageConfig, smart_resize
 
     cfg = ImageConfig.from_dict(PREPROCESSOR)
     tokens = [math.prod(smart_resize(h, w, 28, cfg.min_pixels, cfg.max_pixels)) // 28**2
@@ -67,7 +67,7 @@ def test_both_tokenizers_read_the_folder_alike(tmp_path):
     placeholder at Qwen2.5-VL's id."""
     from transformers import AutoTokenizer
 
-    from nanoserve.tokenizer import Tokenizer
+    from nanoserve.weights.tokenizer import Tokenizer
 
     folder = vl_folder(tmp_path / "m", SMOKE)
     ours, theirs = Tokenizer.from_path(folder), AutoTokenizer.from_pretrained(folder)

@@ -11,9 +11,9 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from nanoserve.chat_template import ChatTemplate, template_kwargs
 from nanoserve.errors import InputError
-from nanoserve.sampling import SamplingParams
+from nanoserve.sampling.params import SamplingParams
+from nanoserve.weights.chat_template import ChatTemplate, template_kwargs
 from ray_jobs.input.files import InputChunk
 from ray_jobs.input.openai_requests import flatten_request
 from ray_jobs.preparation.prepare import RowPreparer, plan_columns

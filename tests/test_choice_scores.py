@@ -1,4 +1,4 @@
-"""Label scores (`nanoserve.choice_scores`, `LLM.choice_scores`) held to transformers'
+"""Label scores (`nanoserve.sampling.choice_scores`, `LLM.choice_scores`) held to transformers'
 forward on the same tiny float32 checkpoint: log-softmax over the vocabulary at each label
 token given the prompt and the label's earlier tokens, summed per label, normalised over the
 labels. Labels here are multi-token and share prefixes, so a first-token shortcut fails.
@@ -62,8 +62,8 @@ def test_label_logprobs_over_a_pool_of_stale_blocks(ten_block_llm, hf_tiny, hf_t
     """Another prompt first fills the 10-block pool with its K/V; then each label's summed
     log-probability (not its normalised probability) equals transformers'. The prompts end
     inside a block, so a multi-token label's fork copies that partly filled block."""
-    from nanoserve.choice_scores import label_logprobs
-    from nanoserve.sampling import SamplingParams
+    from nanoserve.sampling.choice_scores import label_logprobs
+    from nanoserve.sampling.params import SamplingParams
 
     llm = ten_block_llm
     other = hf_tok(" ".join(["filler words about nothing in particular"] * 20))["input_ids"]

@@ -116,7 +116,7 @@ def test_openai_request_file_scores_labels(tmp_path, ray_session, tiny_job_model
 
 
 def test_ray_data_processor_scores_labels(ray_session, tiny_job_model, oracle):
-    from nanoserve.structured import StructuredOutputs
+    from nanoserve.sampling.structured import StructuredOutputs
     from ray_jobs.data_processor import build_processor
 
     process = build_processor(str(tiny_job_model), num_gpus=0, kv_cache_bytes=KV_BYTES,

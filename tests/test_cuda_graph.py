@@ -9,11 +9,11 @@ import random
 import pytest
 import torch
 
-from nanoserve.attention import AttentionMetadata
-from nanoserve.cache import BatchedPagedKVCache, CacheShape, KVPool
-from nanoserve.cuda_graph import DecodeStep, graphs_wanted, make_decode_step
-from nanoserve.generate import generate_batch, pool_for
-from nanoserve.sampling import SamplingParams
+from nanoserve.cache.pool import BatchedPagedKVCache, CacheShape, KVPool
+from nanoserve.model.attention import AttentionMetadata
+from nanoserve.sampling.params import SamplingParams
+from nanoserve.static.cuda_graph import DecodeStep, graphs_wanted, make_decode_step
+from nanoserve.static.generate import generate_batch, pool_for
 
 
 def _prompts(seed: int, lengths) -> list[list[int]]:

@@ -163,7 +163,7 @@ def test_on_a_real_gpu_every_row_is_answered_by_a_cuda_engine(ray_session, tiny_
     answered, none an error; the greedy tokens equal the CPU engine's (float32)."""
     assert ray_session.cluster_resources().get("GPU", 0) >= 1
     from nanoserve.llm import LLM
-    from nanoserve.sampling import SamplingParams
+    from nanoserve.sampling.params import SamplingParams
 
     rows = [{"id": i, "prompt": f"Number {i} is"} for i in range(8)]
     process = build_processor(str(tiny_job_model), num_gpus=1, batch_size=4, dtype="float32",

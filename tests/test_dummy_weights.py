@@ -1,4 +1,4 @@
-"""`LLM(load_format="dummy")` (nanoserve/dummy_weights.py): random weights of the config's
+"""`LLM(load_format="dummy")` (nanoserve/weights/dummy_weights.py): random weights of the config's
 shape, drawn on the device, FP8 projections with quantization="fp8"; on the CPU."""
 
 from __future__ import annotations
@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanoserve import fp8
-from nanoserve.attention import AttentionMetadata
-from nanoserve.config import ModelConfig
-from nanoserve.dummy_weights import random_model
 from nanoserve.errors import NanoserveError
-from nanoserve.weights import expected_shapes
+from nanoserve.model.attention import AttentionMetadata
+from nanoserve.model.config import ModelConfig
+from nanoserve.weights import fp8
+from nanoserve.weights.dummy_weights import random_model
+from nanoserve.weights.weights import expected_shapes
 
 
 def _config(tiny_model_dir):
@@ -67,7 +67,7 @@ MOE_CONFIG = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe
 def test_random_moe_model(quantization):
     """A mixture of experts from its config alone: stacked experts of the config's shapes,
     FP8 with quantization="fp8" (each expert's matrices per row; the references run them)."""
-    from nanoserve.moe import SparseMoeBlock
+    from nanoserve.model.moe import SparseMoeBlock
 
     config = ModelConfig.from_hf_dict(MOE_CONFIG)
     model = random_model(config, torch.float32, "cpu", quantization=quantization)

@@ -100,7 +100,7 @@ def qwen3_llm(qwen3_embed_dir):
 
 def test_headless_checkpoint_loads_and_refuses_to_generate(qwen3_llm):
     assert qwen3_llm.config.headless
-    from nanoserve.sampling import SamplingParams
+    from nanoserve.sampling.params import SamplingParams
 
     with pytest.raises(ModelError, match="no LM head"):
         qwen3_llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))

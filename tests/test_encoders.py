@@ -206,7 +206,7 @@ def test_config_defaults_equal_transformers(model_type):
     from transformers import AutoConfig
 
     from nanoserve.encoder.config import EncoderConfig
-    from nanoserve.encoder.registry import encoder_by_model_type
+    from nanoserve.model.encoder_families import encoder_by_model_type
 
     family = encoder_by_model_type(model_type)
     shape = dict(vocab_size=100, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
@@ -223,8 +223,8 @@ def test_records_are_transformers_classes_and_listed_in_errors():
     import transformers
 
     from nanoserve.encoder.config import EncoderConfig
-    from nanoserve.encoder.registry import ENCODERS, encoder_by_architecture
-    from nanoserve.families import supported
+    from nanoserve.model.encoder_families import ENCODERS, encoder_by_architecture
+    from nanoserve.model.families import supported
 
     for family in ENCODERS:
         for arch in (family.architecture, family.base_model):

@@ -9,9 +9,9 @@ import random
 import pytest
 import torch
 
-from nanoserve.generate import greedy_generate, greedy_generate_batch, pool_for
-from nanoserve.model import build_model
-from nanoserve.weights import load_checkpoint
+from nanoserve.model.model import build_model
+from nanoserve.static.generate import greedy_generate, greedy_generate_batch, pool_for
+from nanoserve.weights.weights import load_checkpoint
 
 pytestmark = [
     pytest.mark.gpu,
@@ -40,7 +40,7 @@ def test_tiny_model_kernels_equal_reference_and_cpu(monkeypatch, tiny_model_dir)
 
 
 def test_smollm2_kernels_equal_reference(monkeypatch, smollm2_gguf_path):
-    from nanoserve.tokenizer import Tokenizer
+    from nanoserve.weights.tokenizer import Tokenizer
 
     config, sd = load_checkpoint(smollm2_gguf_path)
     tok = Tokenizer.from_path(smollm2_gguf_path)
@@ -61,7 +61,7 @@ def test_smollm2_kernels_equal_reference(monkeypatch, smollm2_gguf_path):
 
 
 def _graph_static_eager(model, prompts, params, eos=(2,)):
-    from nanoserve.generate import generate_batch
+    from nanoserve.static.generate import generate_batch
 
     runs = {}
     for mode in ("graph", "static", "eager"):
@@ -73,7 +73,7 @@ def _graph_static_eager(model, prompts, params, eos=(2,)):
 def test_cuda_graph_decode_equals_uncaptured(tiny_model_dir, caplog):
     """The captured step gives the tokens of the same step run uncaptured over the same
     fixed tensors, and (float32) of the plain eager path; no capture fell back."""
-    from nanoserve.sampling import SamplingParams
+    from nanoserve.sampling.params import SamplingParams
 
     config, sd = load_checkpoint(tiny_model_dir)
     rng = random.Random(1)
@@ -94,15 +94,15 @@ def test_cuda_graph_decode_equals_uncaptured(tiny_model_dir, caplog):
 def test_cuda_graph_decode_on_a_wide_random_model():
     """A Llama-1B-shaped layer stack (4 layers, random bf16 weights), 48 rows of mixed
     lengths: the captured step equals the uncaptured one token for token."""
-    from nanoserve.config import ModelConfig
-    from nanoserve.sampling import SamplingParams
+    from nanoserve.model.config import ModelConfig
+    from nanoserve.sampling.params import SamplingParams
 
     config = ModelConfig(vocab_size=32000, hidden_size=2048, intermediate_size=8192,
                          num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=8,
                          head_dim=64, max_position_embeddings=4096, rms_norm_eps=1e-5,
                          rope_theta=500000.0, tie_word_embeddings=True)
     gen = torch.Generator().manual_seed(0)
-    from nanoserve.weights import expected_shapes
+    from nanoserve.weights.weights import expected_shapes
 
     sd = {name: torch.randn(shape, generator=gen) * 0.02 for name, shape in expected_shapes(config).items()}
     for name in sd:
@@ -122,12 +122,12 @@ def test_continuous_batching_on_the_gpu_equals_each_row_alone(tiny_model_dir):
     """float32 on the GPU: the continuous scheduler with captured decode steps (one CUDA
     graph per batch-size bucket; rows joining and leaving, a pool small enough to preempt)
     gives each row the tokens the static path gives it alone, and every block back."""
-    from nanoserve.cache import CacheShape, KVPool
-    from nanoserve.fixed_prefill import prefill_lengths
-    from nanoserve.generate import generate_batch
-    from nanoserve.model_runner import ContinuousRunner
-    from nanoserve.sampling import SamplingParams
-    from nanoserve.scheduler import generate_continuous
+    from nanoserve.cache.pool import CacheShape, KVPool
+    from nanoserve.sampling.params import SamplingParams
+    from nanoserve.scheduling.fixed_prefill import prefill_lengths
+    from nanoserve.scheduling.model_runner import ContinuousRunner
+    from nanoserve.scheduling.scheduler import generate_continuous
+    from nanoserve.static.generate import generate_batch
 
     config, sd = load_checkpoint(tiny_model_dir)
     model = build_model(config, sd, torch.float32, "cuda")
@@ -157,12 +157,12 @@ def test_prefill_graphs_captured_at_load_give_each_row_its_tokens_alone(tiny_mod
     """`capture_prefills` before any row: every length and kind is captured on padding
     alone (it writes nothing: the pool's blocks all stay free), the run captures nothing
     more, replays them, and each row gets the tokens the static path gives it alone."""
-    from nanoserve.cache import CacheShape, KVPool
-    from nanoserve.fixed_prefill import prefill_lengths
-    from nanoserve.generate import generate_batch
-    from nanoserve.model_runner import ContinuousRunner
-    from nanoserve.sampling import SamplingParams
-    from nanoserve.scheduler import generate_continuous
+    from nanoserve.cache.pool import CacheShape, KVPool
+    from nanoserve.sampling.params import SamplingParams
+    from nanoserve.scheduling.fixed_prefill import prefill_lengths
+    from nanoserve.scheduling.model_runner import ContinuousRunner
+    from nanoserve.scheduling.scheduler import generate_continuous
+    from nanoserve.static.generate import generate_batch
 
     config, sd = load_checkpoint(tiny_model_dir)
     model = build_model(config, sd, torch.float32, "cuda")
@@ -195,10 +195,10 @@ def test_graphs_that_do_not_fit_fall_back_to_uncaptured_steps(tiny_model_dir, ca
     import logging
     import warnings
 
-    from nanoserve.cache import CacheShape, KVPool
-    from nanoserve.model_runner import ContinuousRunner
-    from nanoserve.sampling import SamplingParams
-    from nanoserve.scheduler import generate_continuous
+    from nanoserve.cache.pool import CacheShape, KVPool
+    from nanoserve.sampling.params import SamplingParams
+    from nanoserve.scheduling.model_runner import ContinuousRunner
+    from nanoserve.scheduling.scheduler import generate_continuous
 
     config, sd = load_checkpoint(tiny_model_dir)
     model = build_model(config, sd, torch.float32, "cuda")
@@ -228,7 +228,7 @@ def test_graphs_that_do_not_fit_fall_back_to_uncaptured_steps(tiny_model_dir, ca
         caplog.clear()
         try:
             torch.cuda.set_per_process_memory_fraction(cap / total)
-            with caplog.at_level(logging.WARNING, logger="nanoserve.step_graphs"), \
+            with caplog.at_level(logging.WARNING, logger="nanoserve.scheduling.step_graphs"), \
                     warnings.catch_warnings(record=True) as seen:
                 warnings.simplefilter("always")
                 runner = ContinuousRunner(model, pool, 64, "graph")
@@ -260,10 +260,10 @@ def test_a_prefill_graph_that_fails_leaves_its_prefills_uncaptured(tiny_model_di
     captured and replayed, and every row gets the uncaptured runner's tokens."""
     import logging
 
-    from nanoserve.cache import CacheShape, KVPool
-    from nanoserve.model_runner import ContinuousRunner
-    from nanoserve.sampling import SamplingParams
-    from nanoserve.scheduler import generate_continuous
+    from nanoserve.cache.pool import CacheShape, KVPool
+    from nanoserve.sampling.params import SamplingParams
+    from nanoserve.scheduling.model_runner import ContinuousRunner
+    from nanoserve.scheduling.scheduler import generate_continuous
 
     config, sd = load_checkpoint(tiny_model_dir)
     model = build_model(config, sd, torch.float32, "cuda")
@@ -292,7 +292,7 @@ def test_a_prefill_graph_that_fails_leaves_its_prefills_uncaptured(tiny_model_di
         return [o.token_ids for o in outs], runner
 
     want, _ = run("static")
-    with caplog.at_level(logging.WARNING, logger="nanoserve.step_graphs"):
+    with caplog.at_level(logging.WARNING, logger="nanoserve.scheduling.step_graphs"):
         got, runner = run("graph")
     assert got == want
     assert (64, False) in runner._pf_failed and (64, False) not in runner._pf_graphs

@@ -1,4 +1,4 @@
-"""nanoserve.engine_loop: one continuous batch across callers (what keeps a batch worker
+"""nanoserve.scheduling.engine_loop: one continuous batch across callers (what keeps a batch worker
 full between the driver's batches), and the batch worker over it.
 
 Oracle: each row run alone through the static path (`generate_batch` with one row).
@@ -10,9 +10,9 @@ import threading
 
 import pytest
 
-from nanoserve.engine_loop import EngineLoop
-from nanoserve.generate import generate_batch
-from nanoserve.sampling import SamplingParams
+from nanoserve.sampling.params import SamplingParams
+from nanoserve.scheduling.engine_loop import EngineLoop
+from nanoserve.static.generate import generate_batch
 
 
 @pytest.fixture(scope="module")

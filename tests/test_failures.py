@@ -27,7 +27,7 @@ import pytest
 
 import ray_jobs.dispatch.job_run as job_run
 from nanoserve.errors import ModelError, NanoserveError
-from nanoserve.sampling import SamplingParams
+from nanoserve.sampling.params import SamplingParams
 from nanoserve.testing import assert_rows_match_engine
 from ray_jobs import run_batch_job
 from ray_jobs.cli import main as batch_main

@@ -17,12 +17,12 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from nanoserve.attention import AttentionMetadata
-from nanoserve.generate import greedy_generate, greedy_generate_batch, pool_for
-from nanoserve.model import build_model
-from nanoserve.sampling import SamplingParams
-from nanoserve.scheduler import generate_continuous
-from nanoserve.weights import load_checkpoint
+from nanoserve.model.attention import AttentionMetadata
+from nanoserve.model.model import build_model
+from nanoserve.sampling.params import SamplingParams
+from nanoserve.scheduling.scheduler import generate_continuous
+from nanoserve.static.generate import greedy_generate, greedy_generate_batch, pool_for
+from nanoserve.weights.weights import load_checkpoint
 
 VOCAB = 256
 FAMILIES = {
@@ -115,7 +115,7 @@ def test_config_reads_the_family(family_pair):
 def test_window_layers_of_4x_style_configs_equal_transformers(family, extra):
     """config.json dicts as 4.x checkpoints write them (no layer_types unless given): the
     window of each layer equals what transformers' config class and attention layer derive."""
-    from nanoserve.config import ModelConfig
+    from nanoserve.model.config import ModelConfig
 
     config_cls, model_cls = FAMILIES[family]
     d = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,

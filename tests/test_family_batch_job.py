@@ -12,7 +12,7 @@ import pyarrow.dataset as ds
 import pytest
 
 from nanoserve.llm import LLM
-from nanoserve.sampling import SamplingParams
+from nanoserve.sampling.params import SamplingParams
 from nanoserve.testing import save_tiny_family
 from ray_jobs import run_batch_job
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from nanoserve.tokenizer import Tokenizer
+from nanoserve.weights.tokenizer import Tokenizer
 
 TEMPLATES = Path(__file__).parent / "chat_templates"
 TOOLS = [{"type": "function", "function": {

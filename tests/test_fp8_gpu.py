@@ -24,7 +24,7 @@ model's errors over 8 formats x 66,048 logits were at most 4.7 sigma, their mean
 
 What these tests catch (GPU-only mutations in `tests/mutations.py`, skipped without a GPU):
 - activations quantized with a static input scale 3% off the one their products are
-  scaled back by (`nanoserve/fp8.py`): the old bounds (logits within 12% of the largest,
+  scaled back by (`nanoserve/weights/fp8.py`): the old bounds (logits within 12% of the largest,
   85% of greedy tokens equal) passed it; the largest logit error and the mean square here
   do not (measured on the CPU: a logit 10 sigma out, 4.9x the predicted mean square).
 """
@@ -37,17 +37,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanoserve.attention import AttentionMetadata
-from nanoserve.fp8 import (
+from nanoserve.model.attention import AttentionMetadata
+from nanoserve.model.model import build_model
+from nanoserve.testing import FP8_FORMATS, save_fp8_checkpoint, save_tiny_byte_llama
+from nanoserve.weights.fp8 import (
     Fp8Linear,
     build_with_fp8,
     fp8_supported,
     quantize_per_channel,
     quantize_rows,
 )
-from nanoserve.model import build_model
-from nanoserve.testing import FP8_FORMATS, save_fp8_checkpoint, save_tiny_byte_llama
-from nanoserve.weights import load_checkpoint
+from nanoserve.weights.weights import load_checkpoint
 
 pytestmark = [
     pytest.mark.gpu,
@@ -227,7 +227,7 @@ def test_fp8_linear_on_the_gpu_equals_its_reference_math():
 def test_fp8_linear_keeps_its_scales_for_the_kernel_after_it():
     """With keep_scales the projection returns its raw output and scales (`ScaledRows`); the
     scales applied by `scale_rows` (kernel and reference alike) give its plain output's bits."""
-    from nanoserve.model import ScaledRows
+    from nanoserve.model.model import ScaledRows
     from nanoserve_kernels.scaled_rows import scale_rows, scale_rows_reference
 
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -372,8 +372,7 @@ def test_fp8_model_with_fused_quantization_equals_it_unfused(fp8_dirs, monkeypat
 def test_without_fp8_compute_the_gpu_runs_the_dequantized_twin(fp8_dirs, monkeypatch):
     """The path of GPUs before sm_89 (forced here): weights dequantized at load, bf16 logits
     equal to the twin's exactly."""
-    from nanoserve import fp8 as fp8_module
-
+    from nanoserve.weights import fp8 as fp8_module
     monkeypatch.setattr(fp8_module, "fp8_supported", lambda device: False)
     fp8, twin = fp8_dirs
     config, sd = load_checkpoint(fp8)
@@ -396,7 +395,7 @@ def test_llm_generate_over_fp8_checkpoints(float_dir, fmt):
     first tokens (teacher-forced by the prompt) are the rounding model's greedy tokens
     wherever the tolerances decide them."""
     from nanoserve.llm import LLM
-    from nanoserve.sampling import SamplingParams
+    from nanoserve.sampling.params import SamplingParams
 
     root = float_dir.parent / f"llm-{fmt}"
     fp8 = save_fp8_checkpoint(float_dir, root / "fp8", fmt, root / "twin")
@@ -465,7 +464,7 @@ def test_dummy_fp8_engine_generates(float_dir):
     """`LLM(load_format="dummy", quantization="fp8")`, the benchmark's engine: random FP8
     projections drawn on the GPU, every row to its max_tokens through captured steps."""
     from nanoserve.llm import LLM
-    from nanoserve.sampling import SamplingParams
+    from nanoserve.sampling.params import SamplingParams
 
     llm = LLM(str(float_dir), load_format="dummy", quantization="fp8", kv_cache_bytes=64 << 20)
     assert isinstance(llm.model.model.layers[1].mlp.gate_up, Fp8Linear)

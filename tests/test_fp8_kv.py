@@ -17,7 +17,7 @@ path never runs on the CPU, so here that bound meets an emulation of its arithme
 
 What these tests catch (mutations in `tests/mutations.py`):
 - a decode step that reads the FP8 pool without its layer's scales
-  (`nanoserve/step_cache.py`): `test_continuous_batching_over_an_fp8_pool` at scales
+  (`nanoserve/cache/step_cache.py`): `test_continuous_batching_over_an_fp8_pool` at scales
   other than 1 (at 1.0 a missing scale changes nothing).
 """
 
@@ -29,10 +29,10 @@ import random
 import pytest
 import torch
 
-from nanoserve.cache import BatchedPagedKVCache, CacheShape, KVPool
+from nanoserve.cache.pool import BatchedPagedKVCache, CacheShape, KVPool
 from nanoserve.errors import ModelError, NanoserveError
-from nanoserve.sampling import SamplingParams
-from nanoserve.scheduler import generate_continuous
+from nanoserve.sampling.params import SamplingParams
+from nanoserve.scheduling.scheduler import generate_continuous
 from nanoserve_kernels.cpu_attention import decode_attention_cpu
 from nanoserve_kernels.kv_quant import E4M3_MAX, FP8_DTYPE, dequantize_reference, quantize_reference
 from nanoserve_kernels.kv_store import store_kv_reference
@@ -246,7 +246,7 @@ def _teacher_forced_logits(model, pool, prompts, steps):
     """Logits [steps + 1, B, V] of a padded prefill and `steps` decode steps through a
     BatchedPagedKVCache on `pool`, feeding each step the argmax of `steps` given (a list of
     token lists per step) or, when None, its own argmax; returns (logits, tokens fed)."""
-    from nanoserve.attention import AttentionMetadata
+    from nanoserve.model.attention import AttentionMetadata
 
     B, T = len(prompts), max(map(len, prompts))
     ids = torch.zeros(B, T, dtype=torch.long)
@@ -334,7 +334,7 @@ def test_the_engine_refuses_fp8_on_the_cpu_in_one_line(tiny_model_dir):
 def test_kv_scales_are_read_from_the_checkpoints_names(tmp_path):
     from safetensors.torch import save_file
 
-    from nanoserve.kv_cache_dtype import read_kv_scales
+    from nanoserve.cache.kv_cache_dtype import read_kv_scales
 
     p = "model.layers.{}.self_attn."
     save_file({p.format(0) + "k_scale": torch.tensor(0.5), p.format(0) + "v_scale": torch.tensor([0.25]),
@@ -360,8 +360,8 @@ def attentive_model(tiny_model_dir):
     """The tiny model with q and k scaled up 3x (tests/test_scheduler.py's sharp model takes
     12x): its attention is no longer nearly uniform, so a change in the cached keys and
     values shows in its logits and tokens."""
-    from nanoserve.model import build_model
-    from nanoserve.weights import load_checkpoint
+    from nanoserve.model.model import build_model
+    from nanoserve.weights.weights import load_checkpoint
 
     config, sd = load_checkpoint(tiny_model_dir)
     for name in sd:
@@ -391,7 +391,7 @@ def test_a_checkpoint_with_kv_scales_still_loads(tiny_model_dir, tmp_path):
 
     from safetensors.torch import load_file, save_file
 
-    from nanoserve.weights import load_checkpoint
+    from nanoserve.weights.weights import load_checkpoint
 
     folder = tmp_path / "with-scales"
     shutil.copytree(tiny_model_dir, folder)
@@ -403,6 +403,6 @@ def test_a_checkpoint_with_kv_scales_still_loads(tiny_model_dir, tmp_path):
     _, got = load_checkpoint(folder)
     _, want = load_checkpoint(tiny_model_dir)
     assert got.keys() == want.keys()
-    from nanoserve.kv_cache_dtype import read_kv_scales
+    from nanoserve.cache.kv_cache_dtype import read_kv_scales
 
     assert read_kv_scales(folder, 2) == ([0.5, 1.0], [1.0, 2.0], 2)

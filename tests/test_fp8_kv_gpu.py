@@ -248,8 +248,8 @@ def prompts_with_shared_prefix(seed, n=24):
 def teacher_forced_logits(model, pool, prompts, feed=None, steps=24):
     """Logits [steps + 1, B, V]: a padded prefill, then decode steps through a
     BatchedPagedKVCache on `pool`, each fed `feed[s]` (else its own argmax)."""
-    from nanoserve.attention import AttentionMetadata
-    from nanoserve.cache import BatchedPagedKVCache
+    from nanoserve.cache.pool import BatchedPagedKVCache
+    from nanoserve.model.attention import AttentionMetadata
 
     B, T = len(prompts), max(map(len, prompts))
     ids = torch.zeros(B, T, dtype=torch.long, device=DEVICE)
@@ -310,7 +310,7 @@ def test_engine_fp8_generates_like_the_bfloat16_cache_with_prefix_hits(model_dir
     """Greedy rows sharing prefixes (prefix-cache hits over FP8 blocks), with captured decode
     steps (continuous) or static batches: tokens agree with the bfloat16 cache's on at least
     60% of positions; hits happen; the pool gets every block back."""
-    from nanoserve.sampling import SamplingParams
+    from nanoserve.sampling.params import SamplingParams
 
     prompts = prompts_with_shared_prefix(2)
     params = SamplingParams(max_tokens=32, ignore_eos=True)
@@ -331,7 +331,7 @@ def test_engine_fp8_kernels_equal_the_references_in_float32(monkeypatch, model_d
     continuous steps, fused rotary-store, paged prefill after prefix hits) equal the same
     engine with the PyTorch references forced (`NANOSERVE_KERNELS=reference`) on every
     row: both read the same e4m3 bytes, and in float32 they differ only in rounding order."""
-    from nanoserve.sampling import SamplingParams
+    from nanoserve.sampling.params import SamplingParams
 
     prompts = prompts_with_shared_prefix(3)
     params = SamplingParams(max_tokens=24, ignore_eos=True)

@@ -14,14 +14,14 @@ import torch
 from safetensors import safe_open
 from transformers import LlamaForCausalLM as HFLlama
 
-from nanoserve import fp8
-from nanoserve.attention import AttentionMetadata
 from nanoserve.errors import ModelError
-from nanoserve.fp8 import Fp8Linear, build_with_fp8
-from nanoserve.model import build_model
-from nanoserve.quantization import read_scheme
+from nanoserve.model.attention import AttentionMetadata
+from nanoserve.model.model import build_model
+from nanoserve.model.quantization import read_scheme
 from nanoserve.testing import FP8_FORMATS, save_fp8_checkpoint
-from nanoserve.weights import load_checkpoint, validate_checkpoint
+from nanoserve.weights import fp8
+from nanoserve.weights.fp8 import Fp8Linear, build_with_fp8
+from nanoserve.weights.weights import load_checkpoint, validate_checkpoint
 
 IGNORED = ("lm_head", "model.layers.0.mlp.down_proj")  # kept bf16 in every FP8 checkpoint
 
@@ -186,7 +186,7 @@ def test_norms_and_activations_quantize_for_their_fp8_projections(fp8_dirs, fp8_
     and the final norm (LM head) are left alone; the logits are exactly those of the same
     model quantizing in the projections, and of the model whose projections apply their
     own scales (no `ScaledRows` to the residual adds and silu-and-mul)."""
-    from nanoserve.model import FP8Out
+    from nanoserve.model.model import FP8Out
 
     fmt, path, _ = fp8_dirs
     config, sd = load_checkpoint(path)
@@ -304,7 +304,7 @@ def test_llm_generate_with_fp8_gemms_on_the_cpu(tmp_path, fp8_gemm_on_cpu):
     from safetensors.torch import load_file, save_file
 
     from nanoserve.llm import LLM
-    from nanoserve.sampling import SamplingParams
+    from nanoserve.sampling.params import SamplingParams
     from nanoserve.testing import save_tiny_byte_llama
 
     folder = save_tiny_byte_llama(tmp_path / "float")

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanoserve.fp8 import quantize_blockwise, quantize_per_channel
+from nanoserve.weights.fp8 import quantize_blockwise, quantize_per_channel
 from nanoserve_kernels.fused_moe import fused_experts_reference, fused_moe_reference
 from nanoserve_kernels.fused_moe_configs import default_config, get_config, shape_key
 from nanoserve_kernels.moe_routing import align_pairs_reference, max_sorted_pairs, route_reference

@@ -101,11 +101,11 @@ def test_moe_family_greedy_on_the_gpu_equals_transformers(tmp_path, family):
     from hf_oracle import assert_greedy_near, hf_greedy
     from test_moe_families import CASES, save_moe
 
-    from nanoserve.generate import greedy_generate_batch, pool_for
-    from nanoserve.model import build_model
-    from nanoserve.sampling import SamplingParams
-    from nanoserve.scheduler import generate_continuous
-    from nanoserve.weights import load_checkpoint
+    from nanoserve.model.model import build_model
+    from nanoserve.sampling.params import SamplingParams
+    from nanoserve.scheduling.scheduler import generate_continuous
+    from nanoserve.static.generate import greedy_generate_batch, pool_for
+    from nanoserve.weights.weights import load_checkpoint
 
     _, options, _ = next(c for c in CASES if c[0] == family)
     hf = save_moe(tmp_path, family, options, "per-expert")
@@ -129,14 +129,14 @@ def test_online_fp8_moe_is_close_to_bf16(tmp_path):
     error of bf16's, and a continuous batch (its CUDA graphs) generates every row."""
     from test_moe_families import CASES, save_moe
 
-    from nanoserve.attention import AttentionMetadata
-    from nanoserve.fp8 import build_with_fp8
-    from nanoserve.generate import pool_for
-    from nanoserve.model import build_model
-    from nanoserve.moe import MoeExperts
-    from nanoserve.sampling import SamplingParams
-    from nanoserve.scheduler import generate_continuous
-    from nanoserve.weights import load_checkpoint
+    from nanoserve.model.attention import AttentionMetadata
+    from nanoserve.model.model import build_model
+    from nanoserve.model.moe import MoeExperts
+    from nanoserve.sampling.params import SamplingParams
+    from nanoserve.scheduling.scheduler import generate_continuous
+    from nanoserve.static.generate import pool_for
+    from nanoserve.weights.fp8 import build_with_fp8
+    from nanoserve.weights.weights import load_checkpoint
 
     save_moe(tmp_path, "qwen3_moe", CASES[0][1], "per-expert")
     bf16 = build_model(*load_checkpoint(tmp_path), torch.bfloat16, DEV)
@@ -159,12 +159,12 @@ def test_block_fp8_checkpoint_runs_its_blocks_on_the_gpu(tmp_path):
     stay within FP8's error of its dequantized twin's."""
     from test_moe_families import save_moe
 
-    from nanoserve.attention import AttentionMetadata
-    from nanoserve.fp8 import build_with_fp8
-    from nanoserve.model import build_model
-    from nanoserve.moe import MoeExperts
+    from nanoserve.model.attention import AttentionMetadata
+    from nanoserve.model.model import build_model
+    from nanoserve.model.moe import MoeExperts
     from nanoserve.testing import save_fp8_checkpoint
-    from nanoserve.weights import load_checkpoint
+    from nanoserve.weights.fp8 import build_with_fp8
+    from nanoserve.weights.weights import load_checkpoint
 
     options = dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, hidden_size=256,
                    moe_intermediate_size=128, num_attention_heads=4, head_dim=64)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from nanoserve.image_input import (
+from nanoserve.multimodal.image_input import (
     ImageConfig,
     ImageError,
     decode_image,
@@ -126,8 +126,7 @@ def test_object_storage_uris_read_through_pyarrow(tmp_path, monkeypatch):
     bucket); its size is checked before its bytes are read."""
     import pyarrow.fs as pafs
 
-    from nanoserve import image_input
-
+    from nanoserve.multimodal import image_input
     data = _png(84, 56)
     (tmp_path / "cat.png").write_bytes(data)
     seen = []

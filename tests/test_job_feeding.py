@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from nanoserve.sampling import SamplingParams
+from nanoserve.sampling.params import SamplingParams
 from ray_jobs import run_batch_job
 from ray_jobs.dispatch.pool import actor_threads, hold_limits, starve_warning
 from ray_jobs.workers.options import JobOptions

@@ -23,8 +23,8 @@ import pytest
 
 import ray_jobs.dispatch.job_run as job_run
 from nanoserve.errors import InputError
-from nanoserve.sampling import SamplingParams
-from nanoserve.structured import StructuredOutputs
+from nanoserve.sampling.params import SamplingParams
+from nanoserve.sampling.structured import StructuredOutputs
 from nanoserve_cli import main as nanoserve_main
 from ray_jobs import run_batch_job
 from ray_jobs.output.manifest import REPORT_NAME, Manifest
@@ -157,7 +157,7 @@ def test_constrained_and_plain_rows_equal_the_engine_alone(constrained_job, smol
 
 
 def test_a_schema_property_order_is_the_order_generated(smollm2_llm):
-    from nanoserve.structured import structured_from_request
+    from nanoserve.sampling.structured import structured_from_request
 
     so = structured_from_request({"guided_json": json.dumps(PERSON)})  # name, then age
     ids = chat_ids(smollm2_llm.tokenizer, "Extract the person: Maria Lopez is 34 years old.")
@@ -166,7 +166,7 @@ def test_a_schema_property_order_is_the_order_generated(smollm2_llm):
 
 
 def test_compiling_a_choice_with_spaces_prints_nothing(tiny_llm, capfd):
-    from nanoserve.structured import GrammarCache
+    from nanoserve.sampling.structured import GrammarCache
 
     cache = GrammarCache(tiny_llm.tokenizer, tiny_llm.config.vocab_size, tiny_llm.eos_token_ids)
     cache.compile(StructuredOutputs(choice=("yes", "no")))  # the tokenizer info, built once

@@ -14,9 +14,9 @@ def test_the_driver_imports_no_engine():
     workers) load without torch, Triton, gguf or transformers."""
     code = ("import sys, nanoserve_cli, ray_jobs.dispatch.driver, ray_jobs.cli\n"
             "import ray_jobs.report.report\n"
-            "from nanoserve.sampling import SamplingParams\n"
-            "from nanoserve.weights import validate_checkpoint\n"
-            "from nanoserve.tokenizer import Tokenizer\n"
+            "from nanoserve.sampling.params import SamplingParams\n"
+            "from nanoserve.weights.weights import validate_checkpoint\n"
+            "from nanoserve.weights.tokenizer import Tokenizer\n"
             "print(sorted(m for m in ('torch', 'triton', 'gguf', 'transformers') "
             "if m in sys.modules))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

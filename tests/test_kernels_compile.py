@@ -240,7 +240,7 @@ def test_fp8_activation_kernels_compile_for_hopper(monkeypatch, dtype):
 def _moe_calls(dtype: torch.dtype):
     """The fused MoE kernels (nanoserve_kernels/fused_moe.py): routing, and both grouped GEMMs
     in the compute dtype and on FP8 experts with per-channel and 128 x 128 block scales."""
-    from nanoserve.fp8 import quantize_blockwise, quantize_per_channel
+    from nanoserve.weights.fp8 import quantize_blockwise, quantize_per_channel
     from nanoserve_kernels.fused_moe import fused_experts
     from nanoserve_kernels.moe_routing import align_pairs, route, route_reference
 

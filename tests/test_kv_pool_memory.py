@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from nanoserve.cache import CacheShape, KVPool
+from nanoserve.cache.pool import CacheShape, KVPool
 from nanoserve_kernels.kv_store import store_kv_reference
 
 

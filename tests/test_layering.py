@@ -13,7 +13,13 @@ entry points, `ray_jobs.cli` and `ray_jobs.data_processor`, and the package's ow
 `__init__`, at the top level, above every stage). Every import counts, function-local and
 TYPE_CHECKING ones included (read from the source with `ast`, nothing imported); modules in
 subpackages too. And the job and the command line see the engine only through its public
-API: `import nanoserve` or `from nanoserve import <a name in nanoserve.__all__>`."""
+API: `import nanoserve` or `from nanoserve import <a name in nanoserve.__all__>`.
+
+Inside the engine (nanoserve), one subpackage per subsystem, each importing only those below
+it, between a base at the top level (errors, options, CPU threads) and the top level's rest:
+
+    base <- multimodal <- cache <- model <- weights <- sampling <- static <- scheduling <- top
+"""
 
 from __future__ import annotations
 
@@ -194,7 +200,78 @@ def test_an_import_outside_the_api_is_caught(tmp_path):
     """The rule's own check: an internal module, a private name, a name not exported."""
     src = tmp_path / "m.py"
     src.write_text("import nanoserve\nfrom nanoserve import LLM\n"
-                   "from nanoserve.generate import blocks_for_batch\nimport nanoserve.llm\n"
+                   "from nanoserve.static.generate import blocks_for_batch\nimport nanoserve.llm\n"
                    "def f():\n    from nanoserve import EngineLoop\n")
     assert sorted(engine_imports_outside_the_api(src, public_api())) == [
-        "nanoserve.generate", "nanoserve.llm", "nanoserve:EngineLoop"]
+        "nanoserve.llm", "nanoserve.static.generate", "nanoserve:EngineLoop"]
+
+
+# Inside the engine (nanoserve), one subpackage per subsystem, from the bottom: a module
+# imports from its own subsystem and those below it, never from one above (function-local
+# and TYPE_CHECKING imports included). The top-level modules are split in two: the base
+# below every subsystem (the errors, the options every entry point shares, torch's CPU
+# threads), and the top above them all (the engine as one object, its command line, the
+# embedder, the test helpers, the package's own `__init__`).
+#
+#   base <- multimodal <- cache <- model <- weights <- sampling <- static <- scheduling <- top
+#
+# (multimodal: images, the vision tower and M-RoPE positions, run by the model; cache: the
+# KV pool the model's attention reads and writes; model: its configuration, families and
+# layers; weights: the model's files, loaded into the model, and its tokenizer; sampling:
+# choosing tokens, structured outputs, a row's sequence; static: the static engine, whose
+# batch counters the continuous one keeps; scheduling: the continuous engine.)
+ENGINE_BASE = {"nanoserve.errors", "nanoserve.options", "nanoserve.cpu_threads"}
+SUBSYSTEMS = ["multimodal", "cache", "model", "weights", "sampling", "static", "scheduling"]
+# Packages at the top level beside `llm` and `embed`: the encoders (`nanoserve/encoder/`, their
+# own forward, weights, tokenizer and `Encoder`, used by `Embedder` and the job's tasks).
+TOP_PACKAGES = {"encoder"}
+
+
+def subsystem_of(name: str) -> int:
+    """The level of a nanoserve module (or of a name in it): 0 for the base, 1 + its index in
+    SUBSYSTEMS for a subsystem's, len(SUBSYSTEMS) + 1 for the top."""
+    parts = name.split(".")
+    if len(parts) > 1 and parts[1] in SUBSYSTEMS:
+        return 1 + SUBSYSTEMS.index(parts[1])
+    if ".".join(parts[:2]) in ENGINE_BASE:
+        return 0
+    return len(SUBSYSTEMS) + 1
+
+
+def imports_of_engine(name: str, path: Path) -> list[tuple[str, str]]:
+    """Each engine import in `path` that reaches a subsystem above the module's own, with
+    `from nanoserve import <module>` read as that module."""
+    bad = []
+    for imp in sorted(imports_of(path)):
+        if imp.split(".")[0] == "nanoserve" and subsystem_of(imp) > subsystem_of(name):
+            bad.append((name, imp))
+    return bad
+
+
+def test_every_engine_module_is_in_a_subsystem_or_at_the_top_level():
+    subpackages = {p.parent.name for p in (REPO / "nanoserve").glob("*/__init__.py")}
+    assert subpackages == set(SUBSYSTEMS) | TOP_PACKAGES
+    assert ENGINE_BASE <= set(modules("nanoserve"))
+    nested = {name for name in modules("nanoserve") if name.count(".") > 1}
+    assert all(name.split(".")[1] in set(SUBSYSTEMS) | TOP_PACKAGES for name in nested)
+
+
+def test_a_subsystem_imports_only_the_subsystems_below_it():
+    """base <- multimodal <- cache <- model <- weights <- sampling <- static <- scheduling <-
+    top: no engine module imports from a level above its own."""
+    bad = [b for name, path in modules("nanoserve").items() for b in imports_of_engine(name, path)]
+    assert bad == []
+
+
+def test_an_import_from_a_higher_subsystem_is_caught(tmp_path):
+    """The rule's own check: the cache reaching up into the model (a function-local import),
+    the base into a subsystem, the model under TYPE_CHECKING into the static engine."""
+    src = tmp_path / "m.py"
+    src.write_text("from typing import TYPE_CHECKING\nfrom nanoserve.errors import ModelError\n"
+                   "def f():\n    from nanoserve.model.config import ModelConfig\n"
+                   "if TYPE_CHECKING:\n    from nanoserve.static.generate import BatchStats\n")
+    assert [imp for _, imp in imports_of_engine("nanoserve.cache.pool", src)] == [
+        "nanoserve.model.config", "nanoserve.model.config.ModelConfig",
+        "nanoserve.static.generate", "nanoserve.static.generate.BatchStats"]
+    assert imports_of_engine("nanoserve.scheduling.scheduler", src) == []
+    assert imports_of_engine("nanoserve.errors", src) != []

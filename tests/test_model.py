@@ -7,10 +7,10 @@ import torch
 from transformers import LlamaConfig
 from transformers import LlamaForCausalLM as HFLlama
 
-from nanoserve.attention import AttentionMetadata
-from nanoserve.cache import CacheShape, DenseKVCache
-from nanoserve.model import build_model
-from nanoserve.weights import load_checkpoint
+from nanoserve.cache.pool import CacheShape, DenseKVCache
+from nanoserve.model.attention import AttentionMetadata
+from nanoserve.model.model import build_model
+from nanoserve.weights.weights import load_checkpoint
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}

@@ -8,9 +8,9 @@ import zipfile
 
 import pytest
 
-from nanoserve import model_store
 from nanoserve.errors import ModelError
-from nanoserve.model_store import (
+from nanoserve.weights import model_store
+from nanoserve.weights.model_store import (
     DEFAULT_MODEL,
     DEFAULT_MODEL_SIZE,
     check_model_name,

@@ -21,14 +21,14 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
-from nanoserve.attention import AttentionMetadata
-from nanoserve.config import ModelConfig
-from nanoserve.generate import greedy_generate, greedy_generate_batch, pool_for
-from nanoserve.model import build_model
-from nanoserve.moe import SparseMoeBlock
-from nanoserve.sampling import SamplingParams
-from nanoserve.scheduler import generate_continuous
-from nanoserve.weights import load_checkpoint, validate_checkpoint
+from nanoserve.model.attention import AttentionMetadata
+from nanoserve.model.config import ModelConfig
+from nanoserve.model.model import build_model
+from nanoserve.model.moe import SparseMoeBlock
+from nanoserve.sampling.params import SamplingParams
+from nanoserve.scheduling.scheduler import generate_continuous
+from nanoserve.static.generate import greedy_generate, greedy_generate_batch, pool_for
+from nanoserve.weights.weights import load_checkpoint, validate_checkpoint
 
 VOCAB = 256
 CASES = [
@@ -237,8 +237,8 @@ def test_missing_expert_is_named(tmp_path):
 def test_fp8_experts_load_as_their_dequantized_twin(tmp_path, family, fmt):
     """An FP8 checkpoint whose experts are e4m3 (per expert, with their scales; the router
     stays as stored) gives on the CPU exactly the logits of its dequantized twin."""
-    from nanoserve.fp8 import FP8, build_with_fp8
     from nanoserve.testing import save_fp8_checkpoint
+    from nanoserve.weights.fp8 import FP8, build_with_fp8
 
     options = (dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)
                if family == "qwen3_moe" else dict(num_local_experts=4, num_experts_per_tok=2))

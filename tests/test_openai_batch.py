@@ -41,8 +41,8 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
 from nanoserve.errors import InputError
-from nanoserve.sampling import SamplingParams
-from nanoserve.structured import structured_from_request
+from nanoserve.sampling.params import SamplingParams
+from nanoserve.sampling.structured import structured_from_request
 from nanoserve_cli import main as nanoserve_main
 from ray_jobs import run_batch_job
 from ray_jobs.input.io import scan_input
@@ -74,7 +74,7 @@ def read_jsonl(path: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory, tiny_job_model, smollm2_gguf_path):
     """The tiny random Llama with the default model's chat template."""
-    from nanoserve.tokenizer import Tokenizer
+    from nanoserve.weights.tokenizer import Tokenizer
 
     folder = tmp_path_factory.mktemp("models") / "tiny-chat"
     shutil.copytree(tiny_job_model, folder)

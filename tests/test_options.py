@@ -69,7 +69,7 @@ def test_command_flags_are_the_declarations(commands, command):
 
 
 def test_sampling_params_fields_are_the_declarations():
-    from nanoserve.sampling import SamplingParams
+    from nanoserve.sampling.params import SamplingParams
 
     fields = {f.name: f for f in dataclasses.fields(SamplingParams)}
     for name, option in {**SAMPLING, "choice_scores": STRUCTURED["choice_scores"]}.items():

@@ -1,5 +1,5 @@
 """Output controls in the engine: structured outputs, logprobs and n samples, through both
-schedulers (static batches and continuous batching share `nanoserve.step_sampling`).
+schedulers (static batches and continuous batching share `nanoserve.sampling.step_sampling`).
 
 Oracles: `json.loads` + `jsonschema` for JSON rows, `re.fullmatch` for regex rows, the
 choice list; the row run alone for rows sharing a batch; `log_softmax` of transformers'
@@ -14,17 +14,17 @@ import jsonschema
 import pytest
 import torch
 
-from nanoserve.block_manager import check_integrity
-from nanoserve.generate import generate_batch, pool_for
-from nanoserve.sampling import SamplingParams
-from nanoserve.scheduler import generate_continuous
-from nanoserve.structured import (
+from nanoserve.cache.block_manager import check_integrity
+from nanoserve.sampling.params import SamplingParams
+from nanoserve.sampling.structured import (
     GrammarCache,
     StructuredOutputs,
     allocate_bitmask,
     apply_bitmask,
     structured_from_request,
 )
+from nanoserve.scheduling.scheduler import generate_continuous
+from nanoserve.static.generate import generate_batch, pool_for
 
 SCHEMAS = [
     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
@@ -203,7 +203,7 @@ def test_a_grammar_that_allows_no_token_ends_its_row_with_an_error(smollm2_llm):
     masked argmax or draw on the device: token -1, never fed to the model), at its first token
     (the prefill's) or later; the other rows of its batch get their tokens alone, through
     both schedulers and the runner's fixed-tensor steps."""
-    from nanoserve.structured import GrammarCache
+    from nanoserve.sampling.structured import GrammarCache
 
     llm = smollm2_llm
     tok = llm.tokenizer
@@ -221,7 +221,7 @@ def test_a_grammar_that_allows_no_token_ends_its_row_with_an_error(smollm2_llm):
                                        tok, grammars=grammars, step_mode=mode)[0]
                    for mode in ("eager", "static"))
     # every row greedy: the fixed-tensor step's masked sampling (one bitmask row per row)
-    from nanoserve.model_runner import ContinuousRunner
+    from nanoserve.scheduling.model_runner import ContinuousRunner
 
     greedy = [p if p.greedy else SamplingParams(max_tokens=8, structured_outputs=p.structured_outputs)
               for p in params]
@@ -241,7 +241,7 @@ def test_the_fill_thread_fills_as_inline_and_hands_back_its_errors(smollm2_llm):
     """`FillThread` writes the rows it is given exactly as `fill_bitmasks` does inline (the
     other rows left alone), raises a failed fill's error from `wait`, and goes on after
     it."""
-    from nanoserve.structured import FillThread, allocate_bitmask, fill_bitmasks
+    from nanoserve.sampling.structured import FillThread, allocate_bitmask, fill_bitmasks
 
     grammars = smollm2_llm.grammars
     matchers = [grammars.matcher(StructuredOutputs(regex="[a-c]+!")),
@@ -270,7 +270,7 @@ def test_batch_accept_reads_xgrammars_answers(smollm2_llm):
 
     import xgrammar as xgr
 
-    from nanoserve.structured import accept_tokens, fill_bitmasks
+    from nanoserve.sampling.structured import accept_tokens, fill_bitmasks
 
     llm = smollm2_llm
     kinds = [StructuredOutputs(json=json.dumps(s)) for s in SCHEMAS[:3]] + [
@@ -477,9 +477,9 @@ _SMALL_SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "mini
 def _small_engine(folder, device: str, mode: str):
     """The model in `folder` (float32), a 64-block pool and a runner in `mode` with 4 row
     slots (fewer than the tests' rows: they queue)."""
-    from nanoserve.cache import CacheShape, KVPool
+    from nanoserve.cache.pool import CacheShape, KVPool
     from nanoserve.llm import LLM
-    from nanoserve.model_runner import ContinuousRunner
+    from nanoserve.scheduling.model_runner import ContinuousRunner
 
     llm = LLM(str(folder), device=device, dtype="float32", scheduler="static",
               kv_cache_bytes=16 << 20)
@@ -573,7 +573,7 @@ def test_constrained_rows_preempted_keep_their_tokens(tmp_path):
     """Constrained, sampled and plain rows in a pool too small for all of them: rows are
     preempted and recomputed (their matchers keep their place); each row equals itself run
     alone through the static path, and every block comes back."""
-    from nanoserve.cache import CacheShape, KVPool
+    from nanoserve.cache.pool import CacheShape, KVPool
     from nanoserve.llm import LLM
     from nanoserve.testing import save_tiny_byte_llama
 

@@ -1,5 +1,5 @@
 """A padded prefill on the CPU runs its projections and MLP on the real tokens only, packed
-into one row (`nanoserve.model.packs_prefill`), and puts q/k/v back into the rectangle for
+into one row (`nanoserve.model.model.packs_prefill`), and puts q/k/v back into the rectangle for
 the attention. Held to the same forward run on the whole rectangle: the same hidden states
 at the real positions, zeros in the padding, the same keys and values in the KV pool."""
 
@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanoserve.attention import AttentionMetadata
-from nanoserve.cache import BatchedPagedKVCache, CacheShape, KVPool
-from nanoserve.generate import greedy_generate, greedy_generate_batch
-from nanoserve.model import build_model, packs_prefill
-from nanoserve.weights import load_checkpoint
+from nanoserve.cache.pool import BatchedPagedKVCache, CacheShape, KVPool
+from nanoserve.model.attention import AttentionMetadata
+from nanoserve.model.model import build_model, packs_prefill
+from nanoserve.static.generate import greedy_generate, greedy_generate_batch
+from nanoserve.weights.weights import load_checkpoint
 
 LENS = (3, 1, 7, 5)
 

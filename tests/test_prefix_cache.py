@@ -8,9 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanoserve.block_manager import BlockAllocator, BlockTable, check_integrity
-from nanoserve.errors import CacheFullError
-from nanoserve.prefix_cache import (
+from nanoserve.cache.block_manager import BlockAllocator, BlockTable, check_integrity
+from nanoserve.cache.prefix_cache import (
     ROOT_HASH,
     blocks_to_admit,
     hash_block,
@@ -18,6 +17,7 @@ from nanoserve.prefix_cache import (
     lookup,
     max_cached_blocks,
 )
+from nanoserve.errors import CacheFullError
 
 
 def written_row(alloc: BlockAllocator, tokens: list[int], block_size: int) -> BlockTable:

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pytest
 
 from nanoserve.errors import InputError
-from nanoserve.sampling import SamplingParams
+from nanoserve.sampling.params import SamplingParams
 from ray_jobs.input.files import InputChunk
 from ray_jobs.preparation.prepare import RowPreparer, plan_columns
 
@@ -210,7 +210,7 @@ def test_structured_output_columns_are_read_checked_and_override_the_default(
     """JSON text and Arrow structs (a struct's null fields dropped: Arrow gives every row
     every key), OpenAI's response_format, vLLM's guided_* fields; a row that sets none gets
     the job's default, `{"type": "text"}` asks for none; bad ones are error rows."""
-    from nanoserve.structured import StructuredOutputs
+    from nanoserve.sampling.structured import StructuredOutputs
     from ray_jobs.preparation.prepare import load_model_meta
 
     config, tokenizer = load_model_meta(smollm2_gguf_path)

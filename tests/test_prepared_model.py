@@ -1,4 +1,4 @@
-"""The default model's prepared copy (`nanoserve.model_store.prepared_default_model`): its
+"""The default model's prepared copy (`nanoserve.weights.model_store.prepared_default_model`): its
 loads equal the GGUF file's, and a prepared folder that is stale, corrupt or truncated is not
 used. The real default model throughout; the corruption tests work on a copy of it in a
 private cache folder (`$NANOSERVE_CACHE`), never on the user's cache that other processes read."""
@@ -14,9 +14,9 @@ import pytest
 import tokenizers
 import torch
 
-from nanoserve import gguf_file, model_store
-from nanoserve.config import ModelConfig
-from nanoserve.model_store import (
+from nanoserve.model.config import ModelConfig
+from nanoserve.weights import gguf_file, model_store
+from nanoserve.weights.model_store import (
     CONFIG_FILE,
     MANIFEST_FILE,
     TENSORS_FILE,
@@ -26,8 +26,8 @@ from nanoserve.model_store import (
     prepared_default_model,
     prepared_dir,
 )
-from nanoserve.tokenizer import Tokenizer
-from nanoserve.weights import _checked, load_checkpoint, validate_checkpoint
+from nanoserve.weights.tokenizer import Tokenizer
+from nanoserve.weights.weights import _checked, load_checkpoint, validate_checkpoint
 
 TEXTS = [
     "The capital of France is",
@@ -242,7 +242,7 @@ def test_fused_projections_are_read_as_views_and_multiplied_in_place(smollm2_ggu
     """The prepared copy stores each layer's q/k/v (and gate/up) as one tensor: loaded, the
     parts are views of it, and the model's fused GEMM weight is that tensor itself (no
     copy); from separately stored parts (the GGUF load) it is a copy of equal values."""
-    from nanoserve.model import build_model
+    from nanoserve.model.model import build_model
 
     # The cache the default model was fetched into (`private_cache` above moves it).
     monkeypatch.setenv(model_store.CACHE_ENV, str(smollm2_gguf_path.parents[2]))

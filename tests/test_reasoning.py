@@ -1,4 +1,4 @@
-"""nanoserve.reasoning: a think block split exactly from the answer, on a tokenizer whose
+"""nanoserve.sampling.reasoning: a think block split exactly from the answer, on a tokenizer whose
 vocabulary has `<think>` / `</think>` as special tokens (the default model's BPE plus those
 two) and a tiny random model over it. A greedy run is forced to think by ending the prompt
 with `<think>`; it never closes the block within max_tokens, so it is the unfinished case:
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from nanoserve.reasoning import ReasoningParser
-from nanoserve.sampling import SamplingParams
+from nanoserve.sampling.params import SamplingParams
+from nanoserve.sampling.reasoning import ReasoningParser
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +20,7 @@ def think_model(tmp_path_factory, smollm2_gguf_path):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from nanoserve.tokenizer import Tokenizer
+    from nanoserve.weights.tokenizer import Tokenizer
 
     folder = tmp_path_factory.mktemp("think-model")
     backend = Tokenizer.from_path(smollm2_gguf_path).backend
@@ -262,7 +262,7 @@ def test_constraint_applies_after_the_think_block(steered_llm, hf_think):
     until its budget closes the block; the answer is then one of the labels."""
     tok = steered_llm.tokenizer
     parser = steered_llm.reasoning
-    from nanoserve.structured import StructuredOutputs
+    from nanoserve.sampling.structured import StructuredOutputs
 
     prompt = tok.encode("Is it raining? Answer:", add_special_tokens=False) + [parser.open_id]
     labels = ("yes", "no")
@@ -323,8 +323,8 @@ def test_first_mask_holds_think_beside_the_grammar(think_llm):
     digit first puts it in the answer, where <think> is no longer allowed."""
     import numpy as np
 
-    from nanoserve.reasoning import ThinkSteer
-    from nanoserve.structured import StructuredOutputs, allocate_bitmask
+    from nanoserve.sampling.reasoning import ThinkSteer
+    from nanoserve.sampling.structured import StructuredOutputs, allocate_bitmask
 
     tok = think_llm.tokenizer
     parser = ReasoningParser("qwen3", tok)
@@ -352,7 +352,7 @@ def test_qwen3_row_may_open_its_own_block_under_a_constraint(steered_llm):
     """A qwen3 row whose prompt opened no block: its first token may be <think> beside the
     grammar's tokens (here the regex allows only digits, and the model's own choice among
     those or <think> decides); either way the answer matches the regex."""
-    from nanoserve.structured import StructuredOutputs
+    from nanoserve.sampling.structured import StructuredOutputs
 
     tok = steered_llm.tokenizer
     prompt = tok.encode("Number:", add_special_tokens=False)
@@ -374,7 +374,7 @@ def test_budget_needs_a_parser(think_model):
 
 
 def test_parser_auto_pick(think_llm, tiny_llm):
-    from nanoserve.reasoning import pick_parser, resolve_parser
+    from nanoserve.sampling.reasoning import pick_parser, resolve_parser
 
     tok = think_llm.tokenizer  # the qwen3 template: the model opens <think> itself
     assert pick_parser("Qwen3ForCausalLM", tok)[0] == "qwen3"

@@ -1,4 +1,4 @@
-"""Every family of the registry (nanoserve/families.py) held to transformers' own classes, one
+"""Every family of the registry (nanoserve/model/families.py) held to transformers' own classes, one
 parametrised test each: a tiny random checkpoint built from the family's record
 (`nanoserve.testing.tiny_hf_model`, a sliding window where the family has one), saved by
 `save_pretrained` and loaded through the real folder path, gives transformers' float32
@@ -12,15 +12,15 @@ import pytest
 import torch
 from hf_oracle import assert_greedy_near, hf_greedy
 
-from nanoserve.attention import AttentionMetadata
-from nanoserve.config import ModelConfig
-from nanoserve.families import FAMILIES, by_architecture
-from nanoserve.generate import greedy_generate, pool_for
-from nanoserve.model import build_model
-from nanoserve.sampling import SamplingParams
-from nanoserve.scheduler import generate_continuous
+from nanoserve.model.attention import AttentionMetadata
+from nanoserve.model.config import ModelConfig
+from nanoserve.model.families import FAMILIES, by_architecture
+from nanoserve.model.model import build_model
+from nanoserve.sampling.params import SamplingParams
+from nanoserve.scheduling.scheduler import generate_continuous
+from nanoserve.static.generate import greedy_generate, pool_for
 from nanoserve.testing import tiny_hf_model
-from nanoserve.weights import load_checkpoint
+from nanoserve.weights.weights import load_checkpoint
 
 VOCAB = 272  # room for Qwen2.5-VL's special tokens above 256; prompts are drawn below 256
 WINDOW = 6  # shorter than the prompts: the window's edge falls inside them

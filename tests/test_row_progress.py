@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from nanoserve.engine_loop import EngineLoop
-from nanoserve.sampling import SamplingParams
+from nanoserve.sampling.params import SamplingParams
+from nanoserve.scheduling.engine_loop import EngineLoop
 from ray_jobs import run_batch_job
 
 LIMIT_S = 300

@@ -2,8 +2,13 @@
 
 import pytest
 
-from nanoserve.model_runner import decode_buckets
-from nanoserve.running_rows import CPU_DEFAULT_ROWS, MAX_DEFAULT_ROWS, ROW_TOKENS, default_max_rows
+from nanoserve.scheduling.model_runner import decode_buckets
+from nanoserve.scheduling.running_rows import (
+    CPU_DEFAULT_ROWS,
+    MAX_DEFAULT_ROWS,
+    ROW_TOKENS,
+    default_max_rows,
+)
 
 
 @pytest.mark.parametrize("pool_tokens, want", [

@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from nanoserve.generate import generate_batch, greedy_generate
-from nanoserve.sampling import SamplingParams, gumbel_noise, row_seed, sample_next
+from nanoserve.sampling.params import SamplingParams, gumbel_noise, row_seed, sample_next
+from nanoserve.static.generate import generate_batch, greedy_generate
 
 
 def test_temperature_zero_is_argmax():

@@ -1,4 +1,4 @@
-"""nanoserve.scheduler: continuous batching held to each row run alone.
+"""nanoserve.scheduling.scheduler: continuous batching held to each row run alone.
 
 Oracle: the same row through the static path alone (`generate_batch` with one row), which
 other tests hold to the dense path and to transformers. Every test also checks that the
@@ -11,12 +11,12 @@ import random
 
 import pytest
 
-from nanoserve.cache import CacheShape, KVPool
+from nanoserve.cache.pool import CacheShape, KVPool
 from nanoserve.errors import CacheFullError
-from nanoserve.generate import generate_batch, greedy_generate
-from nanoserve.model_runner import ContinuousRunner
-from nanoserve.sampling import SamplingParams
-from nanoserve.scheduler import generate_continuous
+from nanoserve.sampling.params import SamplingParams
+from nanoserve.scheduling.model_runner import ContinuousRunner
+from nanoserve.scheduling.scheduler import generate_continuous
+from nanoserve.static.generate import generate_batch, greedy_generate
 
 
 def make_pool(model, num_blocks, block_size=16):
@@ -110,8 +110,7 @@ def test_a_running_batch_takes_new_rows_in_groups(tiny_model, monkeypatch):
     """With 32 row slots (ADMIT_SHARE 16: groups of 2) and rows that finish one per step,
     no admission after the first takes fewer than two rows unless fewer wait; every row is
     still the one it is alone."""
-    from nanoserve import scheduler as sched_mod
-
+    from nanoserve.scheduling import scheduler as sched_mod
     monkeypatch.setattr(sched_mod, "ADMIT_SHARE", 16)
     rng = random.Random(9)
     n = 48
@@ -142,8 +141,7 @@ def test_rows_that_end_by_the_dozen_join_in_larger_groups(tiny_model, monkeypatc
     from 16, ADMIT_WAIT_STEPS 3) and rows that end after 2-12 tokens (several each step),
     an admission of fewer than 16 rows (fewer waiting aside) comes only after 3 decode steps
     since the one before; every row is still the one it is alone."""
-    from nanoserve import scheduler as sched_mod
-
+    from nanoserve.scheduling import scheduler as sched_mod
     monkeypatch.setattr(sched_mod, "ADMIT_SHARE", 16)
     monkeypatch.setattr(sched_mod, "ADMIT_FULL_SHARE", 2)
     monkeypatch.setattr(sched_mod, "ADMIT_WAIT_STEPS", 3)
@@ -241,7 +239,7 @@ def test_every_block_comes_back_when_the_model_raises_mid_run(tiny_model, monkey
 
 
 def run_mode(model, prompts, params, eos, pool, mode, max_batch_size):
-    from nanoserve.model_runner import ContinuousRunner
+    from nanoserve.scheduling.model_runner import ContinuousRunner
 
     runner = ContinuousRunner(model, pool, max_batch_size, mode)
     return generate_continuous(model, prompts, params, eos, pool, max_batch_size=max_batch_size,
@@ -402,8 +400,8 @@ def sharp_model(tiny_model_dir):
     """The tiny model with its q and k projections scaled up: its attention is sharp, so a
     token at a wrong position or a wrong cached key changes the output (the plain tiny
     model's attention is nearly uniform, and its greedy tokens barely depend on either)."""
-    from nanoserve.model import build_model
-    from nanoserve.weights import load_checkpoint
+    from nanoserve.model.model import build_model
+    from nanoserve.weights.weights import load_checkpoint
 
     config, sd = load_checkpoint(tiny_model_dir)
     for name in sd:
@@ -537,7 +535,7 @@ def test_rows_a_preemption_ends_leave_the_queue_to_the_next_step(tiny_model):
 
 
 def test_prefill_length_rounds_up_to_few_shapes():
-    from nanoserve.fixed_prefill import prefill_length
+    from nanoserve.scheduling.fixed_prefill import prefill_length
 
     got = [prefill_length(n) for n in range(1, 9000)]
     assert all(n <= g < n + 256 for n, g in zip(range(1, 9000), got))
@@ -554,7 +552,7 @@ def test_prefill_length_rounds_up_to_few_shapes():
 
 
 def test_prefill_lengths_lists_each_padded_length_once():
-    from nanoserve.fixed_prefill import prefill_length, prefill_lengths
+    from nanoserve.scheduling.fixed_prefill import prefill_length, prefill_lengths
 
     assert prefill_lengths(8192) == sorted({prefill_length(n) for n in range(1, 8193)})
     assert prefill_lengths(200) == [64, 128, 192] and prefill_lengths(0) == []

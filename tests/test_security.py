@@ -21,7 +21,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
 from nanoserve.errors import InputError
-from nanoserve.sampling import SamplingParams
+from nanoserve.sampling.params import SamplingParams
 from nanoserve_cli import main as nanoserve_main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -257,7 +257,7 @@ def test_malicious_template_leaves_plain_prompts_answered(malicious_job):
 def test_every_probe_is_an_error_row_not_a_job_failure(tmp_path, chat_model, probe):
     """The row preparation the job runs on the driver, with the model's real tokenizer: each
     probe ends its row with a clear error, and the probe's side effect never happens."""
-    from nanoserve.tokenizer import Tokenizer
+    from nanoserve.weights.tokenizer import Tokenizer
     from ray_jobs.input.files import InputChunk
     from ray_jobs.preparation.prepare import RowPreparer, plan_columns
 
@@ -300,7 +300,7 @@ def test_chat_rows_for_a_model_without_template_fail_the_job_before_ray(tmp_path
 def test_template_failing_at_render_is_a_row_error_not_a_crash(tmp_path, chat_model, body, error):
     """A template that raises something other than a template error (division by zero, the
     sandbox's range limit) still ends only its row."""
-    from nanoserve.tokenizer import Tokenizer
+    from nanoserve.weights.tokenizer import Tokenizer
     from ray_jobs.input.files import InputChunk
     from ray_jobs.preparation.prepare import RowPreparer, plan_columns
 
@@ -314,7 +314,7 @@ def test_template_failing_at_render_is_a_row_error_not_a_crash(tmp_path, chat_mo
 
 def test_model_without_template_is_refused_only_for_chat_rows(chat_model, tmp_path):
     """Without chat rows, a model without a template is fine: prompt rows need none."""
-    from nanoserve.tokenizer import Tokenizer
+    from nanoserve.weights.tokenizer import Tokenizer
     from ray_jobs.preparation.prepare import RowPreparer, plan_columns
 
     model = model_variant(tmp_path, chat_model, None)
@@ -385,7 +385,7 @@ def test_local_ray_listens_on_loopback_only(tmp_path, chat_model):
                                   "{{ 100000000 * 'ab' }}", "{{ 2 ** 100000 }}"])
 def test_template_cannot_build_huge_values(body):
     """Memory is a resource too: `*` and `**` are bounded inside the sandbox."""
-    from nanoserve.chat_template import ChatTemplate
+    from nanoserve.weights.chat_template import ChatTemplate
 
     with pytest.raises(ValueError, match="unsafe"):
         ChatTemplate(body).render([{"role": "user", "content": "hi"}])

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanoserve.generate import greedy_generate, greedy_generate_batch, greedy_generate_paged
-from nanoserve.model import build_model
-from nanoserve.tokenizer import Tokenizer
-from nanoserve.weights import load_checkpoint
+from nanoserve.model.model import build_model
+from nanoserve.static.generate import greedy_generate, greedy_generate_batch, greedy_generate_paged
+from nanoserve.weights.tokenizer import Tokenizer
+from nanoserve.weights.weights import load_checkpoint
 
 PLAIN = [
     "The capital of France is",
@@ -56,7 +56,7 @@ def hf_greedy(hf_smollm2, prompts, smol):
 
 
 def test_logits_equal_transformers(smol, hf_smollm2, prompts):
-    from nanoserve.attention import AttentionMetadata
+    from nanoserve.model.attention import AttentionMetadata
 
     model, _ = smol
     for p in prompts[:3]:

@@ -18,9 +18,9 @@ import unicodedata
 import numpy as np
 import pytest
 
-from nanoserve.chat_template import ChatTemplate, validate_messages
 from nanoserve.errors import ModelError
-from nanoserve.tokenizer import IncrementalDetokenizer, Tokenizer
+from nanoserve.weights.chat_template import ChatTemplate, validate_messages
+from nanoserve.weights.tokenizer import IncrementalDetokenizer, Tokenizer
 
 CORPUS = [
     "",

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from nanoserve.image_input import ImageConfig, preprocess
+from nanoserve.multimodal.image_input import ImageConfig, preprocess
+from nanoserve.multimodal.vision_model import VisionConfig, VisionTransformer
 from nanoserve.testing import save_tiny_qwen2_5_vl
-from nanoserve.vision_model import VisionConfig, VisionTransformer
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from hf_oracle import qwen2_5_vl_generate
 from PIL import Image
 
 from nanoserve.llm import LLM
-from nanoserve.sampling import SamplingParams
+from nanoserve.sampling.params import SamplingParams
 from nanoserve.testing import VL_SPECIAL_TOKENS, save_tiny_qwen2_5_vl
 
 IMG = 256 + VL_SPECIAL_TOKENS.index("<|image_pad|>")
@@ -195,8 +195,8 @@ def test_samples_of_an_image_prompt_share_its_prefill(vl, tmp_path):
 
 
 def test_bad_image_and_text_model_are_one_line_errors(vl, tmp_path):
-    from nanoserve.image_input import ImageError
-    from nanoserve.multimodal import MultimodalPrompt
+    from nanoserve.multimodal.image_input import ImageError
+    from nanoserve.multimodal.prompt import MultimodalPrompt
 
     llm = _llm(vl[0])
     bad = [{"role": "user", "content": [{"type": "image_url",
@@ -214,7 +214,7 @@ def test_bad_image_and_text_model_are_one_line_errors(vl, tmp_path):
 
 
 def _image_input():
-    from nanoserve.image_input import ImageConfig, load_image
+    from nanoserve.multimodal.image_input import ImageConfig, load_image
 
     return load_image(_png(56, 56, 0), ImageConfig(min_pixels=28 * 28, max_pixels=28 * 28 * 4))
 

@@ -186,8 +186,7 @@ def jsonl_job(tmp_path_factory, vl_model, pictures, ray_session):
     path = folder / "rows.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = folder / "out"
-    from nanoserve import image_input
-
+    from nanoserve.multimodal import image_input
     def refuse(*args, **kwargs):
         raise AssertionError("the driver read an image")
 
@@ -359,7 +358,7 @@ def test_openai_request_file_with_image_parts(vl_model, hf_vl, pictures, ray_ses
 
 
 def test_a_text_model_makes_image_rows_error_rows(tiny_job_model, pictures):
-    from nanoserve.tokenizer import Tokenizer
+    from nanoserve.weights.tokenizer import Tokenizer
     from ray_jobs.input.files import InputChunk
     from ray_jobs.preparation.prepare import RowPreparer, plan_columns
 

@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from nanoserve.attention import AttentionMetadata
-from nanoserve.cache import CacheShape, DenseKVCache
-from nanoserve.config import ModelConfig
-from nanoserve.image_input import ImageConfig, preprocess
-from nanoserve.model import PlacedImages, build_model
-from nanoserve.mrope import extend_positions, mrope_positions
+from nanoserve.cache.pool import CacheShape, DenseKVCache
+from nanoserve.model.attention import AttentionMetadata
+from nanoserve.model.config import ModelConfig
+from nanoserve.model.model import PlacedImages, build_model
+from nanoserve.multimodal.image_input import ImageConfig, preprocess
+from nanoserve.multimodal.mrope import extend_positions, mrope_positions
 from nanoserve.testing import VL_SPECIAL_TOKENS, save_tiny_qwen2_5_vl
-from nanoserve.weights import load_checkpoint
+from nanoserve.weights.weights import load_checkpoint
 
 _ID = {t: 256 + i for i, t in enumerate(VL_SPECIAL_TOKENS)}
 IMG, START, END = _ID["<|image_pad|>"], _ID["<|vision_start|>"], _ID["<|vision_end|>"]

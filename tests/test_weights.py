@@ -15,11 +15,11 @@ from gguf import GGMLQuantizationType
 from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from nanoserve.config import ModelConfig
 from nanoserve.errors import ModelError
-from nanoserve.gguf_file import gguf_tokenizer_metadata
+from nanoserve.model.config import ModelConfig
 from nanoserve.testing import write_tiny_gguf
-from nanoserve.weights import expected_shapes, load_checkpoint, validate_checkpoint
+from nanoserve.weights.gguf_file import gguf_tokenizer_metadata
+from nanoserve.weights.weights import expected_shapes, load_checkpoint, validate_checkpoint
 
 TINY = dict(
     vocab_size=128,

@@ -1,10 +1,10 @@
-"""Encoder models: BERT, XLM-RoBERTa and ModernBERT (nanoserve/encoder/registry.py), for
+"""Encoder models: BERT, XLM-RoBERTa and ModernBERT (nanoserve/model/encoder_families.py), for
 embeddings, classification and cross-encoder scores over packed rows (no KV cache).
 
     from nanoserve.encoder import Encoder
     enc = Encoder.load("folder/")
 
-One concept per module: registry (the records), config (config.json), layers (packed
+One concept per module (the records, one per architecture, are `nanoserve.model.encoder_families`): config (config.json), layers (packed
 bidirectional attention), bert / modernbert (the blocks), heads (classification heads and
 their logits' meaning), weights (transformers' tensor names), model (the module and its
 loader), tokenizer (texts and pairs), api (`Encoder`). Names are imported on first use.
@@ -17,7 +17,7 @@ from typing import Any
 _LAZY = {"Encoder": "nanoserve.encoder.api", "EncoderModel": "nanoserve.encoder.model",
          "load_encoder": "nanoserve.encoder.model", "Prediction": "nanoserve.encoder.heads",
          "interpret": "nanoserve.encoder.heads", "EncoderConfig": "nanoserve.encoder.config",
-         "ENCODERS": "nanoserve.encoder.registry"}
+         "ENCODERS": "nanoserve.model.encoder_families"}
 
 
 def __getattr__(name: str) -> Any:

@@ -21,13 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nanoserve.encoder.registry import (
+from nanoserve.errors import ModelError
+from nanoserve.model.encoder_families import (
     EncoderFamily,
     encoder_by_architecture,
     encoder_by_model_type,
     supported_encoders,
 )
-from nanoserve.errors import ModelError
 
 PROBLEM_TYPES = ("single_label_classification", "multi_label_classification", "regression")
 LAYER_TYPES = ("full_attention", "sliding_attention")

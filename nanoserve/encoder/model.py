@@ -26,9 +26,9 @@ from nanoserve.encoder.config import EncoderConfig, read_encoder_config
 from nanoserve.encoder.heads import build_head
 from nanoserve.encoder.layers import PackedRows
 from nanoserve.encoder.modernbert import ModernBertEncoder
-from nanoserve.encoder.registry import is_encoder_config
 from nanoserve.encoder.weights import load_into, read_tensors
 from nanoserve.errors import InputError, ModelError
+from nanoserve.model.encoder_families import is_encoder_config
 
 
 class EncoderModel(nn.Module):

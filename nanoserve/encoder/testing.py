@@ -116,7 +116,7 @@ def tiny_encoder(model_type: str, vocab_size: int, *, head: bool, seed: int = 0,
     import torch
     import transformers
 
-    from nanoserve.encoder.registry import encoder_by_model_type
+    from nanoserve.model.encoder_families import encoder_by_model_type
 
     family = encoder_by_model_type(model_type)
     torch.manual_seed(seed)

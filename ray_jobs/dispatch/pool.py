@@ -70,7 +70,7 @@ def _batches_for(rows: int, opts: JobOptions) -> int:
 def actor_threads(opts: JobOptions, on_gpu: bool = False) -> int:
     """Calls an actor runs at once (Ray's max_concurrency): the batches it may hold. Sized
     before its engine loads: from the user's running rows, else the most the engine's
-    default can be on its device (`nanoserve.running_rows`)."""
+    default can be on its device (`nanoserve.scheduling.running_rows`)."""
     if opts.max_in_flight_per_worker is not None:
         return max(1, opts.max_in_flight_per_worker)
     return _batches_for(opts.max_running_rows

@@ -17,7 +17,7 @@ given (each must be in the vocabulary). Images (a vision-language model): a chat
 image content parts, or a `prompt` row's `image` column (the row then becomes one user
 turn, its images before its text), are read and decoded while the row is prepared, on the
 worker, and each image's placeholder is widened to its token count
-(`ray_jobs.preparation.row_images`, `nanoserve.multimodal`).
+(`ray_jobs.preparation.row_images`, `nanoserve.multimodal.prompt`).
 
 A row becomes an error row (`PreparedRow.error` set) when it could not be read (the
 chunk's row errors), its id is null, its prompt is null, empty or only whitespace (text),
@@ -36,7 +36,7 @@ itself is invalid).
 
 Structured outputs per row: OpenAI's `response_format` or vLLM's `guided_json`,
 `guided_regex`, `guided_choice`, `guided_grammar` columns
-(`nanoserve.structured.structured_from_request`); a row that sets any of them replaces the
+(`nanoserve.sampling.structured.structured_from_request`); a row that sets any of them replaces the
 job's default constraint (`{"type": "text"}` asks for none). Each constraint is compiled
 here once, on the driver, by one `GrammarCache` for the job (made at the first constrained
 row: building it costs seconds), so a bad one is an error row before any worker. A JSON
@@ -312,7 +312,7 @@ class PreparedRow:
     # Output rows (samples) it gives: params.n; for an error row the n it asked for, or 1
     # when that is not a valid n.
     n: int = 1
-    # The prompt's images (`nanoserve.image_input.ImageInput`), in the order of their
+    # The prompt's images (`nanoserve.multimodal.image_input.ImageInput`), in the order of their
     # placeholders in `prompt_token_ids` (each already its image's token count long).
     images: tuple[Any, ...] = ()
 
@@ -474,7 +474,7 @@ class RowPreparer:
 
     def _chat(self, messages: Any, values: dict[str, Any], read_images: bool
               ) -> tuple[tuple[int, ...] | None, tuple[Any, ...]]:
-        """A conversation's prompt token ids and images (`nanoserve.multimodal.chat_prompt`:
+        """A conversation's prompt token ids and images (`nanoserve.multimodal.prompt.chat_prompt`:
         each image read, decoded and its placeholder widened), or (None, ()) for one with
         images when `read_images` is False."""
         plain, has_images = plain_conversation(messages)
@@ -658,7 +658,7 @@ def _json_value(value: Any) -> Any:
 def load_model_meta(path: Path) -> tuple[ModelConfig, Any]:
     """The model's config and tokenizer, without loading its weights, after checking from
     the checkpoint's headers that the workers will be able to load it
-    (`nanoserve.weights.validate_checkpoint`: a ModelError naming the model otherwise).
+    (`nanoserve.weights.weights.validate_checkpoint`: a ModelError naming the model otherwise).
     Kept for the next job of this process while the model's files keep their sizes and
     mtimes."""
     path = path.resolve()

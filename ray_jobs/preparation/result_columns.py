@@ -25,7 +25,7 @@ RESULT_SCHEMA = pa.schema([
 ])
 RESULT_COLUMNS = tuple(RESULT_SCHEMA.names)
 
-# Generated or prompt tokens' logprobs (`nanoserve.logprobs.TokenLogprob.as_dict`): per token
+# Generated or prompt tokens' logprobs (`nanoserve.sampling.logprobs.TokenLogprob.as_dict`): per token
 # its id, logprob (of the model's raw logits), rank (1: the most likely) and the `top` k most
 # likely tokens there, most likely first.
 LOGPROB_TOP_TYPE = pa.struct([("token_id", pa.int32()), ("logprob", pa.float32())])

@@ -16,7 +16,7 @@ Where a row's images are:
   row whose `image` is null (or an empty list) is an ordinary `prompt` row: its text is
   continued without the template.
 
-Reading (`nanoserve.image_input`): nothing comes from the web; object-storage URIs are
+Reading (`nanoserve.multimodal.image_input`): nothing comes from the web; object-storage URIs are
 read through `pyarrow.fs` with the store's own credentials, as the job's input and output
 are; a local path is the worker's (relative to the folder the job started in, for a local
 Ray). Pillow decodes each image upright (EXIF) in RGB; an encoded image over 64 MiB or one

@@ -100,7 +100,7 @@ class JobOptions:
     # chat-template options for every chat row (e.g. {"enable_thinking": false}), a dict or
     # its JSON text, kept as JSON text; a row's `chat_template_kwargs` column updates them
     chat_template_kwargs: str | dict | None = None
-    # 'qwen3' / 'deepseek_r1': the think block split from the answer (nanoserve.reasoning);
+    # 'qwen3' / 'deepseek_r1': the think block split from the answer (nanoserve.sampling.reasoning);
     # 'auto': picked from the model family where certain; 'none' (or None): no split
     reasoning_parser: str | None = "auto"
     # under a reasoning parser: at most this many tokens in a think block, then the engine
@@ -132,7 +132,7 @@ class JobOptions:
     kv_cache_dtype: str = ENGINE["kv_cache_dtype"].default
     # each worker's engine: the most rows decoding at once (LLM's max_batch_size); a worker
     # holds a few times that many rows (`ray_jobs.dispatch.pool.hold_limits`); None: the engine's
-    # default (`nanoserve.model_runner.default_max_rows`: from its KV pool, 256-1,024 on a GPU)
+    # default (`nanoserve.scheduling.model_runner.default_max_rows`: from its KV pool, 256-1,024 on a GPU)
     max_running_rows: int | None = ENGINE["max_running_rows"].default
     # each worker's engine: continuous (nanoserve.llm.LLM)
     scheduler: str = ENGINE["scheduler"].default
@@ -213,7 +213,7 @@ class JobOptions:
                 f"worker_start_timeout_s must be > 0, got {self.worker_start_timeout_s}")
 
     def structured_outputs(self) -> Any:
-        """The job-wide `nanoserve.structured.StructuredOutputs`, or None."""
+        """The job-wide `nanoserve.sampling.structured.StructuredOutputs`, or None."""
         if self.json_schema is None and self.regex is None and not self.choice:
             return None
         from nanoserve import StructuredOutputs

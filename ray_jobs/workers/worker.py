@@ -88,7 +88,7 @@ FAULT_HOLD_AFTER_ROWS = "NANOSERVE_FAULT_HOLD_AFTER_ROWS"
 class GenerationRequest:
     prompt_token_ids: tuple[int, ...]  # each image's placeholder already its token count long
     params: SamplingParams
-    images: tuple[Any, ...] = ()  # `nanoserve.image_input.ImageInput`s, in placeholder order
+    images: tuple[Any, ...] = ()  # `nanoserve.multimodal.image_input.ImageInput`s, in placeholder order
 
     def prompt(self) -> Any:
         """What the engine takes: the token ids, or a `MultimodalPrompt` with the images."""

@@ -1,0 +1,2 @@
+"""The model: its configuration and families (`config`, `families`, `quantization`), the
+decoder (`model`), attention (`attention`), mixture-of-experts layers (`moe`)."""
