@@ -136,6 +136,9 @@ class TaskKind:
     plan: Callable[..., TaskPlan]
     progress: Callable[[Any, float], str]
     summary_lines: Callable[[Any], list[str]]
+    # the model's config and tokenizer from its path (None: a decoder's,
+    # `ray_jobs.preparation.prepare.load_model_meta`; the encoder tasks read their own)
+    load_meta: Callable[[Any], tuple[Any, Any]] | None = None
 
 
 def answer_rows(task: Any, rows: list[Any], error: str | None = None
