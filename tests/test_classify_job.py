@@ -189,3 +189,19 @@ def test_nanoserve_classify_and_score_commands(ray_session, models, tmp_path, ca
                  str(models["cross"]), "--no-progress"]) == 0
     assert main(["classify", str(src), "-o", str(tmp_path / "d"), "--model",
                  str(models["single"]).rsplit("/", 1)[0] + "/nothing", "--no-progress"]) == 2
+
+
+def test_data_processor_classifies_and_scores(ray_session, models):
+    import ray.data
+
+    from ray_jobs.data_processor import build_processor
+
+    process = build_processor(str(models["single"]), task="classify", num_gpus=0, batch_size=4)
+    out = process(ray.data.from_items([{"id": i, **r} for i, r in enumerate(ROWS)])).take_all()
+    check_classify({r["id"]: r for r in out}, models["single"])
+    process = build_processor(str(models["cross"]), task="score", num_gpus=0, batch_size=2)
+    out = process(ray.data.from_items([{"text_1": a, "text_2": b} for a, b in PAIRS])).take_all()
+    want = cross_encoder_scores(models["cross"], PAIRS)
+    assert [r["score"] for r in out] == pytest.approx(want, abs=1e-4)
+    with pytest.raises(InputError, match="not a classify option"):
+        build_processor(str(models["single"]), task="classify", num_gpus=0, pooling="mean")

@@ -310,15 +310,17 @@ def _limit(own: dict[str, Any], config: Any) -> int:
     return limit
 
 
-def _plan(task: str, opts: JobOptions, own: dict[str, Any], info: InputInfo,
-          plan: ColumnPlan, model_path: Path, config: Any, tokenizer: Any) -> TaskPlan:
-    names = info.schema.names
+def task_options(task: str, own: dict[str, Any], config: Any, names: list[str],
+                 model_path: Path) -> dict[str, Any]:
+    """`ClassifyTask`'s options (the job's `JobSpec.task_options`) for an input of these
+    columns, from `take_options`' result and the encoder's config. InputError for a head the
+    task cannot read, a limit above the model's positions, an input column clashing with an
+    output one."""
     clashes = [n for n in RESULTS[task].names if n in names and n not in ("error",
                                                                           "num_input_tokens")]
     if clashes:
         raise InputError(f"input column {clashes[0]!r} clashes with the output column of that "
                          f"name; rename it")
-    pair = pair_columns(names) if task == "score" else None
     if task == "score" and not (config.num_labels == 1 or config.num_labels == 2):
         raise InputError(f"a score job needs a head of one output or two labels; model "
                          f"{model_path} has {config.num_labels} ({', '.join(config.id2label)})")
@@ -326,11 +328,16 @@ def _plan(task: str, opts: JobOptions, own: dict[str, Any], info: InputInfo,
             and config.num_labels != 1):
         raise InputError(f"model {model_path} is a regression head of {config.num_labels} "
                          f"outputs; a classify job reads one ('score')")
-    settings = {"task": task, "limit": _limit(own, config),
-                "truncate": bool(own.get("truncate", True)),
+    pair = pair_columns(names) if task == "score" else None
+    return {"task": task, "limit": _limit(own, config), "truncate": bool(own.get("truncate", True)),
+            "pair": list(pair) if pair else None}
+
+
+def _plan(task: str, opts: JobOptions, own: dict[str, Any], info: InputInfo,
+          plan: ColumnPlan, model_path: Path, config: Any, tokenizer: Any) -> TaskPlan:
+    options = task_options(task, own, config, info.schema.names, model_path)
+    settings = {"task": task, "limit": options["limit"], "truncate": options["truncate"],
                 "labels": list(config.id2label), "problem_type": config.problem_type}
-    options = {"task": task, "limit": settings["limit"], "truncate": settings["truncate"],
-               "pair": list(pair) if pair else None}
     schema = pa.schema([pa.field("id", plan.id_type)] + plan.passthrough_fields()
                        + list(RESULTS[task]))
     return TaskPlan(opts, schema, ClassifyTask(plan, options, tokenizer, config),
@@ -377,5 +384,6 @@ SCORE = TaskKind("score", "score", (), take_options, score_prompt_column, plan_s
                  progress, summary_lines, load_meta)
 
 
-__all__ = ["CLASSIFY", "CLASSIFY_OPTIONS", "PAIR_COLUMNS", "SCORE", "ClassifyPreparer",
-           "ClassifyRow", "ClassifyTask", "ClassifyWorker", "RayClassifyWorker"]
+__all__ = ["CLASSIFY", "CLASSIFY_OPTIONS", "PAIR_COLUMNS", "RESULTS", "SCORE",
+           "ClassifyPreparer", "ClassifyRow", "ClassifyTask", "ClassifyWorker",
+           "RayClassifyWorker", "load_meta", "score_prompt_column", "task_options"]
