@@ -174,7 +174,8 @@ class ClassifyWorker:
         from ray_jobs.workers.worker import ray_gpu_ids
 
         return {"gpu_ids": ray_gpu_ids(), "device": str(self.encoder.model.device),
-                "host": socket.gethostname(), "pid": os.getpid(), "scheduler": self.task}
+                "host": socket.gethostname(), "pid": os.getpid(),
+                "scheduler": "classification" if self.task == "classify" else "scoring"}
 
     def run_batch(self, requests: list[Any]) -> pa.Table:
         from ray_jobs.workers.worker import (

@@ -33,7 +33,6 @@ from nanoserve import ENGINE, InputError, NanoserveError
 from ray_jobs.input.files import InputChunk, InputInfo
 from ray_jobs.preparation.prepare import (
     MESSAGES,
-    PROMPT_COLUMNS,
     TEXT,
     ColumnPlan,
     read_rows,
