@@ -191,9 +191,10 @@ def busy_line(workers: tuple[WorkerReport, ...]) -> str | None:
 
 def run_job(input: str | Path, output_dir: str | Path, task: str = "generate",
             **options: Any) -> JobSummary:
-    """Run the job of `nanoserve batch` (task "generate") or `nanoserve embed` (task
-    "embed") on INPUT into OUTPUT_DIR; see the module docstring. `options`: `JobOptions`'
-    fields and the task's own (`EMBED_OPTIONS`). Job-level problems raise `NanoserveError`
+    """Run the job of `nanoserve batch` (task "generate"), `nanoserve embed` ("embed"),
+    `nanoserve classify` ("classify") or `nanoserve score` ("score") on INPUT into
+    OUTPUT_DIR; see the module docstring. `options`: `JobOptions`'
+    fields and the task's own (`EMBED_OPTIONS`, `CLASSIFY_OPTIONS`). Job-level problems raise `NanoserveError`
     (InputError, ModelError) before any worker starts; row-level problems become `error`
     rows."""
     timeline = Timeline(time.perf_counter())

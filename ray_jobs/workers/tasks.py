@@ -61,7 +61,7 @@ class JobSpec:
     instruction, truncation and vector dtype), and
     for a job that writes OpenAI output files what their lines need (`openai`)."""
 
-    task: str  # "generate" or "embed"
+    task: str  # "generate", "embed", "classify" or "score"
     input: InputSpec
     plan: ColumnPlan
     schema: pa.Schema  # the parts' schema: id, input columns, the task's result columns
@@ -126,7 +126,7 @@ class TaskKind:
     from the run's counts; `summary_lines(summary)`: what the summary says between its rows
     line and its batches line."""
 
-    name: str  # `run_job(task=...)`: "generate" or "embed"
+    name: str  # `run_job(task=...)`: "generate", "embed", "classify" or "score"
     command: str  # its `nanoserve` subcommand (the progress bar's name)
     # the finish reasons the summary counts, always, in this order (none: the task's output
     # has no finish_reason column)
