@@ -1,5 +1,5 @@
 """The batch job: dataset I/O, the shard walk, the Ray worker actors, the driver and its
-CLI; generation and embedding are its two tasks.
+CLI; generation, embedding, classification and pair scores are its tasks.
 
     from ray_jobs import run_batch_job, run_embed_job
     summary = run_batch_job("prompts.jsonl", "out/", max_tokens=64)
@@ -15,12 +15,12 @@ the stages before it (tests/test_layering.py):
                shard's OpenAI output lines, `output.jsonl` / `errors.jsonl` joined
   workers      `tasks` (a shard's walk on a worker), `worker` (`BatchWorker`, one model per
                process), `options` (`JobOptions`), `piece` (the record of an answer)
-  tasks        `generate`, `embed`: the two tasks
+  tasks        `generate`, `embed`, `classify` (classify and score): the tasks
   report       `report` (the job's HTML report), `timeline` (its phases)
   dispatch     `driver` (`run_job`: the one job walk), `pool` (the job's actors),
                `autoscale`, `placement`, `local_ray`
-and at the top `data_processor` (either task over a Ray Data dataset) and `cli`
-(`nanoserve batch`, `nanoserve embed`). Names are imported lazily so `nanoserve --help`
+and at the top `data_processor` (any task over a Ray Data dataset) and `cli`
+(`nanoserve batch`, `embed`, `classify`, `score`). Names are imported lazily so `nanoserve --help`
 stays fast.
 """
 

@@ -89,10 +89,47 @@ alone, packed by tokens, nothing cached after the batch. A rerun into the same O
 resumes where the last run stopped; a rerun with other settings is refused."""
 
 
+CLASSIFY_DESCRIPTION = """\
+Classify every row of a Parquet or JSON Lines file (or a folder tree of them) on a Ray
+worker pool with an encoder checkpoint that has a sequence-classification head
+(BertForSequenceClassification, XLMRobertaForSequenceClassification,
+ModernBertForSequenceClassification; a decoder checkpoint is refused): each row's text
+('prompt' or 'text' column, or --prompt-column) through the head. OUTPUT_DIR gets Parquet
+parts with 'id', the input columns, then
+  label             the most probable label (config.json's id2label) of a single-label
+                    head; null for a multi-label head (read probs) and for regression
+  probs             map label -> probability: softmax (single-label) or each label's
+                    sigmoid (multi-label, problem_type multi_label_classification); null
+                    for regression
+  score             a one-output regression (reward) head's raw value; null otherwise
+  num_input_tokens, error (null unless the row failed: a missing or empty text, ...)
+Rows longer than --max-input-tokens (default: the model's positions) are cut to it and
+counted. A rerun into the same OUTPUT_DIR resumes where the last run stopped; a rerun with
+other settings (another task, another limit) is refused."""
+
+SCORE_DESCRIPTION = """\
+Score every text pair of a Parquet or JSON Lines file (or a folder tree of them) on a Ray
+worker pool with a cross-encoder: an encoder checkpoint with a sequence-classification head
+of one output or two labels (BERT, XLM-RoBERTa, ModernBERT; a decoder checkpoint is
+refused). Each row's columns 'text_1' and 'text_2' (else 'query' and 'document') are read as
+one pair. OUTPUT_DIR gets Parquet parts with 'id', the input columns, then 'score' (a
+one-output head's raw logit, as sentence-transformers' CrossEncoder.predict with an identity
+activation; a two-label head's probability of label 1), 'num_input_tokens' and 'error' (null
+unless the row failed: a missing or empty text of the pair, ...). Pairs longer than
+--max-input-tokens (default: the model's positions) are cut, the longer text first, and
+counted. A rerun into the same OUTPUT_DIR resumes where the last run stopped; a rerun with
+other settings is refused."""
+
+
 def add_job_parsers(subparsers: argparse._SubParsersAction) -> None:
-    """Add `batch` and `embed` to the `nanoserve` command's subparsers."""
+    """Add `batch`, `embed`, `classify` and `score` to the `nanoserve` command's
+    subparsers."""
     add_batch_parser(subparsers)
     add_embed_parser(subparsers)
+    add_encoder_parser(subparsers, "classify", "classify every row of a Parquet/JSONL dataset "
+                       "with an encoder classifier on Ray", CLASSIFY_DESCRIPTION)
+    add_encoder_parser(subparsers, "score", "score every text pair of a Parquet/JSONL "
+                       "dataset with a cross-encoder on Ray", SCORE_DESCRIPTION)
 
 
 def add_batch_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -108,6 +145,42 @@ def add_embed_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         "embed", help="embed every row of a Parquet/JSONL dataset on Ray",
         description=EMBED_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_embed_arguments(p)
+    return p
+
+
+def add_encoder_parser(subparsers: argparse._SubParsersAction, name: str, summary: str,
+                       description: str) -> argparse.ArgumentParser:
+    """`nanoserve classify` or `nanoserve score`: the job's shared flags, the input limit."""
+    from ray_jobs.workers.options import PREFILL_BATCH_SIZE, PREFILL_BATCH_TOKENS
+
+    p = subparsers.add_parser(name, help=summary, description=description,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("input", help="a .parquet or JSON Lines file (.jsonl, .json, also .gz or "
+                   ".zst), or a folder of them (read recursively); a local path or a URI: "
+                   "s3://, gs://, ...")
+    p.add_argument("-o", "--output", "--output-dir", dest="output_dir", required=True,
+                   metavar="OUTPUT_DIR", help="folder or object-store prefix "
+                   "(s3://bucket/out) for the Parquet parts and the manifest")
+    p.add_argument(ENGINE["model"].flag, dest="model", required=True, metavar="FOLDER",
+                   help="an encoder checkpoint folder with a sequence-classification head "
+                        "(config.json, safetensors, tokenizer.json)")
+    e = p.add_argument_group("input limit")
+    e.add_argument("--max-input-tokens", type=int, default=None, metavar="N",
+                   help="the input limit (default: the model's positions, also the most it "
+                        "takes); longer inputs are cut to it and counted")
+    e.add_argument("--no-truncate", dest="truncate", action="store_false",
+                   help="make inputs above the limit error rows instead of cutting them")
+    if name == "classify":
+        _add_columns(p, "the column holding the text")
+    else:
+        c = p.add_argument_group("columns")
+        c.add_argument("--id-column", default=None, metavar="NAME",
+                       help="the column holding row ids (default: 'id' if present, else "
+                            "positions)")
+        p.set_defaults(prompt_column=None)
+    _add_execution(p, "embed", PREFILL_BATCH_SIZE, PREFILL_BATCH_TOKENS,
+                   f"tokens per batch, at most (default: {PREFILL_BATCH_TOKENS})")
+    _add_cluster_and_reruns(p)
     return p
 
 
@@ -305,7 +378,18 @@ def run_embed_cli(args: argparse.Namespace) -> int:
     return 0
 
 
-JOB_COMMANDS = {"batch": run_batch_cli, "embed": run_embed_cli}
+def run_encoder_cli(args: argparse.Namespace) -> int:
+    """Run the classification or the score job (`args.command`); print the summary."""
+    from ray_jobs.dispatch.driver import run_job
+
+    summary = run_job(args.input, args.output_dir, task=args.command, **_job_options(args),
+                      max_input_tokens=args.max_input_tokens, truncate=args.truncate)
+    print(summary.format())
+    return 0
+
+
+JOB_COMMANDS = {"batch": run_batch_cli, "embed": run_embed_cli, "classify": run_encoder_cli,
+                "score": run_encoder_cli}
 
 
 def read_json_schema(path: Path) -> str:

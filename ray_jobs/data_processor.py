@@ -1,5 +1,6 @@
-"""The engine as a Ray Data stage, for either task: a `ray.data.Dataset` of prompts (or
-texts) in, the same rows with the task's result columns out.
+"""The engine as a Ray Data stage, for any task of the job (generate, embed, classify,
+score): a `ray.data.Dataset` of prompts (or texts, or text pairs) in, the same rows with
+the task's result columns out.
 
 Entry point (Ray Data) of the job pipeline (docs/modules.md).
 
@@ -11,6 +12,7 @@ Entry point (Ray Data) of the job pipeline (docs/modules.md).
     out = process(ray.data.read_parquet("prompts/"))   # lazy, streaming
     out.write_parquet("out/")
     vectors = build_processor(task="embed", num_gpus=1)(ray.data.read_parquet("docs/"))
+    labels = build_processor("classifier/", task="classify")(ray.data.read_parquet("docs/"))
 
 Contract (see docs/interfaces.md):
 - input rows as `nanoserve batch` reads them: a `prompt` (text), `messages` (chat) or
@@ -73,9 +75,19 @@ from ray_jobs.preparation.prepare import (
     load_model_meta,
     output_controls,
     plan_columns,
+    text_prompt_column,
 )
 from ray_jobs.preparation.result_columns import result_schema
 from ray_jobs.preparation.row_images import ModelImages
+from ray_jobs.tasks.classify import (
+    CLASSIFY_OPTIONS,
+    RESULTS,
+    ClassifyTask,
+    ClassifyWorker,
+    load_meta,
+    score_prompt_column,
+    task_options,
+)
 from ray_jobs.tasks.embed import (
     EMBED_BATCH_TOKENS,
     EMBED_OPTIONS,
@@ -201,6 +213,35 @@ class DatasetEmbedder(DatasetStage):
         return self._tasks[schema]
 
 
+class DatasetClassifier(DatasetStage):
+    """The classification or score task's stage (`task`): a `ClassifyWorker` per actor,
+    rows prepared by `ClassifyPreparer`. `options`: `CLASSIFY_OPTIONS`' values."""
+
+    def __init__(self, model: str, task: str, options: dict[str, Any],
+                 prompt_column: str | None = None, dtype: str = ENGINE["dtype"].default,
+                 num_threads: int | None = None,
+                 max_batch_tokens: int = EMBED_BATCH_TOKENS) -> None:
+        self.path = resolve_model(model)
+        self.config, _ = load_meta(self.path)
+        self.task, self.options, self.prompt_column = task, dict(options), prompt_column
+        self.worker = ClassifyWorker(str(self.path), dtype=dtype, num_threads=num_threads,
+                                     max_batch_tokens=max_batch_tokens, task=task)
+        self._tasks: dict[pa.Schema, tuple[ClassifyTask, pa.Schema]] = {}
+
+    def _task(self, schema: pa.Schema) -> tuple[ClassifyTask, pa.Schema]:
+        """One task per input schema seen (its pair columns, for the score task)."""
+        if schema not in self._tasks:
+            pick = score_prompt_column if self.task == "score" else text_prompt_column
+            column = pick(self.prompt_column, schema.names)
+            plan = dataclasses.replace(plan_columns(schema, column), id_column=None)
+            names = [n for n in schema.names if n not in RESULTS[self.task].names]
+            options = task_options(self.task, self.options, self.config, names, self.path)
+            task = ClassifyTask(plan, options, self.worker.encoder.tokenizer,
+                                engine=self.worker.run_batch)
+            self._tasks[schema] = (task, RESULTS[self.task])
+        return self._tasks[schema]
+
+
 def build_processor(model: str = ENGINE["model"].default, *, concurrency: int = 1,
                     num_gpus: float = 1, num_cpus: float | None = None, batch_size: int = 64,
                     prompt_column: str | None = None, dtype: str = ENGINE["dtype"].default,
@@ -227,7 +268,13 @@ def build_processor(model: str = ENGINE["model"].default, *, concurrency: int = 
     `task="embed"`: the embedding task's stage instead (`DatasetEmbedder`); the other
     keyword arguments are then `pooling`, `normalize`, `dimensions`, `instruction`,
     `max_input_tokens`, `truncate`, `embedding_dtype` (see `run_job`) and
-    `max_batch_tokens` (default 65,536), resolved against the model's files here."""
+    `max_batch_tokens` (default 65,536), resolved against the model's files here.
+
+    `task="classify"` or `task="score"`: the encoder tasks' stage (`DatasetClassifier`,
+    ray_jobs/tasks/classify.py: `label`, `probs`, `score` or `score` alone, then
+    `num_input_tokens` and `error`); the other keyword arguments are then
+    `max_input_tokens`, `truncate` and `max_batch_tokens`, checked against the model's
+    files here (a decoder checkpoint is refused)."""
     from nanoserve import InputError, SamplingParams
 
     task = sampling.pop("task", "generate")
@@ -239,8 +286,14 @@ def build_processor(model: str = ENGINE["model"].default, *, concurrency: int = 
         return _actor_pool(DatasetEmbedder, {"model": model, "prompt_column": prompt_column,
                                              "dtype": dtype, **_embedding_options(model, sampling)},
                            concurrency, num_gpus, num_cpus, batch_size)
+    if task in ("classify", "score"):
+        return _actor_pool(DatasetClassifier, {"model": model, "task": task,
+                                               "prompt_column": prompt_column, "dtype": dtype,
+                                               **_classify_options(model, task, sampling)},
+                           concurrency, num_gpus, num_cpus, batch_size)
     if task != "generate":
-        raise InputError(f"task must be 'generate' or 'embed', got {task!r}")
+        raise InputError(f"task must be 'generate', 'embed', 'classify' or 'score', got "
+                         f"{task!r}")
     for name, value in (("dtype", dtype), ("kv_cache_fraction", kv_cache_fraction),
                         ("scheduler", scheduler)):
         if problem := ENGINE[name].problem(value):
@@ -314,4 +367,21 @@ def _embedding_options(model: str, options: dict[str, Any]) -> dict[str, Any]:
             "max_batch_tokens": max_batch_tokens}
 
 
-__all__ = ["DatasetEmbedder", "DatasetGenerator", "DatasetStage", "build_processor"]
+def _classify_options(model: str, task: str, options: dict[str, Any]) -> dict[str, Any]:
+    """`DatasetClassifier`'s `options` and `max_batch_tokens`, checked against the model's
+    files (InputError for an unknown or a bad option, ModelError for a model that is not an
+    encoder classifier)."""
+    from nanoserve import InputError
+
+    options = dict(options)
+    max_batch_tokens = options.pop("max_batch_tokens", EMBED_BATCH_TOKENS)
+    unknown = sorted(set(options) - set(CLASSIFY_OPTIONS))
+    if unknown:
+        raise InputError(f"not a {task} option: {', '.join(unknown)}")
+    path = resolve_model(model)
+    config, _ = load_meta(path)
+    task_options(task, options, config, [], path)  # the limit and the head, checked here
+    return {"options": options, "max_batch_tokens": max_batch_tokens}
+
+
+__all__ = ["DatasetClassifier", "DatasetEmbedder", "DatasetGenerator", "DatasetStage", "build_processor"]

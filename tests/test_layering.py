@@ -123,7 +123,8 @@ def test_a_stage_imports_only_the_stages_before_it():
 # Inside the job (ray_jobs), from the top: the entry points, the driver (the one job), the
 # two tasks, then the shard walk and everything it reads. Modules not named: the bottom.
 JOB_LEVELS = {"ray_jobs.cli": 0, "ray_jobs.data_processor": 0, "ray_jobs.dispatch.driver": 1,
-              "ray_jobs.tasks.generate": 2, "ray_jobs.tasks.embed": 2}
+              "ray_jobs.tasks.generate": 2, "ray_jobs.tasks.embed": 2,
+              "ray_jobs.tasks.classify": 2}
 BOTTOM = max(JOB_LEVELS.values()) + 1
 
 

@@ -178,6 +178,7 @@ NOT_THE_OPTION = {
     ("ray_jobs/input/openai_requests.py", "top_p"): "OpenAI's own default, for its requests",
     ("ray_jobs/preparation/prepare.py", "n"): "a row's count of output rows (1 for an error)",
     ("ray_jobs/tasks/embed.py", "n"): "a row's count of output rows: one vector",
+    ("ray_jobs/tasks/classify.py", "n"): "a row's count of output rows: one result",
     ("ray_jobs/workers/worker.py", "n"): "error rows' count: one unless the row asked more",
 }
 

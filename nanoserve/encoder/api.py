@@ -61,6 +61,14 @@ class Encoder:
         """(text_1, text_2) pairs -> logits [B, num_labels] float32 (segment ids 0 / 1)."""
         return self._logits(*self.tokenizer.encode_pairs(pairs))
 
+    def classify_ids(self, ids: Sequence[Sequence[int]],
+                     types: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+        """Token ids already tokenized (and cut) by `tokenizer`, with their segment ids (None:
+        all 0) -> logits [B, num_labels] float32."""
+        ids = [list(r) for r in ids]
+        types = [list(t) for t in types] if types is not None else [[0] * len(r) for r in ids]
+        return self._logits(ids, types)
+
     def predict(self, logits: torch.Tensor) -> list[Prediction]:
         """Logits -> one Prediction per row, by the config's problem_type (heads.interpret)."""
         return interpret(logits, self.config)

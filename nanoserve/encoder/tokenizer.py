@@ -11,8 +11,10 @@ longer text of a pair first, the special tokens stay. Padding is off.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import tokenizers
 
@@ -54,5 +56,41 @@ class EncoderTokenizer:
         encs = self.backend.encode_batch([(a, b) for a, b in pairs])
         return [e.ids for e in encs], [e.type_ids for e in encs]
 
+    def encode_row(self, text: str, text_2: str | None = None
+                   ) -> tuple[list[int], list[int], bool]:
+        """One text (or pair) -> (ids, token_type_ids, whether it was cut to max_tokens)."""
+        enc = self.backend.encode(text) if text_2 is None else self.backend.encode(text, text_2)
+        return enc.ids, enc.type_ids, bool(enc.overflowing)
 
-__all__ = ["EncoderTokenizer"]
+
+def read_classifier(folder: str | Path) -> tuple[Any, EncoderTokenizer]:
+    """A sequence-classification encoder's config and tokenizer, without its weights.
+    ModelError, one line naming the supported architectures, for anything else (a decoder,
+    a GGUF file, a base encoder without a head)."""
+    from nanoserve.encoder.config import read_encoder_config
+    from nanoserve.model.encoder_families import ENCODERS
+
+    heads = ", ".join(f.architecture for f in ENCODERS)
+    path = Path(folder)
+    config = path / "config.json" if path.is_dir() else None
+    arch = "no config.json"
+    if config is not None and config.is_file():
+        try:
+            d = json.loads(config.read_text())
+            arch = repr((d.get("architectures") or [d.get("model_type")])[0])
+        except (OSError, UnicodeDecodeError, ValueError, AttributeError, IndexError):
+            arch = "an unreadable config.json"
+    try:
+        if config is None:
+            raise ModelError("not a folder")
+        cfg = read_encoder_config(path)
+    except ModelError:
+        raise ModelError(f"model {path} ({arch}) is not an encoder with a sequence-"
+                         f"classification head; classify and score run {heads}") from None
+    if cfg.headless:
+        raise ModelError(f"model {path} ({cfg.architecture}) has no sequence-classification "
+                         f"head; classify and score run {heads}")
+    return cfg, EncoderTokenizer.from_folder(path, cfg.max_position_embeddings)
+
+
+__all__ = ["EncoderTokenizer", "read_classifier"]

@@ -86,12 +86,13 @@ from ray_jobs.preparation.batching import BatchLimits
 from ray_jobs.preparation.prepare import load_model_meta, plan_columns
 from ray_jobs.report.report import JobTotals, ReportLog, report_data, write_report
 from ray_jobs.report.timeline import PHASES, Timeline
+from ray_jobs.tasks.classify import CLASSIFY, SCORE
 from ray_jobs.tasks.embed import EMBED
 from ray_jobs.tasks.generate import GENERATE
 from ray_jobs.workers.options import JobOptions
 from ray_jobs.workers.tasks import JobSpec, ShardRunner, TaskKind, TaskPlan
 
-TASKS = {kind.name: kind for kind in (GENERATE, EMBED)}  # run_job's `task`
+TASKS = {kind.name: kind for kind in (GENERATE, EMBED, CLASSIFY, SCORE)}  # run_job's `task`
 FRAGMENT_SHARDS_A_WORKER = 2  # committed shards a worker formats at once (`make_fragments`)
 
 
@@ -190,14 +191,15 @@ def busy_line(workers: tuple[WorkerReport, ...]) -> str | None:
 
 def run_job(input: str | Path, output_dir: str | Path, task: str = "generate",
             **options: Any) -> JobSummary:
-    """Run the job of `nanoserve batch` (task "generate") or `nanoserve embed` (task
-    "embed") on INPUT into OUTPUT_DIR; see the module docstring. `options`: `JobOptions`'
-    fields and the task's own (`EMBED_OPTIONS`). Job-level problems raise `NanoserveError`
+    """Run the job of `nanoserve batch` (task "generate"), `nanoserve embed` ("embed"),
+    `nanoserve classify` ("classify") or `nanoserve score` ("score") on INPUT into
+    OUTPUT_DIR; see the module docstring. `options`: `JobOptions`'
+    fields and the task's own (`EMBED_OPTIONS`, `CLASSIFY_OPTIONS`). Job-level problems raise `NanoserveError`
     (InputError, ModelError) before any worker starts; row-level problems become `error`
     rows."""
     timeline = Timeline(time.perf_counter())
     if task not in TASKS:
-        raise InputError(f"task must be 'generate' or 'embed', got {task!r}")
+        raise InputError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
     kind = TASKS[task]
     options = dict(options)
     own = kind.take_options(options)
@@ -210,7 +212,7 @@ def run_job(input: str | Path, output_dir: str | Path, task: str = "generate",
                                                                       info.schema.names))
     plan = plan_columns(info.schema, opts.prompt_column, opts.id_column)
     model_path = resolve_model(opts.model)
-    config, tokenizer = load_model_meta(model_path)
+    config, tokenizer = (kind.load_meta or load_model_meta)(model_path)
     part = kind.plan(opts, own, info, plan, model_path, config, tokenizer)
     settings = {**_job_settings(part.opts, info, model_path, limits, plan), **part.settings}
     folder = OutputDir.open(output_dir)  # a local folder or an object-store prefix

@@ -624,6 +624,14 @@ def read_rows(chunk: InputChunk, first_position: int, id_column: str | None,
         yield position, row_id, values, error, parsed
 
 
+def text_prompt_column(given: str | None, names: list[str]) -> str | None:
+    """A text task's column (embedding, classification): the one named, else each row's
+    first of `PROMPT_COLUMNS` the input has, else `text`."""
+    if given is None and not any(c in names for c in PROMPT_COLUMNS) and "text" in names:
+        return "text"
+    return given
+
+
 def text_of(value: Any, column: str) -> str:
     """A text cell as a string: bytes decoded as UTF-8 (ValueError, the row's error, when
     they are not)."""

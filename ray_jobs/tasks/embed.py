@@ -33,21 +33,21 @@ from nanoserve import ENGINE, InputError, NanoserveError
 from ray_jobs.input.files import InputChunk, InputInfo
 from ray_jobs.preparation.prepare import (
     MESSAGES,
-    PROMPT_COLUMNS,
     TEXT,
     ColumnPlan,
     read_rows,
     text_of,
+    text_prompt_column,
     token_ids_of,
 )
-from ray_jobs.workers.options import JobOptions
+from ray_jobs.workers.options import PREFILL_BATCH_SIZE, PREFILL_BATCH_TOKENS, JobOptions
 from ray_jobs.workers.tasks import ShardOutcome, ShardWorker, TaskKind, TaskPlan
 
 # The options the embedding task adds to `JobOptions` (run_job's keyword arguments).
 EMBED_OPTIONS = ("pooling", "normalize", "dimensions", "instruction", "max_input_tokens",
                  "truncate", "embedding_dtype")
-EMBED_BATCH_SIZE = 1024
-EMBED_BATCH_TOKENS = 65536
+EMBED_BATCH_SIZE = PREFILL_BATCH_SIZE
+EMBED_BATCH_TOKENS = PREFILL_BATCH_TOKENS
 EMBEDDING_DTYPES = {"float32": pa.float32(), "float16": pa.float16()}
 
 
@@ -351,10 +351,8 @@ def embed_settings(model_path: Path, config: Any, own: dict[str, Any]) -> EmbedS
 
 def prompt_column(given: str | None, names: list[str]) -> str | None:
     """The column to embed: the one named, else each row's first of
-    `prepare.PROMPT_COLUMNS` the input has, else `text`."""
-    if given is None and not any(c in names for c in PROMPT_COLUMNS) and "text" in names:
-        return "text"
-    return given
+    `prepare.PROMPT_COLUMNS` the input has, else `text` (`prepare.text_prompt_column`)."""
+    return text_prompt_column(given, names)
 
 
 def plan_job(opts: JobOptions, own: dict[str, Any], info: InputInfo, plan: ColumnPlan,

@@ -26,6 +26,10 @@ from ray_jobs.preparation.batching import WINDOW_BATCHES
 DTYPES = ENGINE["dtype"].choices
 SCHEDULERS = ENGINE["scheduler"].choices
 KV_CACHE_DTYPES = ENGINE["kv_cache_dtype"].choices
+# The batch bounds of the prefill-only tasks (embedding, classification, scores): larger
+# batches than generation's, bounded by tokens.
+PREFILL_BATCH_SIZE = 1024
+PREFILL_BATCH_TOKENS = 65536
 
 
 @dataclass(frozen=True)

@@ -61,7 +61,7 @@ class JobSpec:
     instruction, truncation and vector dtype), and
     for a job that writes OpenAI output files what their lines need (`openai`)."""
 
-    task: str  # "generate" or "embed"
+    task: str  # "generate", "embed", "classify" or "score"
     input: InputSpec
     plan: ColumnPlan
     schema: pa.Schema  # the parts' schema: id, input columns, the task's result columns
@@ -126,7 +126,7 @@ class TaskKind:
     from the run's counts; `summary_lines(summary)`: what the summary says between its rows
     line and its batches line."""
 
-    name: str  # `run_job(task=...)`: "generate" or "embed"
+    name: str  # `run_job(task=...)`: "generate", "embed", "classify" or "score"
     command: str  # its `nanoserve` subcommand (the progress bar's name)
     # the finish reasons the summary counts, always, in this order (none: the task's output
     # has no finish_reason column)
@@ -136,6 +136,9 @@ class TaskKind:
     plan: Callable[..., TaskPlan]
     progress: Callable[[Any, float], str]
     summary_lines: Callable[[Any], list[str]]
+    # the model's config and tokenizer from its path (None: a decoder's,
+    # `ray_jobs.preparation.prepare.load_model_meta`; the encoder tasks read their own)
+    load_meta: Callable[[Any], tuple[Any, Any]] | None = None
 
 
 def answer_rows(task: Any, rows: list[Any], error: str | None = None

@@ -1,0 +1,390 @@
+"""Stage tasks: the classification task (a label per row, `nanoserve classify`,
+`run_job(..., task="classify")`) and the cross-encoder score task (a score per text pair,
+`nanoserve score`, `run_job(..., task="score")`), over an encoder checkpoint with a
+sequence-classification head (BERT, XLM-RoBERTa, ModernBERT: nanoserve/encoder/).
+
+    summary = run_job("reviews.jsonl", "labels/", task="classify", model="classifier/")
+    summary = run_job("pairs.jsonl", "scores/", task="score", model="reranker/")
+
+classify: each row's text (its `prompt` or `text` column, or `--prompt-column`) through the
+head. The output has `id`, the input columns, then
+- `label` (string): single-label heads: the most probable label (config.json's `id2label`);
+  null for a multi-label head (read `probs`) and for a regression head;
+- `probs` (map<string, float64>): label -> probability, softmax over the labels for a
+  single-label head, each label's sigmoid for a multi-label one; null for regression;
+- `score` (float64): a regression (reward) head's raw output; null otherwise. A regression
+  head of more than one output is refused;
+- `num_input_tokens`, `error` (null unless the row failed).
+
+score: each row's pair, columns `text_1` and `text_2` (else `query` and `document`),
+tokenized as one input (the tokenizer's pair template, segment ids 0 / 1). The output has
+`id`, the input columns, then `score` (float64: a one-output head's raw logit, as
+sentence-transformers' `CrossEncoder.predict` gives it with an identity activation; a
+two-label head's probability of label 1: softmax, or sigmoid for a multi-label head),
+`num_input_tokens` and `error`. Other heads are refused.
+
+Both are the job every task runs (`ray_jobs.dispatch.driver.run_job`): streaming input,
+batches, dispatch, exactly-once parts, resume (the manifest's settings name the task and
+its limit, so a rerun with another task or limit is refused), object storage and report.
+Rows are cut to the input limit (`max_input_tokens`, default and at most the model's
+positions; pairs lose tokens from the longer text first) and counted; with `truncate=False`
+a longer row is an error row. A missing, null or empty text (or either text of a pair) is
+an error row. A decoder checkpoint is refused with a line naming the encoders that run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from nanoserve import ENGINE, InputError, NanoserveError
+from ray_jobs.input.files import InputChunk, InputInfo
+from ray_jobs.preparation.prepare import (
+    TEXT,
+    ColumnPlan,
+    read_rows,
+    text_of,
+    text_prompt_column,
+)
+from ray_jobs.workers.options import PREFILL_BATCH_SIZE, PREFILL_BATCH_TOKENS, JobOptions
+from ray_jobs.workers.tasks import ShardOutcome, ShardWorker, TaskKind, TaskPlan
+
+# The options both tasks add to `JobOptions` (a subset of the embedding task's, same meaning).
+CLASSIFY_OPTIONS = ("max_input_tokens", "truncate")
+# The score task's pair columns, in order of preference.
+PAIR_COLUMNS = (("text_1", "text_2"), ("query", "document"))
+
+CLASSIFY_RESULT = pa.schema([pa.field("label", pa.string()),
+                             pa.field("probs", pa.map_(pa.string(), pa.float64())),
+                             pa.field("score", pa.float64()),
+                             pa.field("num_input_tokens", pa.int32()),
+                             pa.field("error", pa.string())])
+SCORE_RESULT = pa.schema([pa.field("score", pa.float64()),
+                          pa.field("num_input_tokens", pa.int32()),
+                          pa.field("error", pa.string())])
+RESULTS = {"classify": CLASSIFY_RESULT, "score": SCORE_RESULT}
+_BOOKKEEPING = [pa.field("finish_reason", pa.string()), pa.field("num_generated_tokens", pa.int32())]
+
+
+def worker_schema(task: str) -> pa.Schema:
+    return pa.schema(list(RESULTS[task]) + _BOOKKEEPING)
+
+
+@dataclass(frozen=True)
+class ClassifyRow:
+    """One input row ready for a batch (the `batching.BatchRow` protocol)."""
+
+    position: int
+    id: Any
+    values: dict[str, Any]
+    prompt_token_ids: tuple[int, ...]
+    token_type_ids: tuple[int, ...] = ()
+    error: str | None = None
+    truncated: bool = False
+    params: None = None
+    n: int = 1
+    max_tokens: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+def pair_columns(names: list[str]) -> tuple[str, str] | None:
+    """The score task's (first, second) columns in an input with these columns."""
+    return next((p for p in PAIR_COLUMNS if p[0] in names), None)
+
+
+class ClassifyPreparer:
+    """Input chunks to `ClassifyRow`s: a text (classify) or a pair (`pair`: its two columns,
+    score) tokenized by the encoder's tokenizer, cut to `limit` tokens (or, without
+    `truncate`, an error row when longer)."""
+
+    def __init__(self, plan: ColumnPlan, tokenizer: Any, limit: int, truncate: bool = True,
+                 pair: tuple[str, str] | None = None) -> None:
+        self.plan, self.limit, self.truncate, self.pair = plan, limit, truncate, pair
+        self.tokenizer = type(tokenizer)(tokenizer.backend, limit) \
+            if tokenizer.max_tokens != limit else tokenizer
+
+    def prepare(self, chunk: InputChunk, first_position: int,
+                read_images: bool = True) -> list[ClassifyRow]:
+        out = []
+        for position, row_id, values, error, parsed in read_rows(
+                chunk, first_position, self.plan.id_column, self._ids):
+            ids, types, cut = parsed or ((), (), False)
+            out.append(ClassifyRow(position, row_id, values, ids, types, error, cut))
+        return out
+
+    def _text(self, values: dict[str, Any], column: str) -> str:
+        value = values.get(column)
+        if value is None:
+            raise ValueError(f"no text: column {column!r} is null or missing")
+        value = text_of(value, column)
+        if not value.strip():
+            raise ValueError(f"empty text (column {column!r})")
+        return value
+
+    def _ids(self, values: dict[str, Any]) -> tuple[tuple[int, ...], tuple[int, ...], bool]:
+        if self.pair is not None:
+            ids, types, cut = self.tokenizer.encode_row(self._text(values, self.pair[0]),
+                                                        self._text(values, self.pair[1]))
+        else:
+            column, kind = self.plan.prompt_of(values, "text")
+            if kind != TEXT:
+                raise ValueError(f"column {column!r} holds {kind.replace('_', ' ')}; a "
+                                 f"classification job reads text")
+            ids, types, cut = self.tokenizer.encode_row(self._text(values, column))
+        if cut and not self.truncate:
+            raise ValueError(f"input is above the limit of {self.limit} tokens "
+                             f"(--max-input-tokens; without --no-truncate it would be cut)")
+        return tuple(ids), tuple(types), cut
+
+
+class ClassifyWorker:
+    """An `Encoder` held for the life of the process; `run_batch` answers one row per
+    request with the task's result columns (`RESULTS[task]`) and, for the job's
+    bookkeeping, `finish_reason` ('stop' or 'error') and `num_generated_tokens` (0)."""
+
+    def __init__(self, model: str, dtype: str = ENGINE["dtype"].default, device: str | None = None,
+                 num_threads: int | None = None, max_batch_tokens: int = PREFILL_BATCH_TOKENS,
+                 task: str = "classify", **_generation: Any) -> None:
+        import threading
+
+        from nanoserve import Encoder
+        from ray_jobs.workers.worker import _fault_hold_load_while_file, _fault_on_load, pick_device
+
+        _fault_hold_load_while_file()
+        _fault_on_load()
+        if num_threads:
+            import torch
+
+            torch.set_num_threads(num_threads)
+        self.task = task
+        self.encoder = Encoder.load(model, dtype=dtype, device=device or pick_device(),
+                                    max_batch_tokens=max_batch_tokens)
+        self._lock = threading.Lock()
+
+    def info(self) -> dict[str, Any]:
+        import os
+        import socket
+
+        from ray_jobs.workers.worker import ray_gpu_ids
+
+        return {"gpu_ids": ray_gpu_ids(), "device": str(self.encoder.model.device),
+                "host": socket.gethostname(), "pid": os.getpid(),
+                "scheduler": "classification" if self.task == "classify" else "scoring"}
+
+    def run_batch(self, requests: list[Any]) -> pa.Table:
+        from ray_jobs.workers.worker import (
+            OOM_KEY,
+            PREFILL_SLOTS_KEY,
+            PREFILL_TOKENS_KEY,
+            _fault_hold_while_file,
+            _first_line,
+        )
+
+        _fault_hold_while_file()
+        ids = [list(r.prompt_token_ids) for r in requests]
+        types = [list(r.token_type_ids) or [0] * len(r.prompt_token_ids) for r in requests]
+        results: list[dict[str, Any]]
+        try:
+            with self._lock:
+                logits = self.encoder.classify_ids(ids, types)
+            results = self.read_logits(logits)
+        except (NanoserveError, ValueError, RuntimeError):  # each row alone: a bad one fails
+            results = []
+            for i, t in zip(ids, types):
+                try:
+                    with self._lock:
+                        results += self.read_logits(self.encoder.classify_ids([i], [t]))
+                except (NanoserveError, ValueError, RuntimeError) as e:
+                    results.append({"error": f"{self.task} failed: {type(e).__name__}: "
+                                             f"{_first_line(str(e))}"})
+        rows = [{**res, "num_input_tokens": len(i), "num_generated_tokens": 0,
+                 "finish_reason": "error" if res.get("error") else "stop"}
+                for res, i in zip(results, ids)]
+        table = pa.Table.from_pylist(rows, schema=worker_schema(self.task))
+        real = sum(len(i) for i in ids)
+        return table.replace_schema_metadata({PREFILL_SLOTS_KEY: str(real).encode(),
+                                              PREFILL_TOKENS_KEY: str(real).encode(),
+                                              OOM_KEY: b"0"})
+
+    def read_logits(self, logits: Any) -> list[dict[str, Any]]:
+        """Each row's result columns from its logits (see the module docstring)."""
+        config = self.encoder.config
+        preds = self.encoder.predict(logits)
+        if self.task == "score":
+            if config.num_labels == 1:
+                return [{"score": float(row[0])} for row in logits]
+            second = config.id2label[1]
+            return [{"score": p.probs[second]} for p in preds]
+        if config.problem_type == "regression":
+            return [{"score": p.score} for p in preds]
+        multi = config.problem_type == "multi_label_classification"
+        return [{"label": None if multi else p.label, "probs": p.probs} for p in preds]
+
+
+def error_row(message: str, num_input_tokens: int = 0) -> dict[str, Any]:
+    return {"num_input_tokens": num_input_tokens, "error": message, "finish_reason": "error",
+            "num_generated_tokens": 0}
+
+
+class ClassifyTask:
+    """Both tasks' plug-in of the shard walk (`ray_jobs.workers.tasks`): rows prepared by
+    `ClassifyPreparer`, run by `ClassifyWorker.run_batch`, one result row a row."""
+
+    def __init__(self, plan: ColumnPlan, options: dict[str, Any], tokenizer: Any,
+                 config: Any = None, engine: Any = None) -> None:
+        """`options`: the job's `JobSpec.task_options` (`task`, `limit`, `truncate`, `pair`)."""
+        pair = options.get("pair")
+        self.verb = "classification" if options["task"] == "classify" else "scoring"
+        self.preparer = ClassifyPreparer(plan, tokenizer, options["limit"],
+                                         options.get("truncate", True),
+                                         tuple(pair) if pair else None)
+        self.engine = engine
+
+    def groups(self, rows: list[Any]) -> list[list[int]]:
+        """One engine call (the encoder packs its rows by tokens itself)."""
+        return [list(range(len(rows)))]
+
+    def requests(self, rows: list[Any]) -> list[Any]:
+        return rows
+
+    def results(self, table: pa.Table, rows: list[Any]) -> list[list[dict[str, Any]]]:
+        out = []
+        for res in table.to_pylist():
+            if res.get("probs") is not None:
+                res["probs"] = dict(res["probs"])
+            out.append([res])
+        return out
+
+    def error_results(self, message: str, row: Any) -> list[dict[str, Any]]:
+        return [error_row(message, row.num_prompt_tokens)]
+
+    def count(self, out: ShardOutcome, row: Any, samples: list[dict[str, Any]]) -> None:
+        out.truncated += bool(getattr(row, "truncated", False))
+
+
+class RayClassifyWorker(ShardWorker, ClassifyWorker):
+    """Both tasks' actor: a `ClassifyWorker` that runs shards (`ShardWorker`)."""
+
+    def make_task(self, spec: Any) -> ClassifyTask:
+        return ClassifyTask(spec.plan, spec.task_options, self.encoder.tokenizer,
+                            engine=self.run_batch)
+
+
+def take_options(options: dict[str, Any]) -> dict[str, Any]:
+    """`CLASSIFY_OPTIONS`, popped from the job's keyword arguments; the prefill-only batch
+    bounds (as embedding's) set as the job's defaults."""
+    own = {k: options.pop(k) for k in CLASSIFY_OPTIONS if k in options}
+    options.setdefault("batch_size", PREFILL_BATCH_SIZE)
+    if options.get("max_batch_tokens") is None:
+        options["max_batch_tokens"] = PREFILL_BATCH_TOKENS
+    return own
+
+
+def score_prompt_column(given: str | None, names: list[str]) -> str | None:
+    """The score task reads its pair columns (`PAIR_COLUMNS`); the first is planned as the
+    prompt column. InputError when the input has no pair."""
+    found = ", ".join(repr(n) for n in names) or "(none)"
+    if given is not None:
+        raise InputError("a score job reads the pair columns text_1 and text_2 (or query and "
+                         "document); --prompt-column does not apply")
+    pair = pair_columns(names)
+    if pair is None or pair[1] not in names:
+        raise InputError(f"a score job reads columns text_1 and text_2 (or query and "
+                         f"document); columns found: {found}")
+    return pair[0]
+
+
+def _limit(own: dict[str, Any], config: Any) -> int:
+    top = config.max_position_embeddings
+    limit = own.get("max_input_tokens")
+    if limit is None:
+        return top
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= top:
+        raise InputError(f"max_input_tokens must be an integer from 1 to the model's "
+                         f"{top} positions, got {limit!r}")
+    return limit
+
+
+def task_options(task: str, own: dict[str, Any], config: Any, names: list[str],
+                 model_path: Path) -> dict[str, Any]:
+    """`ClassifyTask`'s options (the job's `JobSpec.task_options`) for an input of these
+    columns, from `take_options`' result and the encoder's config. InputError for a head the
+    task cannot read, a limit above the model's positions, an input column clashing with an
+    output one."""
+    clashes = [n for n in RESULTS[task].names if n in names and n not in ("error",
+                                                                          "num_input_tokens")]
+    if clashes:
+        raise InputError(f"input column {clashes[0]!r} clashes with the output column of that "
+                         f"name; rename it")
+    if task == "score" and not (config.num_labels == 1 or config.num_labels == 2):
+        raise InputError(f"a score job needs a head of one output or two labels; model "
+                         f"{model_path} has {config.num_labels} ({', '.join(config.id2label)})")
+    if (task == "classify" and config.problem_type == "regression"
+            and config.num_labels != 1):
+        raise InputError(f"model {model_path} is a regression head of {config.num_labels} "
+                         f"outputs; a classify job reads one ('score')")
+    pair = pair_columns(names) if task == "score" else None
+    return {"task": task, "limit": _limit(own, config), "truncate": bool(own.get("truncate", True)),
+            "pair": list(pair) if pair else None}
+
+
+def _plan(task: str, opts: JobOptions, own: dict[str, Any], info: InputInfo,
+          plan: ColumnPlan, model_path: Path, config: Any, tokenizer: Any) -> TaskPlan:
+    options = task_options(task, own, config, info.schema.names, model_path)
+    settings = {"task": task, "limit": options["limit"], "truncate": options["truncate"],
+                "labels": list(config.id2label), "problem_type": config.problem_type}
+    schema = pa.schema([pa.field("id", plan.id_type)] + plan.passthrough_fields()
+                       + list(RESULTS[task]))
+    return TaskPlan(opts, schema, ClassifyTask(plan, options, tokenizer, config),
+                    RayClassifyWorker, task_options=options,
+                    actor_kwargs={"task": task, "max_batch_tokens": opts.max_batch_tokens},
+                    settings={"sampling": None, task: settings},
+                    report_settings={task: settings})
+
+
+def plan_classify(*args: Any) -> TaskPlan:
+    return _plan("classify", *args)
+
+
+def plan_score(*args: Any) -> TaskPlan:
+    return _plan("score", *args)
+
+
+def load_meta(model_path: Path) -> tuple[Any, Any]:
+    """The encoder's config and tokenizer (`nanoserve.read_classifier`): a ModelError naming
+    the supported architectures for a decoder or a head-less checkpoint."""
+    from nanoserve import read_classifier
+
+    return read_classifier(model_path)
+
+
+def progress(run: Any, elapsed: float) -> str:
+    """The progress bar's rates after `elapsed` seconds."""
+    return (f"{run.input_rows / elapsed:.1f} rows/s, "
+            f"{run.input_tokens / elapsed:.1f} input tok/s")
+
+
+def summary_lines(s: Any) -> list[str]:
+    """The summary's lines of either task (`ray_jobs.dispatch.driver.JobSummary.format`)."""
+    rate = s.rows / s.wall_time_s if s.wall_time_s > 0 else 0.0
+    tok = s.input_tokens / s.wall_time_s if s.wall_time_s > 0 else 0.0
+    return [f"truncated: {s.truncated_rows} row(s) cut to the input limit",
+            f"tokens: {s.input_tokens} input",
+            f"wall time: {s.wall_time_s:.1f} s, {rate:.1f} rows/s, {tok:.1f} tokens/s"]
+
+
+CLASSIFY = TaskKind("classify", "classify", (), take_options, text_prompt_column, plan_classify,
+                    progress, summary_lines, load_meta)
+SCORE = TaskKind("score", "score", (), take_options, score_prompt_column, plan_score,
+                 progress, summary_lines, load_meta)
+
+
+__all__ = ["CLASSIFY", "CLASSIFY_OPTIONS", "PAIR_COLUMNS", "RESULTS", "SCORE",
+           "ClassifyPreparer", "ClassifyRow", "ClassifyTask", "ClassifyWorker",
+           "RayClassifyWorker", "load_meta", "score_prompt_column", "task_options"]
