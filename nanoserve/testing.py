@@ -9,6 +9,7 @@ from its transformers config, any more keys, and the tensors as given, quantized
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -162,7 +163,6 @@ def save_tiny_family(folder: str | Path, family: str, tokenizer_source: str | Pa
     `sliding_window`: placed by the family's rule (`tiny_hf_config`). `chat_template` and
     `special_tokens` ({'bos_token': ..., 'eos_token': ...}) go into tokenizer_config.json,
     `eos_tokens` (token strings) into generation_config.json."""
-    import json
 
     from nanoserve.weights.tokenizer import Tokenizer
 
@@ -182,6 +182,7 @@ def save_tiny_family(folder: str | Path, family: str, tokenizer_source: str | Pa
 
 
 __all__ = ["TINY_SHAPE", "family_record", "save_fp8_checkpoint", "save_tiny_embedding",
+           "write_sentence_transformers_files",
            "save_tiny_family", "save_tiny_llama", "tiny_hf_config", "tiny_hf_model"]
 
 
@@ -223,7 +224,6 @@ def save_byte_tokenizer(folder: str | Path) -> Path:
     """`save_tiny_byte_llama`'s byte-level tokenizer alone (tokenizer.json and
     tokenizer_config.json in `folder`): ids 0..255 the bytes, 256 `<s>`, 257 `</s>`. Made
     here, from nothing: for random-weight checkpoints of any shape (benchmarks)."""
-    import json
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
@@ -269,7 +269,6 @@ def save_tiny_embedding(folder: str | Path, tokenizer_source: str | Path, *,
     as Qwen3-Embedding's does (a `TemplateProcessing` post-processor in tokenizer.json).
     `tokenizer_config.json` names the fast tokenizer class and the pad (and closing) token,
     so transformers' `AutoTokenizer` and sentence-transformers load the same files."""
-    import json
 
     import torch
     import transformers
@@ -310,25 +309,35 @@ def save_tiny_embedding(folder: str | Path, tokenizer_source: str | Path, *,
     backend.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     if pooling is not None:
-        modules = [{"idx": 0, "name": "0", "path": "",
-                    "type": "sentence_transformers.models.Transformer"},
-                   {"idx": 1, "name": "1", "path": "1_Pooling",
-                    "type": "sentence_transformers.models.Pooling"}]
-        if normalize:
-            modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
-                            "type": "sentence_transformers.models.Normalize"})
-        (folder / "modules.json").write_text(json.dumps(modules))
-        (folder / "1_Pooling").mkdir(exist_ok=True)
-        modes = ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens",
-                 "weightedmean_tokens", "lasttoken")
-        want = {"lasttoken": "lasttoken", "mean": "mean_tokens", "cls": "cls_token"}[pooling]
-        pool_cfg = {"word_embedding_dimension": 64,
-                    **{f"pooling_mode_{m}": m == want for m in modes}, "include_prompt": True}
-        (folder / "1_Pooling" / "config.json").write_text(json.dumps(pool_cfg))
-        if max_seq_length is not None:
-            (folder / "sentence_bert_config.json").write_text(
-                json.dumps({"max_seq_length": max_seq_length, "do_lower_case": False}))
+        write_sentence_transformers_files(folder, pooling, 64, normalize, max_seq_length)
     return folder
+
+
+def write_sentence_transformers_files(folder: Path, pooling: str, dim: int,
+                                      normalize: bool = True,
+                                      max_seq_length: int | None = None) -> None:
+    """A sentence-transformers folder's own files beside a saved model, as its `save` writes
+    them: modules.json (Transformer, Pooling, and Normalize when `normalize`), the Pooling
+    module's config.json (`pooling`: 'lasttoken', 'mean' or 'cls' over `dim` values) and,
+    with `max_seq_length`, sentence_bert_config.json."""
+    modules = [{"idx": 0, "name": "0", "path": "",
+                "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling",
+                "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
+                        "type": "sentence_transformers.models.Normalize"})
+    (folder / "modules.json").write_text(json.dumps(modules))
+    (folder / "1_Pooling").mkdir(exist_ok=True)
+    modes = ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens",
+             "weightedmean_tokens", "lasttoken")
+    want = {"lasttoken": "lasttoken", "mean": "mean_tokens", "cls": "cls_token"}[pooling]
+    pool_cfg = {"word_embedding_dimension": dim,
+                **{f"pooling_mode_{m}": m == want for m in modes}, "include_prompt": True}
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(pool_cfg))
+    if max_seq_length is not None:
+        (folder / "sentence_bert_config.json").write_text(
+            json.dumps({"max_seq_length": max_seq_length, "do_lower_case": False}))
 
 
 # --- FP8 checkpoints (nanoserve/model/quantization.py lists the formats) ----------------------------
@@ -348,7 +357,6 @@ def save_fp8_checkpoint(src: str | Path, dst: str | Path, fmt: str, twin: str | 
     checkpoint whose every tensor equals what the FP8 one stands for). The decoder linears
     (and a mixture of experts' expert linears, not its router) are quantized, except the modules named in `ignore` (stored bf16, as the other tensors
     are); `lm_head` is never quantized. Tokenizer files are copied to both. Returns `dst`."""
-    import json
     import shutil
 
     import torch
@@ -500,7 +508,6 @@ def save_tiny_qwen2_5_vl(folder: str | Path, seed: int = 0, *, vision_depth: int
     tokens hardly depend on the prompt (the same token again and again); at 10 they differ
     from image to image and from text to text (what a test that a row's images reached the
     model needs)."""
-    import json
 
     import torch
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers

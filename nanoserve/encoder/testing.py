@@ -161,25 +161,10 @@ def save_tiny_encoder(folder: str | Path, model_type: str, *, head: bool = False
         {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": limit,
          "model_input_names": inputs, **specials}))
     if sentence_transformers is not None:
-        modules = [{"idx": 0, "name": "0", "path": "",
-                    "type": "sentence_transformers.models.Transformer"},
-                   {"idx": 1, "name": "1", "path": "1_Pooling",
-                    "type": "sentence_transformers.models.Pooling"}]
-        if normalize:
-            modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
-                            "type": "sentence_transformers.models.Normalize"})
-        (folder / "modules.json").write_text(json.dumps(modules))
-        (folder / "1_Pooling").mkdir(exist_ok=True)
-        (folder / "1_Pooling" / "config.json").write_text(json.dumps(
-            {"word_embedding_dimension": model.config.hidden_size,
-             "pooling_mode_cls_token": sentence_transformers == "cls",
-             "pooling_mode_mean_tokens": sentence_transformers == "mean",
-             "pooling_mode_max_tokens": False, "pooling_mode_mean_sqrt_len_tokens": False,
-             "pooling_mode_weightedmean_tokens": False, "pooling_mode_lasttoken": False,
-             "include_prompt": True}))
-        if max_seq_length is not None:
-            (folder / "sentence_bert_config.json").write_text(
-                json.dumps({"max_seq_length": max_seq_length, "do_lower_case": False}))
+        from nanoserve.testing import write_sentence_transformers_files
+
+        write_sentence_transformers_files(folder, sentence_transformers,
+                                          model.config.hidden_size, normalize, max_seq_length)
     return folder
 
 

@@ -50,7 +50,14 @@ from ray_jobs.preparation.prepare import (
     text_prompt_column,
 )
 from ray_jobs.workers.options import PREFILL_BATCH_SIZE, PREFILL_BATCH_TOKENS, JobOptions
-from ray_jobs.workers.tasks import ShardOutcome, ShardWorker, TaskKind, TaskPlan
+from ray_jobs.workers.tasks import (
+    ShardOutcome,
+    ShardWorker,
+    TaskKind,
+    TaskPlan,
+    prefill_progress,
+    prefill_summary_lines,
+)
 
 # The options both tasks add to `JobOptions` (a subset of the embedding task's, same meaning).
 CLASSIFY_OPTIONS = ("max_input_tokens", "truncate")
@@ -364,25 +371,15 @@ def load_meta(model_path: Path) -> tuple[Any, Any]:
     return read_classifier(model_path)
 
 
-def progress(run: Any, elapsed: float) -> str:
-    """The progress bar's rates after `elapsed` seconds."""
-    return (f"{run.input_rows / elapsed:.1f} rows/s, "
-            f"{run.input_tokens / elapsed:.1f} input tok/s")
-
-
 def summary_lines(s: Any) -> list[str]:
     """The summary's lines of either task (`ray_jobs.dispatch.driver.JobSummary.format`)."""
-    rate = s.rows / s.wall_time_s if s.wall_time_s > 0 else 0.0
-    tok = s.input_tokens / s.wall_time_s if s.wall_time_s > 0 else 0.0
-    return [f"truncated: {s.truncated_rows} row(s) cut to the input limit",
-            f"tokens: {s.input_tokens} input",
-            f"wall time: {s.wall_time_s:.1f} s, {rate:.1f} rows/s, {tok:.1f} tokens/s"]
+    return prefill_summary_lines(s, f"tokens: {s.input_tokens} input")
 
 
 CLASSIFY = TaskKind("classify", "classify", (), take_options, text_prompt_column, plan_classify,
-                    progress, summary_lines, load_meta)
+                    prefill_progress, summary_lines, load_meta)
 SCORE = TaskKind("score", "score", (), take_options, score_prompt_column, plan_score,
-                 progress, summary_lines, load_meta)
+                 prefill_progress, summary_lines, load_meta)
 
 
 __all__ = ["CLASSIFY", "CLASSIFY_OPTIONS", "PAIR_COLUMNS", "RESULTS", "SCORE",

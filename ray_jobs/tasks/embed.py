@@ -41,7 +41,14 @@ from ray_jobs.preparation.prepare import (
     token_ids_of,
 )
 from ray_jobs.workers.options import PREFILL_BATCH_SIZE, PREFILL_BATCH_TOKENS, JobOptions
-from ray_jobs.workers.tasks import ShardOutcome, ShardWorker, TaskKind, TaskPlan
+from ray_jobs.workers.tasks import (
+    ShardOutcome,
+    ShardWorker,
+    TaskKind,
+    TaskPlan,
+    prefill_progress,
+    prefill_summary_lines,
+)
 
 # The options the embedding task adds to `JobOptions` (run_job's keyword arguments).
 EMBED_OPTIONS = ("pooling", "normalize", "dimensions", "instruction", "max_input_tokens",
@@ -377,22 +384,12 @@ def plan_job(opts: JobOptions, own: dict[str, Any], info: InputInfo, plan: Colum
                     report_settings={"embed": embed}, summary={"dimensions": settings.dim})
 
 
-def progress(run: Any, elapsed: float) -> str:
-    """The progress bar's rates after `elapsed` seconds."""
-    return (f"{run.input_rows / elapsed:.1f} rows/s, "
-            f"{run.input_tokens / elapsed:.1f} input tok/s")
-
-
 def summary_lines(s: Any) -> list[str]:
     """The summary's embedding lines (`ray_jobs.dispatch.driver.JobSummary.format`)."""
-    rate = s.rows / s.wall_time_s if s.wall_time_s > 0 else 0.0
-    tok = s.input_tokens / s.wall_time_s if s.wall_time_s > 0 else 0.0
-    return [f"truncated: {s.truncated_rows} row(s) cut to the input limit",
-            f"vectors: {s.dimensions} dimensions; tokens: {s.input_tokens} input",
-            f"wall time: {s.wall_time_s:.1f} s, {rate:.1f} rows/s, {tok:.1f} tokens/s"]
+    return prefill_summary_lines(s, f"vectors: {s.dimensions} dimensions; tokens: {s.input_tokens} input")
 
 
-EMBED = TaskKind("embed", "embed", (), take_options, prompt_column, plan_job, progress,
+EMBED = TaskKind("embed", "embed", (), take_options, prompt_column, plan_job, prefill_progress,
                  summary_lines)
 
 

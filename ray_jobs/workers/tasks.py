@@ -141,6 +141,22 @@ class TaskKind:
     load_meta: Callable[[Any], tuple[Any, Any]] | None = None
 
 
+def prefill_progress(run: Any, elapsed: float) -> str:
+    """The progress bar's rates of a task without generation (embed, classify, score) after
+    `elapsed` seconds: rows and input tokens a second."""
+    return (f"{run.input_rows / elapsed:.1f} rows/s, "
+            f"{run.input_tokens / elapsed:.1f} input tok/s")
+
+
+def prefill_summary_lines(s: Any, tokens_line: str) -> list[str]:
+    """The summary's lines of a task without generation (`JobSummary.format`): the rows cut
+    to the input limit, `tokens_line` (the task's own), the wall time with its rates."""
+    rate = s.rows / s.wall_time_s if s.wall_time_s > 0 else 0.0
+    tok = s.input_tokens / s.wall_time_s if s.wall_time_s > 0 else 0.0
+    return [f"truncated: {s.truncated_rows} row(s) cut to the input limit", tokens_line,
+            f"wall time: {s.wall_time_s:.1f} s, {rate:.1f} rows/s, {tok:.1f} tokens/s"]
+
+
 def answer_rows(task: Any, rows: list[Any], error: str | None = None
                 ) -> tuple[list[list[dict[str, Any]]], pa.Table | None, list[int]]:
     """Each prepared row's results (a row's samples), in input order: error rows for the
