@@ -4,13 +4,17 @@ GPU and on the CPU), or in static batches that fit that pool.
 
     llm = LLM()                                   # the default model, CPU or GPU
     outs = llm.generate([llm.tokenizer.encode("Hello")], [SamplingParams(max_tokens=8)])
+
+    llm = LLM(model, lora={"sql": "adapters/sql"})  # LoRA adapters (PEFT folders), by name
+    outs = llm.generate(prompts, params, lora=["sql", None, ...])  # per prompt; None: base
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,6 +31,7 @@ from nanoserve.sampling.params import SamplingParams, token_budget
 from nanoserve.sampling.reasoning import resolve_parser, split_completions
 from nanoserve.sampling.sequence import SequenceOutput as Completion
 from nanoserve.sampling.structured import GrammarCache
+from nanoserve.scheduling.lora_slots import AdapterSlots, build_adapter_slots
 from nanoserve.scheduling.model_runner import ContinuousRunner
 from nanoserve.scheduling.running_rows import CPU_DEFAULT_ROWS, default_max_rows
 from nanoserve.scheduling.scheduler import generate_continuous
@@ -84,7 +89,9 @@ class LLM:
                  load_format: str = "auto",
                  kv_cache_dtype: str = ENGINE["kv_cache_dtype"].default,
                  reasoning_parser: str | None = "auto",
-                 num_threads: int | None = None) -> None:
+                 num_threads: int | None = None,
+                 lora: Mapping[str, str | Path] | Sequence[str] = ENGINE["lora"].default,
+                 max_loras: int | None = None) -> None:
         """The defaults of the options `nanoserve.options.ENGINE` declares are its (the
         KV share is `LLM`'s own override there), and so are their checks.
         kv_cache_fraction: share of the GPU's free memory (after the weights) given to
@@ -124,7 +131,14 @@ class LLM:
         where a step of 1,024 rows shares the weights' read and its GEMMs are compute-bound);
         elsewhere 256. An FP8 cache holds twice the tokens (benchmarks/RESULTS.md).
         num_threads: on the CPU, torch's intra-op threads (default: the cores this process
-        may run on; `nanoserve.cpu_threads`, the set-up every entry point shares)."""
+        may run on; `nanoserve.cpu_threads`, the set-up every entry point shares).
+        lora: LoRA adapters, {name: PEFT folder} or "NAME=PATH" strings, read into host
+        memory here (a folder that cannot be used: ModelError naming the field); a prompt
+        picks one by name (`generate(..., lora=...)`), in any mix within a batch: the base
+        GEMMs run once for all rows, each row's low-rank update after them
+        (nanoserve/model/lora.py). Continuous scheduler only. max_loras: adapters on the
+        device at once (default: one slot per adapter, at most 8); more are swapped in on
+        demand, the least recently used idle one out (nanoserve/scheduling/lora_slots.py)."""
         if max_batch_size is not None:
             check_positive_int(max_batch_size, "max_batch_size (the most rows running at once)")
         self.enable_prefix_caching = enable_prefix_caching
@@ -191,10 +205,15 @@ class LLM:
             max_batch_size = (default_max_rows(self.pool.num_tokens, self.device.type == "cuda")
                               if self.scheduler == "continuous" else CPU_DEFAULT_ROWS)
         self.max_batch_size = max_batch_size
+        if lora and self.scheduler != "continuous":
+            raise NanoserveError("LoRA adapters run on the continuous scheduler only "
+                                 "(scheduler 'auto' or 'continuous')")
+        self.adapters = build_adapter_slots(config, lora, max_loras, self.dtype, self.device)
         self.runner: ContinuousRunner | None = None
         if self.scheduler == "continuous":
             self.runner = ContinuousRunner(self.model, self.pool, max_batch_size,
-                                           continuous_step_mode(decode_step, self.device))
+                                           continuous_step_mode(decode_step, self.device),
+                                           adapters=self.adapters)
             # Every prefill length's graph now, not in the first run (a first 1,024-row run
             # of the 1B shape was 0.85x the second with them captured as met: 1.00x so).
             self.runner.capture_prefills()
@@ -206,8 +225,14 @@ class LLM:
     def max_context(self) -> int:
         return self.config.max_position_embeddings
 
+    @property
+    def lora_names(self) -> tuple[str, ...]:
+        """The names of this engine's LoRA adapters (`lora` at load), in their order."""
+        return self.adapters.names if self.adapters is not None else ()
+
     def generate(self, prompt_token_ids: list[list[int]] | list[str] | list[MultimodalPrompt],
-                 params: SamplingParams | list[SamplingParams] | None = None) -> list[Completion]:
+                 params: SamplingParams | list[SamplingParams] | None = None,
+                 lora: str | Sequence[str | None] | None = None) -> list[Completion]:
         """One completion per sample, in prompt order (a prompt is a list of token ids, a
         text encoded with the tokenizer's BOS rule, or a `MultimodalPrompt`: token ids with
         images, as `chat` makes them; continuous scheduler only): a prompt whose params ask for n
@@ -215,7 +240,9 @@ class LLM:
         static batches that fit the pool at their peak; a batch the device cannot hold is
         halved and retried. Continuous scheduler: one continuous batch over all prompts
         (capped at max_batch_size running rows); if the device runs out of memory there, the
-        call is run again the static way."""
+        call is run again the static way (not with LoRA adapters: the error is raised).
+        lora: each prompt's LoRA adapter by name (None: the base model), or one name for all;
+        NanoserveError for a name the engine was not given."""
         if isinstance(prompt_token_ids, str):
             raise TypeError("generate takes a list of prompts: wrap a single text in a list")
         prompt_token_ids = [self.tokenizer.encode(p) if isinstance(p, str) else p
@@ -229,15 +256,22 @@ class LLM:
             params = [params] * len(prompt_token_ids)
         if len(params) != len(prompt_token_ids):
             raise ValueError("one SamplingParams per prompt, or one for all")
+        if isinstance(lora, str):
+            lora = [lora] * len(prompt_token_ids)
+        try:
+            lora = (self.adapters or AdapterSlots.empty()).check_names(lora, len(params))
+        except ValueError as e:
+            raise NanoserveError(str(e)) from None
         self.last_stats = BatchStats()
         if self.scheduler == "continuous" and prompt_token_ids:
             try:
                 outs, stats = generate_continuous(
                     self.model, prompt_token_ids, params, self.eos_token_ids, self.pool,
                     self.tokenizer, self.max_batch_size, runner=self.runner,
-                    prefix_caching=self.enable_prefix_caching, grammars=self.grammars)
+                    prefix_caching=self.enable_prefix_caching, grammars=self.grammars,
+                    lora=lora)
             except torch.OutOfMemoryError:
-                if with_images:
+                if with_images or any(lora):
                     raise
                 torch.cuda.empty_cache()  # below: static batches, halved until they fit
             else:
@@ -295,7 +329,8 @@ class LLM:
 
     def chat(self, conversations: list[list[dict]] | list[dict],
              params: SamplingParams | list[SamplingParams] | None = None, *,
-             chat_template_kwargs: dict | None = None) -> list[Completion]:
+             chat_template_kwargs: dict | None = None,
+             lora: str | Sequence[str | None] | None = None) -> list[Completion]:
         """`generate` over conversations (one list of {role, content} messages, or a list of
         them), each rendered with the model's chat template (generation prompt added; the
         template writes the special tokens). `chat_template_kwargs` become template
@@ -305,7 +340,7 @@ class LLM:
         content may be a list of {"type": "text", "text": ...}, {"type": "image_url",
         "image_url": {"url": data: URL, local path or file:// URL}} and {"type": "image",
         "image": path or bytes}; an image that cannot be used raises ImageError
-        (nanoserve/multimodal/image_input.py)."""
+        (nanoserve/multimodal/image_input.py). lora: as `generate`'s."""
         from nanoserve.weights.chat_template import template_kwargs
 
         kwargs = template_kwargs(chat_template_kwargs)
@@ -314,11 +349,11 @@ class LLM:
         if self.image_config is not None:
             prompts = [chat_prompt(self.tokenizer, self.config.image_token_id,
                                    self.image_config, c, **kwargs) for c in conversations]
-            return self.generate(prompts, params)
+            return self.generate(prompts, params, lora)
         prompts = [self.tokenizer.encode(
             self.tokenizer.apply_chat_template(c, add_generation_prompt=True, **kwargs),
             add_special_tokens=False) for c in conversations]
-        return self.generate(prompts, params)
+        return self.generate(prompts, params, lora)
 
     def choice_scores(self, prompts: list[list[int]] | list[str],
                       labels: list[str]) -> list[dict[str, float]]:

@@ -165,6 +165,13 @@ def _fraction(f: Any) -> str | None:
     return None
 
 
+def _lora_specs(specs: Any) -> str | None:
+    bad = [s for s in specs or () if not isinstance(s, str) or "=" not in s[1:-1]]
+    if bad:
+        return f"must be NAME=PATH (an adapter's name and its PEFT folder), got {bad[0]!r}"
+    return None
+
+
 def _table(*options: Option) -> dict[str, Option]:
     return {o.name: o for o in options}
 
@@ -260,6 +267,11 @@ ENGINE = _table(
            "prefill every row's whole prompt, even a prefix that an earlier row's KV blocks "
            "already hold (default: shared prefixes are computed and stored once per "
            "engine)"),
+    Option("lora", str, (),
+           "a LoRA adapter, NAME=PATH: a local PEFT folder (adapter_config.json, "
+           "adapter_model.safetensors); repeatable. A job's row picks one by name in its "
+           "'lora' column (an OpenAI request by its 'model'); null: the base model",
+           metavar="NAME=PATH", repeat=True, check=_lora_specs),
 )
 
 OPTIONS = {**SAMPLING, **STRUCTURED, **ENGINE}

@@ -3,7 +3,8 @@
 The engine calls only `decode_attention`, `prefill_attention`, `paged_prefill_attention`,
 `store_kv`, `rms_norm`, `add_rms_norm`, `rotary`, `rotary_store`, `silu_and_mul` (and the
 last three's `_fp8` forms, their output quantized per row for an FP8 projection),
-`argmax_scatter`, `masked_argmax`, `logprob_rows`, `scale_rows` and `fused_moe` from here. The residual
+`argmax_scatter`, `masked_argmax`, `logprob_rows`, `scale_rows`, `fused_moe` and `lora_add`
+from here. The residual
 adds and silu-and-mul's `_fp8` form also take `x_scales`: x is then an FP8 projection's
 output before its scales (`nanoserve_kernels.scaled_rows`), applied as x is read.
 `use_triton(device)` is the rule (`NANOSERVE_KERNELS=reference` forces the references
@@ -47,6 +48,8 @@ from nanoserve_kernels.kv_store import store_kv as _store_kv_triton
 from nanoserve_kernels.kv_store import store_kv_reference
 from nanoserve_kernels.logprobs import logprob_rows as _logprob_rows_triton
 from nanoserve_kernels.logprobs import logprob_rows_reference
+from nanoserve_kernels.lora import lora_add as _lora_add_triton
+from nanoserve_kernels.lora import lora_add_reference
 from nanoserve_kernels.paged_attention import (
     paged_decode_attention,
     paged_decode_attention_reference,
@@ -310,6 +313,19 @@ def fused_moe(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torc
     return fused_moe_reference(x, logits, w13, w2, top_k, renormalize, **scales)
 
 
+def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+             slices: tuple[tuple[int, int, int], ...], index: torch.Tensor,
+             groups: tuple[torch.Tensor, torch.Tensor] | None = None,
+             slices_dev: torch.Tensor | None = None) -> None:
+    """y [N, N_out] += each token's LoRA update from x [N, K], in place: a [S, P*R, K],
+    b [S, W, R] (scale folded in), a slot per token in index [N] (-1: none); `groups` and
+    `slices_dev` are the kernels' (`nanoserve_kernels.lora`)."""
+    if use_triton(x.device):
+        _lora_add_triton(y, x, a, b, slices, index, groups, slices_dev)
+    else:
+        lora_add_reference(y, x, a, b, slices, index)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[..., 2I] = [gate | up] -> silu(gate) * up [..., I]."""
     if use_triton(x.device):
@@ -322,6 +338,7 @@ __all__ = [
     "add_rms_norm_fp8",
     "argmax_scatter",
     "logprob_rows",
+    "lora_add",
     "silu_and_mul_fp8",
     "masked_argmax",
     "scale_rows",

@@ -7,6 +7,9 @@ another position (another parent) are another block:
     prompt:  [t0 .. t15][t16 .. t31][t32 .. t40]     block_size 16
     hashes:  h0 = H(ROOT, t0..t15), h1 = H(h0, t16..t31); the partial block has none
 
+A row under a LoRA adapter starts its chain at `prefix_root(adapter)` instead of ROOT: its
+blocks hold that adapter's keys and values, never served to another adapter or the base.
+
 The allocator (`nanoserve.cache.block_manager.BlockAllocator`) indexes the blocks whose contents are
 known by these hashes; `lookup` walks a prompt's chain through that index.
 
@@ -40,6 +43,16 @@ from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 ROOT_HASH = b"nanoserve-prefix-root"  # the parent of a prompt's first block
+
+
+def prefix_root(lora: str | None = None) -> bytes:
+    """The parent of a prompt's first block under LoRA adapter `lora` (None: the base
+    model, `ROOT_HASH`): the same tokens under another adapter, or none, are other blocks,
+    so a block computed under one adapter is never reused for another."""
+    if lora is None:
+        return ROOT_HASH
+    return hashlib.blake2b(ROOT_HASH + b"\0lora\0" + lora.encode("utf-8"),
+                           digest_size=32).digest()
 
 
 def _pack(token_ids: Sequence[int]) -> bytes:
@@ -116,6 +129,7 @@ __all__ = [
     "blocks_to_admit",
     "hash_block",
     "hash_blocks",
+    "prefix_root",
     "lookup",
     "max_cached_blocks",
 ]

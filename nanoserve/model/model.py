@@ -5,6 +5,10 @@ scaled), grouped-query attention, SwiGLU MLP, tied or untied LM head. Parameter 
 equal transformers' `LlamaForCausalLM` state dict (and its Qwen2/Qwen3/Mistral twins,
 which use the same names), so a checkpoint loads by name.
 
+LoRA adapters (nanoserve/model/lora.py): each projection with adapter slots
+(`lora_qkv`, `lora_o`, `lora_gate_up`, `lora_down`, set by `LoraWeights.attach`) adds its
+rows' low-rank updates after its GEMM, when the forward is given a `LoraStep`.
+
 Family differences are the config's named options, applied in `LlamaAttention` only:
 `qkv_bias` (Qwen2: biases on q/k/v), `qk_norm` (Qwen3: `q_norm`/`k_norm`, an RMSNorm over
 head_dim applied to every head before rotary), and `attention_window(layer)` (Mistral,
@@ -19,7 +23,7 @@ Shapes: B rows, T tokens per row this step, d = hidden_size, Hq/Hkv heads, D hea
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +33,9 @@ from nanoserve.model.attention import AttentionMetadata, gqa_attention
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.moe import SparseMoeBlock
 from nanoserve_kernels import backend as kernel_backend
+
+if TYPE_CHECKING:
+    from nanoserve.model.lora import LoraProjection, LoraStep
 
 
 class QuantizedRows:
@@ -221,23 +228,30 @@ class LlamaAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by fuse()
+        self.lora_qkv: LoraProjection | None = None  # adapter slots (LoraWeights.attach)
+        self.lora_o: LoraProjection | None = None
 
     def fuse(self) -> None:
         """q, k and v projections (and their biases) as one GEMM (see `_fuse_rows`)."""
         self.qkv = _fuse_rows(self.q_proj, self.k_proj, self.v_proj)
 
-    def forward(self, x, cos, sin, cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x, cos, sin, cache, meta: AttentionMetadata,
+                lora: LoraStep | None = None) -> torch.Tensor:
+        """lora: the step's adapters (None: the base model for every row)."""
         B, T, _ = x.shape
         Hq, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv is None:
             self.fuse()
-        qkv = _project(x, self.qkv).view(B, T, Hq + 2 * Hkv, D)
+        qkv = _project(x, self.qkv)  # [B, T, (Hq + 2 Hkv) D]
+        if lora is not None and self.lora_qkv is not None:
+            self.lora_qkv.add(qkv, x, lora)
+        qkv = qkv.view(B, T, Hq + 2 * Hkv, D)
         if self.q_norm is None and not meta.is_prefill and hasattr(cache, "rotary_store"):
             # a continuous decode step: rotary and the K/V store in one kernel, then the
             # paged read (what gqa_attention does, with the store already done)
             q = cache.rotary_store(self.layer_idx, qkv, cos, sin, Hq)  # [B, 1, Hq, D]
             out = cache.paged_attention(self.layer_idx, q[:, 0], window=self.window)
-            return _project(out.reshape(B, T, Hq * D), self.o_proj, keep_scales=True)
+            return self._out(out.reshape(B, T, Hq * D), lora)
         v = qkv[:, :, Hq + Hkv:]  # [B, T, Hkv, D]
         if self.q_norm is not None:  # per head, over D, before rotary
             q = apply_rotary(self.q_norm(qkv[:, :, :Hq]), cos, sin)  # [B, T, Hq, D]
@@ -247,8 +261,15 @@ class LlamaAttention(nn.Module):
             q, k = qk[:, :, :Hq], qk[:, :, Hq:]
         out = gqa_attention(q, k, v, self.layer_idx, cache, meta,
                             window=self.window)  # [B, T, Hq, D]
-        return _project(out.reshape(B, T, self.num_heads * self.head_dim), self.o_proj,
-                        keep_scales=True)  # for the residual add after it
+        return self._out(out.reshape(B, T, self.num_heads * self.head_dim), lora)
+
+    def _out(self, out: torch.Tensor, lora: LoraStep | None) -> torch.Tensor | ScaledRows:
+        """o_proj of the attention's output [B, T, Hq D]: an FP8 GEMM's scales left to the
+        residual add after it, unless o_proj has adapter slots (the update goes on y)."""
+        y = _project(out, self.o_proj, keep_scales=self.lora_o is None)
+        if lora is not None and self.lora_o is not None:
+            self.lora_o.add(y, out, lora)
+        return y
 
 
 class LlamaMLP(nn.Module):
@@ -260,16 +281,20 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(inner, d, bias=False)
         self.gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by fuse()
         self.fp8_act: FP8Out | None = None  # silu-and-mul's output quantized for down_proj
+        self.lora_gate_up: LoraProjection | None = None  # adapter slots (LoraWeights.attach)
+        self.lora_down: LoraProjection | None = None
 
     def fuse(self) -> None:
         """gate and up projections as one GEMM (see `_fuse_rows`)."""
         self.gate_up = _fuse_rows(self.gate_proj, self.up_proj)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoraStep | None = None) -> torch.Tensor:
         if self.gate_up is None:
             self.fuse()
         fp8_act = self.fp8_act is not None  # silu-and-mul's FP8 form then applies the scales
         gate_up = _project(x, self.gate_up, keep_scales=fp8_act)  # [..., 2 * inner]: gate | up
+        if lora is not None and self.lora_gate_up is not None:
+            self.lora_gate_up.add(gate_up, x, lora)
         if fp8_act:
             gate_up, scales = with_scales(gate_up)
             q, scale = kernel_backend.silu_and_mul_fp8(gate_up, self.fp8_act.ub, x_scales=scales)
@@ -277,7 +302,11 @@ class LlamaMLP(nn.Module):
             down_in = QuantizedRows(q, scale, torch.Size(shape), gate_up.dtype)
         else:
             down_in = kernel_backend.silu_and_mul(gate_up)
-        return _project(down_in, self.down_proj, keep_scales=True)  # for the residual add
+        # an FP8 GEMM's scales left to the residual add, unless an update goes on y first
+        y = _project(down_in, self.down_proj, keep_scales=self.lora_down is None)
+        if lora is not None and self.lora_down is not None:
+            self.lora_down.add(y, down_in, lora)
+        return y
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -290,15 +319,16 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, h, x, cos, sin, cache, meta, next_norm: RMSNorm
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, h, x, cos, sin, cache, meta, next_norm: RMSNorm,
+                lora: LoraStep | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """h: the residual stream [B, T, d] entering the layer; x: h normed by this layer's
         input_layernorm. Returns the residual stream leaving the layer and it normed by
         `next_norm` (the next layer's input_layernorm, or the final norm): each residual
-        add is fused with the norm after it."""
+        add is fused with the norm after it. lora: the step's adapters, if any."""
         h, x = self.post_attention_layernorm.add_forward(
-            self.self_attn(x, cos, sin, cache, meta), h)
-        return next_norm.add_forward(self.mlp(x), h)
+            self.self_attn(x, cos, sin, cache, meta, lora), h)
+        mlp = self.mlp(x, lora) if isinstance(self.mlp, LlamaMLP) else self.mlp(x)
+        return next_norm.add_forward(mlp, h)
 
 
 class LlamaModel(nn.Module):
@@ -315,13 +345,17 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(config)
 
     def forward(self, input_ids, positions, cache, meta,
-                images: PlacedImages | None = None) -> torch.Tensor:
-        """images: image features that replace the embeddings of some tokens."""
+                images: PlacedImages | None = None, lora: LoraStep | None = None
+                ) -> torch.Tensor:
+        """images: image features that replace the embeddings of some tokens; lora: the
+        step's adapters (one slot per token of input_ids; not with a padded prefill)."""
         h = None  # the residual stream [B, T, d], made here only when images go into it
         if images is not None:
             h = self.embed_tokens(input_ids)
             h.view(-1, h.shape[-1]).index_copy_(0, images.index, images.embeds.to(h.dtype))
         if packs_prefill(input_ids, meta):
+            if lora is not None:
+                raise ValueError("LoRA adapters run in packed or decode steps, not padded ones")
             # Projections and MLP on the real tokens only: one row [1, N]; attention puts
             # q/k/v back in their rectangle (nanoserve/model/attention.py). Padding comes out zero.
             valid = meta.valid
@@ -331,9 +365,9 @@ class LlamaModel(nn.Module):
             out = x.new_zeros(*valid.shape, x.shape[-1])
             out[valid] = x[0]
             return out
-        return self._forward(input_ids, positions, cache, meta, h)
+        return self._forward(input_ids, positions, cache, meta, h, lora)
 
-    def _forward(self, input_ids, positions, cache, meta, h=None) -> torch.Tensor:
+    def _forward(self, input_ids, positions, cache, meta, h=None, lora=None) -> torch.Tensor:
         if h is None:
             h = self.embed_tokens(input_ids)  # [B, T, d]: the residual stream
         cos, sin = self.rotary_emb(positions, h.dtype)
@@ -341,7 +375,7 @@ class LlamaModel(nn.Module):
         for i, layer in enumerate(self.layers):
             last = i + 1 == len(self.layers)
             h, x = layer(h, x, cos, sin, cache, meta,
-                         self.norm if last else self.layers[i + 1].input_layernorm)
+                         self.norm if last else self.layers[i + 1].input_layernorm, lora)
         return x
 
 
@@ -394,10 +428,12 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def hidden_states(self, input_ids, positions, cache, meta: AttentionMetadata,
-                      images: PlacedImages | None = None) -> torch.Tensor:
+                      images: PlacedImages | None = None, lora: LoraStep | None = None
+                      ) -> torch.Tensor:
         """input_ids, positions [B, T] (multimodal rotary: [3, B, T]) -> final normed hidden
-        states [B, T, d]. images: features replacing some tokens' embeddings."""
-        return self.model(input_ids, positions, cache, meta, images)
+        states [B, T, d]. images: features replacing some tokens' embeddings; lora: the
+        step's adapters (nanoserve/model/lora.py), None for the base model."""
+        return self.model(input_ids, positions, cache, meta, images, lora)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., d] -> [..., V] in float32."""

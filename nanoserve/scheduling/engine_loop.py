@@ -72,7 +72,7 @@ class EngineLoop:
             raise ValueError("an engine loop needs an LLM with the continuous scheduler")
         self.llm = llm
         self._cv = threading.Condition()
-        self._inbox: deque[tuple[list, list, GroupFuture, bool]] = deque()
+        self._inbox: deque[tuple[list, list, GroupFuture, bool, list | None]] = deque()
         self._calls: deque[tuple[Callable[[], Any], Future]] = deque()  # `call`s to run
         self._live: list[Future] = []  # futures of groups in the scheduler
         self._alone = False  # an alone group is in the scheduler
@@ -93,14 +93,15 @@ class EngineLoop:
                                    grammars=getattr(llm, "grammars", None))
 
     def submit(self, prompts: list[list[int]], params: list[SamplingParams],
-               alone: bool = False) -> Future:
+               alone: bool = False, lora: list[str | None] | None = None) -> Future:
         """Queue a group of rows; the future's result is their completions, in order (and
-        its `progress()` how many have finished so far)."""
+        its `progress()` how many have finished so far). `lora`: each prompt's LoRA adapter
+        (None: the base model; an unknown name fails the group with a ValueError)."""
         future = GroupFuture(sum(p.n for p in params))
         with self._cv:
             if self._closed:
                 raise RuntimeError("the engine loop is closed")
-            self._inbox.append((prompts, params, future, alone))
+            self._inbox.append((prompts, params, future, alone, lora))
             self._cv.notify()
         return future
 
@@ -135,14 +136,14 @@ class EngineLoop:
             self._cv.notify()
         self._thread.join()
 
-    def _take_new(self) -> list[tuple[list, list, Future, bool]]:
+    def _take_new(self) -> list[tuple[list, list, Future, bool, list | None]]:
         """What may join now: an alone group only into an empty scheduler, nothing while an
         alone group runs; otherwise every queued group up to the first alone one."""
         taken = []
         if self._alone:
             return taken
         while self._inbox:
-            prompts, params, future, alone = self._inbox[0]
+            prompts, params, future, alone, _ = self._inbox[0]
             if alone and (taken or self.sched.has_work):
                 break
             taken.append(self._inbox.popleft())
@@ -169,8 +170,8 @@ class EngineLoop:
                         future.set_result(fn())
                     except BaseException as exc:  # noqa: BLE001 - the caller's to handle
                         future.set_exception(exc)
-                for prompts, params, future, alone in new:
-                    self._add(prompts, params, future, alone)
+                for prompts, params, future, alone, lora in new:
+                    self._add(prompts, params, future, alone, lora)
                 if not self.sched.has_work:
                     continue
                 if self._busy_since is None:
@@ -187,7 +188,8 @@ class EngineLoop:
                         if not f.done():
                             f.set_exception(exc)
 
-    def _add(self, prompts: list, params: list, future: GroupFuture, alone: bool) -> None:
+    def _add(self, prompts: list, params: list, future: GroupFuture, alone: bool,
+             lora: list | None = None) -> None:
         def done(outputs: list[SequenceOutput]) -> None:
             self._live.remove(future)
             if alone:
@@ -198,7 +200,7 @@ class EngineLoop:
         self._live.append(future)
         self._alone = self._alone or alone
         try:
-            future._group = self.sched.add(prompts, params, done)  # an empty one: done at once
+            future._group = self.sched.add(prompts, params, done, lora)  # empty: done at once
         except Exception as exc:  # noqa: BLE001 - a bad row or one too big: the caller's
             done_already = future not in self._live
             if not done_already:

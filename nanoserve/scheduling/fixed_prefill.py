@@ -35,6 +35,7 @@ import torch
 
 from nanoserve.cache.step_cache import StepCache
 from nanoserve.model.attention import AttentionMetadata
+from nanoserve.model.lora import LoraStep
 from nanoserve_kernels.paged_prefill import default_block_m
 from nanoserve_kernels.prefill_attention import PREFILL_BLOCK_M, prefill_work, prefill_work_size
 
@@ -65,8 +66,24 @@ def prefill_lengths(max_tokens: int) -> list[int]:
 class FixedPrefills:
     """The fixed-tensor prefills of a `ContinuousRunner` (mixed into it: the runner's
     `__init__` sets the fields these read, `prefill_tokens`, `_pf_rows`, `_pf_buf`,
-    `_pf_hidden`, `_pf_graphs`, `_pf_failed`; its graphs are captured by
-    `nanoserve.scheduling.step_graphs.StepGraphs`)."""
+    `_pf_hidden`, `_pf_graphs`, `_pf_failed`, and the adapters' `adapters`, `lora_slot`;
+    its graphs are captured by `nanoserve.scheduling.step_graphs.StepGraphs`)."""
+
+    def _lora_step(self, index: torch.Tensor) -> LoraStep | None:
+        """A step's `LoraStep` from its tokens' adapter slots (None: no adapters)."""
+        if self.adapters is None:
+            return None
+        return LoraStep(index, self.adapters.weights.num_slots)
+
+    def _token_lora(self, cu: torch.Tensor, rows: torch.Tensor, n: int) -> LoraStep | None:
+        """The `LoraStep` of a packed prefill's n tokens: token i of row j (cu[j] <= i <
+        cu[j + 1]; cu [R + 1], rows [R] its row slots) takes `lora_slot[rows[j]]`. Fixed
+        shapes, no host sync: a prefill graph holds it."""
+        if self.adapters is None:
+            return None
+        tokens = torch.arange(n, device=cu.device, dtype=cu.dtype)
+        row = torch.searchsorted(cu[1:].contiguous(), tokens, right=True)
+        return self._lora_step(self.lora_slot[rows[row.clamp_max(rows.shape[0] - 1)]])
 
     def _prefill_buffers(self) -> None:
         """The fixed prefills' input buffer (every layout up to prefill_tokens, then the
@@ -131,7 +148,7 @@ class FixedPrefills:
                               ctx.to(torch.int32))
         else:
             cache = StepCache(self.pool, writes)
-        hidden = self.model.hidden_states(ids, pos, cache, meta)
+        hidden = self.model.hidden_states(ids, pos, cache, meta, lora=self._token_lora(cu, rows, T))
         self._pf_hidden[:T].copy_(hidden[0])
 
     def _stage_prefill(self, T: int, paged: bool, tokens: list[list[int]], writes: list[int],

@@ -30,6 +30,12 @@ per bucket, captured at its first use (`_masked_step`), its masks filled on the 
 a fill thread while the host prepares the next step (`begin_sampling`). The graphs of
 all buckets write their logits into one shared buffer.
 
+LoRA adapters (an engine built with some: `adapters`, nanoserve/scheduling/lora_slots.py):
+`lora_slot[r]` (on the device, beside the block tables) is row slot r's adapter slot (-1: the
+base model), set when the row is admitted (`set_lora_slots`); a step reads its rows' entries
+into a `LoraStep` inside its forward (a decode step per row, a prefill per token through the
+rows' starts), so the graphs captured over the fixed tensors serve any mix of adapters.
+
 Staging and result buffers form a ring of RING entries; an operation (a prefill or a
 step) takes the next entry, and the host waits for the entry's previous use to have
 finished before it rewrites it. At most RING - 1 operations are unread at a time.
@@ -59,6 +65,7 @@ from nanoserve.scheduling.fixed_prefill import (
     prefill_length,
     prefill_lengths,
 )
+from nanoserve.scheduling.lora_slots import AdapterSlots
 from nanoserve.scheduling.step_graphs import StepGraphs
 from nanoserve_kernels import backend as kernel_backend
 
@@ -113,8 +120,10 @@ class ContinuousRunner(StepGraphs, FixedPrefills):
 
     def __init__(self, model: LlamaForCausalLM, pool: KVPool, max_batch_size: int,
                  mode: str = "eager", max_blocks_per_row: int | None = None,
-                 pad_prefills: bool | None = None) -> None:
-        """pad_prefills: run packed prefills launched op by op (mode "eager", or longer than
+                 pad_prefills: bool | None = None, adapters: AdapterSlots | None = None
+                 ) -> None:
+        """adapters: the engine's LoRA adapters and their device slots (attached to the
+        model here; None: none). pad_prefills: run packed prefills launched op by op (mode "eager", or longer than
         `prefill_tokens`) at `prefill_length` tokens (default: on a CUDA device, where a GEMM
         of a shape cuBLAS has not met costs the host 5-15x one it has; a prefill whose padding
         its table could not hold runs unpadded). Fixed-tensor prefills are always padded."""
@@ -133,6 +142,10 @@ class ContinuousRunner(StepGraphs, FixedPrefills):
         self.pad_prefills = dev.type == "cuda" if pad_prefills is None else pad_prefills
         self.last_tok = torch.zeros(B + 1, dtype=torch.long, device=dev)  # [B + 1]
         self.block_tables = torch.zeros(B + 1, self.width, dtype=torch.int32, device=dev)
+        self.adapters = adapters
+        self.lora_slot = torch.full((B + 1,), -1, dtype=torch.int32, device=dev)  # [B + 1]
+        if adapters is not None:
+            adapters.weights.attach(model)
         self._inputs = torch.zeros(4, B, dtype=torch.long, device=dev)  # slot, pos, write, ctx
         pin = dev.type == "cuda"
         self._stage = torch.zeros(RING, 4, B, dtype=torch.long, pin_memory=pin)
@@ -207,8 +220,9 @@ class ContinuousRunner(StepGraphs, FixedPrefills):
         tables = self.block_tables.index_select(0, slots)  # [b, W]
         hint = min(SPLIT_CONTEXT_HINT, self.width * self.pool.block_size)
         cache = StepCache(self.pool, writes, tables, ctx.to(torch.int32), hint)
+        lora = self._lora_step(self.lora_slot.index_select(0, slots))  # [b]
         hidden = self.model.hidden_states(ids, positions[:, None], cache,
-                                          AttentionMetadata.decode())
+                                          AttentionMetadata.decode(), lora=lora)
         if self._logits is None:
             logits = self.model.lm_head(hidden[:, 0])  # [b, V]
         else:  # the LM head's own product (no bias), written into the shared buffer
@@ -344,6 +358,12 @@ class ContinuousRunner(StepGraphs, FixedPrefills):
         self.block_tables.index_fill_(0, idx, 0)
         self.block_tables[:, :width].index_copy_(0, idx, dev[1:, :width].to(torch.int32))
 
+    def set_lora_slots(self, slots: list[int], lora_slots: list[int]) -> None:
+        """Set rows' adapter slots (-1: the base model) at admission."""
+        if self.adapters is not None:
+            idx, val = self._upload(torch.tensor([slots, lora_slots], dtype=torch.long))
+            self.lora_slot.index_copy_(0, idx, val.to(torch.int32))
+
     def set_last_tokens(self, slots: list[int], tokens: list[int]) -> None:
         """Set rows' latest tokens from the host (a recomputed row's last token)."""
         idx, val = self._upload(torch.tensor([slots, tokens], dtype=torch.long))
@@ -455,7 +475,8 @@ class ContinuousRunner(StepGraphs, FixedPrefills):
             placed = PlacedImages(torch.tensor(images.index, dtype=torch.long, device=self.device),
                                   images.embeds)
         hidden = self.model.hidden_states(ids_t, pos_t, cache,
-                                          AttentionMetadata.packed(cu_t, max(lens)), placed)
+                                          AttentionMetadata.packed(cu_t, max(lens)), placed,
+                                          lora=self._token_lora(cu_t, rows_t, N))
         return hidden, ids_t, cu, last, idx
 
 

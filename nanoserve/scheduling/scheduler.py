@@ -55,6 +55,11 @@ from counter-based noise keyed by their seed and token number, which preemption 
 disturb); every block is free again when `run` returns or raises; a row is in at most one
 prefill, and only its own steps write its blocks.
 
+LoRA adapters (`runner.adapters`): admission takes a device slot for a row's adapter
+(`AdapterSlots.acquire`: shared with its running rows, else loaded, the least recently used
+idle one evicted); a row whose adapter finds no slot waits, as one short of blocks does. Its
+prefix-cache names start from its adapter's root (`prefix_root`).
+
 `add` may be called between steps (the batch worker keeps one scheduler running across
 the driver's batches): a group's `on_done` callback gets its outputs when its last row
 finishes.
@@ -78,7 +83,12 @@ from nanoserve.cache.block_manager import (
     reserve_one_each,
 )
 from nanoserve.cache.pool import KVPool
-from nanoserve.cache.prefix_cache import blocks_to_admit, hash_blocks, max_cached_blocks
+from nanoserve.cache.prefix_cache import (
+    blocks_to_admit,
+    hash_blocks,
+    max_cached_blocks,
+    prefix_root,
+)
 from nanoserve.errors import CacheFullError
 from nanoserve.model.model import LlamaForCausalLM
 from nanoserve.multimodal.prompt import MultimodalPrompt, RowImages, check_image_model
@@ -87,6 +97,7 @@ from nanoserve.sampling.params import SamplingParams
 from nanoserve.sampling.sequence import Sequence, SequenceOutput, samples_of
 from nanoserve.sampling.step_sampling import StepSampling
 from nanoserve.sampling.structured import accept_tokens
+from nanoserve.scheduling.lora_slots import AdapterSlots
 from nanoserve.scheduling.model_runner import ContinuousRunner, Launched, PrefillImages
 from nanoserve.static.generate import BatchStats, pool_for
 
@@ -140,6 +151,8 @@ class _Row:
         self.hit: list[int] = []  # cached blocks found for its prefill, at admission
         self._names: tuple[int, list[bytes]] = (-1, [])  # (prefill length, block names)
         self.images: RowImages | None = None  # its prompt's images (a vision-language model)
+        self.lora: str | None = None  # its LoRA adapter (None: the base model)
+        self.lora_slot: int | None = None  # the adapter's device slot while it runs (-1: none)
 
     @property
     def rope_delta(self) -> int:
@@ -161,7 +174,7 @@ class _Row:
         and names them all once written."""
         tokens = self.name_tokens()
         if self._names[0] != len(tokens):
-            self._names = (len(tokens), hash_blocks(tokens, block_size))
+            self._names = (len(tokens), hash_blocks(tokens, block_size, prefix_root(self.lora)))
         return self._names[1]
 
     def peak_tokens(self) -> int:
@@ -206,6 +219,7 @@ class ContinuousScheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.prefix_caching = prefix_caching
         self.grammars = grammars
+        self.adapters = runner.adapters or AdapterSlots.empty()  # LoRA adapters' slots
         self.words = grammars.words if grammars is not None else 0
         self.waiting: deque[_Row] = deque()
         self.running: list[_Row] = []
@@ -221,11 +235,14 @@ class ContinuousScheduler:
     # --- the public surface -----------------------------------------------------------------
 
     def add(self, prompts: list[list[int]], params: list[SamplingParams],
-            on_done: Callable[[list[SequenceOutput]], None] | None = None) -> _Group:
+            on_done: Callable[[list[SequenceOutput]], None] | None = None,
+            lora: list[str | None] | None = None) -> _Group:
         """Queue rows; a row asking for n samples is n rows, and `on_done` gets one output per
         sample (a prompt's samples consecutively). Raises ValueError (a bad prompt or
-        constraint) or CacheFullError (a row that cannot fit the pool even alone) having
-        queued none of them. A prompt may be a `MultimodalPrompt` (token ids and images)."""
+        constraint, an unknown adapter) or CacheFullError (a row that cannot fit the pool even
+        alone) having queued none of them. A prompt may be a `MultimodalPrompt` (token ids and
+        images); `lora`: each prompt's LoRA adapter (None: the base model)."""
+        lora = self.adapters.check_names(lora, len(prompts))
         max_context = self.model.config.max_position_embeddings
         images = [self._row_images(p) for p in prompts]
         samples = [samples_of(p.token_ids if isinstance(p, MultimodalPrompt) else p, sp,
@@ -233,12 +250,12 @@ class ContinuousScheduler:
                    for p, sp in zip(prompts, params, strict=True)]
         group = _Group(sum(len(g) for g in samples), on_done)
         rows: list[_Row] = []
-        for g, imgs in zip(samples, images):
+        for g, imgs, adapter in zip(samples, images, lora):
             first = _Row(g[0], group, len(rows))
             rows.append(first)
             rows += [_Row(seq, group, len(rows) + j, fork_of=first) for j, seq in enumerate(g[1:])]
             for r in rows[len(rows) - len(g):]:
-                r.images = imgs
+                r.images, r.lora = imgs, adapter
         for r in rows:
             need = _blocks(r.peak_tokens(), self.pool.block_size)
             if need > min(self.pool.num_blocks, self.runner.width):
@@ -373,7 +390,9 @@ class ContinuousScheduler:
                 break
             if admitted and tokens + n > self.max_prefill_tokens:
                 break
-            row.hit = hit
+            if (slot := self.adapters.acquire(row.lora)) is None:
+                break  # its adapter finds no device slot: it waits for rows to leave
+            row.hit, row.lora_slot = hit, slot
             admitted.append(self.waiting.popleft())
             free -= need
             tokens += n
@@ -387,7 +406,7 @@ class ContinuousScheduler:
                 if fork_need + len(self.running) + len(admitted) > free:
                     break
                 child = self.waiting.popleft()
-                child.hit = []
+                child.hit, child.lora_slot = [], self.adapters.acquire(child.lora)  # resident
                 row.forks.append(child)
                 admitted.append(child)
                 free -= fork_need
@@ -431,6 +450,7 @@ class ContinuousScheduler:
         self.running += rows + [c for r in rows for c in r.forks]
         placed = rows + [c for r in rows for c in r.forks]
         self.runner.set_block_tables([r.slot for r in placed], [r.table.blocks for r in placed])
+        self.runner.set_lora_slots([r.slot for r in placed], [r.lora_slot for r in placed])
         recomputed = [r for r in rows if r.seq.output_ids]
         if recomputed:
             self.runner.set_last_tokens([r.slot for r in recomputed],
@@ -624,6 +644,9 @@ class ContinuousScheduler:
                     s.seq.prompt_logprobs = values
 
     def _release(self, r: _Row) -> None:
+        if r.lora_slot is not None:
+            self.adapters.release(r.lora)
+            r.lora_slot = None
         if r.table is not None:
             r.table.free(self.pool.allocator)
             r.table = None
@@ -646,9 +669,11 @@ def generate_continuous(model: LlamaForCausalLM, prompts: list[list[int]],
                         max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
                         runner: ContinuousRunner | None = None, step_mode: str = "eager",
                         prefix_caching: bool = True, grammars=None,
+                        lora: list[str | None] | None = None,
                         ) -> tuple[list[SequenceOutput], BatchStats]:
     """Generate every prompt with continuous batching; see the module docstring. `runner`:
-    an engine's own (graphs captured once), else one made for this call in `step_mode`.
+    an engine's own (graphs captured once), else one made for this call in `step_mode`;
+    lora: each prompt's adapter (the runner's `adapters`; None: the base model).
     Raises CacheFullError, having changed nothing, when a row could not fit the pool even
     alone (its prompt and its new tokens but the last, which is never written), or when
     the next row cannot start because blocks it needs are held outside this call."""
@@ -664,7 +689,7 @@ def generate_continuous(model: LlamaForCausalLM, prompts: list[list[int]],
                                   step_mode)
     sched = ContinuousScheduler(model, pool, runner, eos_token_ids, tokenizer, max_batch_size,
                                 max_prefill_tokens, prefix_caching, grammars)
-    group = sched.add(prompts, params)
+    group = sched.add(prompts, params, lora=lora)
     sched.run()
     return list(group.outputs), sched.stats
 
