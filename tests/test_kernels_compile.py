@@ -284,6 +284,35 @@ def test_fused_moe_kernels_compile_for_hopper(monkeypatch, dtype):
         _compile(fn, args, kwargs)
 
 
+def _lora_calls(dtype: torch.dtype):
+    """The LoRA kernels (nanoserve_kernels/lora.py): shrink and expand over a fused q/k/v's
+    three parts (rank 16) and a single part (rank 8, padded to 16), y a strided view."""
+    from nanoserve_kernels.lora import lora_add
+
+    g = torch.Generator().manual_seed(0)
+    n, k, slots = 7, 256, 3
+    x = torch.randn(n, k, generator=g).to(dtype)
+    index = torch.tensor([0, -1, 2, 2, 1, -1, 0])
+    qkv = ((0, 0, 256), (256, 256, 64), (320, 320, 64))
+    a3 = torch.randn(slots, 3 * 16, k, generator=g).to(dtype)
+    b3 = torch.randn(slots, 384, 16, generator=g).to(dtype)
+    a1 = torch.randn(slots, 8, k, generator=g).to(dtype)
+    b1 = torch.randn(slots, 96, 8, generator=g).to(dtype)
+    y = torch.randn(n, 512, generator=g).to(dtype)
+    return [lambda: lora_add(y[:, :384], x, a3, b3, qkv, index),
+            lambda: lora_add(y[:, 100:196], x, a1, b1, ((0, 0, 96),), index)]
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_lora_kernels_compile_for_hopper(monkeypatch, dtype):
+    launches = _launches(monkeypatch, _lora_calls(dtype))
+    assert {fn.__name__ for fn, _, _ in launches} == {"_shrink_kernel", "_expand_kernel"}
+    monkeypatch.undo()
+    for fn, args, kwargs in launches:
+        _compile(fn, args, kwargs)
+
+
 @needs_kernels
 def test_a_kernel_the_gpu_compiler_refuses_fails_here(monkeypatch):
     """The check can fail: a block whose shape changes inside an `if` runs under the

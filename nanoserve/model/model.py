@@ -440,9 +440,11 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def forward(self, input_ids, positions, cache, meta: AttentionMetadata,
-                images: PlacedImages | None = None) -> torch.Tensor:
+                images: PlacedImages | None = None, lora: LoraStep | None = None
+                ) -> torch.Tensor:
         """input_ids, positions [B, T] -> logits [B, T, V] (float32)."""
-        return self.compute_logits(self.hidden_states(input_ids, positions, cache, meta, images))
+        return self.compute_logits(self.hidden_states(input_ids, positions, cache, meta, images,
+                                                      lora))
 
     @property
     def device(self) -> torch.device:
