@@ -14,6 +14,7 @@ the settings' types:
   (the parser it resolved and applies to its completions: the job never splits a think
   block itself);
 - the model's files: `resolve_model`, `ModelConfig`, `Tokenizer`, `validate_checkpoint`,
+  `check_lora_adapters` (LoRA adapter folders checked against a model, torch-free),
   `ChatTemplate`, `ImageConfig`, the grammar spec `StructuredOutputs`, the embedding
   settings `PoolingConfig` and `Embedder`; encoders with a classification head, `Encoder`
   and `read_classifier` (its config and tokenizer, no weights);
@@ -68,6 +69,7 @@ _PUBLIC = {
     "resolve_model": ("nanoserve.weights.model_store", "resolve_model"),
     "ModelConfig": ("nanoserve.model.config", "ModelConfig"),
     "validate_checkpoint": ("nanoserve.weights.weights", "validate_checkpoint"),
+    "check_lora_adapters": ("nanoserve.weights.lora_weights", "check_lora_adapters"),
     "Tokenizer": ("nanoserve.weights.tokenizer", "Tokenizer"),
     "byte_level_bytes": ("nanoserve.weights.tokenizer", "byte_level_bytes"),
     "ChatTemplate": ("nanoserve.weights.chat_template", "ChatTemplate"),
@@ -103,6 +105,7 @@ __all__ = [
     "MultimodalPrompt", "chat_prompt", "CPU_DEFAULT_ROWS", "MAX_DEFAULT_ROWS", "check_online",
     "token_budget", "check_room", "Option", "ENGINE", "SAMPLING", "STRUCTURED", "add_option",
     "DEFAULT_MODEL", "check_model_name", "resolve_model", "ModelConfig", "validate_checkpoint",
+    "check_lora_adapters",
     "Tokenizer", "byte_level_bytes", "ChatTemplate", "template_kwargs", "ImageConfig",
     "StructuredOutputs", "GrammarCache", "structured_from_request", "check_labels",
     "REASONING_PARSER_CHOICES", "choose_reasoning_parser",

@@ -137,6 +137,7 @@ def _add_generate_parser(sub) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     for name in ("kv_cache_dtype", "max_running_rows"):
         add_option(p, ENGINE[name], "generate")
+    add_option(p, ENGINE["lora"], "generate")
 
 
 def _run_generate(args) -> int:
@@ -171,7 +172,8 @@ def _run_generate(args) -> int:
     from nanoserve.llm import LLM
 
     llm = LLM(args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
-              kv_cache_dtype=args.kv_cache_dtype, max_batch_size=args.max_running_rows)
+              kv_cache_dtype=args.kv_cache_dtype, max_batch_size=args.max_running_rows,
+              lora=args.lora)
     load_s = time.perf_counter() - t0
     if structured is not None:
         try:
@@ -182,11 +184,13 @@ def _run_generate(args) -> int:
     texts = [tok.apply_chat_template([{"role": "user", "content": p}]) if args.chat else p
              for p in prompts]
     ids = [tok.encode(t) for t in texts]
+    adapters = llm.lora_names or (None,)  # each prompt under each adapter (or the base)
+    rows = [(p, t, name) for p, t in zip(prompts, ids) for name in adapters]
     t1 = time.perf_counter()
-    outs = llm.generate(ids, params)
+    outs = llm.generate([t for _, t, _ in rows], params, lora=[name for _, _, name in rows])
     generate_s = time.perf_counter() - t1
-    for i, p in enumerate(prompts):
-        print(f"=== [{i}] {p}")
+    for i, (p, _, name) in enumerate(rows):
+        print(f"=== [{i}] {p}" + (f" (LoRA {name})" if name is not None else ""))
         for out in outs[i * args.n:(i + 1) * args.n]:
             if args.n > 1:
                 print(f"--- sample {out.sample_index}")

@@ -269,8 +269,9 @@ ENGINE = _table(
            "engine)"),
     Option("lora", str, (),
            "a LoRA adapter, NAME=PATH: a local PEFT folder (adapter_config.json, "
-           "adapter_model.safetensors); repeatable. A job's row picks one by name in its "
-           "'lora' column (an OpenAI request by its 'model'); null: the base model",
+           "adapter_model.safetensors); repeatable. batch: a row picks one by name in its "
+           "'lora' column (an OpenAI request by its 'model'), null the base model; generate: "
+           "each prompt is completed under each",
            metavar="NAME=PATH", repeat=True, check=_lora_specs),
 )
 

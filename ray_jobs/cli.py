@@ -291,7 +291,7 @@ def _add_batch_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
                    help="exact KV pool size per worker in GiB, instead of the fraction "
                         "(default on the CPU: 1)")
-    for name in ("kv_cache_dtype", "max_running_rows", "scheduler", "prefix_caching"):
+    for name in ("kv_cache_dtype", "max_running_rows", "scheduler", "prefix_caching", "lora"):
         add_option(r, ENGINE[name], "batch")
     _add_cluster_and_reruns(p)
 
@@ -357,7 +357,7 @@ def run_batch_cli(args: argparse.Namespace) -> int:
         chat_template_kwargs=args.chat_template_kwargs,
         input_format=args.input_format, output_format=args.output_format,
         kv_cache_fraction=args.kv_cache_fraction, kv_cache_dtype=args.kv_cache_dtype,
-        max_running_rows=args.max_running_rows,
+        max_running_rows=args.max_running_rows, lora=tuple(args.lora),
         kv_cache_bytes=None if args.kv_cache_memory is None else int(args.kv_cache_memory * 2**30),
     )
     print(summary.format())

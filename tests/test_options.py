@@ -22,7 +22,7 @@ PACKAGES = ("nanoserve", "ray_jobs", "nanoserve_cli")
 COMMAND_OPTIONS = {
     "generate": ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "n",
                  "logprobs", "json_schema", "regex", "choice", "dtype", "quantization",
-                 "kv_cache_dtype", "max_running_rows"),
+                 "kv_cache_dtype", "max_running_rows", "lora"),
     "batch": tuple(OPTIONS),
     "embed": ("model", "dtype"),
 }
@@ -30,7 +30,7 @@ COMMAND_OPTIONS = {
 LLM_ARGUMENTS = {"model": "model", "dtype": "dtype", "quantization": "quantization",
                  "kv_cache_dtype": "kv_cache_dtype", "kv_cache_fraction": "kv_cache_fraction",
                  "max_running_rows": "max_batch_size", "scheduler": "scheduler",
-                 "prefix_caching": "enable_prefix_caching"}
+                 "prefix_caching": "enable_prefix_caching", "lora": "lora"}
 STAGE_ARGUMENTS = ("model", "dtype", "kv_cache_fraction", "scheduler")
 
 

@@ -302,6 +302,7 @@ class WorkerPool:
                   "scheduler": opts.scheduler, "prefix_caching": opts.prefix_caching,
                   "reasoning_parser": opts.reasoning_parser or "none",
                   **({"quantization": opts.quantization} if opts.quantization else {}),
+                  **({"lora": opts.lora} if opts.lora else {}),
                   **(actor_kwargs or {})}
         pool = cls(actor_cls, kwargs, opts.worker_start_timeout_s, timeline,
                    opts.max_deaths_in_a_row, opts)

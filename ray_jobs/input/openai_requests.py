@@ -19,9 +19,12 @@ body's fields become the job's per-row columns:
   `guided_regex`, `guided_choice`, `guided_grammar`; a body without `temperature` or
   `top_p` gets OpenAI's defaults, 1 and 1 (`OPENAI_DEFAULTS`: it samples, where a plain
   row without them takes the job's values, greedy by default);
-- accepted and not used: `model` (the response names the job's model), `user`,
-  `metadata`, `store`, and `stream` false, `echo` false, `presence_penalty` /
-  `frequency_penalty` 0, `logit_bias` empty; a field whose value is null is absent.
+- `model`, kept as the row's `model` column: where it names one of the job's LoRA adapters
+  (`--lora NAME=PATH`), the row runs under it (`ray_jobs.preparation.lora_column`); any
+  other name is the job's model (the response names the job's model);
+- accepted and not used: `user`, `metadata`, `store`, and `stream` false, `echo` false,
+  `presence_penalty` / `frequency_penalty` 0, `logit_bias` empty; a field whose value is
+  null is absent.
 
 Anything else (a body field we do not apply, another method or url, a body that is not an
 object) makes the row an error row whose message names it. Duplicate custom_ids are the
@@ -45,10 +48,10 @@ _FIELDS = {CHAT_URL: _BOTH | {"messages", "logprobs", "top_logprobs", "chat_temp
            COMPLETIONS_URL: _BOTH | {"prompt", "logprobs", "echo"}}
 _COPIED = ("temperature", "top_p", "n", "seed", "response_format", "top_k", "ignore_eos",
            "guided_json", "guided_regex", "guided_choice", "guided_grammar", "choice_scores",
-           "max_thinking_tokens")
+           "max_thinking_tokens", "model")
 _NEUTRAL = {"stream": (False,), "echo": (False,), "presence_penalty": (0,),
             "frequency_penalty": (0,), "logit_bias": ({},)}
-_IGNORED = ("model", "user", "metadata", "store")
+_IGNORED = ("user", "metadata", "store")
 # What OpenAI's API takes for a field the request leaves out (its API reference: temperature
 # "Defaults to 1", top_p "Defaults to 1"); the job's own defaults apply to plain rows only.
 OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0}

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from nanoserve import NanoserveError
+from ray_jobs.preparation.lora_column import LORA_COLUMN
 from ray_jobs.preparation.prepare import (
     CONSTRAINT_COLUMNS,
     OTHER_OVERRIDES,
@@ -16,7 +17,7 @@ from ray_jobs.preparation.prepare import (
 )
 
 ROW_OPTION_COLUMNS = (OVERRIDE_COLUMNS + OTHER_OVERRIDES + CONSTRAINT_COLUMNS
-                      + (TEMPLATE_KWARGS_COLUMN,))  # what a row may set for itself
+                      + (TEMPLATE_KWARGS_COLUMN, LORA_COLUMN))  # what a row may set for itself
 
 
 def column_slips(names: list[str]) -> list[str]:

@@ -3,11 +3,14 @@
 
 What generation adds to the job's walk (`ray_jobs.workers.tasks`, `ray_jobs.dispatch.driver.run_pipeline`):
 - on the driver (`plan_job`): the rows' `RowPreparer` (sampling defaults, a job-wide
-  structured output compiled, the chat template checked), the reasoning parser picked, the
+  structured output compiled, the chat template checked), the LoRA adapters' folders
+  checked against the model (`--lora`; their files in the manifest's settings), the
+  reasoning parser picked, the
   output controls and the parts' schema (`prepare.ColumnPlan.output_schema`), whether
   the job writes the OpenAI output files (an input of OpenAI batch requests, or
   `--output-format openai`);
-- on the workers (`GenerateTask`, `RayBatchWorker`): rows prepared, run by
+- on the workers (`GenerateTask`, `RayBatchWorker`): rows prepared (each with its adapter:
+  `ray_jobs.preparation.lora_column`), run by
   `BatchWorker.run_batch` (one result row per sample; the engine's reasoning parser, the
   one picked here and named in the workers' `reasoning_parser`, split the think block off);
   in a job with OpenAI output files, each shard's lines of them written with its part
@@ -27,6 +30,8 @@ import pyarrow as pa
 from nanoserve import InputError, NanoserveError
 from ray_jobs.input.files import InputInfo
 from ray_jobs.output import openai_files
+from ray_jobs.output.manifest import file_fingerprint
+from ray_jobs.preparation.lora_column import check_lora_column, row_adapter
 from ray_jobs.preparation.prepare import (
     ColumnPlan,
     RowPreparer,
@@ -48,11 +53,14 @@ class GenerateTask:
 
     def __init__(self, plan: ColumnPlan, options: dict[str, Any], tokenizer: Any, config: Any,
                  engine: Any = None, grammars: Any = None, preparer: Any = None,
-                 static_rows: int | None = None, images: Any = None) -> None:
+                 static_rows: int | None = None, images: Any = None,
+                 adapters: tuple[str, ...] = ()) -> None:
         """`options`: the job's `JobSpec.task_options` (sampling `defaults`,
         `chat_template_kwargs`, `max_batch_tokens`); `static_rows`: the
         most rows a static engine runs at once (None: a continuous engine, or none);
-        `images`: the model's `ray_jobs.preparation.row_images.ModelImages` (None: it takes no images)."""
+        `images`: the model's `ray_jobs.preparation.row_images.ModelImages` (None: it takes no
+        images); `adapters`: the engine's LoRA adapters' names (a request's `model` may name
+        one)."""
         eos = tuple(sorted(set(config.eos_token_ids) | set(tokenizer.eos_token_ids)))
         self.preparer = preparer or RowPreparer(
             plan, tokenizer, config.max_position_embeddings, config.vocab_size,
@@ -61,6 +69,7 @@ class GenerateTask:
         self.engine = engine
         self.static_rows = static_rows
         self.max_batch_tokens = options.get("max_batch_tokens")
+        self.adapters = adapters
 
     def groups(self, rows: list[Any]) -> list[list[int]]:
         """The engine calls for `rows` (indices into them): one of all the rows, in input
@@ -77,7 +86,8 @@ class GenerateTask:
         return [[at[id(r)] for r in group] for group in cut_window(rows, limits)]
 
     def requests(self, rows: list[Any]) -> list[Any]:
-        return [GenerationRequest(r.prompt_token_ids, r.params, r.images) for r in rows]
+        return [GenerationRequest(r.prompt_token_ids, r.params, r.images,
+                                  row_adapter(r.values, self.adapters)) for r in rows]
 
     def results(self, table: pa.Table, rows: list[Any]) -> list[list[dict[str, Any]]]:
         """The engine's table as each row's samples' results."""
@@ -105,7 +115,8 @@ class RayBatchWorker(ShardWorker, BatchWorker):
         return GenerateTask(spec.plan, spec.task_options, self.llm.tokenizer, self.llm.config,
                             engine=self.run_batch, grammars=self.llm.grammars,
                             static_rows=self.llm.max_batch_size if static else None,
-                            images=ModelImages.of_engine(self.llm))
+                            images=ModelImages.of_engine(self.llm),
+                            adapters=getattr(self.llm, "lora_names", ()))
 
 
 def _per_row(table_rows: list[dict[str, Any]], samples: list[int]) -> list[list[dict[str, Any]]]:
@@ -135,7 +146,10 @@ def plan_job(opts: JobOptions, own: dict[str, Any], info: InputInfo, plan: Colum
              model_path: Path, config: Any, tokenizer: Any) -> TaskPlan:
     """Generation's part of the job (see the module docstring). InputError for the job's
     sampling options, a structured output that does not compile, a chat template that is
-    missing or broken for chat rows, or a reasoning parser the model cannot run."""
+    missing or broken for chat rows, a reasoning parser the model cannot run, or a `lora`
+    column that is not text; ModelError for a LoRA adapter folder that cannot be used."""
+    check_lora_column(info.schema)
+    opts, adapters = _checked_adapters(opts, config)
     eos = tuple(sorted(set(config.eos_token_ids) | set(tokenizer.eos_token_ids)))
     # (the driver's preparer makes error rows only: it never reads an image)
     preparer = RowPreparer(plan, tokenizer, config.max_position_embeddings, config.vocab_size,
@@ -166,9 +180,25 @@ def plan_job(opts: JobOptions, own: dict[str, Any], info: InputInfo, plan: Colum
     return TaskPlan(opts, schema, GenerateTask(plan, options, tokenizer, config,
                                                preparer=preparer),
                     RayBatchWorker, controls, options, summary={"reasoning": reasoning_line},
+                    settings={"lora": adapters} if adapters else {},
                     openai_output=openai_files.wants_openai_output(opts.output_format,
                                                                    info.openai_rows),
                     warnings=tuple(warnings))
+
+
+def _checked_adapters(opts: JobOptions, config: Any) -> tuple[JobOptions, dict[str, Any]]:
+    """The job's `--lora` adapters checked against the model before any worker starts
+    (`nanoserve.check_lora_adapters`: every field and tensor header), their folders made
+    absolute for the workers, and what the manifest records of them: each one's files."""
+    if not opts.lora:
+        return opts, {}
+    from nanoserve import check_lora_adapters
+
+    folders = check_lora_adapters(opts.lora, config)
+    files = {name: [file_fingerprint(folder / f)
+                    for f in ("adapter_config.json", "adapter_model.safetensors")]
+             for name, folder in folders.items()}
+    return dataclasses.replace(opts, lora=tuple(f"{n}={p}" for n, p in folders.items())), files
 
 
 def progress(run: Any, elapsed: float) -> str:

@@ -142,6 +142,8 @@ class JobOptions:
     scheduler: str = ENGINE["scheduler"].default
     # engines reuse the KV blocks of shared prompt prefixes
     prefix_caching: bool = ENGINE["prefix_caching"].default
+    # LoRA adapters, "NAME=PATH" (local PEFT folders); a row picks one by its `lora` column
+    lora: tuple[str, ...] = ENGINE["lora"].default
     chunk_rows: int = DEFAULT_CHUNK_ROWS  # rows read and tokenized at a time
     # batches a worker holds at once; None: as many as keep its engine full (`hold_limits`)
     max_in_flight_per_worker: int | None = None
@@ -152,6 +154,9 @@ class JobOptions:
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "choice", tuple(self.choice or ()))
+        object.__setattr__(self, "lora", tuple(self.lora or ()))
+        if problem := ENGINE["lora"].problem(self.lora, ENGINE["lora"].flag):
+            raise InputError(problem)
         schema = self.json_schema
         if isinstance(schema, str):
             try:

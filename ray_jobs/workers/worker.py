@@ -6,14 +6,15 @@ one per GPU (`num_gpus=1`) or on the CPU (`num_cpus=1`) where the cluster has no
 The device is chosen inside the worker: `cuda` when Ray gave it a GPU and torch sees one,
 else `cpu` (so logical GPUs on a CPU machine still work, on the CPU).
 
-`run_batch` takes `GenerationRequest`s (token ids, images for a vision-language model, and
-their `SamplingParams`) and returns an
+`run_batch` takes `GenerationRequest`s (token ids, images for a vision-language model, their
+`SamplingParams`, and the LoRA adapter each runs under) and returns an
 Arrow table in `WORKER_RESULT_SCHEMA` with one row per sample: a request asking for n
 samples has n consecutive rows (`sample_index` 0..n-1), whether answered or failed; the
 `logprobs` / `prompt_logprobs` columns are null unless the request asked for them. Memory
 and bad constraints are handled in three layers, none of which fails the batch:
-- a row that cannot fit the worker's KV pool even alone, or whose structured output does
-  not compile (`LLM.grammars`, compiled once per worker), becomes `error` rows at once;
+- a row that cannot fit the worker's KV pool even alone, whose structured output does not
+  compile (`LLM.grammars`, compiled once per worker), or that names a LoRA adapter the
+  engine was not given, becomes `error` rows at once;
 - the other rows go to `LLM.generate`, which cuts them into sub-batches that fit the pool
   and halves a sub-batch the device runs out of memory on (torch.OutOfMemoryError);
 - a batch that still fails as a whole is run row by row, so one bad row becomes one
@@ -64,6 +65,7 @@ from typing import Any
 import pyarrow as pa
 
 from nanoserve import ENGINE, ModelError, NanoserveError, SamplingParams
+from ray_jobs.preparation.lora_column import unknown_adapter
 from ray_jobs.preparation.result_columns import WORKER_RESULT_SCHEMA
 
 PREFILL_SLOTS_KEY = b"nanoserve.prefill_slots"  # rows x longest prompt, summed over sub-batches
@@ -89,6 +91,7 @@ class GenerationRequest:
     prompt_token_ids: tuple[int, ...]  # each image's placeholder already its token count long
     params: SamplingParams
     images: tuple[Any, ...] = ()  # `nanoserve.multimodal.image_input.ImageInput`s, in placeholder order
+    lora: str | None = None  # the LoRA adapter it runs under, by name (None: the base model)
 
     def prompt(self) -> Any:
         """What the engine takes: the token ids, or a `MultimodalPrompt` with the images."""
@@ -123,7 +126,8 @@ class BatchWorker:
                  quantization: str | None = ENGINE["quantization"].default,
                  kv_cache_dtype: str = ENGINE["kv_cache_dtype"].default,
                  max_batch_size: int | None = ENGINE["max_running_rows"].default,
-                 reasoning_parser: str | None = "auto") -> None:
+                 reasoning_parser: str | None = "auto",
+                 lora: tuple[str, ...] = ENGINE["lora"].default) -> None:
         """Load the model once. `device` None picks one (see the module docstring);
         `num_threads` caps torch's CPU threads (at most the machine's cores);
         `kv_cache_bytes` sizes the KV pool exactly (else `kv_cache_fraction` of a GPU's free
@@ -131,7 +135,7 @@ class BatchWorker:
         or "continuous" (see `nanoserve.llm.LLM`); `quantization`: "fp8" or None (see there);
         `max_batch_size`: the most rows the engine decodes at once (None: its default);
         `reasoning_parser`: the engine's (thinking budgets, constraints after the think
-        block)."""
+        block); `lora`: the engine's LoRA adapters, "NAME=PATH" (a request names one)."""
         _fault_hold_load_while_file()
         t0 = time.perf_counter()
         import torch  # noqa: F401  (timed: the worker's imports)
@@ -145,7 +149,7 @@ class BatchWorker:
                   scheduler=scheduler, enable_prefix_caching=prefix_caching,
                   quantization=quantization, kv_cache_dtype=kv_cache_dtype,
                   max_batch_size=max_batch_size, reasoning_parser=reasoning_parser,
-                  num_threads=num_threads)
+                  num_threads=num_threads, **({"lora": lora} if lora else {}))
         self._attach(llm)
         self.load_timings = {"imports_s": imports_s, **getattr(llm, "load_timings", {})}
 
@@ -225,16 +229,17 @@ class BatchWorker:
         todo = [i for i, res in enumerate(results) if res is None]
         prompts = [batch_rows[i].prompt() for i in todo]
         params = [batch_rows[i].params for i in todo]
+        lora = [batch_rows[i].lora for i in todo]
         stats = []
         try:
             if todo:
-                per_request, st = self._generate_rows(prompts, params, ooms)
+                per_request, st = self._generate_rows(prompts, params, ooms, lora=lora)
                 stats.append(st)
                 for i, rows in zip(todo, per_request, strict=True):
                     results[i] = rows
         except (NanoserveError, ValueError, RuntimeError):  # torch.OutOfMemoryError included
-            for i, p, sp in zip(todo, prompts, params):
-                results[i], st = self._run_alone(p, sp, ooms)
+            for i, p, sp, name in zip(todo, prompts, params, lora):
+                results[i], st = self._run_alone(p, sp, ooms, name)
                 stats.append(st)
         table = pa.Table.from_pylist([row for rows in results for row in rows],
                                      schema=WORKER_RESULT_SCHEMA)
@@ -253,17 +258,20 @@ class BatchWorker:
         return table.replace_schema_metadata(meta)
 
     def _generate_rows(self, prompts: list[list[int]], params: list[SamplingParams],
-                       ooms: list[int], alone: bool = False
+                       ooms: list[int], alone: bool = False, lora: list | None = None
                        ) -> tuple[list[list[dict[str, Any]]], Any]:
         """Result rows per request (`_generate`'s completions): a request that asks for
         choice scores runs as one scoring sequence per label and gives one row, its text
-        the most likely label (`LLM.score_labels`)."""
+        the most likely label (`LLM.score_labels`, the base model). lora: each request's
+        adapter (None: the base model)."""
+        lora = lora or [None] * len(prompts)
         # a label list that is bad or does not fit after its prompt: the row's ValueError
         spans = [self.llm.label_token_ids(p.structured_outputs.choice, prompt)
                  if p.choice_scores else None for prompt, p in zip(prompts, params)]
         plain = [k for k, span in enumerate(spans) if span is None]
         done, stats = (self._generate([prompts[k] for k in plain], [params[k] for k in plain],
-                                      ooms, alone=alone) if plain else ([], None))
+                                      ooms, alone=alone, lora=[lora[k] for k in plain])
+                       if plain else ([], None))
         want = sum(params[k].n for k in plain)
         if len(done) != want:
             raise RuntimeError(f"the engine answered {len(done)} samples for {want} asked")
@@ -295,7 +303,8 @@ class BatchWorker:
             return run()
 
     def _generate(self, prompts: list[list[int]], params: list[SamplingParams],
-                  ooms: list[int], alone: bool = False) -> tuple[list[Any], Any]:
+                  ooms: list[int], alone: bool = False, lora: list | None = None
+                  ) -> tuple[list[Any], Any]:
         """The engine's completions and prefill counts: through the running batch
         (continuous, packed prefills: no padding; `alone`: by itself, so a failure is its
         own) or one call at a time (static, with the engine's own stats). Adds to `ooms[0]`
@@ -306,7 +315,8 @@ class BatchWorker:
 
             from nanoserve import BatchStats
 
-            future = self._loop.submit(prompts, params, alone=alone)
+            adapters = {"lora": lora} if lora and any(lora) else {}  # (by name: the engine's)
+            future = self._loop.submit(prompts, params, alone=alone, **adapters)
             me = threading.get_ident()
             self._running[me] = (future, len(prompts))
             _fault_hold_after_rows(self._loop, future)
@@ -353,6 +363,11 @@ class BatchWorker:
         if r.images and r.params.choice_scores:
             return error_rows("choice scores are computed for prompts without images only",
                               n, samples)
+        if (why := unknown_adapter(r.lora, getattr(self.llm, "lora_names", ()))) is not None:
+            return error_rows(why, n, samples)
+        if r.lora is not None and r.params.choice_scores:
+            return error_rows("choice scores are computed on the base model only (this row "
+                              f"names LoRA adapter {r.lora!r})", n, samples)
         together = samples if self._loop is None else 1
         try:  # the step count first: a prompt that fills the context is refused here
             fit = self.llm.row_fit(r.prompt_token_ids, r.params, together)
@@ -372,11 +387,12 @@ class BatchWorker:
             f"{fit.pool_blocks}; give the cache more memory or ask for fewer tokens", n, samples)
 
     def _run_alone(self, prompt: list[int], params: SamplingParams,
-                   ooms: list[int]) -> tuple[list[dict[str, Any]], Any]:
+                   ooms: list[int], lora: str | None = None) -> tuple[list[dict[str, Any]], Any]:
         import torch
 
         try:
-            (rows,), stats = self._generate_rows([prompt], [params], ooms, alone=True)
+            (rows,), stats = self._generate_rows([prompt], [params], ooms, alone=True,
+                                                 lora=[lora])
             return rows, stats
         except torch.OutOfMemoryError as e:
             return error_rows(f"the device ran out of memory even for this row alone: "
