@@ -157,7 +157,7 @@ def _run_generate(args) -> int:
             raise NanoserveError(f"cannot read {args.file}: {e.strerror}") from None
     if not prompts:
         raise NanoserveError("no prompts: give them as arguments or with --file")
-    for name in ("dtype", "max_running_rows"):  # the checks argparse does not make
+    for name in ("dtype", "max_running_rows", "lora"):  # the checks argparse does not make
         if (problem := ENGINE[name].problem(getattr(args, name), ENGINE[name].flag)):
             raise NanoserveError(problem)
     structured = _structured_output(args)

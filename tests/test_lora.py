@@ -293,3 +293,22 @@ def test_bad_names_and_specs_are_refused(lora_models):
     plain = LLM(str(base), device="cpu", kv_cache_bytes=8 << 20)
     with pytest.raises(NanoserveError, match="the engine's: none"):
         plain.generate([[1, 2, 3]], PARAMS, lora="ou")
+
+
+def test_nanoserve_generate_runs_each_prompt_under_each_adapter(lora_models, capsys):
+    from nanoserve_cli import main as nanoserve_main
+
+    base, folders, oracles = lora_models
+    rc = nanoserve_main(["generate", "--model", str(base), "--device", "cpu", "--max-tokens",
+                         str(NEW), "--lora", f"all7={folders['all7']}", "--lora",
+                         f"ou={folders['ou']}", "abc"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "=== [0] abc (LoRA all7)" in out and "=== [1] abc (LoRA ou)" in out
+    from nanoserve.weights.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_path(base)
+    for name in ("all7", "ou"):
+        assert tok.decode(hf_greedy(oracles[name], tok.encode("abc"), NEW)) in out
+    assert nanoserve_main(["generate", "--lora", "nope", "abc"]) == 2
+    assert "--lora must be NAME=PATH" in capsys.readouterr().err

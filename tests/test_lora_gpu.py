@@ -21,7 +21,12 @@ pytest.importorskip("triton")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-from nanoserve_kernels.lora import lora_add, lora_add_reference, lora_groups  # noqa: E402
+from nanoserve_kernels.lora import (  # noqa: E402
+    lora_add,
+    lora_add_reference,
+    lora_groups,
+    slices_tensor,
+)
 
 # An 8B model's q/k/v (hidden 4096, 32 query and 8 KV heads of 128) and down (14336 in).
 QKV = ((0, 0, 4096), (4096, 4096, 1024), (5120, 5120, 1024))
@@ -65,15 +70,16 @@ def test_grouping_and_kernels_replay_in_a_cuda_graph():
     reference's values for the new mix (a captured step reads its rows' slots the same way)."""
     y, x, a, b, index = _case(64, 4096, QKV, seed=5)
     y0 = y.clone()
+    slices = slices_tensor(QKV, "cuda")  # made once, outside the capture (as a projection's)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm-up: compile the kernels outside the capture
-        lora_add(y, x, a, b, QKV, index, lora_groups(index, 8))
+        lora_add(y, x, a, b, QKV, index, lora_groups(index, 8), slices)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         y.copy_(y0)
-        lora_add(y, x, a, b, QKV, index, lora_groups(index, 8))
+        lora_add(y, x, a, b, QKV, index, lora_groups(index, 8), slices)
     for seed in (6, 7):
         index.copy_(torch.randint(-1, 8, (64,), device="cuda",
                                   generator=torch.Generator(device="cuda").manual_seed(seed)))

@@ -117,3 +117,6 @@ def test_job_level_lora_errors_come_before_ray(lora_job_model, tmp_path, no_ray)
     with pytest.raises(InputError, match="--lora must be NAME=PATH"):
         run_batch_job(path, tmp_path / "o3", model=str(base), lora=(str(broken),),
                       progress=False)
+    with pytest.raises(InputError, match="continuous scheduler only"):
+        run_batch_job(path, tmp_path / "o4", model=str(base), lora=_specs(folders),
+                      scheduler="static", progress=False)

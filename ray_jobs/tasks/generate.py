@@ -192,6 +192,9 @@ def _checked_adapters(opts: JobOptions, config: Any) -> tuple[JobOptions, dict[s
     absolute for the workers, and what the manifest records of them: each one's files."""
     if not opts.lora:
         return opts, {}
+    if opts.scheduler == "static":
+        raise InputError("--lora runs on the continuous scheduler only (--scheduler auto or "
+                         "continuous)")
     from nanoserve import check_lora_adapters
 
     folders = check_lora_adapters(opts.lora, config)
