@@ -232,7 +232,8 @@ def print_table(sides: dict) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--runs", default=",".join(RUNS), help="comma-separated, of: " + ", ".join(RUNS))
+    ap.add_argument("--runs", default=",".join(RUNS),
+                    help="comma-separated, of: " + ", ".join(RUNS))
     ap.add_argument("--rows", type=int, default=4096)
     ap.add_argument("--warmup-rows", type=int, default=512)
     ap.add_argument("--adapters", type=int, default=8)

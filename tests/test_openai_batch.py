@@ -110,9 +110,8 @@ def test_request_lines_are_recognised_and_mapped():
         "presence_penalty": 0, "tools": None}))
     assert why is None
     assert row == {"id": "a", "url": CHAT, "model": "gpt-4o-mini", "temperature": 0.5,
-                   "top_p": 0.9, "n": 2, "seed": 1,
-                   "response_format": {"type": "json_object"}, "top_k": 5, "ignore_eos": True,
-                   "max_tokens": 7, "stop": ["\n"], "logprobs": 3,
+                   "top_p": 0.9, "n": 2, "seed": 1, "response_format": {"type": "json_object"},
+                   "top_k": 5, "ignore_eos": True, "max_tokens": 7, "stop": ["\n"], "logprobs": 3,
                    "messages": [{"role": "user", "content": "Hi there"}]}
     row, why = flatten_request(req("b", COMP, {"prompt": [1, 2, 3], "logprobs": 2,
                                                "echo": False, "max_tokens": 4,

@@ -49,7 +49,8 @@ ATTENTION = ("qkv", "o_proj")  # the others are the MLP's
 def part_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     """Each target's (out, in) features: A is [r, in], B [out, r]."""
     d, inner = config.hidden_size, config.intermediate_size
-    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    q = config.num_attention_heads * config.head_dim
+    kv = config.num_key_value_heads * config.head_dim
     return {"q_proj": (q, d), "k_proj": (kv, d), "v_proj": (kv, d), "o_proj": (d, q),
             "gate_proj": (inner, d), "up_proj": (inner, d), "down_proj": (d, inner)}
 

@@ -148,7 +148,8 @@ class FixedPrefills:
                               ctx.to(torch.int32))
         else:
             cache = StepCache(self.pool, writes)
-        hidden = self.model.hidden_states(ids, pos, cache, meta, lora=self._token_lora(cu, rows, T))
+        lora = self._token_lora(cu, rows, T)
+        hidden = self.model.hidden_states(ids, pos, cache, meta, lora=lora)
         self._pf_hidden[:T].copy_(hidden[0])
 
     def _stage_prefill(self, T: int, paged: bool, tokens: list[list[int]], writes: list[int],
