@@ -26,7 +26,7 @@ are dropped first (attention is causal, so the last kept token's state is the on
 transformers pools). Logits mean what `problem_type` says (nanoserve/model/labels.py):
 single-label softmax, multi-label sigmoid, regression (a reward model, one output) raw.
 Texts are tokenized by the folder's tokenizer.json as transformers' fast tokenizer does (its
-own BOS / EOS, `truncation=True` to the model's positions).
+own BOS / EOS, `truncation=True` to the model's positions). `read_classifier` is torch-free.
 """
 
 from __future__ import annotations
@@ -34,17 +34,17 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
-
-from nanoserve.embed import DEFAULT_MAX_BATCH_TOKENS, _dtype, pooled_prefill, token_batches
 from nanoserve.encoder.tokenizer import EncoderTokenizer, read_encoder_classifier
 from nanoserve.errors import ModelError
 from nanoserve.model.encoder_families import ENCODERS, is_encoder_config
 from nanoserve.model.families import FAMILIES, by_architecture
 from nanoserve.model.labels import Prediction, interpret
 from nanoserve.options import ENGINE
+
+if TYPE_CHECKING:  # torch is imported where a model loads: a job's driver reads no weights
+    import torch
 
 
 class Classifier(Protocol):
@@ -65,6 +65,16 @@ class Classifier(Protocol):
     def predict(self, logits: torch.Tensor) -> list[Prediction]: ...
 
 
+def batch_tokens(max_batch_tokens: int | None) -> int:
+    """The tokens a packed prefill holds: as given (at least 1), else the embedder's default
+    (`nanoserve.embed.DEFAULT_MAX_BATCH_TOKENS`)."""
+    if max_batch_tokens is None:
+        from nanoserve.embed import DEFAULT_MAX_BATCH_TOKENS
+
+        return DEFAULT_MAX_BATCH_TOKENS
+    return max(1, int(max_batch_tokens))
+
+
 def pooled_part(ids: Sequence[int], pad_token_id: int | None) -> list[int]:
     """The row up to its last token that is not `pad_token_id` (the whole row without one;
     its first token when every token is the pad): what transformers' head pools at its end."""
@@ -78,21 +88,23 @@ def pooled_part(ids: Sequence[int], pad_token_id: int | None) -> list[int]:
 class DecoderClassifier:
     """A decoder with a sequence-classification head (see the module docstring)."""
 
-    def __init__(self, model: Any, folder: str | Path,
-                 max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS) -> None:
+    def __init__(self, model: Any, folder: str | Path, max_batch_tokens: int | None = None
+                 ) -> None:
         if not model.config.is_classifier:
             raise ModelError(f"{model.config.architecture} has no sequence-classification head")
         self.model = model
         self.config = model.config
         self.folder = Path(folder)
         self.tokenizer = EncoderTokenizer.from_folder(folder, self.config.max_position_embeddings)
-        self.max_batch_tokens = max(1, int(max_batch_tokens))
+        self.max_batch_tokens = batch_tokens(max_batch_tokens)
 
     @classmethod
     def load(cls, folder: str | Path, dtype: str | torch.dtype = ENGINE["dtype"].default,
-             device: str = "auto",
-             max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS) -> DecoderClassifier:
+             device: str = "auto", max_batch_tokens: int | None = None) -> DecoderClassifier:
         """A `*ForSequenceClassification` checkpoint folder (no KV pool)."""
+        import torch
+
+        from nanoserve.embed import _dtype
         from nanoserve.model.model import build_model
         from nanoserve.weights.weights import load_checkpoint
 
@@ -112,15 +124,19 @@ class DecoderClassifier:
         [B, num_labels] float32."""
         return self.classify_ids(self.tokenizer.encode_pairs(pairs)[0])
 
-    @torch.inference_mode()
     def classify_ids(self, ids: Sequence[Sequence[int]], types: Any = None) -> torch.Tensor:
         """Token ids per row (segment ids unused) -> logits [B, num_labels] float32 on the
         CPU, in input order; rows packed into batches of at most `max_batch_tokens`."""
+        import torch
+
+        from nanoserve.embed import pooled_prefill, token_batches
+
         rows = [pooled_part(r, self.config.pad_token_id) for r in ids]
         out = torch.empty(len(rows), self.config.num_labels, dtype=torch.float32)
-        for start, end in token_batches([len(r) for r in rows], self.max_batch_tokens):
-            last = pooled_prefill(self.model, rows[start:end], "last")  # [b, d] float32
-            out[start:end] = self.model.classify(last).cpu()
+        with torch.inference_mode():
+            for start, end in token_batches([len(r) for r in rows], self.max_batch_tokens):
+                last = pooled_prefill(self.model, rows[start:end], "last")  # [b, d] float32
+                out[start:end] = self.model.classify(last).cpu()
         return out
 
     def predict(self, logits: torch.Tensor) -> list[Prediction]:
@@ -129,16 +145,17 @@ class DecoderClassifier:
 
 
 def load_classifier(folder: str | Path, dtype: str | torch.dtype = ENGINE["dtype"].default,
-                    device: str = "auto", max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, *,
+                    device: str = "auto", max_batch_tokens: int | None = None, *,
                     rerank: bool = False) -> Classifier:
     """The folder's classifier (see the module docstring); `rerank`: a causal LM loads as a
-    `Reranker` instead of being refused. ModelError (one line) for anything else."""
+    `Reranker` instead of being refused. ModelError (one line) for anything else.
+    `max_batch_tokens`: tokens a packed prefill holds (None: the embedder's default)."""
     kind = _kind(Path(folder), rerank)[0]
     if kind == "encoder":
         from nanoserve.encoder.api import Encoder
 
         read_encoder_classifier(folder)  # a base encoder (no head) refused in one line
-        return Encoder.load(folder, dtype, device, max_batch_tokens)
+        return Encoder.load(folder, dtype, device, batch_tokens(max_batch_tokens))
     if kind == "reranker":
         from nanoserve.rerank import Reranker
 
@@ -206,5 +223,5 @@ def _refusal(path: Path, arch: Any, rerank: bool) -> str:
             f"head; {task} {heads}{also}")
 
 
-__all__ = ["Classifier", "DecoderClassifier", "load_classifier", "pooled_part",
+__all__ = ["Classifier", "DecoderClassifier", "batch_tokens", "load_classifier", "pooled_part",
            "read_classifier"]

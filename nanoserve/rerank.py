@@ -121,13 +121,16 @@ class Reranker:
     """A causal LM's last-position "no" / "yes" logits over prompts of pairs (see the module
     docstring); the classifiers' face (nanoserve/classify.py's `Classifier`)."""
 
-    def __init__(self, model: Any, tokenizer: RerankTokenizer, max_batch_tokens: int) -> None:
+    def __init__(self, model: Any, tokenizer: RerankTokenizer,
+                 max_batch_tokens: int | None = None) -> None:
         if model.config.headless:
             raise ModelError(f"a reranker needs an LM head; {model.config.architecture} has none")
         self.model = model
         self.config = reranker_config(model.config)
         self.tokenizer = tokenizer
-        self.max_batch_tokens = max(1, int(max_batch_tokens))
+        from nanoserve.embed import DEFAULT_MAX_BATCH_TOKENS
+
+        self.max_batch_tokens = max(1, int(max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS))
         # the LM head's rows of "no" and "yes": [2, d] (two logits, not the vocabulary's)
         self.head = model.lm_head.weight[list(tokenizer.label_ids)].detach()
 
@@ -137,7 +140,7 @@ class Reranker:
         """A *ForCausalLM checkpoint folder as a reranker (no KV pool)."""
         import torch
 
-        from nanoserve.embed import DEFAULT_MAX_BATCH_TOKENS, _dtype
+        from nanoserve.embed import _dtype
         from nanoserve.model.model import build_model
         from nanoserve.weights.weights import load_checkpoint
 
@@ -147,7 +150,7 @@ class Reranker:
         tokenizer = RerankTokenizer.from_folder(folder, config.max_position_embeddings,
                                                 instruction)
         model = build_model(config, state, _dtype(dtype, dev), dev)
-        return cls(model, tokenizer, max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS)
+        return cls(model, tokenizer, max_batch_tokens)
 
     def classify_ids(self, ids: Sequence[Sequence[int]], types: Any = None) -> Any:
         """Prompt ids (from `tokenizer`) -> logits [B, 2] float32 on the CPU: ("no", "yes")."""
