@@ -91,11 +91,13 @@ resumes where the last run stopped; a rerun with other settings is refused."""
 
 CLASSIFY_DESCRIPTION = """\
 Classify every row of a Parquet or JSON Lines file (or a folder tree of them) on a Ray
-worker pool with an encoder checkpoint that has a sequence-classification head
+worker pool with a checkpoint that has a sequence-classification head: an encoder
 (BertForSequenceClassification, XLMRobertaForSequenceClassification,
-ModernBertForSequenceClassification; a decoder checkpoint is refused): each row's text
-('prompt' or 'text' column, or --prompt-column) through the head. OUTPUT_DIR gets Parquet
-parts with 'id', the input columns, then
+ModernBertForSequenceClassification) or a decoder (LlamaForSequenceClassification,
+Qwen3ForSequenceClassification, ... of every decoder family: classifiers and reward
+models; a causal LM without a head is refused): each row's text ('prompt' or 'text' column,
+or --prompt-column) through the head. OUTPUT_DIR gets Parquet parts with 'id', the input
+columns, then
   label             the most probable label (config.json's id2label) of a single-label
                     head; null for a multi-label head (read probs) and for regression
   probs             map label -> probability: softmax (single-label) or each label's
@@ -109,16 +111,18 @@ other settings (another task, another limit) is refused."""
 
 SCORE_DESCRIPTION = """\
 Score every text pair of a Parquet or JSON Lines file (or a folder tree of them) on a Ray
-worker pool with a cross-encoder: an encoder checkpoint with a sequence-classification head
-of one output or two labels (BERT, XLM-RoBERTa, ModernBERT; a decoder checkpoint is
-refused). Each row's columns 'text_1' and 'text_2' (else 'query' and 'document') are read as
-one pair. OUTPUT_DIR gets Parquet parts with 'id', the input columns, then 'score' (a
-one-output head's raw logit, as sentence-transformers' CrossEncoder.predict with an identity
-activation; a two-label head's probability of label 1), 'num_input_tokens' and 'error' (null
-unless the row failed: a missing or empty text of the pair, ...). Pairs longer than
---max-input-tokens (default: the model's positions) are cut, the longer text first, and
-counted. A rerun into the same OUTPUT_DIR resumes where the last run stopped; a rerun with
-other settings is refused."""
+worker pool with a cross-encoder: a checkpoint with a sequence-classification head of one
+output or two labels (an encoder: BERT, XLM-RoBERTa, ModernBERT; or a decoder's
+*ForSequenceClassification), or a causal LM (*ForCausalLM) as a Qwen3-Reranker-style
+reranker: the pair in its prompt (--instruction), the score P(yes) against P(no) at the
+prompt's end. Each row's columns 'text_1' and 'text_2' (else 'query' and 'document') are
+read as one pair. OUTPUT_DIR gets Parquet parts with 'id', the input columns, then 'score'
+(a one-output head's raw logit, as sentence-transformers' CrossEncoder.predict with an
+identity activation; a two-label head's probability of label 1; a reranker's P(yes)),
+'num_input_tokens' and 'error' (null unless the row failed: a missing or empty text of the
+pair, ...). Pairs longer than --max-input-tokens (default: the model's positions) are cut,
+the longer text first (a reranker's document), and counted. A rerun into the same
+OUTPUT_DIR resumes where the last run stopped; a rerun with other settings is refused."""
 
 
 def add_job_parsers(subparsers: argparse._SubParsersAction) -> None:
@@ -127,9 +131,9 @@ def add_job_parsers(subparsers: argparse._SubParsersAction) -> None:
     add_batch_parser(subparsers)
     add_embed_parser(subparsers)
     add_encoder_parser(subparsers, "classify", "classify every row of a Parquet/JSONL dataset "
-                       "with an encoder classifier on Ray", CLASSIFY_DESCRIPTION)
+                       "with a classifier (encoder or decoder) on Ray", CLASSIFY_DESCRIPTION)
     add_encoder_parser(subparsers, "score", "score every text pair of a Parquet/JSONL "
-                       "dataset with a cross-encoder on Ray", SCORE_DESCRIPTION)
+                       "dataset with a cross-encoder or a reranker LM on Ray", SCORE_DESCRIPTION)
 
 
 def add_batch_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -150,7 +154,8 @@ def add_embed_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
 def add_encoder_parser(subparsers: argparse._SubParsersAction, name: str, summary: str,
                        description: str) -> argparse.ArgumentParser:
-    """`nanoserve classify` or `nanoserve score`: the job's shared flags, the input limit."""
+    """`nanoserve classify` or `nanoserve score`: the job's shared flags, the input limit
+    (and score's reranker instruction)."""
     from ray_jobs.workers.options import PREFILL_BATCH_SIZE, PREFILL_BATCH_TOKENS
 
     p = subparsers.add_parser(name, help=summary, description=description,
@@ -162,8 +167,9 @@ def add_encoder_parser(subparsers: argparse._SubParsersAction, name: str, summar
                    metavar="OUTPUT_DIR", help="folder or object-store prefix "
                    "(s3://bucket/out) for the Parquet parts and the manifest")
     p.add_argument(ENGINE["model"].flag, dest="model", required=True, metavar="FOLDER",
-                   help="an encoder checkpoint folder with a sequence-classification head "
-                        "(config.json, safetensors, tokenizer.json)")
+                   help="a checkpoint folder with a sequence-classification head, encoder or "
+                        "decoder (config.json, safetensors, tokenizer.json)"
+                        + ("; or a causal LM, as a reranker" if name == "score" else ""))
     e = p.add_argument_group("input limit")
     e.add_argument("--max-input-tokens", type=int, default=None, metavar="N",
                    help="the input limit (default: the model's positions, also the most it "
@@ -173,6 +179,10 @@ def add_encoder_parser(subparsers: argparse._SubParsersAction, name: str, summar
     if name == "classify":
         _add_columns(p, "the column holding the text")
     else:
+        r = p.add_argument_group("reranker (a causal LM)")
+        r.add_argument("--instruction", default=None, metavar="TEXT",
+                       help="the prompt's '<Instruct>: TEXT' (default: Qwen3-Reranker's model "
+                            "card's, for web search); refused for a model with a head")
         c = p.add_argument_group("columns")
         c.add_argument("--id-column", default=None, metavar="NAME",
                        help="the column holding row ids (default: 'id' if present, else "
@@ -382,8 +392,9 @@ def run_encoder_cli(args: argparse.Namespace) -> int:
     """Run the classification or the score job (`args.command`); print the summary."""
     from ray_jobs.dispatch.driver import run_job
 
+    own = {"instruction": args.instruction} if args.command == "score" else {}
     summary = run_job(args.input, args.output_dir, task=args.command, **_job_options(args),
-                      max_input_tokens=args.max_input_tokens, truncate=args.truncate)
+                      max_input_tokens=args.max_input_tokens, truncate=args.truncate, **own)
     print(summary.format())
     return 0
 

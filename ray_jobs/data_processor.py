@@ -222,7 +222,7 @@ class DatasetClassifier(DatasetStage):
                  num_threads: int | None = None,
                  max_batch_tokens: int = EMBED_BATCH_TOKENS) -> None:
         self.path = resolve_model(model)
-        self.config, _ = load_meta(self.path)
+        self.config, self.tokenizer = load_meta(self.path, task)
         self.task, self.options, self.prompt_column = task, dict(options), prompt_column
         self.worker = ClassifyWorker(str(self.path), dtype=dtype, num_threads=num_threads,
                                      max_batch_tokens=max_batch_tokens, task=task)
@@ -235,8 +235,9 @@ class DatasetClassifier(DatasetStage):
             column = pick(self.prompt_column, schema.names)
             plan = dataclasses.replace(plan_columns(schema, column), id_column=None)
             names = [n for n in schema.names if n not in RESULTS[self.task].names]
-            options = task_options(self.task, self.options, self.config, names, self.path)
-            task = ClassifyTask(plan, options, self.worker.encoder.tokenizer,
+            options = task_options(self.task, self.options, self.config, names, self.path,
+                                   self.tokenizer)
+            task = ClassifyTask(plan, options, self.worker.classifier.tokenizer,
                                 engine=self.worker.run_batch)
             self._tasks[schema] = (task, RESULTS[self.task])
         return self._tasks[schema]
@@ -270,11 +271,12 @@ def build_processor(model: str = ENGINE["model"].default, *, concurrency: int = 
     `max_input_tokens`, `truncate`, `embedding_dtype` (see `run_job`) and
     `max_batch_tokens` (default 65,536), resolved against the model's files here.
 
-    `task="classify"` or `task="score"`: the encoder tasks' stage (`DatasetClassifier`,
+    `task="classify"` or `task="score"`: the classifier tasks' stage (`DatasetClassifier`,
     ray_jobs/tasks/classify.py: `label`, `probs`, `score` or `score` alone, then
     `num_input_tokens` and `error`); the other keyword arguments are then
-    `max_input_tokens`, `truncate` and `max_batch_tokens`, checked against the model's
-    files here (a decoder checkpoint is refused)."""
+    `max_input_tokens`, `truncate`, `instruction` (a reranker's) and `max_batch_tokens`,
+    checked against the model's files here (a model that is no classifier is refused; the
+    score task runs a causal LM as a reranker)."""
     from nanoserve import InputError, SamplingParams
 
     task = sampling.pop("task", "generate")
@@ -369,8 +371,8 @@ def _embedding_options(model: str, options: dict[str, Any]) -> dict[str, Any]:
 
 def _classify_options(model: str, task: str, options: dict[str, Any]) -> dict[str, Any]:
     """`DatasetClassifier`'s `options` and `max_batch_tokens`, checked against the model's
-    files (InputError for an unknown or a bad option, ModelError for a model that is not an
-    encoder classifier)."""
+    files (InputError for an unknown or a bad option, ModelError for a model that is not a
+    classifier, or for the score task a causal LM)."""
     from nanoserve import InputError
 
     options = dict(options)
@@ -379,8 +381,8 @@ def _classify_options(model: str, task: str, options: dict[str, Any]) -> dict[st
     if unknown:
         raise InputError(f"not a {task} option: {', '.join(unknown)}")
     path = resolve_model(model)
-    config, _ = load_meta(path)
-    task_options(task, options, config, [], path)  # the limit and the head, checked here
+    config, tokenizer = load_meta(path, task)
+    task_options(task, options, config, [], path, tokenizer)  # limit, head, instruction
     return {"options": options, "max_batch_tokens": max_batch_tokens}
 
 
