@@ -6,7 +6,8 @@ CLI; generation, embedding, classification and pair scores are its tasks.
     summary = run_embed_job("docs.jsonl", "vectors/")  # = run_batch_job(..., task="embed")
 
 Module map (docs/modules.md): one package per stage a row goes through, each importing only
-the stages before it (tests/test_layering.py):
+the stages before it (tests/test_layering.py), above the job's base, `options` (`JOB`: the
+job's own options, declared once):
   input        `io`, `shards`, `storage`, `json_shapes`, `openai_requests`: the input
                listed, scanned and read a shard at a time; filesystems; OpenAI request lines
   preparation  `prepare`, `row_images`, `batching`: prompt column, tokenization, images,

@@ -100,6 +100,24 @@ def test_other_settings_are_refused_naming_what_differs(tmp_path):
         open_output_dir(tmp_path, other, overwrite=False)
 
 
+def test_an_earlier_versions_window_setting_still_resumes(tmp_path):
+    """A manifest that records the static engine's sort window (`batching.window_rows`, a
+    setting that never changed the output rows, since removed) resumes under the job's
+    settings without it; another batch size is still refused."""
+    settings = {**SETTINGS, "batching": {"batch_size": 64, "max_batch_tokens": None}}
+    old = {**settings, "batching": {**settings["batching"], "window_rows": 512}}
+    m = open_output_dir(tmp_path, old, overwrite=False)
+    write_part(tmp_path, 0)
+    m.record(0, 1)
+    m.save(tmp_path)
+    assert json.loads((tmp_path / MANIFEST_NAME).read_text())["settings"] == old
+    again = open_output_dir(tmp_path, settings, overwrite=False)
+    assert again.done == {0} and again.settings == settings
+    other = {**settings, "batching": {**settings["batching"], "batch_size": 32}}
+    with pytest.raises(InputError, match=r"batching\.batch_size differ"):
+        open_output_dir(tmp_path, other, overwrite=False)
+
+
 def test_overwrite_replaces_an_earlier_output(tmp_path):
     m = open_output_dir(tmp_path, SETTINGS, overwrite=False)
     write_part(tmp_path, 0)

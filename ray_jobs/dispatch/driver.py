@@ -82,7 +82,6 @@ from ray_jobs.output.manifest import (
     reopen_batches_with_errors,
 )
 from ray_jobs.output.openai_files import OUTPUT_NAME, OpenAIOutput, write_outputs
-from ray_jobs.preparation.batching import BatchLimits
 from ray_jobs.preparation.prepare import load_model_meta, plan_columns
 from ray_jobs.report.report import JobTotals, ReportLog, report_data, write_report
 from ray_jobs.report.timeline import PHASES, Timeline
@@ -203,9 +202,7 @@ def run_job(input: str | Path, output_dir: str | Path, task: str = "generate",
     kind = TASKS[task]
     options = dict(options)
     own = kind.take_options(options)
-    opts = JobOptions(**options)
-    limits = BatchLimits(opts.batch_size, opts.max_batch_tokens,
-                         opts.window_batches * opts.batch_size)  # (checked before the scan)
+    opts = JobOptions(**options)  # (checked before the scan)
     info = scan_input(input, opts.chunk_rows, opts.id_column, opts.input_format,
                       shard_rows=opts.batch_size)
     opts = dataclasses.replace(opts, prompt_column=kind.prompt_column(opts.prompt_column,
@@ -214,7 +211,7 @@ def run_job(input: str | Path, output_dir: str | Path, task: str = "generate",
     model_path = resolve_model(opts.model)
     config, tokenizer = (kind.load_meta or load_model_meta)(model_path)
     part = kind.plan(opts, own, info, plan, model_path, config, tokenizer)
-    settings = {**_job_settings(part.opts, info, model_path, limits, plan), **part.settings}
+    settings = {**_job_settings(part.opts, info, model_path, plan), **part.settings}
     folder = OutputDir.open(output_dir)  # a local folder or an object-store prefix
     openai = OpenAIOutput.of(opts.model, settings) if part.openai_output else None
     spec = JobSpec(kind.name, InputSpec.of(info, opts.chunk_rows), plan, part.schema, folder,
@@ -410,9 +407,10 @@ def _with_report(p: Pipeline, summary: JobSummary, report: ReportLog, manifest: 
 
 
 def _job_settings(opts: JobOptions, info: InputInfo, model_path: Path,
-                  limits: BatchLimits, plan: Any = None) -> dict[str, Any]:
-    """What the manifest compares on resume: everything that changes the output rows. The
-    output controls appear only when set (`n` above 1, logprobs asked, a job-wide structured
+                  plan: Any = None) -> dict[str, Any]:
+    """What the manifest compares on resume: everything that changes the output rows (the
+    shards' rows: `batch_size`, under the manifest's older name "batching"). The output
+    controls appear only when set (`n` above 1, logprobs asked, a job-wide structured
     output), and so do an FP8 KV cache and an `image` column read as the rows' images
     (`plan.image_column`: a run from before images were read passed it through), so the
     output of a job from before them still resumes."""
@@ -434,8 +432,7 @@ def _job_settings(opts: JobOptions, info: InputInfo, model_path: Path,
                      if opts.kv_cache_dtype != "auto" else {})},
         "input": {"files": input_identity(info.root, info.files), "num_rows": info.num_rows},
         "sampling": sampling,
-        "batching": {"batch_size": limits.batch_size, "max_batch_tokens": limits.max_batch_tokens,
-                     "window_rows": limits.window_rows},
+        "batching": {"batch_size": opts.batch_size, "max_batch_tokens": opts.max_batch_tokens},
         "columns": {"prompt_column": opts.prompt_column, "id_column": opts.id_column,
                     **({"input_format": opts.input_format}
                        if opts.input_format != "auto" else {}),

@@ -160,7 +160,8 @@ class Manifest:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Manifest:
         done = {i for a, b in d["done_batches"] for i in range(a, b + 1)}
-        return cls(d["settings"], done, int(d["rows_done"]), bool(d["complete"]))
+        return cls(_without_legacy(d["settings"]), done, int(d["rows_done"]),
+                   bool(d["complete"]))
 
     def save(self, folder: Path | OutputDir) -> None:
         text = json.dumps(self.to_json(), indent=1, sort_keys=True) + "\n"
@@ -181,6 +182,19 @@ class Manifest:
         except (ValueError, KeyError, TypeError) as e:
             raise InputError(f"{path} is not a readable nanoserve manifest ({e}); "
                              f"use --overwrite to start the job afresh") from None
+
+
+# Settings an earlier version recorded that never changed the output rows, dropped when its
+# manifest is read (so its output resumes): the rows sorted together for a static engine
+# (`window_rows`), which a shard's rows are, whatever it said.
+LEGACY_SETTINGS = (("batching", "window_rows"),)
+
+
+def _without_legacy(settings: dict[str, Any]) -> dict[str, Any]:
+    for section, key in LEGACY_SETTINGS:
+        if isinstance(settings.get(section), dict):
+            settings[section].pop(key, None)
+    return settings
 
 
 def settings_differences(old: Any, new: Any, prefix: str = "") -> list[str]:

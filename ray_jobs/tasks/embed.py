@@ -31,6 +31,7 @@ import pyarrow as pa
 
 from nanoserve import ENGINE, InputError, NanoserveError
 from ray_jobs.input.files import InputChunk, InputInfo
+from ray_jobs.options import JOB
 from ray_jobs.preparation.prepare import (
     MESSAGES,
     TEXT,
@@ -58,7 +59,8 @@ EMBED_BATCH_TOKENS = PREFILL_BATCH_TOKENS
 EMBEDDING_DTYPES = {"float32": pa.float32(), "float16": pa.float16()}
 
 
-def embed_result_schema(dim: int, embedding_dtype: str = "float32") -> pa.Schema:
+def embed_result_schema(dim: int,
+                        embedding_dtype: str = JOB["embedding_dtype"].default) -> pa.Schema:
     return pa.schema([pa.field("embedding", pa.list_(EMBEDDING_DTYPES[embedding_dtype], dim)),
                       pa.field("num_input_tokens", pa.int32()),
                       pa.field("error", pa.string())])
@@ -283,9 +285,10 @@ class EmbedTask:
         """`options`: the job's `JobSpec.task_options` (`limit`, `instruction`, `truncate`,
         `embedding_dtype`)."""
         self.preparer = EmbedPreparer(plan, tokenizer, config.vocab_size, options["limit"],
-                                      options.get("instruction"), options.get("truncate", True))
+                                      options.get("instruction"),
+                                      options.get("truncate", JOB["truncate"].default))
         self.engine = engine
-        self.dtype = options.get("embedding_dtype", "float32")
+        self.dtype = options.get("embedding_dtype", JOB["embedding_dtype"].default)
 
     def groups(self, rows: list[Any]) -> list[list[int]]:
         """One engine call (the embedder packs its rows by tokens itself)."""
@@ -332,7 +335,7 @@ def take_options(options: dict[str, Any]) -> dict[str, Any]:
     arguments), and the embedding task's defaults of the job's batch bounds set there.
     InputError for an unknown vector dtype."""
     own = {k: options.pop(k) for k in EMBED_OPTIONS if k in options}
-    own["embedding_dtype"] = own.get("embedding_dtype") or "float32"
+    own["embedding_dtype"] = own.get("embedding_dtype") or JOB["embedding_dtype"].default
     if own["embedding_dtype"] not in EMBEDDING_DTYPES:
         raise InputError(f"embedding dtype must be one of {', '.join(EMBEDDING_DTYPES)}, "
                          f"got {own['embedding_dtype']!r}")
@@ -352,7 +355,8 @@ def embed_settings(model_path: Path, config: Any, own: dict[str, Any]) -> EmbedS
         pooling=own.get("pooling"), normalize=own.get("normalize"),
         dimensions=own.get("dimensions"), instruction=own.get("instruction"),
         max_input_tokens=own.get("max_input_tokens"))
-    return EmbedSettings(pooling, bool(own.get("truncate", True)), own["embedding_dtype"],
+    return EmbedSettings(pooling, bool(own.get("truncate", JOB["truncate"].default)),
+                         own["embedding_dtype"],
                          pooling.dimensions or config.hidden_size)
 
 

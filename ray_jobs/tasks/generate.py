@@ -66,15 +66,15 @@ class GenerateTask:
         """The engine calls for `rows` (indices into them): one of all the rows, in input
         order, for a continuous engine (it admits rows as others finish); for a static one
         the rows sorted by prompt length, longest first, and cut at `static_rows` samples
-        and the job's `max_batch_tokens` (`ray_jobs.preparation.batching.cut_window`): a static batch
-        is padded to its longest row and runs until its last row ends."""
+        and the job's `max_batch_tokens` (`ray_jobs.preparation.batching.cut_batches`): a static
+        batch is padded to its longest row and runs until its last row ends."""
         if self.static_rows is None:
             return [list(range(len(rows)))]
-        from ray_jobs.preparation.batching import BatchLimits, cut_window
+        from ray_jobs.preparation.batching import BatchLimits, cut_batches
 
-        limits = BatchLimits(self.static_rows, self.max_batch_tokens, max(1, len(rows)))
+        limits = BatchLimits(self.static_rows, self.max_batch_tokens)
         at = {id(r): i for i, r in enumerate(rows)}
-        return [[at[id(r)] for r in group] for group in cut_window(rows, limits)]
+        return [[at[id(r)] for r in batch] for batch in cut_batches(rows, limits)]
 
     def requests(self, rows: list[Any]) -> list[Any]:
         return [GenerationRequest(r.prompt_token_ids, r.params, r.images) for r in rows]

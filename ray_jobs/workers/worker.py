@@ -118,12 +118,13 @@ class BatchWorker:
     def __init__(self, model: str, dtype: str = ENGINE["dtype"].default,
                  kv_cache_fraction: float = ENGINE["kv_cache_fraction"].default,
                  device: str | None = None, num_threads: int | None = None,
-                 kv_cache_bytes: int | None = None, scheduler: str = ENGINE["scheduler"].default,
+                 kv_cache_bytes: int | None = ENGINE["kv_cache_bytes"].default,
+                 scheduler: str = ENGINE["scheduler"].default,
                  prefix_caching: bool = ENGINE["prefix_caching"].default,
                  quantization: str | None = ENGINE["quantization"].default,
                  kv_cache_dtype: str = ENGINE["kv_cache_dtype"].default,
                  max_batch_size: int | None = ENGINE["max_running_rows"].default,
-                 reasoning_parser: str | None = "auto") -> None:
+                 reasoning_parser: str | None = ENGINE["reasoning_parser"].default) -> None:
         """Load the model once. `device` None picks one (see the module docstring);
         `num_threads` caps torch's CPU threads (at most the machine's cores);
         `kv_cache_bytes` sizes the KV pool exactly (else `kv_cache_fraction` of a GPU's free
