@@ -110,8 +110,9 @@ JOB = {o.name: o for o in (
            "shards a worker holds at once (default: as many as keep its engine full: "
            "`ray_jobs.dispatch.pool.hold_limits`)", check=_at_least(1)),
     Option("max_deaths_in_a_row", int, 8,
-           "worker deaths with no shard answered between them that stop the job",
-           check=_at_least(1)),
+           "worker deaths with no shard answered between them that the job rides out (one "
+           "more stops it; 0: the first stops it)",
+           check=_at_least(0)),
     # -- reruns
     Option("overwrite", bool, False, "replace an existing output instead of resuming it"),
     Option("retry_errors", bool, False,

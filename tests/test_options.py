@@ -139,7 +139,7 @@ def test_job_options_checks_are_the_declarations():
 
     for name, value in (("batch_size", 0), ("max_batch_tokens", -1), ("chunk_rows", 0),
                         ("worker_start_timeout_s", 0.0), ("max_in_flight_per_worker", 0),
-                        ("max_deaths_in_a_row", 0), ("input_format", "csv"),
+                        ("max_deaths_in_a_row", -1), ("input_format", "csv"),
                         ("output_format", "csv")):
         with pytest.raises(InputError) as e:
             JobOptions(**{name: value})
