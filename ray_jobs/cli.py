@@ -36,10 +36,11 @@ from ray_jobs.options import JOB
 BATCH_DESCRIPTION = """\
 Generate a completion for every row of a Parquet or JSON Lines file (or a folder tree of
 them) on a Ray worker pool, and write the results as Parquet parts into OUTPUT_DIR. INPUT and
-OUTPUT_DIR may be local paths or object-store URIs (s3://bucket/prefix/, gs://...). A part
-holds --batch-size consecutive input rows of one file, in input order, and the parts are
-numbered in input order (workers write them in any order): read them in name order, sort by
-'id' (positions when the input has none) or join on it for the input's order.
+OUTPUT_DIR may be local paths or object-store URIs (s3://bucket/prefix/, gs://...). The input
+is cut into shards of --batch-size consecutive rows of one file; a worker writes each shard's
+rows as one part, in input order, and the parts are numbered in input order (workers write
+them in any order): read them in name order, sort by 'id' (positions when the input has
+none) or join on it for the input's order.
 
 Each row needs a prompt: a 'prompt' (text), 'messages' (chat, [{role, content}, ...],
 rendered with the model's chat template) or 'prompt_token_ids' column; a row uses the
@@ -73,7 +74,7 @@ input).
 A rerun into the same OUTPUT_DIR resumes where the last run stopped; Ctrl-C stops a job with
 its summary and report. Each run that computes something writes a self-contained HTML
 report, OUTPUT_DIR/_nanoserve_report.html (the whole job's rows, earlier runs' included;
-throughput over time, per-worker progress, batch fill and waste, error rows by cause,
+throughput over time, per-worker progress, shard fill and waste, error rows by cause,
 settings and phases), and prints its path."""
 
 EMBED_DESCRIPTION = """\

@@ -22,7 +22,7 @@ from ray_jobs.output.manifest import (
     mark_complete,
     open_output_dir,
     part_name,
-    reopen_batches_with_errors,
+    reopen_shards_with_errors,
     settings_differences,
 )
 
@@ -51,12 +51,12 @@ def test_retry_errors_reopens_exactly_the_parts_with_error_rows(tmp_path):
     mark_complete(out, m)  # (removes unrecorded parts: put part 2 back, as if a later run)
     write_result_part(out, 2, ["bad"])
 
-    assert reopen_batches_with_errors(out, m) == {1, 2}
+    assert reopen_shards_with_errors(out, m) == {1, 2}
     assert (m.done, m.rows_done, m.complete) == ({0}, 2, False)
     assert not (out / SUCCESS_NAME).exists()
     assert Manifest.load(out).to_json() == m.to_json()  # saved
     assert (out / part_name(1)).exists()  # kept until a new part replaces it
-    assert reopen_batches_with_errors(out, m) == {1, 2}  # nothing recorded changes twice
+    assert reopen_shards_with_errors(out, m) == {1, 2}  # nothing recorded changes twice
     assert (m.done, m.rows_done) == ({0}, 2)
 
 
@@ -66,7 +66,7 @@ def test_retry_errors_leaves_a_clean_complete_folder_alone(tmp_path):
     write_result_part(out, 0, [None])
     m.record(0, 1)
     mark_complete(out, m)
-    assert reopen_batches_with_errors(out, m) == set()
+    assert reopen_shards_with_errors(out, m) == set()
     assert m.complete and (out / SUCCESS_NAME).exists()
 
 

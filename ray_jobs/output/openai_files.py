@@ -125,14 +125,14 @@ def format_shard(table: pa.Table, first_position: int, plan: Any, output: OpenAI
 def _per_row(rows: list[dict[str, Any]]) -> Iterator[list[dict[str, Any]]]:
     """A part's rows grouped per input row: a row's samples are consecutive, sample_index
     0, 1, ..."""
-    group: list[dict[str, Any]] = []
+    samples: list[dict[str, Any]] = []
     for r in rows:
-        if group and (r["id"] != group[0]["id"] or not r.get("sample_index")):
-            yield group
-            group = []
-        group.append(r)
-    if group:
-        yield group
+        if samples and (r["id"] != samples[0]["id"] or not r.get("sample_index")):
+            yield samples
+            samples = []
+        samples.append(r)
+    if samples:
+        yield samples
 
 
 def _jsonl(lines: list[dict[str, Any]]) -> bytes:
@@ -243,8 +243,8 @@ class TokenText:
                 "text_offset": offsets}
 
 
-def _byte_level_bytes(piece: str | None) -> bytes | None:
+def _byte_level_bytes(token: str | None) -> bytes | None:
     """The bytes of a byte-level BPE token's string, or None when it is not one."""
     from nanoserve import byte_level_bytes
 
-    return byte_level_bytes(piece)
+    return byte_level_bytes(token)

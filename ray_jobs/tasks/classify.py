@@ -24,7 +24,7 @@ two-label head's probability of label 1: softmax, or sigmoid for a multi-label h
 `num_input_tokens` and `error`. Other heads are refused.
 
 Both are the job every task runs (`ray_jobs.dispatch.driver.run_job`): streaming input,
-batches, dispatch, exactly-once parts, resume (the manifest's settings name the task and
+shards, dispatch, exactly-once parts, resume (the manifest's settings name the task and
 its limit, so a rerun with another task or limit is refused), object storage and report.
 Rows are cut to the input limit (`max_input_tokens`, default and at most the model's
 positions; pairs lose tokens from the longer text first) and counted; with `truncate=False`
@@ -253,8 +253,8 @@ class ClassifyTask:
                                          tuple(pair) if pair else None)
         self.engine = engine
 
-    def groups(self, rows: list[Any]) -> list[list[int]]:
-        """One engine call (the encoder packs its rows by tokens itself)."""
+    def batches(self, rows: list[Any]) -> list[list[int]]:
+        """One batch, one engine call (the encoder packs its rows by tokens itself)."""
         return [list(range(len(rows)))]
 
     def requests(self, rows: list[Any]) -> list[Any]:

@@ -11,12 +11,12 @@ Each row's text (its `prompt` or `text` column, or `--prompt-column`), or token 
 rows (embed text instead).
 
 The job is the one both tasks run (`ray_jobs.dispatch.driver.run_job`): the same streaming input,
-batches, dispatch, worker replacement, exactly-once parts, manifest (its settings name the
+shards, dispatch, worker replacement, exactly-once parts, manifest (its settings name the
 pooling, so a rerun with other pooling is refused), resume, object storage and report. What the
 embedding task adds: its options (`EMBED_OPTIONS`, resolved against the model's files by
 `embed_settings`), its rows (`EmbedPreparer`: the instruction prefixed, inputs longer than
-the limit cut to it and counted, or with `truncate=False` made error rows), larger batches
-bounded by tokens (`max_batch_tokens`, default 65,536 per batch, 1,024 rows), and its
+the limit cut to it and counted, or with `truncate=False` made error rows), larger shards
+(1,024 rows) whose batches are bounded by tokens (`max_batch_tokens`, default 65,536), and its
 actors, `RayEmbedWorker`s: an `Embedder` each (nanoserve/embed.py: prefill only, rows
 packed, no KV pool).
 """
@@ -161,7 +161,7 @@ class EmbedWorker:
         self.embedder.pooling = PoolingConfig(**(pooling or {}))
         self.embedder.limit = self.embedder.pooling.max_input_tokens or self.embedder.limit
         self.embedder.dim = self.embedder.pooling.dimensions or self.embedder.config.hidden_size
-        # The actor takes two batches at once (max_in_flight_per_worker): their prefills take
+        # The actor takes two shards at once (`hold_limits`): their batches' prefills take
         # turns on the model, while one batch's table is built as the other runs.
         import threading
 
@@ -290,8 +290,8 @@ class EmbedTask:
         self.engine = engine
         self.dtype = options.get("embedding_dtype", JOB["embedding_dtype"].default)
 
-    def groups(self, rows: list[Any]) -> list[list[int]]:
-        """One engine call (the embedder packs its rows by tokens itself)."""
+    def batches(self, rows: list[Any]) -> list[list[int]]:
+        """One batch, one engine call (the embedder packs its rows by tokens itself)."""
         return [list(range(len(rows)))]
 
     def requests(self, rows: list[Any]) -> list[Any]:
@@ -332,7 +332,8 @@ class EmbedSettings:
 
 def take_options(options: dict[str, Any]) -> dict[str, Any]:
     """The embedding options (`EMBED_OPTIONS`), popped from `options` (the job's keyword
-    arguments), and the embedding task's defaults of the job's batch bounds set there.
+    arguments), and the embedding task's defaults of the job's shard and batch bounds set
+    there.
     InputError for an unknown vector dtype."""
     own = {k: options.pop(k) for k in EMBED_OPTIONS if k in options}
     own["embedding_dtype"] = own.get("embedding_dtype") or JOB["embedding_dtype"].default
