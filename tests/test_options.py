@@ -250,13 +250,15 @@ def _defaults_in(tree: ast.AST) -> list[tuple[str, object, int]]:
               and node.func.attr == "add_argument" and node.args
               and isinstance(node.args[0], ast.Constant)):
             flag = str(node.args[0].value)
-            name = flag.removeprefix("--no-").removeprefix("--").replace("-", "_")
+            name = FLAG_NAMES.get(flag) or \
+                flag.removeprefix("--no-").removeprefix("--").replace("-", "_")
             out += [(name, constant(k.value), k.value.lineno) for k in node.keywords
                     if k.arg == "default"]
     return [(n, v, line) for n, v, line in out if v is not _NO]
 
 
 _NO = object()
+FLAG_NAMES = {o.flag: name for name, o in DECLARED.items()}  # `--worker-start-timeout`, ...
 
 
 def _same(a: object, b: object) -> bool:
@@ -310,7 +312,7 @@ def test_the_scan_finds_a_default_written_again():
                    "def build_processor(model, *, batch_size: int = 64): ...",
                    's.add_argument("--batch-size", type=int, default=1024)',
                    'options = {"max_batch_tokens": 65536}',
-                   's.add_argument("--worker-start-timeout-s", default=600.0)'):
+                   's.add_argument("--worker-start-timeout", default=600.0)'):
         assert _declared_again(source), source
     for source in ("class A:\n    max_tokens: int = 2560\n", "f(max_tokens=256)",
                    "def f(max_tokens=256.0): ...", "run_job(batch_size=64)"):

@@ -40,6 +40,7 @@ from ray_jobs.dispatch.autoscale import (
     node_lost,
     wait_for_gpus,
 )
+from ray_jobs.options import JOB
 from ray_jobs.workers.options import parse_num_workers
 from ray_jobs.workers.worker import FAULT_ENV_PREFIX
 
@@ -226,7 +227,8 @@ class WorkerPool:
     `pending` until its model is loaded, and joins the pool then; it holds no work before."""
 
     def __init__(self, actor_cls: Any, kwargs: dict[str, Any], timeout_s: float,
-                 timeline: Timeline, max_load_deaths: int = 8,
+                 timeline: Timeline,
+                 max_load_deaths: int = JOB["max_deaths_in_a_row"].default,
                  opts: JobOptions | None = None) -> None:
         """`opts`: what `hold_limits` reads (None: two spans a worker)."""
         self.opts = opts
