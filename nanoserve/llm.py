@@ -76,14 +76,15 @@ class LLM:
     def __init__(self, model: str = ENGINE["model"].default,
                  dtype: str | torch.dtype = ENGINE["dtype"].default, device: str = "auto",
                  kv_cache_fraction: float = ENGINE["kv_cache_fraction"].default_for("LLM"),
-                 kv_cache_bytes: int | None = None, block_size: int = 16,
+                 kv_cache_bytes: int | None = ENGINE["kv_cache_bytes"].default,
+                 block_size: int = 16,
                  max_batch_size: int | None = ENGINE["max_running_rows"].default,
                  decode_step: str = "auto", scheduler: str = ENGINE["scheduler"].default,
                  enable_prefix_caching: bool = ENGINE["prefix_caching"].default,
                  quantization: str | None = ENGINE["quantization"].default,
                  load_format: str = "auto",
                  kv_cache_dtype: str = ENGINE["kv_cache_dtype"].default,
-                 reasoning_parser: str | None = "auto",
+                 reasoning_parser: str | None = ENGINE["reasoning_parser"].default,
                  num_threads: int | None = None) -> None:
         """The defaults of the options `nanoserve.options.ENGINE` declares are its (the
         KV share is `LLM`'s own override there), and so are their checks.

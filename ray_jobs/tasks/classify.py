@@ -32,7 +32,7 @@ reranker's P(yes), its two labels being ("no", "yes")), `num_input_tokens` and `
 Other heads are refused, and an instruction for a model that is not a reranker.
 
 Both are the job every task runs (`ray_jobs.dispatch.driver.run_job`): streaming input,
-batches, dispatch, exactly-once parts, resume (the manifest's settings name the task and
+shards, dispatch, exactly-once parts, resume (the manifest's settings name the task and
 its limit, so a rerun with another task or limit is refused), object storage and report.
 Rows are cut to the input limit (`max_input_tokens`, default and at most the model's
 positions; pairs lose tokens from the longer text first) and counted; with `truncate=False`
@@ -268,8 +268,8 @@ class ClassifyTask:
                                          options.get("instruction"))
         self.engine = engine
 
-    def groups(self, rows: list[Any]) -> list[list[int]]:
-        """One engine call (the classifier packs its rows by tokens itself)."""
+    def batches(self, rows: list[Any]) -> list[list[int]]:
+        """One batch, one engine call (the classifier packs its rows by tokens itself)."""
         return [list(range(len(rows)))]
 
     def requests(self, rows: list[Any]) -> list[Any]:
