@@ -38,7 +38,8 @@ COMMAND_OPTIONS = {
     "embed": ("model", "dtype", *JOB_SHARED, *INPUT_LIMIT, "pooling", "normalize",
               "dimensions", "instruction", "embedding_dtype"),
     "classify": ("model", "dtype", *JOB_SHARED, *INPUT_LIMIT),
-    "score": ("model", "dtype", *(n for n in JOB_SHARED if n != "prompt_column"), *INPUT_LIMIT),
+    "score": ("model", "dtype", *(n for n in JOB_SHARED if n != "prompt_column"), *INPUT_LIMIT,
+              "instruction"),
 }
 # Flags of a shape `add_option` does not make, written beside the declaration with its
 # default and help: (command, option) -> the flags.
