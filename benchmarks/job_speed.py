@@ -8,7 +8,7 @@ Parts, in this order (`--parts`, default all), each printing its own table:
   lengths with other token ids (steady state: no compile, no prefix-cache hit);
 - `job`: `run_batch_job` on the same rows with **default options** (`ignore_eos` only),
   a private local Ray started by the job: output tok/s over the job's whole wall and over its
-  generate phase alone (from the first batch sent to the last result), each against the
+  generate phase alone (from the first shard sent to the last result), each against the
   engine's; its phases; its workers' start by part (imports, weights, KV pool, graphs), and
   how full their engines were (busy fraction, rows a decode step);
 - `first`: a fresh process loads the engine and runs `--first-rows` rows twice, other token
@@ -16,7 +16,7 @@ Parts, in this order (`--parts`, default all), each printing its own table:
 - `ray`: Ray's own start in fresh processes (import, `start_local_ray`, one actor with a GPU
   answering, stop), as the job starts it and in variants, `--ray-repeats` times.
 
-The fixed cost is everything before the first batch starts generating: the job's prepare,
+The fixed cost is everything before the first shard starts generating: the job's prepare,
 Ray and workers phases (`JobSummary.timings`).
 
     python -m benchmarks.job_speed [--rows 4096] [--first-rows 1024] [--parts engine job first ray]
@@ -195,10 +195,10 @@ def main() -> None:
         job, s = run_job_part(model_dir, work / "workload.parquet", work / "out")
         ph = s.timings
         fixed = ph.get("prepare", 0) + ph.get("ray", 0) + ph.get("workers", 0)
-        gen_s = ph.get("first_batch", 0) + ph.get("generate", 0)
+        gen_s = ph.get("first_shard", 0) + ph.get("generate", 0)
         rows = [["job, default options, whole wall", f"{job['tok_s']:,.0f}",
                  f"{job['wall_s']:.1f}"],
-                ["job, generate phase (first batch sent to last result)",
+                ["job, generate phase (first shard sent to last result)",
                  f"{s.output_tokens / gen_s:,.0f}", f"{gen_s:.1f}"]]
         if engine:
             rows.insert(0, ["engine, steady state", f"{engine['tok_s']:,.0f}",

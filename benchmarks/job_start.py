@@ -36,7 +36,8 @@ from pathlib import Path
 from benchmarks.common import ROOT, cpu_model_name, git_commit, load_average, markdown_table
 
 PHASE_NAMES = {"prepare": "prepare", "Ray": "ray", "workers": "workers",
-               "first batch": "first_batch", "generate": "generate", "shutdown": "shutdown"}
+               "first shard": "first_shard", "generate": "generate", "shutdown": "shutdown",
+               "first batch": "first_shard"}  # (the first shard's phase, as older trees say it)
 
 
 @contextlib.contextmanager
@@ -121,7 +122,7 @@ def main() -> None:
         ["job", "exit", "prepare (s)", "Ray (s)", "workers (s)", "generation (s)", "wall (s)",
          "Ray tried twice", "load (1 min)", "error"],
         [[r["job"], r["rc"], cell(r, "prepare"), cell(r, "ray"), cell(r, "workers"),
-          f"{r.get('first_batch', 0) + r.get('generate', 0):.1f}" if "generate" in r else "-",
+          f"{r.get('first_shard', 0) + r.get('generate', 0):.1f}" if "generate" in r else "-",
           f"{r['wall_s']:.1f}", "yes" if r["retried"] else "", f"{r['load1']:.1f}",
           r["error"][:100]] for r in runs]))
     done = [r for r in runs if r["rc"] == 0]

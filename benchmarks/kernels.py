@@ -481,7 +481,7 @@ def sweep_shape(batch: int, ctx: int, copy_bw: float, show: int = 8) -> None:
 
 
 def host_overhead(calls: int = 2000) -> None:
-    """Host microseconds per decode call and per piece of it (no device sync inside the loop)."""
+    """Host microseconds per decode call and per step of it (no device sync inside the loop)."""
     from nanoserve_kernels.kv_args import check_decode_args
     from nanoserve_kernels.paged_attention import paged_decode_attention
 
@@ -497,7 +497,7 @@ def host_overhead(calls: int = 2000) -> None:
         torch.cuda.synchronize()
         return 1e6 * elapsed / calls
 
-    pieces = {
+    steps = {
         "check_decode_args": lambda: check_decode_args(q, k_cache, v_cache, tables, lens),
         "torch.empty (output)": lambda: torch.empty_like(q),
         "decode call, 1 split": lambda: paged_decode_attention(
@@ -508,13 +508,13 @@ def host_overhead(calls: int = 2000) -> None:
         ),
     }
     print("\ndecode host cost per call (batch 1 x 128, no sync):", flush=True)
-    for name, fn in pieces.items():
+    for name, fn in steps.items():
         print(f"  {name:28s} {per_call_us(fn):7.1f} us", flush=True)
     import cProfile
     import pstats
 
     profile = cProfile.Profile()
-    profile.runcall(per_call_us, pieces["decode call, 1 split"])
+    profile.runcall(per_call_us, steps["decode call, 1 split"])
     print(f"\nwhere the host time of {calls} one-split calls goes (cProfile, by own time):")
     pstats.Stats(profile, stream=sys.stdout).sort_stats("tottime").print_stats(12)
 

@@ -3,7 +3,7 @@
 A tiny job (8 rows, 4 new tokens each) on a tiny random Llama (hidden 64, 2 layers, the
 default model's tokenizer) costs almost nothing to generate, so its wall time is the
 fixed cost every job pays: starting Ray, starting the actors and loading the model, the
-first batch, stopping the actors and Ray. Each run is `run_batch_job`, the driver's real
+first shard, stopping the actors and Ray. Each run is `run_batch_job`, the driver's real
 code path, and the phases are the ones it reports (`JobSummary.timings`), plus when each
 worker was ready (`WorkerReport.ready_s`).
 
@@ -88,7 +88,7 @@ def run_once(mode: str, workers: int, input_path: Path, out: Path, model: Path,
             stop_local_ray(temp_dir)
         ray_stop = time.perf_counter() - t1
     total = time.perf_counter() - t0
-    if len(summary.workers) != workers or summary.rows != summary.num_batches * 2:
+    if len(summary.workers) != workers or summary.rows != summary.num_shards * 2:
         raise SystemExit(f"unexpected job: {summary}")
     phases = dict(summary.timings)
     if mode == "gpu":  # Ray was started and stopped here, around the job
@@ -102,7 +102,7 @@ def run_once(mode: str, workers: int, input_path: Path, out: Path, model: Path,
 
 # --- demo mode: the demo job and `nanoserve generate`, this tree against another --------------
 
-DEMO_PHASES = ("prepare", "Ray", "workers", "first batch", "generate", "shutdown")
+DEMO_PHASES = ("prepare", "Ray", "workers", "first shard", "generate", "shutdown")
 GENERATE_PROMPT = "The capital of France is"
 # `nanoserve generate`'s steps (nanoserve/cli.py), timed one by one in a fresh process.
 GENERATE_STEPS = """
@@ -147,7 +147,8 @@ def demo_job(tree: Path, out: Path, cache: Path | None = None) -> dict:
         raise SystemExit(f"unexpected output of the demo job in {tree}:\n{text[-3000:]}")
     phases = {name: float(v) for name, v in re.findall(r"([A-Za-z ]+?) ([0-9.]+) s(?:,|$)",
                                                          times.group(1))}
-    phases = {k.strip(): v for k, v in phases.items()}
+    # (an older tree calls the first shard's phase "first batch")
+    phases = {k.strip().replace("first batch", "first shard"): v for k, v in phases.items()}
     return {"wall": wall, "job": float(job.group(1)), **phases,
             "outside": wall - float(job.group(1))}
 
@@ -299,17 +300,17 @@ def main() -> None:
                 runs.append(run_once(args.mode, n, input_path, work / f"out-{n}", model,
                                      args.max_tokens))
     headers = ["workers", "Ray start", "prepare", "first worker ready", "last worker ready",
-               "first batch", "generate", "shutdown", "total"]
+               "first shard", "generate", "shutdown", "total"]
 
     def row(label: str, r: dict) -> list:
         return [label, *(f"{r[k]:.2f}" for k in ("ray", "prepare", "first_ready", "last_ready",
-                                                 "first_batch", "generate", "shutdown",
+                                                 "first_shard", "generate", "shutdown",
                                                  "total"))]
 
     print(f"mode {args.mode}, {args.rows} rows, {args.max_tokens} new tokens; "
           f"{cpu_model_name()}; commit {git_commit()}")
     print("seconds; a worker's ready time counts from Ray ready; the driver sends the "
-          "first batch once the last one is ready")
+          "first shard once the last one is ready")
     print(markdown_table(headers, [row(str(r["n"]), r) for r in runs]))
     print()
     medians = []

@@ -16,8 +16,9 @@ the settings' types:
 - the model's files: `resolve_model`, `ModelConfig`, `Tokenizer`, `validate_checkpoint`,
   `check_lora_adapters` (LoRA adapter folders checked against a model, torch-free),
   `ChatTemplate`, `ImageConfig`, the grammar spec `StructuredOutputs`, the embedding
-  settings `PoolingConfig` and `Embedder`; encoders with a classification head, `Encoder`
-  and `read_classifier` (its config and tokenizer, no weights);
+  settings `PoolingConfig` and `Embedder`; classifiers (an encoder or a decoder with a
+  sequence-classification head, a causal LM as a reranker): `load_classifier`,
+  `read_classifier` (its config and tokenizer, no weights), and the encoders' `Encoder`;
 - a few pure helpers the job's driver needs before any engine exists (option checks,
   `choose_reasoning_parser`, `byte_level_bytes`).
 
@@ -88,9 +89,10 @@ _PUBLIC = {
     "PoolingConfig": ("nanoserve.embed", "PoolingConfig"),
     "resolve_pooling": ("nanoserve.embed", "resolve_pooling"),
     "with_instruction": ("nanoserve.embed", "with_instruction"),
-    # encoders: classification and cross-encoder scores
+    # classifiers (encoders, decoders, rerankers): classification and pair scores
     "Encoder": ("nanoserve.encoder.api", "Encoder"),
-    "read_classifier": ("nanoserve.encoder.tokenizer", "read_classifier"),
+    "load_classifier": ("nanoserve.classify", "load_classifier"),
+    "read_classifier": ("nanoserve.classify", "read_classifier"),
     # the engine's command line (`nanoserve generate|chat|...`), which the job's joins
     "ENGINE_COMMANDS": ("nanoserve.cli", "ENGINE_COMMANDS"),
     "LIST_FLAGS": ("nanoserve.cli", "LIST_FLAGS"),
@@ -110,7 +112,7 @@ __all__ = [
     "StructuredOutputs", "GrammarCache", "structured_from_request", "check_labels",
     "REASONING_PARSER_CHOICES", "choose_reasoning_parser",
     "Embedder", "PoolingConfig", "resolve_pooling", "with_instruction",
-    "Encoder", "read_classifier",
+    "Encoder", "load_classifier", "read_classifier",
     "ENGINE_COMMANDS", "LIST_FLAGS", "SuggestingParser", "add_engine_parsers", "run_command",
 ]
 

@@ -256,12 +256,12 @@ def _structured_output(args):
 def _logprob_line(tok, entry) -> str:
     """One generated token's logprob compactly: the token, its logprob and rank, then the
     most likely tokens at its place."""
-    def piece(token_id: int) -> str:
+    def text(token_id: int) -> str:
         return repr(tok.decode([token_id], skip_special_tokens=False))
 
-    line = f"{piece(entry.token_id)} {entry.logprob:.4f} (rank {entry.rank})"
+    line = f"{text(entry.token_id)} {entry.logprob:.4f} (rank {entry.rank})"
     if entry.top:
-        line += "; top: " + ", ".join(f"{piece(t)} {lp:.4f}" for t, lp in entry.top)
+        line += "; top: " + ", ".join(f"{text(t)} {lp:.4f}" for t, lp in entry.top)
     return line
 
 

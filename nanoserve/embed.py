@@ -317,8 +317,9 @@ class Embedder:
     def embed_ids(self, rows: list[list[int]]) -> torch.Tensor:
         """[B, dim] float32 on the CPU, in input order. Each row at most `limit` tokens."""
         out = torch.empty(len(rows), self.dim, dtype=torch.float32)
-        for start, end in self._batches([len(r) for r in rows]):
-            out[start:end] = self._run(rows[start:end]).cpu()
+        for start, end in token_batches([len(r) for r in rows], self.max_batch_tokens):
+            pooled = pooled_prefill(self.model, rows[start:end], self.pooling.pooling)
+            out[start:end] = finish(pooled, self.pooling).cpu()
         return out
 
     def embed(self, inputs: list[str] | list[list[int]]) -> torch.Tensor:
@@ -326,40 +327,47 @@ class Embedder:
         rows, _ = self.prepare(inputs)
         return self.embed_ids(rows)
 
-    def _batches(self, lens: list[int]) -> list[tuple[int, int]]:
-        """Consecutive [start, end) ranges of at most max_batch_tokens tokens (a longer row
-        runs alone)."""
-        out, start, total = [], 0, 0
-        for i, n in enumerate(lens):
-            if i > start and total + n > self.max_batch_tokens:
-                out.append((start, i))
-                start, total = i, 0
-            total += n
-        if start < len(lens):
-            out.append((start, len(lens)))
-        return out
 
-    def _run(self, rows: list[list[int]]) -> torch.Tensor:
-        """One packed prefill of `rows`, pooled: [len(rows), dim] float32 on the device."""
-        dev = self.device
-        lens = [len(r) for r in rows]
-        if min(lens) < 1:
-            raise InputError("an input has no tokens")
-        if max(lens) > self.config.max_position_embeddings:
-            raise InputError(f"an input has {max(lens)} tokens, more than the model's context "
-                             f"({self.config.max_position_embeddings})")
-        # built on the host, then moved once: ids, each token's position in its row, offsets
-        n = torch.tensor(lens, dtype=torch.long)
-        cu = torch.zeros(len(rows) + 1, dtype=torch.int32)
-        cu[1:] = torch.cumsum(n, 0)
-        positions = torch.arange(int(cu[-1])) - torch.repeat_interleave(cu[:-1].long(), n)
-        ids = torch.tensor([t for r in rows for t in r], dtype=torch.long)
-        ids, positions, cu = (x.to(dev, non_blocking=True) for x in (ids[None], positions[None],
-                                                                      cu))
-        meta = AttentionMetadata.packed(cu, max(lens))
-        hidden = self.model.hidden_states(ids, positions, None, meta)[0]  # [N, d]
-        return finish(pool(hidden, cu, self.pooling.pooling), self.pooling)
+def token_batches(lens: list[int], max_tokens: int) -> list[tuple[int, int]]:
+    """Consecutive [start, end) ranges of rows of these lengths, each of at most `max_tokens`
+    tokens (a longer row runs alone), covering every row in order."""
+    out, start, total = [], 0, 0
+    for i, n in enumerate(lens):
+        if i > start and total + n > max_tokens:
+            out.append((start, i))
+            start, total = i, 0
+        total += n
+    if start < len(lens):
+        out.append((start, len(lens)))
+    return out
+
+
+@torch.inference_mode()
+def pooled_prefill(model: Any, rows: list[list[int]], mode: str) -> torch.Tensor:
+    """One packed prefill of `rows` (token ids, each 1..max_position_embeddings long), no KV
+    cache, pooled per row by `mode` (`pool`): [len(rows), d] float32 on the model's device.
+    The one prefill-only path: embeddings (`Embedder`), a decoder classifier's `score` head
+    and a causal-LM reranker's last-position logits (nanoserve/classify.py, rerank.py), and
+    an encoder's embeddings (`EncoderModel.hidden_states`, bidirectional)."""
+    dev = model.device
+    lens = [len(r) for r in rows]
+    if min(lens) < 1:
+        raise InputError("an input has no tokens")
+    if max(lens) > model.config.max_position_embeddings:
+        raise InputError(f"an input has {max(lens)} tokens, more than the model's context "
+                         f"({model.config.max_position_embeddings})")
+    # built on the host, then moved once: ids, each token's position in its row, offsets
+    n = torch.tensor(lens, dtype=torch.long)
+    cu = torch.zeros(len(rows) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(n, 0)
+    positions = torch.arange(int(cu[-1])) - torch.repeat_interleave(cu[:-1].long(), n)
+    ids = torch.tensor([t for r in rows for t in r], dtype=torch.long)
+    ids, positions, cu = (x.to(dev, non_blocking=True) for x in (ids[None], positions[None], cu))
+    meta = AttentionMetadata.packed(cu, max(lens))
+    hidden = model.hidden_states(ids, positions, None, meta)[0]  # [N, d]
+    return pool(hidden, cu, mode)
 
 
 __all__ = ["DEFAULT_MAX_BATCH_TOKENS", "Embedder", "POOLING_MODES", "PoolingConfig", "finish",
-           "pool", "resolve_pooling", "sentence_transformers_settings", "with_instruction"]
+           "pool", "pooled_prefill", "resolve_pooling", "sentence_transformers_settings",
+           "token_batches", "with_instruction"]

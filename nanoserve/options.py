@@ -31,9 +31,10 @@ SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes
 MAX_N = 128  # samples per prompt
 MAX_LOGPROBS = 20  # alternatives per token
 
-# Entry points that may override a default (`Option.overrides`).
-ENTRY_POINTS = ("generate", "batch", "embed", "JobOptions", "SamplingParams", "LLM",
-                "build_processor")
+# Entry points that may override a default or a help text (`Option.overrides`, `helps`):
+# the commands, the dataclasses, `LLM` and the Ray Data stage.
+ENTRY_POINTS = ("generate", "batch", "embed", "classify", "score", "JobOptions",
+                "SamplingParams", "LLM", "build_processor")
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,10 @@ class Option:
     as a tuple. `choices`: the values allowed (argparse refuses others unless
     `parse_choices` is False: then the entry point's check says so, in its words).
     `check(value)`: None, or what is wrong, said after the name (`must be ... got ...`).
-    `overrides`: (entry point, default) pairs, each a deliberate exception, said in `why`."""
+    `overrides`: (entry point, default) pairs, each a deliberate exception, said in `why`.
+    `flag_name`: the flag's words where they are not the name's (`worker-start-timeout` for
+    `worker_start_timeout_s`). `helps`: (entry point, help) pairs where a command says more
+    of its own (which column `--prompt-column` names)."""
 
     name: str
     type: Callable[[str], Any]
@@ -58,18 +62,25 @@ class Option:
     check: Callable[[Any], str | None] | None = None
     overrides: tuple[tuple[str, Any], ...] = ()
     why: str = ""  # why an override differs
+    flag_name: str | None = None
+    helps: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
-        assert all(entry in ENTRY_POINTS for entry, _ in self.overrides), self.overrides
+        assert all(entry in ENTRY_POINTS for entry, _ in self.overrides + self.helps), \
+            (self.overrides, self.helps)
 
     @property
     def flag(self) -> str:
-        dashed = self.name.replace("_", "-")
+        dashed = self.flag_name or self.name.replace("_", "-")
         return f"--no-{dashed}" if self.type is bool and self.default is True else f"--{dashed}"
 
     def default_for(self, entry: str | None = None) -> Any:
         """The default at `entry` (one of ENTRY_POINTS): its override, else `default`."""
         return dict(self.overrides).get(entry, self.default)
+
+    def help_for(self, entry: str | None = None) -> str:
+        """The help at `entry`: its own, else `help`."""
+        return dict(self.helps).get(entry, self.help)
 
     def problem(self, value: Any, label: str | None = None) -> str | None:
         """What is wrong with `value` in one line naming the option as `label` (default:
@@ -86,11 +97,11 @@ class Option:
 
 def add_option(parser: argparse.ArgumentParser | argparse._ArgumentGroup, option: Option,
                entry: str) -> argparse.Action:
-    """Add `option`'s flag to `parser` (or an argument group), with the default of `entry`
-    ('generate', 'batch' or 'embed'), the option's help and choices; its value lands in
-    `args.<name>` (a repeated option's as a list)."""
+    """Add `option`'s flag to `parser` (or an argument group), with the default and help of
+    `entry` (a command: 'generate', 'batch', 'embed', 'classify', 'score') and the option's
+    choices; its value lands in `args.<name>` (a repeated option's as a list)."""
     default = option.default_for(entry)
-    kwargs: dict[str, Any] = {"dest": option.name, "help": option.help}
+    kwargs: dict[str, Any] = {"dest": option.name, "help": option.help_for(entry)}
     if option.type is bool:
         kwargs["action"] = "store_false" if default is True else "store_true"
         return parser.add_argument(option.flag, **kwargs)
@@ -231,6 +242,8 @@ STRUCTURED = _table(
 
 # The engine's settings, as `LLM` takes them (`max_running_rows` is its `max_batch_size`,
 # `prefix_caching` its `enable_prefix_caching`) and the commands and `JobOptions` give them.
+# (`reasoning_parser`'s choices are `nanoserve.sampling.reasoning`'s parsers, "auto" and
+# "none": tests/test_options.py holds them equal.)
 ENGINE = _table(
     Option("model", str, DEFAULT_MODEL,
            "model name, Hugging Face folder, or .gguf file (default: %(default)s)"),
@@ -252,6 +265,10 @@ ENGINE = _table(
            overrides=(("LLM", 0.8),),
            why="`LLM` alone in a process owns its GPU; a job's worker leaves room for the "
                "batches it holds and the Ray object store"),
+    Option("kv_cache_bytes", int, None,
+           "the KV pool's exact size in bytes, instead of the fraction (default on the CPU: "
+           "1 GiB); the job's flag is --kv-cache-memory, in GiB",
+           check=_int_at_least(1)),
     Option("max_running_rows", int, None,
            "the most rows an engine decodes at once (default: on a GPU as many as its KV "
            "pool holds at 512 tokens a row, 256 to 1,024; 256 on the CPU); a job's worker "
@@ -263,6 +280,12 @@ ENGINE = _table(
            "GPU), static (each batch runs to its longest row), or auto: continuous "
            "(default: auto)",
            choices=("auto", "static", "continuous")),
+    Option("reasoning_parser", str, "auto",
+           "split the think block from the answer: columns 'reasoning' and "
+           "'num_reasoning_tokens', 'generated_text' the answer only; a structured output "
+           "applies after the block (default auto: picked from the model family where "
+           "certain, stated in the summary)",
+           choices=("auto", "none", "qwen3", "deepseek_r1")),
     Option("prefix_caching", bool, True,
            "prefill every row's whole prompt, even a prefix that an earlier row's KV blocks "
            "already hold (default: shared prefixes are computed and stored once per "

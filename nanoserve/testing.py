@@ -133,42 +133,54 @@ def _window_options(family: Family, window: int | None) -> dict[str, Any]:
 
 
 def tiny_hf_model(family: str | Family, vocab_size: int, *, seed: int = 0,
-                  sliding_window: int | None = None, **options: Any) -> Any:
+                  sliding_window: int | None = None, classifier: bool = False,
+                  **options: Any) -> Any:
     """A tiny random model of `family` through transformers' own class (`tiny_hf_config`;
     seed `seed`), in eval mode, with random norm weights and biases (so a missing or
-    misplaced one shows) and routers that spread the tokens over the experts."""
+    misplaced one shows) and routers that spread the tokens over the experts. `classifier`:
+    the family's `*ForSequenceClassification` instead (`options` then carry `num_labels`,
+    `id2label`, `problem_type`, `pad_token_id`), its `score` head at 0.5 / sqrt(hidden) so
+    the classes' logits differ by more than rounding."""
     import torch
     import transformers
 
     family = family_record(family)
     torch.manual_seed(seed)
     cfg = tiny_hf_config(family, vocab_size, sliding_window=sliding_window, **options)
-    model = getattr(transformers, family.architecture)(cfg)
+    if classifier and family.classifier is None:
+        raise ValueError(f"{family.name} has no sequence-classification model")
+    model = getattr(transformers, family.classifier if classifier else family.architecture)(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.copy_(1 + 0.3 * torch.randn_like(p))
             elif name.endswith("mlp.gate.weight"):  # a router that spreads the tokens
                 p.copy_(0.5 * torch.randn_like(p))
+            elif name == "score.weight":
+                p.copy_(0.5 * torch.randn_like(p) / p.shape[1] ** 0.5)
     return model.eval()
 
 
 def save_tiny_family(folder: str | Path, family: str, tokenizer_source: str | Path, *,
                      sliding_window: int | None = None, chat_template: str | None = None,
                      special_tokens: dict[str, str] | None = None,
-                     eos_tokens: tuple[str, ...] = ()) -> Path:
+                     eos_tokens: tuple[str, ...] = (), seed: int = 0,
+                     classifier: bool = False, **head: Any) -> Path:
     """A tiny random checkpoint of `family` (a `model_type` of nanoserve/model/families.py without
     a vision tower: 'qwen2', 'qwen3', 'mistral', 'qwen3_moe', 'mixtral', 'qwen2_moe', 'llama';
-    `tiny_hf_model`, seed 0) saved by transformers, with the tokenizer of `tokenizer_source`.
+    `tiny_hf_model`, seed `seed`) saved by transformers, with the tokenizer of `tokenizer_source`.
     `sliding_window`: placed by the family's rule (`tiny_hf_config`). `chat_template` and
     `special_tokens` ({'bos_token': ..., 'eos_token': ...}) go into tokenizer_config.json,
-    `eos_tokens` (token strings) into generation_config.json."""
+    `eos_tokens` (token strings) into generation_config.json. `classifier`: its
+    `*ForSequenceClassification`, `head` its config keys (`num_labels`, `id2label`,
+    `problem_type`, `pad_token_id`)."""
 
     from nanoserve.weights.tokenizer import Tokenizer
 
     folder = Path(folder)
     tok = Tokenizer.from_path(tokenizer_source)
-    tiny_hf_model(family, tok.vocab_size, sliding_window=sliding_window).save_pretrained(folder)
+    tiny_hf_model(family, tok.vocab_size, sliding_window=sliding_window, seed=seed,
+                  classifier=classifier, **head).save_pretrained(folder)
     tok.backend.save(str(folder / "tokenizer.json"))
     tokenizer_config = dict(special_tokens or {})
     if chat_template is not None:

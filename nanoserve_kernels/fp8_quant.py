@@ -5,7 +5,9 @@
 A row's scale is its absolute maximum (capped at `ub` when given: values beyond then
 saturate) over 448, the largest e4m3 value, and at least 1e-12 / 448 (a zero row). The
 quotient x / scale is computed in float32 (IEEE division) and rounded to nearest even, with
-saturation, as torch's cast does: the kernel equals the reference bit for bit.
+saturation, as torch's cast does: the kernel equals the reference bit for bit. (The
+reference divides by 448 held in a tensor on x's device: divided by a Python number, torch's
+CUDA kernel multiplies by its float32 reciprocal instead, one ulp off IEEE division at times.)
 
 - `quantize_rows_reference`: PyTorch, the oracle (a few kernels on a GPU: 14-17 us a call).
 - `quantize_rows`: Triton, one program per row: a pass for the maximum, a pass to quantize.
@@ -25,13 +27,19 @@ MIN_AMAX = 1e-12
 _BLOCK = 1024
 
 
+def exact_div(x: torch.Tensor, d: float) -> torch.Tensor:
+    """x / d in IEEE division on every device (Triton's `div_rn`): d as a 0-dim tensor on
+    x's device, so torch's CUDA kernel does not multiply by a rounded reciprocal."""
+    return x / torch.tensor(d, dtype=x.dtype, device=x.device)
+
+
 def quantize_rows_reference(x: torch.Tensor, ub: float | None = None
                             ) -> tuple[torch.Tensor, torch.Tensor]:
     # the max-norm is |x|'s row max in one reduction; x / scale promotes to float32 itself
     amax = torch.linalg.vector_norm(x, ord=float("inf"), dim=-1, keepdim=True).float()
     if ub is not None:
         amax = amax.clamp(max=ub)
-    scale = amax.clamp(min=MIN_AMAX) / FP8_MAX
+    scale = exact_div(amax.clamp(min=MIN_AMAX), FP8_MAX)
     return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
@@ -92,5 +100,6 @@ def quantize_rows(x: torch.Tensor, ub: float | None = None) -> tuple[torch.Tenso
     return q, scale
 
 
-__all__ = ["FP8", "quantize_rows", "quantize_rows_reference", "quantize_to_fp8", "row_scale",
+__all__ = ["FP8", "exact_div", "quantize_rows", "quantize_rows_reference", "quantize_to_fp8",
+           "row_scale",
            "store_row_fp8"]

@@ -39,7 +39,13 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve_kernels._triton import HAS_TRITON, interpret_requested, tl, triton
-from nanoserve_kernels.fp8_quant import FP8, quantize_rows_reference, quantize_to_fp8, row_scale
+from nanoserve_kernels.fp8_quant import (
+    FP8,
+    exact_div,
+    quantize_rows_reference,
+    quantize_to_fp8,
+    row_scale,
+)
 from nanoserve_kernels.fp8_quant import quantize_rows as _quantize_rows_triton
 from nanoserve_kernels.fused_moe_configs import get_config
 from nanoserve_kernels.moe_routing import align_pairs, route, route_reference
@@ -61,7 +67,7 @@ def quantize_groups_reference(x: torch.Tensor, group: int) -> tuple[torch.Tensor
     if k % group:
         raise ValueError(f"K ({k}) is not a multiple of the group ({group})")
     xg = x.float().view(m, k // group, group)
-    scale = xg.abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX  # [M, K / group]
+    scale = exact_div(xg.abs().amax(dim=-1).clamp(min=1e-12), FP8_MAX)  # [M, K / group]
     q = (xg / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q.view(m, k), scale
 

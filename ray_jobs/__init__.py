@@ -6,15 +6,16 @@ CLI; generation, embedding, classification and pair scores are its tasks.
     summary = run_embed_job("docs.jsonl", "vectors/")  # = run_batch_job(..., task="embed")
 
 Module map (docs/modules.md): one package per stage a row goes through, each importing only
-the stages before it (tests/test_layering.py):
+the stages before it (tests/test_layering.py), above the job's base, `options` (`JOB`: the
+job's own options, declared once):
   input        `io`, `shards`, `storage`, `json_shapes`, `openai_requests`: the input
                listed, scanned and read a shard at a time; filesystems; OpenAI request lines
   preparation  `prepare`, `row_images`, `batching`: prompt column, tokenization, images,
-               error rows; a static engine's batches
+               error rows; a static engine's batches of a shard
   output       `manifest`: job identity, the parts' names, resume; `openai_files`: each
                shard's OpenAI output lines, `output.jsonl` / `errors.jsonl` joined
   workers      `tasks` (a shard's walk on a worker), `worker` (`BatchWorker`, one model per
-               process), `options` (`JobOptions`), `piece` (the record of an answer)
+               process), `options` (`JobOptions`), `span` (the record of an answer)
   tasks        `generate`, `embed`, `classify` (classify and score): the tasks
   report       `report` (the job's HTML report), `timeline` (its phases)
   dispatch     `driver` (`run_job`: the one job walk), `pool` (the job's actors),

@@ -31,14 +31,16 @@ from nanoserve import (
     add_option,
     check_model_name,
 )
+from ray_jobs.options import JOB
 
 BATCH_DESCRIPTION = """\
 Generate a completion for every row of a Parquet or JSON Lines file (or a folder tree of
 them) on a Ray worker pool, and write the results as Parquet parts into OUTPUT_DIR. INPUT and
-OUTPUT_DIR may be local paths or object-store URIs (s3://bucket/prefix/, gs://...). A part
-holds --batch-size consecutive input rows of one file, in input order, and the parts are
-numbered in input order (workers write them in any order): read them in name order, sort by
-'id' (positions when the input has none) or join on it for the input's order.
+OUTPUT_DIR may be local paths or object-store URIs (s3://bucket/prefix/, gs://...). The input
+is cut into shards of --batch-size consecutive rows of one file; a worker writes each shard's
+rows as one part, in input order, and the parts are numbered in input order (workers write
+them in any order): read them in name order, sort by 'id' (positions when the input has
+none) or join on it for the input's order.
 
 Each row needs a prompt: a 'prompt' (text), 'messages' (chat, [{role, content}, ...],
 rendered with the model's chat template) or 'prompt_token_ids' column; a row uses the
@@ -72,7 +74,7 @@ input).
 A rerun into the same OUTPUT_DIR resumes where the last run stopped; Ctrl-C stops a job with
 its summary and report. Each run that computes something writes a self-contained HTML
 report, OUTPUT_DIR/_nanoserve_report.html (the whole job's rows, earlier runs' included;
-throughput over time, per-worker progress, batch fill and waste, error rows by cause,
+throughput over time, per-worker progress, shard fill and waste, error rows by cause,
 settings and phases), and prints its path."""
 
 EMBED_DESCRIPTION = """\
@@ -91,11 +93,13 @@ resumes where the last run stopped; a rerun with other settings is refused."""
 
 CLASSIFY_DESCRIPTION = """\
 Classify every row of a Parquet or JSON Lines file (or a folder tree of them) on a Ray
-worker pool with an encoder checkpoint that has a sequence-classification head
+worker pool with a checkpoint that has a sequence-classification head: an encoder
 (BertForSequenceClassification, XLMRobertaForSequenceClassification,
-ModernBertForSequenceClassification; a decoder checkpoint is refused): each row's text
-('prompt' or 'text' column, or --prompt-column) through the head. OUTPUT_DIR gets Parquet
-parts with 'id', the input columns, then
+ModernBertForSequenceClassification) or a decoder (LlamaForSequenceClassification,
+Qwen3ForSequenceClassification, ... of every decoder family: classifiers and reward
+models; a causal LM without a head is refused): each row's text ('prompt' or 'text' column,
+or --prompt-column) through the head. OUTPUT_DIR gets Parquet parts with 'id', the input
+columns, then
   label             the most probable label (config.json's id2label) of a single-label
                     head; null for a multi-label head (read probs) and for regression
   probs             map label -> probability: softmax (single-label) or each label's
@@ -109,16 +113,18 @@ other settings (another task, another limit) is refused."""
 
 SCORE_DESCRIPTION = """\
 Score every text pair of a Parquet or JSON Lines file (or a folder tree of them) on a Ray
-worker pool with a cross-encoder: an encoder checkpoint with a sequence-classification head
-of one output or two labels (BERT, XLM-RoBERTa, ModernBERT; a decoder checkpoint is
-refused). Each row's columns 'text_1' and 'text_2' (else 'query' and 'document') are read as
-one pair. OUTPUT_DIR gets Parquet parts with 'id', the input columns, then 'score' (a
-one-output head's raw logit, as sentence-transformers' CrossEncoder.predict with an identity
-activation; a two-label head's probability of label 1), 'num_input_tokens' and 'error' (null
-unless the row failed: a missing or empty text of the pair, ...). Pairs longer than
---max-input-tokens (default: the model's positions) are cut, the longer text first, and
-counted. A rerun into the same OUTPUT_DIR resumes where the last run stopped; a rerun with
-other settings is refused."""
+worker pool with a cross-encoder: a checkpoint with a sequence-classification head of one
+output or two labels (an encoder: BERT, XLM-RoBERTa, ModernBERT; or a decoder's
+*ForSequenceClassification), or a causal LM (*ForCausalLM) as a Qwen3-Reranker-style
+reranker: the pair in its prompt (--instruction), the score P(yes) against P(no) at the
+prompt's end. Each row's columns 'text_1' and 'text_2' (else 'query' and 'document') are
+read as one pair. OUTPUT_DIR gets Parquet parts with 'id', the input columns, then 'score'
+(a one-output head's raw logit, as sentence-transformers' CrossEncoder.predict with an
+identity activation; a two-label head's probability of label 1; a reranker's P(yes)),
+'num_input_tokens' and 'error' (null unless the row failed: a missing or empty text of the
+pair, ...). Pairs longer than --max-input-tokens (default: the model's positions) are cut,
+the longer text first (a reranker's document), and counted. A rerun into the same
+OUTPUT_DIR resumes where the last run stopped; a rerun with other settings is refused."""
 
 
 def add_job_parsers(subparsers: argparse._SubParsersAction) -> None:
@@ -127,9 +133,9 @@ def add_job_parsers(subparsers: argparse._SubParsersAction) -> None:
     add_batch_parser(subparsers)
     add_embed_parser(subparsers)
     add_encoder_parser(subparsers, "classify", "classify every row of a Parquet/JSONL dataset "
-                       "with an encoder classifier on Ray", CLASSIFY_DESCRIPTION)
+                       "with a classifier (encoder or decoder) on Ray", CLASSIFY_DESCRIPTION)
     add_encoder_parser(subparsers, "score", "score every text pair of a Parquet/JSONL "
-                       "dataset with a cross-encoder on Ray", SCORE_DESCRIPTION)
+                       "dataset with a cross-encoder or a reranker LM on Ray", SCORE_DESCRIPTION)
 
 
 def add_batch_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -150,9 +156,8 @@ def add_embed_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
 def add_encoder_parser(subparsers: argparse._SubParsersAction, name: str, summary: str,
                        description: str) -> argparse.ArgumentParser:
-    """`nanoserve classify` or `nanoserve score`: the job's shared flags, the input limit."""
-    from ray_jobs.workers.options import PREFILL_BATCH_SIZE, PREFILL_BATCH_TOKENS
-
+    """`nanoserve classify` or `nanoserve score`: the job's shared flags, the input limit
+    (and score's reranker instruction)."""
     p = subparsers.add_parser(name, help=summary, description=description,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("input", help="a .parquet or JSON Lines file (.jsonl, .json, also .gz or "
@@ -162,25 +167,17 @@ def add_encoder_parser(subparsers: argparse._SubParsersAction, name: str, summar
                    metavar="OUTPUT_DIR", help="folder or object-store prefix "
                    "(s3://bucket/out) for the Parquet parts and the manifest")
     p.add_argument(ENGINE["model"].flag, dest="model", required=True, metavar="FOLDER",
-                   help="an encoder checkpoint folder with a sequence-classification head "
-                        "(config.json, safetensors, tokenizer.json)")
+                   help="a checkpoint folder with a sequence-classification head, encoder or "
+                        "decoder (config.json, safetensors, tokenizer.json)"
+                        + ("; or a causal LM, as a reranker" if name == "score" else ""))
     e = p.add_argument_group("input limit")
-    e.add_argument("--max-input-tokens", type=int, default=None, metavar="N",
-                   help="the input limit (default: the model's positions, also the most it "
-                        "takes); longer inputs are cut to it and counted")
-    e.add_argument("--no-truncate", dest="truncate", action="store_false",
-                   help="make inputs above the limit error rows instead of cutting them")
-    if name == "classify":
-        _add_columns(p, "the column holding the text")
-    else:
-        c = p.add_argument_group("columns")
-        c.add_argument("--id-column", default=None, metavar="NAME",
-                       help="the column holding row ids (default: 'id' if present, else "
-                            "positions)")
-        p.set_defaults(prompt_column=None)
-    _add_execution(p, "embed", PREFILL_BATCH_SIZE, PREFILL_BATCH_TOKENS,
-                   f"tokens per batch, at most (default: {PREFILL_BATCH_TOKENS})")
-    _add_cluster_and_reruns(p)
+    for option in ("max_input_tokens", "truncate"):
+        add_option(e, JOB[option], name)
+    if name == "score":
+        add_option(p.add_argument_group("reranker (a causal LM)"), JOB["instruction"], name)
+    _add_columns(p, name)
+    _add_execution(p, name)
+    _add_cluster_and_reruns(p, name)
     return p
 
 
@@ -193,58 +190,45 @@ def _add_input_output(p: argparse.ArgumentParser, output_help: str, entry: str) 
     add_option(p, ENGINE["model"], entry)
 
 
-def _add_columns(p: argparse.ArgumentParser, prompt_help: str) -> None:
+def _add_columns(p: argparse.ArgumentParser, entry: str) -> None:
+    """The columns group: the prompt column (not the score task's: it reads a pair) and the
+    id column."""
     c = p.add_argument_group("columns")
-    c.add_argument("--prompt-column", default=None, metavar="NAME", help=prompt_help)
-    c.add_argument("--id-column", default=None, metavar="NAME",
-                   help="the column holding row ids (default: 'id' if present, else positions)")
+    if entry == "score":
+        p.set_defaults(prompt_column=JOB["prompt_column"].default)
+    else:
+        add_option(c, JOB["prompt_column"], entry)
+    add_option(c, JOB["id_column"], entry)
 
 
-def _add_execution(p: argparse.ArgumentParser, entry: str, batch_size: int,
-                   max_batch_tokens: int | None,
-                   max_batch_tokens_help: str) -> argparse._ArgumentGroup:
-    """The execution group with the flags both tasks have; the task adds its own to it."""
+def _add_execution(p: argparse.ArgumentParser, entry: str) -> argparse._ArgumentGroup:
+    """The execution group with the flags every task has (the dtype, the shards' rows and
+    the batches' tokens, with `entry`'s defaults); the task adds its own to it."""
     r = p.add_argument_group("execution")
     add_option(r, ENGINE["dtype"], entry)
-    r.add_argument("--batch-size", type=int, default=batch_size,
-                   help=f"rows per batch, and so per part (default: {batch_size})")
-    r.add_argument("--max-batch-tokens", type=int, default=max_batch_tokens,
-                   help=max_batch_tokens_help)
+    for option in ("batch_size", "max_batch_tokens"):
+        add_option(r, JOB[option], entry)
     return r
 
 
-def _add_cluster_and_reruns(p: argparse.ArgumentParser) -> None:
+# The flags every task has: `run_job`'s keyword arguments of the same names (`_job_options`).
+SHARED = ("model", "prompt_column", "id_column", "dtype", "batch_size", "max_batch_tokens",
+          "num_workers", "worker_start_timeout_s", "address", "overwrite", "retry_errors",
+          "progress")
+
+
+def _add_cluster_and_reruns(p: argparse.ArgumentParser, entry: str) -> None:
     w = p.add_argument_group("cluster")
-    w.add_argument("--num-workers", default=None, metavar="N|MIN-MAX|auto",
-                   help="workers: N (capped to the cluster's GPUs, else CPUs); MIN-MAX or auto "
-                        "(= 1-): GPU workers, starting with the GPUs present (waiting up to "
-                        "--worker-start-timeout for MIN) and adding one for each GPU that joins, "
-                        "up to MAX (default: one per GPU of the cluster; 1 without GPUs)")
-    w.add_argument("--worker-start-timeout", type=float, default=600.0, metavar="SECONDS",
-                   help="longest wait for the cluster's first GPUs (MIN-MAX, auto) and for a "
-                        "worker to be placed and load the model (default: 600)")
-    w.add_argument("--address", default=None,
-                   help="Ray address (default: RAY_ADDRESS, a running cluster, else a "
-                        "private local Ray; 'local' forces the latter)")
+    for option in ("num_workers", "worker_start_timeout_s", "address"):
+        add_option(w, JOB[option], entry)
     o = p.add_argument_group("reruns")
-    o.add_argument("--overwrite", action="store_true",
-                   help="replace an existing output instead of resuming it")
-    o.add_argument("--retry-errors", action="store_true",
-                   help="when resuming, compute again the batches of earlier runs that hold "
-                        "error rows (e.g. a row whose worker died); the other written batches "
-                        "are kept")
-    o.add_argument("--no-progress", dest="progress", action="store_false",
-                   help="no progress bar (it counts rows as the workers' engines finish them)")
+    for option in ("overwrite", "retry_errors", "progress"):
+        add_option(o, JOB[option], entry)
 
 
 def _job_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The options of the flags both subcommands have, as `run_job`'s keyword arguments."""
-    return {"model": args.model, "prompt_column": args.prompt_column,
-            "id_column": args.id_column, "dtype": args.dtype, "batch_size": args.batch_size,
-            "max_batch_tokens": args.max_batch_tokens, "num_workers": args.num_workers,
-            "worker_start_timeout_s": args.worker_start_timeout, "address": args.address,
-            "overwrite": args.overwrite, "retry_errors": args.retry_errors,
-            "progress": args.progress}
+    """The options of the flags every subcommand has, as `run_job`'s keyword arguments."""
+    return {name: getattr(args, name) for name in SHARED}
 
 
 def _add_batch_arguments(p: argparse.ArgumentParser) -> None:
@@ -262,66 +246,41 @@ def _add_batch_arguments(p: argparse.ArgumentParser) -> None:
         add_option(g, STRUCTURED[name], "batch")
     p.once_per_value = LIST_FLAGS  # `--choice A B in.jsonl`: refused, not B read as INPUT
     add_option(g, STRUCTURED["choice_scores"], "batch")
-    p.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
-                   help='options for the chat template, e.g. \'{"enable_thinking": false}\' '
-                        "(a row's 'chat_template_kwargs' column updates them; a key the "
-                        "model's template never reads is a warning)")
-    p.add_argument("--reasoning-parser", choices=("auto", "none", "qwen3", "deepseek_r1"),
-                   default="auto",
-                   help="split the think block from the answer: columns 'reasoning' and "
-                        "'num_reasoning_tokens', 'generated_text' the answer only; a "
-                        "structured output applies after the block (default auto: picked "
-                        "from the model family where certain, stated in the summary)")
+    add_option(p, JOB["chat_template_kwargs"], "batch")
+    add_option(p, ENGINE["reasoning_parser"], "batch")
     add_option(p, SAMPLING["max_thinking_tokens"], "batch")
-    _add_columns(p, "the column holding the prompt (text, messages or token ids)")
+    _add_columns(p, "batch")
     o = p.add_argument_group("OpenAI batch files")
-    o.add_argument("--input-format", choices=("auto", "openai", "plain"), default="auto",
-                   help="auto: JSONL lines with custom_id and body are OpenAI batch requests; "
-                        "openai: every line must be one (a line that is not is an error row); "
-                        "plain: no line is (default: auto)")
-    o.add_argument("--output-format", choices=("auto", "parquet", "openai"), default="auto",
-                   help="openai: also OUTPUT_DIR/output.jsonl and errors.jsonl in OpenAI's "
-                        "batch output shape, in input order, once the job completes; parquet: "
-                        "the parts only; auto: openai when the input holds OpenAI batch "
-                        "requests (default: auto)")
-    r = _add_execution(p, "batch", 64, None, "a static engine's cap on rows x max(prompt + "
-                                             "max_tokens) in one of its batches (default: none)")
+    for name in ("input_format", "output_format"):
+        add_option(o, JOB[name], "batch")
+    r = _add_execution(p, "batch")
     add_option(r, ENGINE["quantization"], "batch")
     add_option(r, ENGINE["kv_cache_fraction"], "batch")
-    r.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
-                   help="exact KV pool size per worker in GiB, instead of the fraction "
-                        "(default on the CPU: 1)")
-    for name in ("kv_cache_dtype", "max_running_rows", "scheduler", "prefix_caching", "lora"):
+    add_option(r, JOB["kv_cache_memory"], "batch")
+    for name in ("kv_cache_dtype", "max_running_rows", "scheduler", "prefix_caching",
+                 "lora"):
         add_option(r, ENGINE[name], "batch")
-    _add_cluster_and_reruns(p)
+    _add_cluster_and_reruns(p, "batch")
 
 
 def _add_embed_arguments(p: argparse.ArgumentParser) -> None:
     _add_input_output(p, "folder or object-store prefix (s3://bucket/out) for the Parquet "
                          "parts and the manifest", "embed")
     e = p.add_argument_group("embedding (default: what the model folder says)")
-    e.add_argument("--pooling", choices=("last", "mean", "cls"), default=None,
-                   help="the row's last token (Qwen3-Embedding), the mean of its tokens, or "
-                        "its first token (default: the folder's, else last)")
-    e.add_argument("--normalize", dest="normalize", action="store_true", default=None,
-                   help="scale each vector to unit L2 norm (default: the folder's, else on)")
-    e.add_argument("--no-normalize", dest="normalize", action="store_false")
-    e.add_argument("--dimensions", type=int, default=None, metavar="D",
-                   help="keep the first D values (Matryoshka), before normalising")
-    e.add_argument("--instruction", default=None, metavar="TEXT",
-                   help="a query instruction, as Qwen3-Embedding documents it: each text "
-                        "becomes 'Instruct: TEXT\\nQuery:<text>'")
-    e.add_argument("--max-input-tokens", type=int, default=None, metavar="N",
-                   help="the input limit (default: sentence_bert_config.json's max_seq_length, "
-                        "else the model's context); longer inputs are cut to it and counted")
-    e.add_argument("--no-truncate", dest="truncate", action="store_false",
-                   help="make inputs above the limit error rows instead of cutting them")
+    add_option(e, JOB["pooling"], "embed")
+    normalize = JOB["normalize"]  # either way, or the folder's: two switches
+    e.add_argument("--normalize", dest="normalize", action="store_true",
+                   default=normalize.default, help=normalize.help)
+    e.add_argument("--no-normalize", dest="normalize", action="store_false",
+                   default=normalize.default)
+    for name in ("dimensions", "instruction", "max_input_tokens", "truncate"):
+        add_option(e, JOB[name], "embed")
+    dtype = JOB["embedding_dtype"]  # float32 unless this switch says float16
     e.add_argument("--float16", dest="embedding_dtype", action="store_const", const="float16",
-                   default="float32", help="store the vectors as float16 (default: float32)")
-    _add_columns(p, "the column holding the text or token ids")
-    _add_execution(p, "embed", 1024, 65536, "tokens per batch, at most (rows x longest row; "
-                                            "default: 65536)")
-    _add_cluster_and_reruns(p)
+                   default=dtype.default, help=dtype.help)
+    _add_columns(p, "embed")
+    _add_execution(p, "embed")
+    _add_cluster_and_reruns(p, "embed")
 
 
 def run_batch_cli(args: argparse.Namespace) -> int:
@@ -339,8 +298,9 @@ def run_batch_cli(args: argparse.Namespace) -> int:
                         "prompt_logprobs": args.prompt_logprobs})
     except ValueError as e:
         raise InputError(f"invalid sampling options: {e}") from None
-    if args.kv_cache_memory is not None and args.kv_cache_memory <= 0:
-        raise InputError(f"--kv-cache-memory must be > 0 GiB, got {args.kv_cache_memory}")
+    memory = JOB["kv_cache_memory"]
+    if problem := memory.problem(args.kv_cache_memory, memory.flag):
+        raise InputError(problem)
     json_schema = None if args.json_schema is None else read_json_schema(args.json_schema)
     check_model_name(args.model)
     from ray_jobs.dispatch.driver import run_job
@@ -382,8 +342,9 @@ def run_encoder_cli(args: argparse.Namespace) -> int:
     """Run the classification or the score job (`args.command`); print the summary."""
     from ray_jobs.dispatch.driver import run_job
 
+    own = {"instruction": args.instruction} if args.command == "score" else {}
     summary = run_job(args.input, args.output_dir, task=args.command, **_job_options(args),
-                      max_input_tokens=args.max_input_tokens, truncate=args.truncate)
+                      max_input_tokens=args.max_input_tokens, truncate=args.truncate, **own)
     print(summary.format())
     return 0
 

@@ -69,6 +69,7 @@ import pyarrow as pa
 
 from nanoserve import ENGINE, SAMPLING, resolve_model
 from ray_jobs.input.files import InputChunk
+from ray_jobs.options import JOB
 from ray_jobs.preparation.prepare import (
     ColumnPlan,
     RowPreparer,
@@ -89,7 +90,6 @@ from ray_jobs.tasks.classify import (
     task_options,
 )
 from ray_jobs.tasks.embed import (
-    EMBED_BATCH_TOKENS,
     EMBED_OPTIONS,
     EmbedTask,
     EmbedWorker,
@@ -138,13 +138,14 @@ class DatasetGenerator(DatasetStage):
     """Generation's stage: a `BatchWorker` per actor, rows prepared by `RowPreparer`."""
 
     def __init__(self, model: str = ENGINE["model"].default,
-                 sampling: dict[str, Any] | None = None, prompt_column: str | None = None,
+                 sampling: dict[str, Any] | None = None,
+                 prompt_column: str | None = JOB["prompt_column"].default,
                  dtype: str = ENGINE["dtype"].default,
                  kv_cache_fraction: float = ENGINE["kv_cache_fraction"].default,
-                 kv_cache_bytes: int | None = None,
+                 kv_cache_bytes: int | None = ENGINE["kv_cache_bytes"].default,
                  scheduler: str = ENGINE["scheduler"].default, num_threads: int | None = None,
-                 chat_template_kwargs: dict[str, Any] | None = None,
-                 reasoning_parser: str | None = "auto") -> None:
+                 chat_template_kwargs: dict[str, Any] | None = JOB["chat_template_kwargs"].default,
+                 reasoning_parser: str | None = ENGINE["reasoning_parser"].default) -> None:
         path = resolve_model(model)
         self.chat_template_kwargs = chat_template_kwargs
         self.config, self.tokenizer = load_model_meta(path)
@@ -189,9 +190,9 @@ class DatasetEmbedder(DatasetStage):
     `EmbedPreparer`. `options`: `EmbedTask`'s (`EmbedSettings.task_options`)."""
 
     def __init__(self, model: str, options: dict[str, Any], pooling: dict[str, Any],
-                 prompt_column: str | None = None, dtype: str = ENGINE["dtype"].default,
-                 num_threads: int | None = None,
-                 max_batch_tokens: int = EMBED_BATCH_TOKENS) -> None:
+                 prompt_column: str | None = JOB["prompt_column"].default,
+                 dtype: str = ENGINE["dtype"].default, num_threads: int | None = None,
+                 max_batch_tokens: int = JOB["max_batch_tokens"].default_for("embed")) -> None:
         path = resolve_model(model)
         self.config, self.tokenizer = load_model_meta(path)
         self.options = dict(options)
@@ -218,11 +219,11 @@ class DatasetClassifier(DatasetStage):
     rows prepared by `ClassifyPreparer`. `options`: `CLASSIFY_OPTIONS`' values."""
 
     def __init__(self, model: str, task: str, options: dict[str, Any],
-                 prompt_column: str | None = None, dtype: str = ENGINE["dtype"].default,
-                 num_threads: int | None = None,
-                 max_batch_tokens: int = EMBED_BATCH_TOKENS) -> None:
+                 prompt_column: str | None = JOB["prompt_column"].default,
+                 dtype: str = ENGINE["dtype"].default, num_threads: int | None = None,
+                 max_batch_tokens: int = JOB["max_batch_tokens"].default_for("classify")) -> None:
         self.path = resolve_model(model)
-        self.config, _ = load_meta(self.path)
+        self.config, self.tokenizer = load_meta(self.path, task)
         self.task, self.options, self.prompt_column = task, dict(options), prompt_column
         self.worker = ClassifyWorker(str(self.path), dtype=dtype, num_threads=num_threads,
                                      max_batch_tokens=max_batch_tokens, task=task)
@@ -235,20 +236,28 @@ class DatasetClassifier(DatasetStage):
             column = pick(self.prompt_column, schema.names)
             plan = dataclasses.replace(plan_columns(schema, column), id_column=None)
             names = [n for n in schema.names if n not in RESULTS[self.task].names]
-            options = task_options(self.task, self.options, self.config, names, self.path)
-            task = ClassifyTask(plan, options, self.worker.encoder.tokenizer,
+            options = task_options(self.task, self.options, self.config, names, self.path,
+                                   self.tokenizer)
+            task = ClassifyTask(plan, options, self.worker.classifier.tokenizer,
                                 engine=self.worker.run_batch)
             self._tasks[schema] = (task, RESULTS[self.task])
         return self._tasks[schema]
 
 
-def build_processor(model: str = ENGINE["model"].default, *, concurrency: int = 1,
-                    num_gpus: float = 1, num_cpus: float | None = None, batch_size: int = 64,
-                    prompt_column: str | None = None, dtype: str = ENGINE["dtype"].default,
-                    kv_cache_fraction: float = ENGINE["kv_cache_fraction"].default,
-                    kv_cache_bytes: int | None = None,
-                    scheduler: str = ENGINE["scheduler"].default, chat_template_kwargs: dict[str, Any] | None = None,
-                    reasoning_parser: str | None = "auto", **sampling: Any) -> Callable[[Any], Any]:
+def build_processor(
+        model: str = ENGINE["model"].default, *,
+        concurrency: int = JOB["concurrency"].default,
+        num_gpus: float = JOB["num_gpus"].default,
+        num_cpus: float | None = JOB["num_cpus"].default,
+        batch_size: int = JOB["batch_size"].default_for("build_processor"),
+        prompt_column: str | None = JOB["prompt_column"].default,
+        dtype: str = ENGINE["dtype"].default,
+        kv_cache_fraction: float = ENGINE["kv_cache_fraction"].default,
+        kv_cache_bytes: int | None = ENGINE["kv_cache_bytes"].default,
+        scheduler: str = ENGINE["scheduler"].default,
+        chat_template_kwargs: dict[str, Any] | None = JOB["chat_template_kwargs"].default,
+        reasoning_parser: str | None = ENGINE["reasoning_parser"].default,
+        **sampling: Any) -> Callable[[Any], Any]:
     """A function `Dataset -> Dataset` that appends the result columns to every row (see
     the module docstring). `concurrency` actors, each with `num_gpus` GPUs (1: one engine
     per GPU; 0: on the CPU, `num_cpus` cores each, default 1); `batch_size` rows per call
@@ -270,18 +279,18 @@ def build_processor(model: str = ENGINE["model"].default, *, concurrency: int = 
     `max_input_tokens`, `truncate`, `embedding_dtype` (see `run_job`) and
     `max_batch_tokens` (default 65,536), resolved against the model's files here.
 
-    `task="classify"` or `task="score"`: the encoder tasks' stage (`DatasetClassifier`,
+    `task="classify"` or `task="score"`: the classifier tasks' stage (`DatasetClassifier`,
     ray_jobs/tasks/classify.py: `label`, `probs`, `score` or `score` alone, then
     `num_input_tokens` and `error`); the other keyword arguments are then
-    `max_input_tokens`, `truncate` and `max_batch_tokens`, checked against the model's
-    files here (a decoder checkpoint is refused)."""
+    `max_input_tokens`, `truncate`, `instruction` (a reranker's) and `max_batch_tokens`,
+    checked against the model's files here (a model that is no classifier is refused; the
+    score task runs a causal LM as a reranker)."""
     from nanoserve import InputError, SamplingParams
 
     task = sampling.pop("task", "generate")
-    if concurrency < 1:
-        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    for name, value in (("concurrency", concurrency), ("batch_size", batch_size)):
+        if problem := JOB[name].problem(value):
+            raise ValueError(problem)
     if task == "embed":
         return _actor_pool(DatasetEmbedder, {"model": model, "prompt_column": prompt_column,
                                              "dtype": dtype, **_embedding_options(model, sampling)},
@@ -355,7 +364,7 @@ def _embedding_options(model: str, options: dict[str, Any]) -> dict[str, Any]:
     from nanoserve import InputError
 
     options = dict(options)
-    max_batch_tokens = options.pop("max_batch_tokens", EMBED_BATCH_TOKENS)
+    max_batch_tokens = options.pop("max_batch_tokens", JOB["max_batch_tokens"].default_for("embed"))
     unknown = sorted(set(options) - set(EMBED_OPTIONS))
     if unknown:
         raise InputError(f"not an embedding option: {', '.join(unknown)}")
@@ -369,18 +378,18 @@ def _embedding_options(model: str, options: dict[str, Any]) -> dict[str, Any]:
 
 def _classify_options(model: str, task: str, options: dict[str, Any]) -> dict[str, Any]:
     """`DatasetClassifier`'s `options` and `max_batch_tokens`, checked against the model's
-    files (InputError for an unknown or a bad option, ModelError for a model that is not an
-    encoder classifier)."""
+    files (InputError for an unknown or a bad option, ModelError for a model that is not a
+    classifier, or for the score task a causal LM)."""
     from nanoserve import InputError
 
     options = dict(options)
-    max_batch_tokens = options.pop("max_batch_tokens", EMBED_BATCH_TOKENS)
+    max_batch_tokens = options.pop("max_batch_tokens", JOB["max_batch_tokens"].default_for(task))
     unknown = sorted(set(options) - set(CLASSIFY_OPTIONS))
     if unknown:
         raise InputError(f"not a {task} option: {', '.join(unknown)}")
     path = resolve_model(model)
-    config, _ = load_meta(path)
-    task_options(task, options, config, [], path)  # the limit and the head, checked here
+    config, tokenizer = load_meta(path, task)
+    task_options(task, options, config, [], path, tokenizer)  # limit, head, instruction
     return {"options": options, "max_batch_tokens": max_batch_tokens}
 
 

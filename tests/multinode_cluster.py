@@ -164,11 +164,11 @@ def _wait_gone(pids: list[int], timeout_s: float = 30.0) -> None:
 
 def remove_node_of_worker_when(cluster, scenario, workers_full):
     """Patch the driver's `_submit`: once `workers_full(pool)` holds after a submission,
-    remove (kill) the node whose workers hold the most pieces in flight (ties: the last
+    remove (kill) the node whose workers hold the most spans in flight (ties: the last
     such node), then let the held batches go."""
     def make(original):
-        def submit(self, piece, index):
-            original(self, piece, index)
+        def submit(self, span, index):
+            original(self, span, index)
             if "removed" in scenario.record or not workers_full(self.pool):
                 return
             held: dict[str, int] = {}
@@ -250,8 +250,8 @@ def main(model: str, results: Path) -> None:
         s.hold_batches()
 
         def add_at_first_submit(original):
-            def submit(self, piece, index):
-                original(self, piece, index)
+            def submit(self, span, index):
+                original(self, span, index)
                 if self.sent == 1:
                     s.record["nodes"] = {"first": survivor.node_id,
                                          "d": gpu_node(cluster, 1).node_id}
@@ -296,8 +296,8 @@ def main(model: str, results: Path) -> None:
         removers = []
 
         def add_node_at_first_submit(original):
-            def submit(self, piece, index):
-                original(self, piece, index)
+            def submit(self, span, index):
+                original(self, span, index)
                 if self.sent == 1:
                     s.hold_load.write_text("held")
                     s.record["nodes"] = {"first": first.node_id,

@@ -4,7 +4,7 @@
     python tests/mutations.py --list         # the list, nothing run
     python tests/mutations.py --only embed-plain-cut --baseline
 
-Each mutation replaces one exact piece of text in one file (found exactly once, else the
+Each mutation replaces one exact stretch of text in one file (found exactly once, else the
 list is stale and the script says so) in a fresh copy of the repository, then runs the
 test that is meant to catch it with pytest in that copy (its code first on PYTHONPATH,
 Ray's workers included). A mutation is caught when that test fails; it survives when the
@@ -148,11 +148,11 @@ MUTATIONS = [
              "        if self.spill_dir is not None:\n            buckets",
              "tests/test_bad_input.py::test_duplicate_ids_held_in_memory_after_a_spill",
              why="ids still in memory after a spill never reach the buckets that are checked"),
-    Mutation("pool-rows-held-one-batch-over", "ray_jobs/dispatch/pool.py",
+    Mutation("pool-rows-held-one-shard-over", "ray_jobs/dispatch/pool.py",
              "self.rows_in_flight < self.max_rows_held)",
              "self.rows_in_flight <= self.max_rows_held)",
              "tests/test_dispatch.py::test_a_worker_is_fed_up_to_three_times_its_engine_rows",
-             why="a worker holding its maximum of rows is sent one batch more"),
+             why="a worker holding its maximum of rows is sent one shard more"),
     # the workers' Parquet reads (tests/test_shards.py)
     Mutation("read-shard-parquet-no-skip", "ray_jobs/input/shards.py",
              "skip, left = shard.start_row - (first or 0), shard.num_rows",

@@ -211,7 +211,7 @@ def test_invalid_sampling_options(tmp_path, capsys, no_ray, flags, fragment):
 
 
 @pytest.mark.parametrize("flags, fragment", [
-    (["--batch-size", "0"], "batch size must be an integer >= 1"),
+    (["--batch-size", "0"], "batch_size must be an integer >= 1, got 0"),
     (["--num-workers", "0"], "num_workers must be >= 1"),
 ])
 def test_invalid_execution_options(tmp_path, capsys, no_ray, flags, fragment):

@@ -159,7 +159,7 @@ def parquet_job(tmp_path_factory, ray_session):
 
 def test_parquet_job_rows_equal_each_prompt_generated_alone(parquet_job, smollm2_llm):
     _, out, _, summary = parquet_job
-    assert summary.rows == 3 and summary.error_rows == 0 and summary.num_batches == 2
+    assert summary.rows == 3 and summary.error_rows == 0 and summary.num_shards == 2
     out_rows = pq.read_table(out).to_pylist()  # pyarrow.parquet reads the folder too
     assert sorted(r["id"] for r in out_rows) == sorted(PARQUET_TABLE["id"].to_pylist())
     by_id = {r["id"]: r for r in out_rows}
@@ -182,7 +182,7 @@ def test_rerun_resumes_only_missing_batches(parquet_job):
     (out / part_name(0)).unlink()
     (out / SUCCESS_NAME).unlink()
     summary = run_batch_job(path, out, **options)
-    assert (summary.rows, summary.rows_resumed, summary.num_batches) == (2, 1, 1)
+    assert (summary.rows, summary.rows_resumed, summary.num_shards) == (2, 1, 1)
     assert pq.read_table(out).sort_by("id").equals(before)
     assert (out / SUCCESS_NAME).exists()
     again = run_batch_job(path, out, **options)  # complete: nothing to do, no worker started
@@ -271,7 +271,7 @@ def test_one_worker_per_logical_gpu(tmp_path, smollm2_gguf_path, private_ray_env
     workers = json.loads(line.removeprefix("WORKERS="))
     assert len(workers) == 2
     assert sorted(tuple(w["gpu_ids"]) for w in workers) == [(0,), (1,)]
-    assert all(w["batches"] >= 1 for w in workers)
+    assert all(w["spans"] >= 1 for w in workers)
     assert all(w["device"] == "cpu" for w in workers)  # logical GPUs, no CUDA: the CPU
     assert sorted(ds.dataset(tmp_path / "out").to_table()["id"].to_pylist()) == [0, 1]
 
@@ -345,7 +345,7 @@ def test_summary_splits_the_wall_time_into_phases(jsonl_job):
     assert sum(summary.timings.values()) == pytest.approx(summary.wall_time_s)
     (worker,) = summary.workers
     assert 0 < worker.ready_s <= worker.last_result_s <= summary.wall_time_s
-    assert len(worker.result_s) == worker.batches >= 1  # one per result it sent back
+    assert len(worker.result_s) == worker.spans >= 1  # one per result it sent back
     assert list(worker.result_s) == sorted(worker.result_s)
     assert worker.ready_s <= worker.result_s[0] and worker.result_s[-1] == worker.last_result_s
     line = summary.format().splitlines()[-1]

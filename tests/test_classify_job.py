@@ -3,7 +3,10 @@ ray_jobs/tasks/classify.py), on the tests' local Ray (CPU), over tiny random enc
 a sequence-classification head (nanoserve/encoder/testing.py). Oracles: transformers'
 `AutoModelForSequenceClassification` over each row alone (its tokenizer cutting to the
 limit), softmax / sigmoid in float32; sentence-transformers' `CrossEncoder.predict` for
-the score task."""
+the score task. A decoder classifier and a causal-LM reranker (tiny Qwen3s with the default
+model's tokenizer) through the commands: each row equal to the library's call on the row
+alone (`nanoserve.load_classifier`, itself held to transformers in
+tests/test_decoder_classifiers.py)."""
 
 from __future__ import annotations
 
@@ -167,6 +170,9 @@ def test_job_level_refusals(models, tiny_model_dir, tmp_path):
     with pytest.raises(InputError, match="one output or two labels"):
         run_job(write_rows(tmp_path / "p.jsonl", [{"text_1": "a", "text_2": "b"}]),
                 tmp_path / "out", model=str(models["single"]), task="score")
+    with pytest.raises(InputError, match="applies to a causal-LM reranker"):
+        run_job(write_rows(tmp_path / "p.jsonl", [{"text_1": "a", "text_2": "b"}]),
+                tmp_path / "out", model=str(models["cross"]), task="score", instruction="x")
 
 
 def test_nanoserve_classify_and_score_commands(ray_session, models, tmp_path, capsys):
@@ -205,3 +211,63 @@ def test_data_processor_classifies_and_scores(ray_session, models):
     assert [r["score"] for r in out] == pytest.approx(want, abs=1e-4)
     with pytest.raises(InputError, match="not a classify option"):
         build_processor(str(models["single"]), task="classify", num_gpus=0, pooling="mean")
+
+
+@pytest.fixture(scope="module")
+def decoders(tmp_path_factory, smollm2_gguf_path):
+    """A Qwen3ForSequenceClassification of three labels and a Qwen3ForCausalLM (a reranker),
+    tiny and random, with the default model's tokenizer."""
+    from nanoserve.testing import save_tiny_family
+
+    root = tmp_path_factory.mktemp("decoder-jobs")
+    return {"classifier": save_tiny_family(root / "classifier", "qwen3", smollm2_gguf_path,
+                                           classifier=True, num_labels=3, id2label=LABELS),
+            "reranker": save_tiny_family(root / "reranker", "qwen3", smollm2_gguf_path)}
+
+
+INSTRUCTION = "Given a question, find the passage that answers it"
+
+
+def test_decoder_classifier_and_reranker_commands(ray_session, decoders, tmp_path, capsys):
+    """`nanoserve classify` on a decoder classifier, `nanoserve score` with a causal LM as a
+    reranker (an instruction, a limit that cuts the long document): each row's columns are
+    the library's on the row alone. A causal LM to classify, a rerun with another
+    instruction: refused in one line, before any work."""
+    from nanoserve import load_classifier
+    from nanoserve_cli import main
+
+    src = write_rows(tmp_path / "in.jsonl", ROWS)
+    model = ["--model", str(decoders["classifier"]), "--no-progress"]
+    assert main(["classify", str(src), "-o", str(tmp_path / "labels"), *model]) == 0
+    assert "rows: 13 (2 error rows)" in capsys.readouterr().out
+    rows = read(tmp_path / "labels")
+    clf = load_classifier(decoders["classifier"], dtype="float32", device="cpu")
+    for i, row in enumerate(ROWS):
+        if i in BAD:
+            assert BAD[i] in rows[i]["error"] and rows[i]["probs"] is None
+            continue
+        (pred,) = clf.predict(clf.classify([row["text"]]))
+        assert (rows[i]["label"], rows[i]["score"], rows[i]["error"]) == (pred.label, None, None)
+        assert dict(rows[i]["probs"]) == pytest.approx(pred.probs, abs=1e-5)
+        assert rows[i]["num_input_tokens"] == len(clf.tokenizer.encode([row["text"]])[0][0])
+
+    pairs = [{"query": q, "document": d} for q, d in PAIRS] + [{"query": "no document"}]
+    src = write_rows(tmp_path / "pairs.jsonl", pairs)
+    score = ["score", str(src), "-o", str(tmp_path / "rr"), "--model", str(decoders["reranker"]),
+             "--max-input-tokens", "100", "--no-progress"]
+    assert main([*score, "--instruction", INSTRUCTION]) == 0
+    assert "truncated: 1 row(s)" in capsys.readouterr().out
+    got = read(tmp_path / "rr")
+    rr = load_classifier(decoders["reranker"], dtype="float32", device="cpu", rerank=True)
+    rr.tokenizer = rr.tokenizer.with_limit(100).with_instruction(INSTRUCTION)
+    for i, p in enumerate(rr.rerank(PAIRS).tolist()):
+        assert got[i]["error"] is None and got[i]["score"] == pytest.approx(p, abs=1e-5)
+        assert got[i]["num_input_tokens"] == len(rr.tokenizer.encode_row(*PAIRS[i])[0])
+    assert got[len(PAIRS)]["score"] is None and "document" in got[len(PAIRS)]["error"]
+    assert main([*score, "--instruction", "another"]) == 2
+    assert "other settings" in capsys.readouterr().err
+    src = write_rows(tmp_path / "texts.jsonl", ROWS)
+    assert main(["classify", str(src), "-o", str(tmp_path / "lm"), "--model",
+                 str(decoders["reranker"]), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is a causal LM without a sequence-classification head" in err

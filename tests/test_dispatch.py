@@ -1,5 +1,6 @@
-"""Which worker a piece goes to (`WorkerPool.pick`): the least loaded, and among equally
-loaded ones the worker whose last piece began with the same tokens (prefix affinity)."""
+"""Which worker a span (a shard, or a half of one) goes to (`WorkerPool.pick`): the least
+loaded, and among equally loaded ones the worker whose last span began with the same tokens
+(prefix affinity)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ def pool_of(loads, prefixes):
     pool = WorkerPool(None, {}, 1.0, Timeline(0.0))
     for load, prefix in zip(loads, prefixes):
         pool.workers.append(WorkerSlot(None, {}, in_flight=load, last_prefix=prefix,
-                                       max_pieces=2))
+                                       max_spans=2))
     return pool
 
 
@@ -41,10 +42,10 @@ def test_affinity_never_outweighs_load_or_limits():
         pool.pick(False, A)
 
 
-def test_a_worker_takes_pieces_until_its_rows_reach_its_limit():
+def test_a_worker_takes_spans_until_its_rows_reach_its_limit():
     pool = pool_of([3, 3], [A, B])
     for w in pool.workers:
-        w.max_pieces, w.max_rows_held = 10, 100
+        w.max_spans, w.max_rows_held = 10, 100
     pool.workers[0].rows_in_flight = 100  # its engine's share is held
     pool.workers[1].rows_in_flight = 99
     assert pool.pick(False, A) == 1
@@ -52,25 +53,25 @@ def test_a_worker_takes_pieces_until_its_rows_reach_its_limit():
     assert pool.pick(False, A) is None
 
 
-@pytest.mark.parametrize("batch, held", [(4, 24), (5, 25)])
-def test_a_worker_is_fed_up_to_three_times_its_engine_rows(batch, held):
+@pytest.mark.parametrize("shard, held", [(4, 24), (5, 25)])
+def test_a_worker_is_fed_up_to_three_times_its_engine_rows(shard, held):
     """The pool's own limits for an engine that runs 8 rows at once: the driver's loop (pick,
-    then count the piece in flight) sends whole batches until the worker holds 3 x 8 = 24
-    rows, the last batch allowed to cross that line, none after it."""
+    then count the span in flight) sends whole shards until the worker holds 3 x 8 = 24
+    rows, the last shard allowed to cross that line, none after it."""
     from ray_jobs.dispatch.pool import hold_limits
     from ray_jobs.workers.options import JobOptions
 
-    pieces, rows = hold_limits({"scheduler": "continuous", "max_rows": 8},
-                               JobOptions(batch_size=batch))
+    spans, rows = hold_limits({"scheduler": "continuous", "max_rows": 8},
+                              JobOptions(batch_size=shard))
     pool = WorkerPool(None, {}, 1.0, Timeline(0.0))
-    pool.workers.append(WorkerSlot(None, {}, max_pieces=pieces, max_rows_held=rows))
+    pool.workers.append(WorkerSlot(None, {}, max_spans=spans, max_rows_held=rows))
     sent = 0
     while pool.pick(False) is not None:
         pool.workers[0].in_flight += 1
-        pool.workers[0].rows_in_flight += batch
+        pool.workers[0].rows_in_flight += shard
         sent += 1
         assert sent <= 100
     assert pool.workers[0].rows_in_flight == held
-    pool.workers[0].in_flight -= 1  # one batch answered: room for one more
-    pool.workers[0].rows_in_flight -= batch
+    pool.workers[0].in_flight -= 1  # one shard answered: room for one more
+    pool.workers[0].rows_in_flight -= shard
     assert pool.pick(False) == 0

@@ -70,7 +70,7 @@ def run_job(tiny_job_model, path, out, **options):
     return run_batch_job(path, out, **options)
 
 
-def test_worker_killed_mid_batch_is_replaced_and_its_batches_run_again(
+def test_worker_killed_mid_shard_is_replaced_and_its_shards_run_again(
         ray_session, tiny_job_model, tiny_llm, tmp_path, monkeypatch):
     """SIGKILL the worker's process (pid from the actor's own `info()`) right after the
     third batch is sent to it, while the second is running: both run again on a fresh
@@ -78,8 +78,8 @@ def test_worker_killed_mid_batch_is_replaced_and_its_batches_run_again(
     original = job_run._JobRun._submit
     killed = []
 
-    def submit_then_kill(self, piece, index):
-        original(self, piece, index)
+    def submit_then_kill(self, span, index):
+        original(self, span, index)
         if self.sent == 3 and not killed:
             pid = self.pool.workers[index].info["pid"]
             os.kill(pid, signal.SIGKILL)
@@ -98,7 +98,7 @@ def test_worker_killed_mid_batch_is_replaced_and_its_batches_run_again(
         assert_matches_oracle(tiny_llm, PROMPTS, row)
 
 
-def test_continuous_worker_killed_holding_two_batches(
+def test_continuous_worker_killed_holding_two_shards(
         ray_session, tiny_job_model, tiny_llm, tmp_path, monkeypatch):
     """The continuous scheduler: a worker runs the rows of its two in-flight batches in one
     running batch. SIGKILL it right after its second batch is sent: both batches run again
@@ -106,8 +106,8 @@ def test_continuous_worker_killed_holding_two_batches(
     original = job_run._JobRun._submit
     killed = []
 
-    def submit_then_kill(self, piece, index):
-        original(self, piece, index)
+    def submit_then_kill(self, span, index):
+        original(self, span, index)
         worker = self.pool.workers[index]
         if self.sent == 2 and not killed:
             assert worker.in_flight == 2
@@ -127,9 +127,9 @@ def test_continuous_worker_killed_holding_two_batches(
 
 def test_poison_row_is_isolated_and_only_it_becomes_an_error_row(
         ray_session, tiny_job_model, tiny_llm, tmp_path, monkeypatch, capsys):
-    """A row whose prompt kills its worker every time: its batch (4 rows) kills the worker
+    """A row whose prompt kills its worker every time: its shard (4 rows) kills the worker
     twice, is cut in halves, the half holding it kills it and is cut again, the row alone
-    kills it: 4 restarts (5 if the batch sent before it finished but its reply was lost in
+    kills it: 4 restarts (5 if the shard sent before it finished but its reply was lost in
     the first death), then that row is an `error` row and every other row is answered."""
     monkeypatch.setenv("NANOSERVE_FAULT_KILL_ON_TEXT", "POISON")
     prompts = PROMPTS[:8]
@@ -147,19 +147,19 @@ def test_poison_row_is_isolated_and_only_it_becomes_an_error_row(
         else:
             assert_matches_oracle(tiny_llm, prompts, row)
     err = capsys.readouterr().err
-    deaths = re.findall(r"nanoserve: worker 0 died while running batch \d+", err)
+    deaths = re.findall(r"nanoserve: worker 0 died while running shard \d+", err)
     assert len(deaths) == summary.worker_restarts
 
 
-def test_workers_that_die_on_every_batch_stop_the_job(ray_session, tiny_job_model, tmp_path,
+def test_workers_that_die_on_every_shard_stop_the_job(ray_session, tiny_job_model, tmp_path,
                                                       monkeypatch):
     """Every row kills its worker (a broken node, not a bad row): after
     `max_deaths_in_a_row` deaths with nothing finished in between the job stops, rather
     than turning every row into an error row one restart at a time."""
     monkeypatch.setenv("NANOSERVE_FAULT_KILL_ON_TEXT", "Item")
     path = write_prompts(tmp_path / "in.jsonl", PROMPTS[:4])
-    with pytest.raises(NanoserveError, match=r"workers died 3 times in a row without finishing "
-                                             r"a batch \(last: .*\); the job stopped \(rerun it "
+    with pytest.raises(NanoserveError, match=r"workers died 3 times in a row without answering "
+                                             r"a shard \(last: .*\); the job stopped \(rerun it "
                                              r"to resume\)"):
         run_job(tiny_job_model, path, tmp_path / "out", max_deaths_in_a_row=2)
     assert list((tmp_path / "out").glob("part-*")) == []
@@ -331,7 +331,7 @@ def test_batch_bigger_than_the_kv_pool_is_split_and_a_row_too_big_alone_is_an_er
             assert_matches_oracle(tiny_llm, prompts, row)
 
 
-def test_retry_errors_computes_again_only_the_batches_with_error_rows(
+def test_retry_errors_computes_again_only_the_shards_with_error_rows(
         ray_session, tiny_job_model, tiny_llm, tmp_path, capsys):
     """A row too big for a small KV pool is an error row; a plain rerun keeps it; a rerun
     with a bigger pool and --retry-errors computes again only its batch (the other parts
@@ -342,7 +342,7 @@ def test_retry_errors_computes_again_only_the_batches_with_error_rows(
     out = tmp_path / "out"
     per_block = 2 * 2 * 2 * 16 * 4 * 16  # layers x (k, v) x kv heads x head dim x fp32 x tokens
     first = run_job(tiny_job_model, path, out, batch_size=4, kv_cache_bytes=4 * per_block)
-    assert first.error_rows == 1 and first.num_batches == 2
+    assert first.error_rows == 1 and first.num_shards == 2
     parts = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.glob("part-*")}
     bad_part = next(name for name in parts
                     if ds.dataset(out / name).to_table().column("error").null_count < 4)
@@ -359,7 +359,7 @@ def test_retry_errors_computes_again_only_the_batches_with_error_rows(
     captured = capsys.readouterr()
     assert re.search(r"^rows: 4 \(stop \d+, length \d+, error 0\), 4 done by an earlier run$",
                      captured.out, re.M), captured.out
-    assert "--retry-errors: computing again 1 batch(es)" in captured.err
+    assert "--retry-errors: computing again 1 shard(s)" in captured.err
     rows = output_rows(out)
     assert_every_row_once(rows, 8)
     for row in rows:

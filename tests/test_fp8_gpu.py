@@ -35,7 +35,13 @@ import random
 
 import pytest
 import torch
-import torch.nn.functional as F
+from e4m3_rounding import (
+    _PROJECTIONS,
+    CLEAR_SHARE,
+    LAMBDA,
+    assert_within_rounding,
+    e4m3_spread,
+)
 
 from nanoserve.model.attention import AttentionMetadata
 from nanoserve.model.model import build_model
@@ -55,112 +61,6 @@ pytestmark = [
     pytest.mark.skipif(torch.cuda.is_available() and not fp8_supported("cuda"),
                        reason="needs FP8 compute (compute capability 8.9+)"),
 ]
-
-LAMBDA = 7.0  # a Gaussian logit error's 7 sigma: ~3e-12 each, ~5e5 logits checked
-DRAWS = 128  # draws of the rounding model (the spread's estimate within ~10%)
-MEAN_SQUARE = 1.5  # the real mean square error over the predicted one (measured <= 1)
-CLEAR_SHARE = 0.25  # positions whose greedy token the tolerances decide
-
-
-class E4M3Input(torch.nn.Module):
-    """A projection of the rounding model: `weight` (the FP8 model's, dequantized) in float32
-    on an input that, where `fp8` quantizes it (an `Fp8Linear`), is clamped as its scale
-    clamps it and, with `draw` on, moved by a uniform draw within half an e4m3 step."""
-
-    def __init__(self, fp8, weight: torch.Tensor, bias: torch.Tensor | None,
-                 generator: torch.Generator) -> None:
-        super().__init__()
-        self.fp8 = fp8 if isinstance(fp8, Fp8Linear) else None
-        self.weight = (fp8.dequantized() if self.fp8 is not None else weight).float()
-        self.bias = None if bias is None else bias.float()
-        self.generator = generator
-        self.draw = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1]).float()
-        if self.fp8 is not None:
-            if self.fp8.input_scale is not None:  # static: one scale
-                s = self.fp8.input_scale.float().expand(x2.shape[0], 1)
-            else:  # per token, its largest value (capped at the format's ub) at 448
-                amax = x2.abs().amax(1, keepdim=True)
-                if self.fp8.activation_scale_ub is not None:
-                    amax = amax.clamp(max=self.fp8.activation_scale_ub)
-                s = torch.where(amax > 0, amax / 448, torch.ones_like(amax))
-            y = (x2 / s).clamp(-448, 448)
-            if self.draw:  # e4m3's step at y: 2^(e - 3) for |y| in [2^e, 2^(e+1)), e >= -6
-                step = torch.exp2(torch.floor(torch.log2(y.abs().clamp(min=2**-6))) - 3)
-                u = torch.rand(y.shape, generator=self.generator, device=y.device) - 0.5
-                y = y + u * step
-            x2 = y * s
-        out = F.linear(x2, self.weight, self.bias)
-        return out.reshape(*x.shape[:-1], out.shape[-1]).to(x.dtype)
-
-
-_PROJECTIONS = (("self_attn", "qkv", ("q_proj", "k_proj", "v_proj")),
-                ("self_attn", "o_proj", ("o_proj",)),
-                ("mlp", "gate_up", ("gate_proj", "up_proj")),
-                ("mlp", "down_proj", ("down_proj",)))
-
-
-def rounding_model(fp8_model, config, state_dict, dtype, generator):
-    """The model of `state_dict` (the twin's, or the bf16 checkpoint's) in `dtype` on the
-    GPU, each projection an `E4M3Input` of the FP8 model's; returns (model, projections)."""
-    model = build_model(config, dict(state_dict), dtype, "cuda")
-    projections = []
-    for ours, theirs in zip(fp8_model.model.layers, model.model.layers):
-        for part, name, parts in _PROJECTIONS:
-            module = getattr(theirs, part)
-            old = getattr(module, name)
-            if isinstance(old, tuple):  # fused (weight, bias)
-                weight, bias = old
-            elif old is None:  # not fused: its checkpoint linears
-                weight = torch.cat([getattr(module, p).weight for p in parts])
-                biases = [getattr(module, p).bias for p in parts]
-                bias = None if biases[0] is None else torch.cat(biases)
-            else:
-                weight, bias = old.weight, old.bias
-            p = E4M3Input(getattr(getattr(ours, part), name), weight, bias, generator)
-            setattr(module, name, p)
-            projections.append(p)
-    return model, projections
-
-
-def e4m3_spread(fp8_model, config, state_dict, run):
-    """(float32 logits, each logit's spread sigma under the rounding model, the bfloat16
-    noise of that model's logits: its largest and its root mean square) for the logits
-    `run(model)` gives."""
-    generator = torch.Generator(device="cuda").manual_seed(0)
-    model, projections = rounding_model(fp8_model, config, state_dict, torch.float32,
-                                        generator)
-    half, _ = rounding_model(fp8_model, config, state_dict, torch.bfloat16, generator)
-    with torch.no_grad():
-        center = run(model).float()
-        for p in projections:
-            p.draw = True
-        draws = torch.stack([run(model).float() for _ in range(DRAWS)])
-        noise = (run(half).float() - center).abs()
-    return center, draws.std(0), float(noise.max()), float(noise.pow(2).mean().sqrt())
-
-
-def assert_within_rounding(ours, center, sigma, noise_max, noise_rms,
-                           clear_share=CLEAR_SHARE):
-    """The checks of the module docstring: each logit, the mean square, the clear argmax
-    (on at least `clear_share` of the positions)."""
-    ours = ours.float()
-    tol = LAMBDA * sigma + 2 * noise_max
-    err = (ours - center).abs()
-    worst = int((err / tol).argmax())
-    assert bool((err <= tol).all()), (
-        f"logit error {float(err.flatten()[worst]):.4g} beyond {float(tol.flatten()[worst]):.4g}"
-        f" ({float(err.flatten()[worst] / sigma.flatten()[worst]):.1f} sigma)")
-    ratio = float(err.pow(2).mean() / (sigma.pow(2).mean() + noise_rms ** 2))
-    assert ratio <= MEAN_SQUARE, ratio
-    top = center.argmax(-1, keepdim=True)
-    lead = center.gather(-1, top) - center  # [..., V]: the top token's lead over each
-    clear = (lead > tol.gather(-1, top) + tol).sum(-1) == center.shape[-1] - 1
-    assert clear.float().mean().item() >= clear_share, clear.float().mean().item()
-    assert torch.equal(ours.argmax(-1)[clear], top[..., 0][clear])
-
 
 def assert_weights_are_the_twins(model, twin_sd):
     """Each FP8 projection's dequantized weight is the twin's (per-tensor and per-channel

@@ -113,10 +113,10 @@ def test_ctrl_c_mid_job_then_after_the_last_part(tiny_job_model, tmp_path, priva
     assert stderr.strip().splitlines()[-1] == "interrupted (rerun the same command to resume)"
     lines = stdout.strip().splitlines()
     assert lines[0].startswith("rows: 2 (") and f"report: {out / REPORT_NAME}" in lines
-    assert lines[-1] == "interrupted: 1 of 3 batches are written; rerun the same command to resume"
+    assert lines[-1] == "interrupted: 1 of 3 shards are written; rerun the same command to resume"
     assert not (out / LOCK_NAME).exists() and not (out / SUCCESS_NAME).exists()
     job = report_of(out)["job"]
-    assert (job["total_batches"], job["batches"], job["rows"]) == (
+    assert (job["total_shards"], job["shards"], job["rows"]) == (
         3, {"this run": 1, "earlier runs": 0}, {"this run": 2, "earlier runs": 0})
     assert report_of(out)["summary"]["interrupted"] == [1, 3]
     done = Manifest.load(out).done
@@ -138,8 +138,8 @@ def test_ctrl_c_mid_job_then_after_the_last_part(tiny_job_model, tmp_path, priva
     assert json.loads((out / MANIFEST_NAME).read_text())["complete"]
     data = report_of(out)
     job = data["job"]
-    assert job["total_batches"] == sum(job["batches"].values()) == 3
-    assert job["batches"] == {"this run": 2, "earlier runs": 1}  # the first run's, read back
+    assert job["total_shards"] == sum(job["shards"].values()) == 3
+    assert job["shards"] == {"this run": 2, "earlier runs": 1}  # the first run's, read back
     assert sum(job["rows"].values()) == ROWS == sum(job["finish_reasons"].values())
     assert job["rows"]["this run"] == data["summary"]["rows"]
     assert sorted(r["id"] for r in ds.dataset(out).to_table().to_pylist()) == list(range(ROWS))

@@ -89,14 +89,14 @@ def test_hold_limits_follow_the_engine_not_the_batch_count():
     (DESIGN.md), in batches of 64, plus one batch so the batches never bind first."""
     opts = JobOptions(batch_size=64, max_running_rows=256)
     info = {"scheduler": "continuous", "max_rows": 256}
-    pieces, rows = hold_limits(info, opts)
-    assert (pieces, rows) == (13, 768)  # 768 = 3 x 256 rows = 12 batches of 64, + 1
-    assert actor_threads(opts) == pieces
+    spans, rows = hold_limits(info, opts)
+    assert (spans, rows) == (13, 768)  # 768 = 3 x 256 rows = 12 batches of 64, + 1
+    assert actor_threads(opts) == spans
     assert starve_warning(opts) is None
     # Left to the engine: its actor has threads for the most its default can be on the
     # device, and the limits follow the rows its engine reports once loaded.
     default = JobOptions(batch_size=64)
-    assert actor_threads(default, on_gpu=False) == pieces
+    assert actor_threads(default, on_gpu=False) == spans
     assert actor_threads(default, on_gpu=True) == 49  # 3 x 1,024 rows = 48 batches, + 1
     big = {"scheduler": "continuous", "max_rows": 1024}
     assert hold_limits(big, default) == (49, 3072)

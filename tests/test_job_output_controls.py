@@ -214,7 +214,7 @@ def test_n_job_writes_one_row_per_id_and_sample(n_job):
                                 re.S).group(1).replace("<\\/", "</"))
     assert (data["totals"]["rows"], data["totals"]["error_rows"]) == (10, 5)
     assert data["summary"]["input_rows"] == 7
-    assert data["pieces"]["rows"] == 5  # samples the workers answered
+    assert data["spans"]["rows"] == 5  # samples the workers answered
     assert summary.output_tokens == sum(r["num_generated_tokens"] for r in by_key.values())
     for i in range(3):  # input columns repeated on every sample
         assert by_key[(0, i)]["prompt"] == N_ROWS[0]["prompt"] and by_key[(0, i)]["n"] == 3
@@ -334,7 +334,7 @@ def test_a_shard_holds_every_sample_of_its_rows(tmp_path, ray_session, tiny_job_
     out = tmp_path / "out"
     summary = run_batch_job(path, out, model=str(tiny_job_model), max_tokens=2,
                             batch_size=4, kv_cache_bytes=KV_BYTES, progress=False)
-    assert (summary.num_batches, summary.rows, summary.input_rows) == (1, 9, 3)
+    assert (summary.num_shards, summary.rows, summary.input_rows) == (1, 9, 3)
     assert set(rows_by_key(out)) == {(i, s) for i in range(3) for s in range(3)}
 
 

@@ -89,11 +89,11 @@ def test_each_part_holds_its_rows_in_input_order(cut_job):
 
 
 def test_a_single_computed_batch_is_one_generate_phase(cut_job):
-    """The only result back is not a 'first batch' phase followed by 0 s of 'generate'."""
+    """The only result back is not a 'first shard' phase followed by 0 s of 'generate'."""
     summary, _ = cut_job
     assert list(summary.timings) == ["prepare", "ray", "workers", "generate", "shutdown"]
     line = summary.format().splitlines()[-2]
-    assert line.startswith("time: ") and "first batch" not in line
+    assert line.startswith("time: ") and "first shard" not in line
 
 
 def test_warning_goes_to_stderr_too(tmp_path, ray_session, tiny_job_model, capfd):
@@ -128,14 +128,14 @@ def test_one_summary_says_each_tasks_own_lines():
     lines every job has."""
     common = dict(output_dir="out", rows=6, error_rows=1, rows_resumed=2, input_tokens=100,
                   output_tokens=40, wall_time_s=2.0, output_tokens_per_s=20.0,
-                  padding_waste=0.25, num_batches=3, worker_restarts=1)
+                  padding_waste=0.25, num_shards=3, worker_restarts=1)
     generate = driver.JobSummary(**common, finish_reasons={"stop": 4, "length": 1, "error": 1})
     assert generate.format().splitlines() == [
         "rows: 6 (stop 4, length 1, error 1), 2 done by an earlier run",
         "tokens: 100 input, 40 output",
         "wall time: 2.0 s, 20.0 output tokens/s",
         "padding waste: 25.0% of the padded prefill",
-        "batches: 3 on 0 worker(s); output: out",
+        "shards: 3 on 0 worker(s); output: out",
         "recovered: 1 worker restart(s), 0 device out-of-memory error(s)"]
     embed = driver.JobSummary(**common, task="embed", truncated_rows=2, dimensions=64)
     assert embed.format().splitlines() == [
@@ -143,7 +143,7 @@ def test_one_summary_says_each_tasks_own_lines():
         "truncated: 2 row(s) cut to the input limit",
         "vectors: 64 dimensions; tokens: 100 input",
         "wall time: 2.0 s, 3.0 rows/s, 50.0 tokens/s",
-        "batches: 3 on 0 worker(s); output: out",
+        "shards: 3 on 0 worker(s); output: out",
         "recovered: 1 worker restart(s), 0 device out-of-memory error(s)"]
 
 
@@ -152,9 +152,9 @@ def test_the_generation_rate_stands_beside_the_whole_walls():
     beside it, the rate over the first-batch and generate phases, when the run had them."""
     common = dict(output_dir="out", rows=6, error_rows=0, rows_resumed=0, input_tokens=100,
                   output_tokens=40, wall_time_s=20.0, output_tokens_per_s=2.0,
-                  padding_waste=0.0, num_batches=3, finish_reasons={"stop": 6})
+                  padding_waste=0.0, num_shards=3, finish_reasons={"stop": 6})
     timed = driver.JobSummary(**common, timings={"prepare": 1.0, "ray": 9.0, "workers": 5.0,
-                                                 "first_batch": 1.5, "generate": 2.5,
+                                                 "first_shard": 1.5, "generate": 2.5,
                                                  "shutdown": 1.0})
     assert "wall time: 20.0 s, 2.0 output tokens/s (generation: 4.0 s, 10.0 output tokens/s)" \
         in timed.format().splitlines()

@@ -1,9 +1,9 @@
 """Imports go one way: nanoserve_kernels <- nanoserve (engine) <- ray_jobs (job) <- nanoserve_cli
 (the command line), and no two modules of a package import each other, however indirectly.
 Inside ray_jobs, one subpackage per stage a row goes through, each importing only the stages
-before it:
+before it, above a base at the top level (the job's options, `ray_jobs.options`):
 
-    input <- preparation <- output <- workers <- tasks <- report <- dispatch <- entry points
+    base <- input <- preparation <- output <- workers <- tasks <- report <- dispatch <- entry points
 
 (input: listing, scanning, reading a shard's rows, filesystems; preparation: rows to
 requests; output: the manifest and the parts' names, below the workers that write them;
@@ -93,26 +93,32 @@ def test_no_import_cycle_inside_a_package(package):
 # The job's stage packages, first to last: each imports only those before it (and its own).
 STAGES = ["input", "preparation", "output", "workers", "tasks", "report", "dispatch"]
 ENTRY_POINTS = {"ray_jobs", "ray_jobs.cli", "ray_jobs.data_processor"}  # the top level
+JOB_BASE = {"ray_jobs.options"}  # at the top level, below every stage: the job's options
 
 
 def stage_of(name: str) -> int:
-    """The stage of a ray_jobs module (or of a name in it): its index in STAGES, or
-    len(STAGES) for the top level (the entry points and the package's `__init__`)."""
+    """The stage of a ray_jobs module (or of a name in it): its index in STAGES, -1 for the
+    base (JOB_BASE), or len(STAGES) for the top level (the entry points and the package's
+    `__init__`)."""
     parts = name.split(".")
+    if ".".join(parts[:2]) in JOB_BASE:
+        return -1
     return STAGES.index(parts[1]) if len(parts) > 1 and parts[1] in STAGES else len(STAGES)
 
 
 def test_every_job_module_is_in_a_stage_or_an_entry_point():
     top = {name for name in modules("ray_jobs") if stage_of(name) == len(STAGES)}
     assert top == ENTRY_POINTS
+    assert {name for name in modules("ray_jobs") if stage_of(name) < 0} == JOB_BASE
     subpackages = {p.parent.name for p in (REPO / "ray_jobs").glob("*/__init__.py")}
     assert subpackages == set(STAGES)
 
 
 def test_a_stage_imports_only_the_stages_before_it():
-    """input <- preparation <- output <- workers <- tasks <- report <- dispatch: a module of
-    a stage package imports from its own stage and those before it, never from a later stage
-    nor from the top level (the entry points, or `ray_jobs` itself)."""
+    """base <- input <- preparation <- output <- workers <- tasks <- report <- dispatch: a
+    module of a stage package imports from its own stage and those before it, never from a
+    later stage nor from the top level (the entry points, or `ray_jobs` itself); the base
+    imports no stage."""
     bad = [(name, imp) for name, path in modules("ray_jobs").items()
            if stage_of(name) < len(STAGES)
            for imp in sorted(imports_of(path))

@@ -22,7 +22,7 @@ from ray_jobs.output.manifest import (
     mark_complete,
     open_output_dir,
     part_name,
-    reopen_batches_with_errors,
+    reopen_shards_with_errors,
     settings_differences,
 )
 
@@ -51,12 +51,12 @@ def test_retry_errors_reopens_exactly_the_parts_with_error_rows(tmp_path):
     mark_complete(out, m)  # (removes unrecorded parts: put part 2 back, as if a later run)
     write_result_part(out, 2, ["bad"])
 
-    assert reopen_batches_with_errors(out, m) == {1, 2}
+    assert reopen_shards_with_errors(out, m) == {1, 2}
     assert (m.done, m.rows_done, m.complete) == ({0}, 2, False)
     assert not (out / SUCCESS_NAME).exists()
     assert Manifest.load(out).to_json() == m.to_json()  # saved
     assert (out / part_name(1)).exists()  # kept until a new part replaces it
-    assert reopen_batches_with_errors(out, m) == {1, 2}  # nothing recorded changes twice
+    assert reopen_shards_with_errors(out, m) == {1, 2}  # nothing recorded changes twice
     assert (m.done, m.rows_done) == ({0}, 2)
 
 
@@ -66,7 +66,7 @@ def test_retry_errors_leaves_a_clean_complete_folder_alone(tmp_path):
     write_result_part(out, 0, [None])
     m.record(0, 1)
     mark_complete(out, m)
-    assert reopen_batches_with_errors(out, m) == set()
+    assert reopen_shards_with_errors(out, m) == set()
     assert m.complete and (out / SUCCESS_NAME).exists()
 
 
@@ -97,6 +97,24 @@ def test_other_settings_are_refused_naming_what_differs(tmp_path):
     open_output_dir(tmp_path, SETTINGS, overwrite=False)
     other = {**SETTINGS, "sampling": {**SETTINGS["sampling"], "temperature": 0.7}}
     with pytest.raises(InputError, match=r"sampling\.temperature differ"):
+        open_output_dir(tmp_path, other, overwrite=False)
+
+
+def test_an_earlier_versions_window_setting_still_resumes(tmp_path):
+    """A manifest that records the static engine's sort window (`batching.window_rows`, a
+    setting that never changed the output rows, since removed) resumes under the job's
+    settings without it; another batch size is still refused."""
+    settings = {**SETTINGS, "batching": {"batch_size": 64, "max_batch_tokens": None}}
+    old = {**settings, "batching": {**settings["batching"], "window_rows": 512}}
+    m = open_output_dir(tmp_path, old, overwrite=False)
+    write_part(tmp_path, 0)
+    m.record(0, 1)
+    m.save(tmp_path)
+    assert json.loads((tmp_path / MANIFEST_NAME).read_text())["settings"] == old
+    again = open_output_dir(tmp_path, settings, overwrite=False)
+    assert again.done == {0} and again.settings == settings
+    other = {**settings, "batching": {**settings["batching"], "batch_size": 32}}
+    with pytest.raises(InputError, match=r"batching\.batch_size differ"):
         open_output_dir(tmp_path, other, overwrite=False)
 
 

@@ -259,3 +259,16 @@ def test_fp8_experts_load_as_their_dequantized_twin(tmp_path, family, fmt):
     ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
     pos, meta = torch.arange(9).expand(2, 9), AttentionMetadata.prefill()
     assert torch.equal(model(ids, pos, None, meta), twin(ids, pos, None, meta))
+
+
+@pytest.mark.parametrize("form", ["online", "block"])
+def test_fp8_moe_is_within_e4m3_rounding_on_the_cpu(tmp_path, monkeypatch, form):
+    """The FP8 MoE path on the CPU (the experts' PyTorch reference, `torch._scaled_mm` for
+    the projections; FP8 let through on the CPU for this test): logits within the rounding
+    model of the float twin, the check tests/test_fused_moe_gpu.py runs on the kernels."""
+    from e4m3_rounding import check_fp8_moe
+
+    import nanoserve.weights.fp8 as fp8
+
+    monkeypatch.setattr(fp8, "fp8_supported", lambda device: True)
+    check_fp8_moe(tmp_path, form, "cpu")

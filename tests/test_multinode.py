@@ -79,7 +79,7 @@ def test_a_job_spreads_over_two_worker_nodes(scenarios, tiny_llm):
     workers = record["summary"]["workers"]
     assert len(workers) == 2
     assert {w["node_id"] for w in workers} == set(record["nodes"].values())
-    assert all(w["batches"] >= 1 for w in workers)
+    assert all(w["spans"] >= 1 for w in workers)
     assert record["summary"]["nodes_lost"] == []
     assert_every_row_once_and_right(tiny_llm, scenarios, "spread")
 
@@ -99,7 +99,7 @@ def _assert_node_lost(record, lost_workers):
     for i in lost_workers:
         assert by_index[i]["node_id"] == node
     survivors = [w for w in summary["workers"] if w["node_id"] != node]
-    assert survivors and all(w["batches"] >= 1 for w in survivors)
+    assert survivors and all(w["spans"] >= 1 for w in survivors)
 
 
 def test_a_node_lost_mid_job_its_batches_run_again_elsewhere(scenarios, tiny_llm):
@@ -135,7 +135,7 @@ def test_a_node_added_mid_job_is_used(scenarios, tiny_llm):
     assert len(workers) == 2
     assert workers[0]["node_id"] == record["nodes"]["first"]
     assert workers[1]["node_id"] == record["nodes"]["d"]
-    assert workers[1]["batches"] >= 1
+    assert workers[1]["spans"] >= 1
     assert any(re.match(r"nanoserve: worker 1 joined on node " + record["nodes"]["d"][:12], ln)
                for ln in record["stderr"]), record["stderr"]
     assert_every_row_once_and_right(tiny_llm, scenarios, "node_added")
@@ -163,11 +163,11 @@ def test_a_node_lost_while_its_worker_loads_the_model(scenarios, tiny_llm):
     assert summary["error_rows"] == 0 and summary["rows"] == 8
     workers = summary["workers"]
     assert len(workers) == 2
-    assert workers[index]["restarts"] == 1 and workers[index]["batches"] == 0
+    assert workers[index]["restarts"] == 1 and workers[index]["spans"] == 0
     (other,) = [w for w in workers if w["index"] != index]
     assert other["node_id"] in record["nodes"].values()
     assert other["node_id"] != record["removed"]["node_id"]
-    assert other["batches"] == 4
+    assert other["spans"] == 4
     assert "recovered: 1 worker restart(s)" in summary["format"]
     assert not any(ln.startswith("error") or "could not load" in ln for ln in record["stderr"])
     assert_every_row_once_and_right(tiny_llm, scenarios, "node_lost_while_loading")
@@ -184,8 +184,8 @@ def test_a_joining_workers_node_lost_while_it_loads(scenarios, tiny_llm):
     assert summary["error_rows"] == 0 and summary["rows"] == 8
     workers = summary["workers"]
     assert index == 1 and len(workers) == 2
-    assert workers[0]["node_id"] == record["nodes"]["first"] and workers[0]["batches"] == 4
-    assert workers[1]["restarts"] == 1 and workers[1]["batches"] == 0
+    assert workers[0]["node_id"] == record["nodes"]["first"] and workers[0]["spans"] == 4
+    assert workers[1]["restarts"] == 1 and workers[1]["spans"] == 0
     assert_every_row_once_and_right(tiny_llm, scenarios, "joiner_lost_while_loading")
 
 

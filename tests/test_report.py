@@ -28,13 +28,13 @@ from ray_jobs.report.report import (
     render_html,
     report_data,
 )
-from ray_jobs.workers.piece import PieceRecord
+from ray_jobs.workers.span import SpanRecord
 
 ROWS = ([{"prompt": f"Item number {i} is", "max_tokens": 1 + i % 4} for i in range(10)]
         + [{"prompt": ""}, {"prompt": "  "}, {"prompt": "Hello", "temperature": -1.0}])
 CAUSES = {"empty prompt": 2, "invalid sampling values": 1}
 # The solid fill colours of bars in the report's plots (ray_jobs.report.report), as RGB.
-PLOT_COLOURS = {"throughput": (0x4C, 0x72, 0xB0), "batch fill": (0x55, 0xA8, 0x68),
+PLOT_COLOURS = {"throughput": (0x4C, 0x72, 0xB0), "shard fill": (0x55, 0xA8, 0x68),
                 "early-finish waste": (0x81, 0x72, 0xB3), "error rows": (0xC4, 0x4E, 0x52)}
 DATA_RE = re.compile(rf'<script type="application/json" id="{REPORT_DATA_ID}">(.*?)</script>',
                      re.S)
@@ -67,22 +67,22 @@ def test_report_data_match_the_manifest_and_the_parts(job):
     data = embedded_data((out / REPORT_NAME).read_text())
     manifest = Manifest.load(out)
     table = ds.dataset(out).to_table().to_pylist()
-    assert data["totals"]["batches"] == len(manifest.done)
+    assert data["totals"]["spans"] == len(manifest.done)
     assert data["totals"]["rows"] == manifest.rows_done == len(ROWS)
     assert data["summary"]["rows"] == len(table)
     errors = [r for r in table if r["finish_reason"] == "error"]
     assert data["totals"]["error_rows"] == data["summary"]["error_rows"] == len(errors)
     assert data["error_causes"] == CAUSES
     assert data["totals"]["output_tokens"] == sum(r["num_generated_tokens"] for r in table)
-    # Pieces came from workers: every row that reached one, each in one piece.
-    pieces, bins = data["pieces"], data["time_bins"]
-    assert pieces["rows"] == len(ROWS) - sum(CAUSES.values())
-    assert 0 <= pieces["first_s"] <= pieces["last_s"] <= summary.wall_time_s
-    assert sum(bins["rows"]) == pieces["rows"] and sum(bins["pieces"]) == pieces["count"]
+    # Spans came from workers: every row that reached one, each in one span.
+    spans, bins = data["spans"], data["time_bins"]
+    assert spans["rows"] == len(ROWS) - sum(CAUSES.values())
+    assert 0 <= spans["first_s"] <= spans["last_s"] <= summary.wall_time_s
+    assert sum(bins["rows"]) == spans["rows"] and sum(bins["spans"]) == spans["count"]
     assert sum(bins["output_tokens"]) == data["totals"]["output_tokens"]
-    assert sum(map(sum, bins["rows_by_worker"].values())) == pieces["rows"]
-    assert len(bins["rows"]) * bins["width_s"] > pieces["last_s"]
-    assert sum(data["batch_fill"]["pieces"]) == pieces["count"]
+    assert sum(map(sum, bins["rows_by_worker"].values())) == spans["rows"]
+    assert len(bins["rows"]) * bins["width_s"] > spans["last_s"]
+    assert sum(data["shard_fill"]["spans"]) == spans["count"]
     # Rows of one batch asked for 1..4 tokens: the static batch ran to its longest row.
     assert data["totals"]["early_finish_waste"] > 0
     assert data["totals"]["padding_waste"] == pytest.approx(summary.padding_waste)
@@ -143,19 +143,19 @@ def test_the_report_renders_in_headless_chromium(job, tmp_path):
     errors = sum(r["finish_reason"] == "error" for r in ds.dataset(out).to_table().to_pylist())
     assert int(cells["error_rows"]) == errors
     data = embedded_data(dom)
-    assert data["totals"]["batches"] == len(manifest.done)
+    assert data["totals"]["spans"] == len(manifest.done)
     assert dom.count("<svg") >= 5  # throughput, workers, fill, waste, errors, phases
 
 
-def _record(batch_id, worker, t, cached):
-    return PieceRecord(batch_id, worker, t, rows=4, error_rows=0, prompt_tokens=40,
+def _record(shard_id, worker, t, cached):
+    return SpanRecord(shard_id, worker, t, rows=4, error_rows=0, prompt_tokens=40,
                        output_tokens=12, prefill_slots=48, prefill_real_tokens=40,
                        decode_row_steps=16, finished_row_steps=4, prompt_tokens_cached=cached)
 
 
-def _log(*pieces):
+def _log(*spans):
     log = ReportLog()
-    for p in pieces:
+    for p in spans:
         log.add(p)
     return log
 
@@ -183,9 +183,9 @@ def test_error_causes_drop_the_rows_details(message, cause):
     assert error_cause(message) == cause
 
 
-def test_the_report_stays_the_same_size_whatever_the_number_of_batches(job):
-    """A ReportLog fed 100,000 pieces (a 12.8M-row job's batches) keeps bins, not records:
-    its data and page are no bigger than for 100 pieces, and its totals are the exact sums."""
+def test_the_report_stays_the_same_size_whatever_the_number_of_shards(job):
+    """A ReportLog fed 100,000 spans (a 12.8M-row job's shards) keeps bins, not records:
+    its data and page are no bigger than for 100 spans, and its totals are the exact sums."""
     summary, _ = job
     rng = np.random.default_rng(0)
 
@@ -199,7 +199,7 @@ def test_the_report_stays_the_same_size_whatever_the_number_of_batches(job):
             steps = rows * int(rng.integers(1, 64))
             finished = int(rng.integers(0, steps))
             cached = int(rng.integers(0, real + 1))
-            p = PieceRecord(b, b % 8, b * 0.037, rows=rows, error_rows=0, prompt_tokens=real,
+            p = SpanRecord(b, b % 8, b * 0.037, rows=rows, error_rows=0, prompt_tokens=real,
                             output_tokens=steps // 2, prefill_slots=slots,
                             prefill_real_tokens=real, decode_row_steps=steps,
                             finished_row_steps=finished, prompt_tokens_cached=cached)
@@ -227,8 +227,8 @@ def test_the_report_stays_the_same_size_whatever_the_number_of_batches(job):
     assert len(page) < 2 * len(render_html(small_data))
     assert embedded_data(page) == json.loads(json.dumps(data))
     # Exact totals.
-    t, p = data["totals"], data["pieces"]
-    assert (t["rows"], t["error_rows"], t["batches"]) == (sums["rows"] + 100_000, 100_000,
+    t, p = data["totals"], data["spans"]
+    assert (t["rows"], t["error_rows"], t["spans"]) == (sums["rows"] + 100_000, 100_000,
                                                            100_000)
     assert sum(data["error_causes"].values()) == 100_000
     assert (p["count"], p["rows"], t["output_tokens"]) == (100_000, sums["rows"],
@@ -241,5 +241,5 @@ def test_the_report_stays_the_same_size_whatever_the_number_of_batches(job):
     assert sum(bins["rows"]) == sum(map(sum, bins["rows_by_worker"].values())) == sums["rows"]
     assert sum(bins["output_tokens"]) == sums["output_tokens"]
     assert sum(bins["prompt_tokens_cached"]) == sums["cached"]
-    assert (sum(data["batch_fill"]["pieces"]) == sum(data["waste"]["padding"])
+    assert (sum(data["shard_fill"]["spans"]) == sum(data["waste"]["padding"])
             == sum(data["waste"]["early_finish"]) == 100_000)

@@ -151,8 +151,8 @@ def finished_job(ray_session, tiny_job_model, tmp_path_factory):
     original = job_run._JobRun._submit
     held = []
 
-    def submit(self, piece, index):
-        original(self, piece, index)
+    def submit(self, span, index):
+        original(self, span, index)
         held.append(len(self.in_flight) + len(self.queue))
 
     folder = tmp_path_factory.mktemp("finished-job")

@@ -232,7 +232,6 @@ def test_rerun_resumes_and_the_manifest_names_the_image_column(jsonl_job, vl_mod
     from ray_jobs.dispatch.driver import _job_settings
     from ray_jobs.input.io import scan_input
     from ray_jobs.output.manifest import MANIFEST_NAME
-    from ray_jobs.preparation.batching import BatchLimits
     from ray_jobs.preparation.prepare import plan_columns
     from ray_jobs.workers.options import JobOptions
 
@@ -245,7 +244,6 @@ def test_rerun_resumes_and_the_manifest_names_the_image_column(jsonl_job, vl_mod
     text.write_text(json.dumps({"prompt": "hi"}) + "\n")
     info = scan_input(text)
     columns = _job_settings(JobOptions(reasoning_parser="none"), info, vl_model,
-                            BatchLimits(64, None, 512),
                             plan_columns(info.schema))["columns"]
     assert columns == {"prompt_column": None, "id_column": None}
 

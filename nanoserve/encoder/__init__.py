@@ -15,8 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 _LAZY = {"Encoder": "nanoserve.encoder.api", "EncoderModel": "nanoserve.encoder.model",
-         "load_encoder": "nanoserve.encoder.model", "Prediction": "nanoserve.encoder.heads",
-         "interpret": "nanoserve.encoder.heads", "EncoderConfig": "nanoserve.encoder.config",
+         "load_encoder": "nanoserve.encoder.model", "Prediction": "nanoserve.model.labels",
+         "interpret": "nanoserve.model.labels", "EncoderConfig": "nanoserve.encoder.config",
          "ENCODERS": "nanoserve.model.encoder_families"}
 
 

@@ -22,9 +22,9 @@ from typing import Any
 import torch
 
 from nanoserve.embed import DEFAULT_MAX_BATCH_TOKENS, Embedder, _dtype
-from nanoserve.encoder.heads import Prediction, interpret
 from nanoserve.encoder.model import EncoderModel, load_encoder
 from nanoserve.encoder.tokenizer import EncoderTokenizer
+from nanoserve.model.labels import Prediction, interpret
 from nanoserve.options import ENGINE
 
 
@@ -70,7 +70,7 @@ class Encoder:
         return self._logits(ids, types)
 
     def predict(self, logits: torch.Tensor) -> list[Prediction]:
-        """Logits -> one Prediction per row, by the config's problem_type (heads.interpret)."""
+        """Logits -> one Prediction per row, by the config's problem_type (`nanoserve.model.labels.interpret`)."""
         return interpret(logits, self.config)
 
     @torch.inference_mode()

@@ -28,8 +28,8 @@ from nanoserve.model.encoder_families import (
     encoder_by_model_type,
     supported_encoders,
 )
+from nanoserve.model.labels import PROBLEM_TYPES, head_labels
 
-PROBLEM_TYPES = ("single_label_classification", "multi_label_classification", "regression")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 # transformers' defaults where config.json leaves a key out, per model_type
@@ -131,7 +131,7 @@ class EncoderConfig:
             raise ModelError(f"hidden_size ({d['hidden_size']}) is not a multiple of "
                              f"num_attention_heads ({d['num_attention_heads']})")
         if arch == family.architecture:
-            common.update(_head_keys(d))
+            common.update(head_labels(d))
         if family.kind == "bert":
             if get("position_embedding_type") != "absolute":
                 raise ModelError(f"position_embedding_type {get('position_embedding_type')!r} "
@@ -170,23 +170,6 @@ def _pooling(value: str) -> str:
     if value not in ("cls", "mean"):
         raise ModelError(f"classifier_pooling {value!r} is not supported (cls or mean)")
     return value
-
-
-def _head_keys(d: dict[str, Any]) -> dict[str, Any]:
-    """num_labels, id2label (in id order) and problem_type of a classification checkpoint."""
-    raw = d.get("id2label")
-    if raw:
-        labels = {int(k): str(v) for k, v in raw.items()}
-        if sorted(labels) != list(range(len(labels))):
-            raise ModelError(f"id2label keys {sorted(labels)} are not 0..{len(labels) - 1}")
-        id2label = tuple(labels[i] for i in range(len(labels)))
-    else:
-        id2label = tuple(f"LABEL_{i}" for i in range(int(d.get("num_labels", 2))))
-    problem = d.get("problem_type") or ("regression" if len(id2label) == 1
-                                        else "single_label_classification")
-    if problem not in PROBLEM_TYPES:
-        raise ModelError(f"problem_type {problem!r} is not one of {PROBLEM_TYPES}")
-    return dict(num_labels=len(id2label), id2label=id2label, problem_type=problem)
 
 
 def read_encoder_config(folder: str | Path) -> EncoderConfig:

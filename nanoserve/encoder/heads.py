@@ -8,14 +8,11 @@ Each head maps packed hidden states [N, d] (rows by `PackedRows`) to logits [B, 
   the mean over its tokens ('mean'), per `classifier_pooling`.
 The row's first token is its [CLS] / <s>: the tokenizer puts it there.
 
-`interpret` turns logits into predictions by `problem_type`: single-label: softmax, the
-argmax's label; multi-label: sigmoid, the labels at >= 0.5; regression: the raw outputs (the
-first one as `score`).
+What the logits mean (`interpret`, by `problem_type`) is nanoserve/model/labels.py's, shared
+with the decoders' heads.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -81,34 +78,5 @@ def build_head(cfg: EncoderConfig) -> nn.Module | None:
     return RobertaHead(cfg) if cfg.family.position_offset else BertHead(cfg)
 
 
-@dataclass(frozen=True)
-class Prediction:
-    """One row's reading of its logits. label: the predicted label (single-label: the
-    argmax; multi-label: the most probable); labels: multi-label's labels at >= 0.5 (single-
-    label: (label,)); probs: label -> probability (None for regression); score: regression's
-    first output (None otherwise)."""
-
-    label: str | None
-    labels: tuple[str, ...]
-    probs: dict[str, float] | None
-    score: float | None
-
-
-def interpret(logits: torch.Tensor, cfg: EncoderConfig) -> list[Prediction]:
-    """logits [B, num_labels] -> one Prediction per row, by `cfg.problem_type`."""
-    logits = logits.float().cpu()
-    names = cfg.id2label or tuple(f"LABEL_{i}" for i in range(logits.shape[-1]))
-    out = []
-    if cfg.problem_type == "regression":
-        return [Prediction(None, (), None, float(row[0])) for row in logits]
-    multi = cfg.problem_type == "multi_label_classification"
-    probs = torch.sigmoid(logits) if multi else torch.softmax(logits, dim=-1)
-    for p in probs:
-        top = names[int(p.argmax())]
-        on = tuple(n for n, x in zip(names, p.tolist()) if x >= 0.5) if multi else (top,)
-        out.append(Prediction(top, on, dict(zip(names, p.tolist())), None))
-    return out
-
-
-__all__ = ["BertHead", "ModernBertHead", "Prediction", "RobertaHead", "build_head",
-           "first_tokens", "interpret", "mean_tokens"]
+__all__ = ["BertHead", "ModernBertHead", "RobertaHead", "build_head", "first_tokens",
+           "mean_tokens"]

@@ -1,5 +1,7 @@
 """An encoder's tokenizer: its folder's `tokenizer.json` (WordPiece for BERT, Unigram for
-XLM-R, BPE for ModernBERT) through the `tokenizers` library, for texts and text pairs.
+XLM-R, BPE for ModernBERT) through the `tokenizers` library, for texts and text pairs. A
+decoder classifier's texts and pairs too (nanoserve/classify.py: byte-level BPE, its own
+post-processor's BOS or EOS, segment ids unused), as transformers' fast tokenizer gives them.
 
 Invariants: each encoding carries the tokenizer's own special tokens (its post-processor:
 [CLS] a [SEP] b [SEP] for BERT, <s> a </s></s> b </s> for XLM-R) and segment ids
@@ -22,6 +24,8 @@ from nanoserve.errors import InputError, ModelError
 
 
 class EncoderTokenizer:
+    instruction = None  # no prompt around the texts (a reranker's tokenizer has one)
+
     def __init__(self, backend: tokenizers.Tokenizer, max_tokens: int) -> None:
         self.backend = backend
         self.max_tokens = max_tokens
@@ -37,6 +41,13 @@ class EncoderTokenizer:
             return cls(tokenizers.Tokenizer.from_file(str(file)), max_tokens)
         except Exception as e:  # the library raises a bare Exception on bad content
             raise ModelError(f"{file} could not be loaded: {e}") from None
+
+    def with_limit(self, max_tokens: int) -> EncoderTokenizer:
+        """The same tokenizer cutting to `max_tokens` (self when it already does), on a copy
+        of the backend: this one keeps its own limit."""
+        if max_tokens == self.max_tokens:
+            return self
+        return type(self)(tokenizers.Tokenizer.from_str(self.backend.to_str()), max_tokens)
 
     def encode(self, texts: Sequence[str]) -> tuple[list[list[int]], list[list[int]]]:
         """Texts -> (ids, token_type_ids) per text, cut to max_tokens."""
@@ -63,7 +74,7 @@ class EncoderTokenizer:
         return enc.ids, enc.type_ids, bool(enc.overflowing)
 
 
-def read_classifier(folder: str | Path) -> tuple[Any, EncoderTokenizer]:
+def read_encoder_classifier(folder: str | Path) -> tuple[Any, EncoderTokenizer]:
     """A sequence-classification encoder's config and tokenizer, without its weights.
     ModelError, one line naming the supported architectures, for anything else (a decoder,
     a GGUF file, a base encoder without a head)."""
@@ -93,4 +104,4 @@ def read_classifier(folder: str | Path) -> tuple[Any, EncoderTokenizer]:
     return cfg, EncoderTokenizer.from_folder(path, cfg.max_position_embeddings)
 
 
-__all__ = ["EncoderTokenizer", "read_classifier"]
+__all__ = ["EncoderTokenizer", "read_encoder_classifier"]

@@ -33,6 +33,7 @@ from typing import Any
 
 from nanoserve.errors import ModelError
 from nanoserve.model.families import Family, by_architecture, by_model_type, supported
+from nanoserve.model.labels import head_labels
 from nanoserve.model.quantization import Fp8Scheme, read_scheme
 from nanoserve.multimodal.vision_config import VisionConfig
 
@@ -67,7 +68,8 @@ class ModelConfig:
     tie_word_embeddings: bool = False  # LM head shares the embedding matrix
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
-    architecture: str = "LlamaForCausalLM"  # a family's, or its base model's (no LM head)
+    # a family's, its base model's (no LM head) or its classifier's (a `score` head instead)
+    architecture: str = "LlamaForCausalLM"
     qkv_bias: bool = False  # q, k and v projections carry a bias (Qwen2)
     qk_norm: bool = False  # RMSNorm of each q and k head before rotary (Qwen3)
     sliding_window: int | None = None  # tokens a query sees, itself included; None: all
@@ -83,6 +85,12 @@ class ModelConfig:
     mrope_section: tuple[int, ...] | None = None
     vision: VisionConfig | None = None  # the vision tower (Qwen2.5-VL)
     image_token_id: int | None = None  # the placeholder an image's tokens replace
+    # a classifier's head (nanoserve/model/labels.py): outputs, labels in id order, what the
+    # logits mean; 0 and () for a model without one
+    num_labels: int = 0
+    id2label: tuple[str, ...] = ()
+    problem_type: str = "single_label_classification"
+    pad_token_id: int | None = None  # a classifier pools the last token that is not this
 
     def __post_init__(self) -> None:
         if by_architecture(self.architecture) is None:
@@ -123,9 +131,15 @@ class ModelConfig:
 
     @property
     def headless(self) -> bool:
-        """A base model without an LM head (embedding checkpoints, e.g. Qwen3-Embedding saved
-        by sentence-transformers): it embeds, it does not generate."""
-        return self.architecture == self.family.base_model
+        """No LM head: a base model (embedding checkpoints, e.g. Qwen3-Embedding saved by
+        sentence-transformers) or a classifier. It embeds or classifies; it does not generate."""
+        return self.architecture != self.family.architecture
+
+    @property
+    def is_classifier(self) -> bool:
+        """A `*ForSequenceClassification` checkpoint: `score.weight` [num_labels, hidden] over
+        the final normed hidden state of a row's last token (nanoserve/classify.py)."""
+        return self.architecture == self.family.classifier
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -207,6 +221,8 @@ class ModelConfig:
             mrope_section=mrope,
             vision=vision,
             image_token_id=family.value(d, "image_token_id") if vision is not None else None,
+            **(dict(head_labels(d), pad_token_id=d.get("pad_token_id"))
+               if arch == family.classifier else {}),
         )
 
     @classmethod

@@ -3,8 +3,10 @@
 Every family is Llama's skeleton (nanoserve/model/model.py) with a few named options; a record
 says which, and how a checkpoint of the family spells them:
 - its names: the architecture (config.json's `architectures[0]`, also transformers' model
-  class that tests/test_registry.py holds it to), `model_type`, and the base model without
-  an LM head where the family has one (`Qwen3Model`: embedding checkpoints);
+  class that tests/test_registry.py holds it to), `model_type`, the base model without
+  an LM head where the family has one (`Qwen3Model`: embedding checkpoints), and the model
+  with a sequence-classification head where transformers has one
+  (`Qwen3ForSequenceClassification`: classifiers and reward models, nanoserve/classify.py);
 - the config.json keys read for it, with the value transformers' config class derives when
   a key is missing (`defaults`);
 - the attention options (q/k/v biases, q/k norm), its sliding-window rule (`WINDOW_RULES`),
@@ -63,6 +65,9 @@ class Family:
     model_type: str
     defaults: Mapping[str, Any]  # config keys read for the family -> transformers' default
     base_model: str | None = None  # the same family without an LM head (embeddings)
+    # the same family with a sequence-classification head in place of the LM head (`score`,
+    # [num_labels, hidden], no bias; nanoserve/classify.py); None: transformers has none
+    classifier: str | None = None
     qkv_bias: bool = False  # q, k and v carry biases (a `defaults` key `qkv_bias` overrides)
     qk_norm: bool = False  # RMSNorm over each q and k head before the rotary embedding
     window: str = "none"  # one of WINDOW_RULES
@@ -101,24 +106,27 @@ _TINY_EXPERTS = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size
 
 FAMILIES: tuple[Family, ...] = (
     Family("Llama", "LlamaForCausalLM", "llama", _LLAMA_DEFAULTS, base_model="LlamaModel",
-           gguf_name="llama", gguf_permuted_qk=True),
+           classifier="LlamaForSequenceClassification", gguf_name="llama", gguf_permuted_qk=True),
     Family("Mistral", "MistralForCausalLM", "mistral",
            {**_LLAMA_DEFAULTS, "max_position_embeddings": 131072, "sliding_window": 4096},
-           base_model="MistralModel", window="every_layer"),
+           base_model="MistralModel", classifier="MistralForSequenceClassification",
+           window="every_layer"),
     Family("Qwen2", "Qwen2ForCausalLM", "qwen2",
            {**_LLAMA_DEFAULTS, "max_position_embeddings": 32768, **_QWEN_WINDOW},
-           base_model="Qwen2Model", qkv_bias=True, window="from_max_window_layers",
-           gguf_name="qwen2"),
+           base_model="Qwen2Model", classifier="Qwen2ForSequenceClassification", qkv_bias=True,
+           window="from_max_window_layers", gguf_name="qwen2"),
     Family("Qwen3", "Qwen3ForCausalLM", "qwen3",
            {**_LLAMA_DEFAULTS, "max_position_embeddings": 32768, "head_dim": 128, **_QWEN_WINDOW},
-           base_model="Qwen3Model", qk_norm=True, window="from_max_window_layers",
+           base_model="Qwen3Model", classifier="Qwen3ForSequenceClassification", qk_norm=True,
+           window="from_max_window_layers",
            gguf_name="qwen3", reasoning_parser="qwen3"),
     Family("Qwen3-MoE", "Qwen3MoeForCausalLM", "qwen3_moe",
            {**_LLAMA_DEFAULTS, "max_position_embeddings": 32768, "use_sliding_window": False,
             "sliding_window": None, "num_experts": 128, "num_experts_per_tok": 8,
             "moe_intermediate_size": 768, "norm_topk_prob": False, "decoder_sparse_step": 1,
             "mlp_only_layers": []},
-           qk_norm=True, window="every_layer_if_used", moe=MoeLayout(),
+           classifier="Qwen3MoeForSequenceClassification", qk_norm=True,
+           window="every_layer_if_used", moe=MoeLayout(),
            reasoning_parser="qwen3",
            # a dense layer 1 (mlp_only_layers), as Qwen3-MoE checkpoints may have
            tiny={**_TINY_EXPERTS, "norm_topk_prob": True, "mlp_only_layers": [1]}),
@@ -126,7 +134,7 @@ FAMILIES: tuple[Family, ...] = (
            {**_LLAMA_DEFAULTS, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
             "rope_theta": 1e6, "sliding_window": None, "num_local_experts": 8,
             "num_experts_per_tok": 2},
-           window="every_layer",
+           classifier="MixtralForSequenceClassification", window="every_layer",
            moe=MoeLayout(expert_names=(("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj")),
                          module="block_sparse_moe", every_layer=True,
                          width_key="intermediate_size", always_renormalise=True),
@@ -137,7 +145,8 @@ FAMILIES: tuple[Family, ...] = (
             "num_experts_per_tok": 4, "moe_intermediate_size": 1408, "norm_topk_prob": False,
             "decoder_sparse_step": 1, "mlp_only_layers": [],
             "shared_expert_intermediate_size": 5632},
-           qkv_bias=True, window="even_below_max_window_layers",
+           classifier="Qwen2MoeForSequenceClassification", qkv_bias=True,
+           window="even_below_max_window_layers",
            moe=MoeLayout(shared_expert=True),
            tiny={**_TINY_EXPERTS, "shared_expert_intermediate_size": 64}),
     Family("Qwen2.5-VL", "Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl",
@@ -158,6 +167,7 @@ FAMILIES: tuple[Family, ...] = (
 
 _BY_ARCHITECTURE = {f.architecture: f for f in FAMILIES}
 _BY_BASE_MODEL = {f.base_model: f for f in FAMILIES if f.base_model}
+_BY_CLASSIFIER = {f.classifier: f for f in FAMILIES if f.classifier}
 _BY_MODEL_TYPE = {f.model_type: f for f in FAMILIES}
 _BY_GGUF_NAME = {f.gguf_name: f for f in FAMILIES if f.gguf_name}
 SUPPORTED_ARCHITECTURES = tuple(_BY_ARCHITECTURE)
@@ -165,8 +175,10 @@ GGUF_NAMES = tuple(_BY_GGUF_NAME)
 
 
 def by_architecture(architecture: str) -> Family | None:
-    """The family of an architecture, with or without its LM head; None if not supported."""
-    return _BY_ARCHITECTURE.get(architecture) or _BY_BASE_MODEL.get(architecture)
+    """The family of an architecture: with its LM head, without (the base model) or with a
+    sequence-classification head in its place; None if not supported."""
+    return (_BY_ARCHITECTURE.get(architecture) or _BY_BASE_MODEL.get(architecture)
+            or _BY_CLASSIFIER.get(architecture))
 
 
 def by_model_type(model_type: str) -> Family | None:

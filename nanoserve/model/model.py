@@ -1,7 +1,8 @@
 """The Llama forward pass in PyTorch, and the families that share its skeleton.
 
 One file, one model: token embedding, RMSNorm, rotary embeddings (plain or llama3
-scaled), grouped-query attention, SwiGLU MLP, tied or untied LM head. Parameter names
+scaled), grouped-query attention, SwiGLU MLP, tied or untied LM head (or, for a
+`*ForSequenceClassification` checkpoint, its `score` head instead). Parameter names
 equal transformers' `LlamaForCausalLM` state dict (and its Qwen2/Qwen3/Mistral twins,
 which use the same names), so a checkpoint loads by name.
 
@@ -389,17 +390,20 @@ class PlacedImages(NamedTuple):
 
 
 class _NoHead(nn.Module):
-    """The LM head of a checkpoint that has none: embedding works, generation says why not."""
+    """The LM head of a checkpoint that has none: embedding (and a classifier's head) works,
+    generation says why not."""
 
-    def __init__(self, architecture: str) -> None:
+    def __init__(self, architecture: str, classifier: bool = False) -> None:
         super().__init__()
         self.architecture = architecture
+        self.does = ("classifies (nanoserve classify, nanoserve.classify.load_classifier)"
+                     if classifier else "embeds (nanoserve embed, LLM.embed)")
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         from nanoserve.errors import ModelError
 
-        raise ModelError(f"the model ({self.architecture}) has no LM head: it embeds "
-                         f"(nanoserve embed, LLM.embed), it does not generate")
+        raise ModelError(f"the model ({self.architecture}) has no LM head: it {self.does}, "
+                         f"it does not generate")
 
 
 def packs_prefill(input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
@@ -415,9 +419,12 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config)
-        # a headless checkpoint (config.headless: an embedding model) has no head
-        self.lm_head = (_NoHead(config.architecture) if config.headless
+        # a headless checkpoint (config.headless: an embedding model, a classifier) has no
+        # LM head; a classifier has its `score` head instead: [num_labels, d], no bias
+        self.lm_head = (_NoHead(config.architecture, config.is_classifier) if config.headless
                         else Linear(config.hidden_size, config.vocab_size, bias=False))
+        if config.is_classifier:
+            self.score = Linear(config.hidden_size, config.num_labels, bias=False)
         if config.vision is not None:  # Qwen2.5-VL's vision tower
             from nanoserve.multimodal.vision_model import VisionTransformer
 
@@ -438,6 +445,11 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., d] -> [..., V] in float32."""
         return self.lm_head(hidden).float()
+
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+        """A classifier's head: pooled final normed hidden states [B, d] (any float dtype;
+        computed in the model's, as transformers does) -> logits [B, num_labels] float32."""
+        return self.score(pooled.to(self.dtype)).float()
 
     def forward(self, input_ids, positions, cache, meta: AttentionMetadata,
                 images: PlacedImages | None = None, lora: LoraStep | None = None

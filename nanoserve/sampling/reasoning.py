@@ -34,11 +34,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from nanoserve.model.families import by_architecture
+from nanoserve.options import ENGINE
 
-PARSERS = ("qwen3", "deepseek_r1")
-# What `reasoning_parser` may also say: "auto" picks from the model family where that is
-# certain (`pick_parser`), "none" turns the split off.
-CHOICES = ("auto", "none", *PARSERS)
+# What `reasoning_parser` may say (declared in `nanoserve.options.ENGINE`): "auto" picks from
+# the model family where that is certain (`pick_parser`), "none" turns the split off, and
+# the parsers' names.
+CHOICES = ENGINE["reasoning_parser"].choices
+PARSERS = tuple(c for c in CHOICES if c not in ("auto", "none"))
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 

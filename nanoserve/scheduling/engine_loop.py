@@ -7,8 +7,8 @@
     completions = future.result()           # when the group's last row finishes
 
 Rows submitted while others run join the running batch as rows finish, so a caller that
-keeps two groups submitted (the batch worker, holding two of the driver's batches) never
-lets the batch drain between groups.
+keeps two groups submitted (a group: the rows of one `submit`, a job worker's batch, while
+it holds several of the driver's shards) never lets the batch drain between groups.
 
 Under the LLM's reasoning parser, a group's completions come back split like `LLM.generate`'s
 (`nanoserve.sampling.reasoning.split_completions`: `reasoning`, `text` the answer).

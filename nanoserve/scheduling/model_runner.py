@@ -255,7 +255,7 @@ class ContinuousRunner(StepGraphs, FixedPrefills):
         self._out[k, :n].copy_(tokens[:n], non_blocking=True)
         op = op or Launched(k, n)
         if logprobs is not None:
-            m, cols = logprobs.shape  # a contiguous piece: the copy stays asynchronous
+            m, cols = logprobs.shape  # a contiguous slice: the copy stays asynchronous
             op.logprobs = self._lp_out[k].view(-1)[:m * cols].view(m, cols)
             op.logprobs.copy_(logprobs, non_blocking=True)
         op.prompt = [(i, self._to_host(t)) for i, t in prompt]

@@ -37,7 +37,8 @@ INDEX_FILE = "model.safetensors.index.json"
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor a checkpoint must provide for `config`, by Hugging Face name, with its
-    shape. `lm_head.weight` only when the head is not tied to the embedding; q/k/v biases
+    shape. `lm_head.weight` only when the head is not tied to the embedding (and the model
+    has one), `score.weight` for a classifier; q/k/v biases
     with `qkv_bias` (Qwen2), `q_norm`/`k_norm` weights with `qk_norm` (Qwen3)."""
     d, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
     q_dim = config.num_attention_heads * config.head_dim
@@ -67,6 +68,8 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes["model.norm.weight"] = (d,)
     if not config.tie_word_embeddings and not config.headless:
         shapes["lm_head.weight"] = (v, d)
+    if config.is_classifier:  # a sequence-classification head in the LM head's place
+        shapes["score.weight"] = (config.num_labels, d)
     if config.vision is not None:
         from nanoserve.multimodal.vision_config import vision_shapes
 

@@ -8,7 +8,8 @@ the shards whose parts are written.
 Order of work (every job-level check comes before any model loads on a worker):
 1. take the task's own options (`TaskKind.take_options`: `ray_jobs.tasks.generate`,
    `ray_jobs.tasks.embed`), check the job's (`JobOptions`); scan the input (files, schema,
-   row count, where every `batch_size`-th JSONL row starts) and plan its columns;
+   row count, where every `batch_size`-th JSONL row starts: a shard's first) and plan its
+   columns;
 2. resolve the model and load its tokenizer and config on the driver (cheap: no weights);
    the task plans the rest (`TaskKind.plan`: its rows' preparer, output schema, settings,
    actor);
@@ -45,7 +46,7 @@ output rows; `input_rows` and `input_tokens` count each input row once. The summ
 output rows by `finish_reason` and warns when rows with a structured output ended by length
 (their text is cut, so it need not match the constraint).
 
-Nothing lost, nothing duplicated: the walk over the shards, its pieces, retries and
+Nothing lost, nothing duplicated: the walk over the shards, their spans, retries and
 progress are `ray_jobs.dispatch.job_run`.
 """
 
@@ -79,10 +80,9 @@ from ray_jobs.output.manifest import (
     model_identity,
     open_output_dir,
     part_name,
-    reopen_batches_with_errors,
+    reopen_shards_with_errors,
 )
 from ray_jobs.output.openai_files import OUTPUT_NAME, OpenAIOutput, write_outputs
-from ray_jobs.preparation.batching import BatchLimits
 from ray_jobs.preparation.prepare import load_model_meta, plan_columns
 from ray_jobs.report.report import JobTotals, ReportLog, report_data, write_report
 from ray_jobs.report.timeline import PHASES, Timeline
@@ -111,7 +111,7 @@ class JobSummary:
     wall_time_s: float
     output_tokens_per_s: float
     padding_waste: float  # padding / padded prefill rectangle, summed over batches
-    num_batches: int
+    num_shards: int  # shards this run wrote
     workers: tuple[WorkerReport, ...] = ()
     worker_restarts: int = 0  # workers that died and were replaced
     device_oom_errors: int = 0  # device out-of-memory errors the engine retried smaller
@@ -119,7 +119,7 @@ class JobSummary:
     # A phase the run never reached (nothing left to compute: no Ray, no worker) is absent.
     timings: dict[str, float] = field(default_factory=dict)
     report: str | None = None  # the run's HTML report (`ray_jobs.report.report`), when it wrote one
-    # Prompt tokens served from the workers' prefix caches / prompt tokens of the batches
+    # Prompt tokens served from the workers' prefix caches / prompt tokens of the spans
     # whose engines have one (None: no engine had one).
     prefix_hit_rate: float | None = None
     nodes_lost: tuple[str, ...] = ()  # e.g. "node 3f2a9c1e07b4 (10.0.0.7, worker 1)"
@@ -134,7 +134,7 @@ class JobSummary:
     truncated_rows: int = 0  # embedding: inputs cut to the input limit
     empty_answers: int = 0  # generation: rows that ended at 'stop' with no text
     dimensions: int | None = None  # embedding: the vectors' (None: generation)
-    # Ctrl-C stopped the run: (batches written in all, the job's batches); None: it did not
+    # Ctrl-C stopped the run: (shards written in all, the job's shards); None: it did not
     interrupted: tuple[int, int] | None = None
 
     def format(self) -> str:
@@ -148,7 +148,7 @@ class JobSummary:
             f"rows: {self.rows}{samples} ({reasons})"
             + (f", {self.rows_resumed} done by an earlier run" if self.rows_resumed else ""),
             *TASKS[self.task].summary_lines(self),
-            f"batches: {self.num_batches} on {len(self.workers)} worker(s); output: {self.output_dir}",
+            f"shards: {self.num_shards} on {len(self.workers)} worker(s); output: {self.output_dir}",
         ]
         if self.reasoning:
             lines.append(self.reasoning)
@@ -161,14 +161,14 @@ class JobSummary:
             lines.append(f"report: {self.report}")
         if self.nodes_lost:
             lines.append(f"nodes lost: {len(self.nodes_lost)} ({'; '.join(self.nodes_lost)}); "
-                         f"their batches ran again on other workers")
+                         f"their shards ran again on other workers")
         if self.timings:
             lines.append("time: " + ", ".join(f"{PHASES[k]} {v:.1f} s"
                                               for k, v in self.timings.items()))
         lines += self.warnings
         if self.interrupted is not None:
             lines.append(f"interrupted: {self.interrupted[0]} of {self.interrupted[1]} "
-                         f"batches are written; rerun the same command to resume")
+                         f"shards are written; rerun the same command to resume")
         return "\n".join(lines)
 
 
@@ -203,9 +203,7 @@ def run_job(input: str | Path, output_dir: str | Path, task: str = "generate",
     kind = TASKS[task]
     options = dict(options)
     own = kind.take_options(options)
-    opts = JobOptions(**options)
-    limits = BatchLimits(opts.batch_size, opts.max_batch_tokens,
-                         opts.window_batches * opts.batch_size)  # (checked before the scan)
+    opts = JobOptions(**options)  # (checked before the scan)
     info = scan_input(input, opts.chunk_rows, opts.id_column, opts.input_format,
                       shard_rows=opts.batch_size)
     opts = dataclasses.replace(opts, prompt_column=kind.prompt_column(opts.prompt_column,
@@ -213,14 +211,14 @@ def run_job(input: str | Path, output_dir: str | Path, task: str = "generate",
     plan = plan_columns(info.schema, opts.prompt_column, opts.id_column)
     model_path = resolve_model(opts.model)
     config, tokenizer = (kind.load_meta or load_model_meta)(model_path)
-    part = kind.plan(opts, own, info, plan, model_path, config, tokenizer)
-    settings = {**_job_settings(part.opts, info, model_path, limits, plan), **part.settings}
+    task_plan = kind.plan(opts, own, info, plan, model_path, config, tokenizer)
+    settings = {**_job_settings(task_plan.opts, info, model_path, plan), **task_plan.settings}
     folder = OutputDir.open(output_dir)  # a local folder or an object-store prefix
-    openai = OpenAIOutput.of(opts.model, settings) if part.openai_output else None
-    spec = JobSpec(kind.name, InputSpec.of(info, opts.chunk_rows), plan, part.schema, folder,
-                   part.controls, part.task_options, openai)
-    return run_pipeline(Pipeline(part.opts, info, output_dir, folder, settings, spec,
-                                 ShardRunner(spec, part.task), kind, part), timeline)
+    openai = OpenAIOutput.of(opts.model, settings) if task_plan.openai_output else None
+    spec = JobSpec(kind.name, InputSpec.of(info, opts.chunk_rows), plan, task_plan.schema,
+                   folder, task_plan.controls, task_plan.task_options, openai)
+    return run_pipeline(Pipeline(task_plan.opts, info, output_dir, folder, settings, spec,
+                                 ShardRunner(spec, task_plan.task), kind, task_plan), timeline)
 
 
 def run_batch_job(input: str | Path, output_dir: str | Path, **options: Any) -> JobSummary:
@@ -237,9 +235,9 @@ def run_embed_job(input: str | Path, output_dir: str | Path, **options: Any) -> 
 class Pipeline:
     """One job as the walk (`run_pipeline`) needs it: the scanned input, the output folder
     and the settings its manifest compares, the spec the workers get, the walk without an
-    engine (`local`, for error rows made on the driver), the task (`kind`) and its part of
-    the job (`part`: its actor, what the report shows, its summary fields, what it writes
-    before the folder is marked complete)."""
+    engine (`local`, for error rows made on the driver), the task (`kind`) and its plan of
+    the job (`task_plan`: its actor, what the report shows, its summary fields, what it
+    writes before the folder is marked complete)."""
 
     opts: JobOptions
     info: InputInfo
@@ -249,7 +247,7 @@ class Pipeline:
     spec: JobSpec
     local: ShardRunner
     kind: TaskKind
-    part: TaskPlan
+    task_plan: TaskPlan
 
 
 def run_pipeline(p: Pipeline, timeline: Timeline) -> JobSummary:
@@ -263,7 +261,7 @@ def run_pipeline(p: Pipeline, timeline: Timeline) -> JobSummary:
     (`_HeldInterrupts`); then `JobInterrupted` carries the summary. Once every part is
     recorded, a Ctrl-C no longer stops anything: the folder is marked complete first."""
     opts, folder = p.opts, p.folder
-    for warning in p.part.warnings:  # at once: before the user waits for the job
+    for warning in p.task_plan.warnings:  # at once: before the user waits for the job
         log(warning)
     if folder.local:  # named as the user gave it (a path, or its file:// URI's path)
         check_output_reachable(folder.path if is_uri(p.output_dir) else Path(p.output_dir))
@@ -272,9 +270,9 @@ def run_pipeline(p: Pipeline, timeline: Timeline) -> JobSummary:
         with ExitStack() as stack:
             stack.enter_context(hold_output_dir(folder))  # one job per output folder at a time
             manifest = open_output_dir(folder, p.settings, opts.overwrite)
-            retry = reopen_batches_with_errors(folder, manifest) if opts.retry_errors else set()
+            retry = reopen_shards_with_errors(folder, manifest) if opts.retry_errors else set()
             if retry:
-                log(f"nanoserve: --retry-errors: computing again {len(retry)} batch(es) of an "
+                log(f"nanoserve: --retry-errors: computing again {len(retry)} shard(s) of an "
                     f"earlier run that hold error rows")
             if manifest.complete:
                 held.hold()
@@ -284,8 +282,9 @@ def run_pipeline(p: Pipeline, timeline: Timeline) -> JobSummary:
                 timeline.mark("prepare")
                 stack.enter_context(RaySession(opts.address))
                 timeline.mark("ray")
-                pool = WorkerPool.start(opts, timeline, actor=p.part.actor,
-                                        actor_kwargs={**p.part.actor_kwargs, "spec": p.spec})
+                pool = WorkerPool.start(opts, timeline, actor=p.task_plan.actor,
+                                        actor_kwargs={**p.task_plan.actor_kwargs,
+                                                      "spec": p.spec})
                 stack.callback(pool.shutdown)
                 timeline.mark("workers")
                 return pool
@@ -314,7 +313,7 @@ def run_pipeline(p: Pipeline, timeline: Timeline) -> JobSummary:
         for warning in summary.warnings:
             log(warning)
         summary = dataclasses.replace(
-            summary, warnings=p.part.warnings + summary.warnings, **p.part.summary,
+            summary, warnings=p.task_plan.warnings + summary.warnings, **p.task_plan.summary,
             interrupted=None if manifest.complete else (len(manifest.done),
                                                         num_shards(p.info)))
         summary = _with_report(p, summary, run.report, manifest, run.written)
@@ -381,7 +380,7 @@ def _rerun_of_complete(p: Pipeline, manifest: Manifest, timeline: Timeline) -> J
     summary = JobSummary(str(folder), 0, 0, manifest.rows_done, 0, 0,
                          timeline.marks["prepare"], 0.0, 0.0, 0,
                          timings=timeline.timings(), task=p.kind.name,
-                         warnings=p.part.warnings, **p.part.summary)
+                         warnings=p.task_plan.warnings, **p.task_plan.summary)
     if folder.exists(REPORT_NAME):  # the earlier run's report is kept
         return summary
     return _with_report(p, summary, ReportLog(), manifest, set())
@@ -396,7 +395,7 @@ def _with_report(p: Pipeline, summary: JobSummary, report: ReportLog, manifest: 
     job = JobTotals(num_shards(p.info))
     job.add_run(report, summary)
     settings = {"options": dataclasses.asdict(p.opts), "model": p.settings["model"],
-                "input": p.settings["input"], **p.part.report_settings}
+                "input": p.settings["input"], **p.task_plan.report_settings}
     try:
         for shard_id in sorted(manifest.done - written):
             job.add_part(p.folder, part_name(shard_id))
@@ -410,9 +409,10 @@ def _with_report(p: Pipeline, summary: JobSummary, report: ReportLog, manifest: 
 
 
 def _job_settings(opts: JobOptions, info: InputInfo, model_path: Path,
-                  limits: BatchLimits, plan: Any = None) -> dict[str, Any]:
-    """What the manifest compares on resume: everything that changes the output rows. The
-    output controls appear only when set (`n` above 1, logprobs asked, a job-wide structured
+                  plan: Any = None) -> dict[str, Any]:
+    """What the manifest compares on resume: everything that changes the output rows (the
+    shards' rows: `batch_size`, under the manifest's older name "batching"). The output
+    controls appear only when set (`n` above 1, logprobs asked, a job-wide structured
     output), and so do an FP8 KV cache and an `image` column read as the rows' images
     (`plan.image_column`: a run from before images were read passed it through), so the
     output of a job from before them still resumes."""
@@ -434,8 +434,7 @@ def _job_settings(opts: JobOptions, info: InputInfo, model_path: Path,
                      if opts.kv_cache_dtype != "auto" else {})},
         "input": {"files": input_identity(info.root, info.files), "num_rows": info.num_rows},
         "sampling": sampling,
-        "batching": {"batch_size": limits.batch_size, "max_batch_tokens": limits.max_batch_tokens,
-                     "window_rows": limits.window_rows},
+        "batching": {"batch_size": opts.batch_size, "max_batch_tokens": opts.max_batch_tokens},
         "columns": {"prompt_column": opts.prompt_column, "id_column": opts.id_column,
                     **({"input_format": opts.input_format}
                        if opts.input_format != "auto" else {}),
@@ -457,7 +456,7 @@ def _run_summary(run: _JobRun, wall_time_s: float) -> JobSummary:
         rows_resumed=run.rows_resumed, input_tokens=run.input_tokens,
         output_tokens=run.output_tokens, wall_time_s=wall_time_s,
         output_tokens_per_s=run.output_tokens / wall_time_s if wall_time_s > 0 else 0.0,
-        padding_waste=waste, num_batches=run.num_batches,
+        padding_waste=waste, num_shards=run.num_shards,
         prefix_hit_rate=(run.cached_tokens / run.cached_prompt_tokens
                          if run.cached_prompt_tokens else 0.0)
         if run.any_prefix_cache else None,

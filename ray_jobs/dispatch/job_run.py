@@ -1,17 +1,17 @@
 """Stage dispatch: one pass of the driver over the job's shards (`_JobRun`): admit, send,
 collect, record, and the progress bar.
 
-A shard goes to a worker whole, as one piece; a shard whose worker keeps dying is cut in
-pieces (`_Piece`: halves, then halves of those) until the row at fault stands alone. The
-driver (`ray_jobs.dispatch.driver.run_pipeline`) builds a `_JobRun`, calls `execute` on the
-input's shards, and makes the job's summary from its counts.
+A shard goes to a worker whole, as one span (the rows sent in one call); a shard whose worker
+keeps dying is cut into spans (`_Span`: halves, then halves of those) until the row at fault
+stands alone. The driver (`ray_jobs.dispatch.driver.run_pipeline`) builds a `_JobRun`, calls
+`execute` on the input's shards, and makes the job's summary from its counts.
 
-Progress: the bar counts input rows as they finish; for the pieces in flight the driver asks
+Progress: the bar counts input rows as they finish; for the spans in flight the driver asks
 each worker every PROGRESS_POLL_S how many of their rows its engine has finished
-(`ShardWorker.progress`), so it moves inside a batch, not only when the batch comes back.
+(`ShardWorker.progress`), so it moves inside a shard, not only when the shard comes back.
 
 Nothing lost, nothing duplicated (`_JobRun` has the bookkeeping):
-- a worker that dies is replaced and the batches it held run again; a batch that kills
+- a worker that dies is replaced and the shards it held run again; a shard that kills
   its worker every time is cut in halves until the row at fault stands alone, and that
   row alone becomes an `error` row;
 - a worker that cannot load the model fails the job with one line; no wait for a worker
@@ -25,9 +25,9 @@ Nothing lost, nothing duplicated (`_JobRun` has the bookkeeping):
   engine halve the batch, and the count is reported.
 
 Invariants: a shard is recorded in the manifest once, when every row of it is answered
-(`_write`, the one place); a piece is sent in one place (`_submit`) and handled in one
-(`_collect_one`, `_worker_died`); a wrong guess at which piece killed a worker never cuts
-a piece or makes an error row.
+(`_write`, the one place); a span is sent in one place (`_submit`) and handled in one
+(`_collect_one`, `_worker_died`); a wrong guess at which span killed a worker never cuts
+a span or makes an error row.
 """
 
 from __future__ import annotations
@@ -64,8 +64,8 @@ from ray_jobs.workers.worker import (
 
 PROGRESS_POLL_S = 1.0  # how often the driver asks its workers how far their rows are
 FAULT_HOLD_AFTER_PARTS = "NANOSERVE_FAULT_HOLD_AFTER_PARTS"  # testing hook: `_fault_hold_after_parts`
-MAX_BATCH_ATTEMPTS = 2  # deaths of its worker a batch may cause before it is cut in halves
-PREFIX_KEY_TOKENS = 32  # leading prompt tokens that name a piece's prefix for dispatch
+MAX_SHARD_ATTEMPTS = 2  # deaths of its worker a shard may cause before it is cut in halves
+PREFIX_KEY_TOKENS = 32  # leading prompt tokens that name a span's prefix for dispatch
 DEATH_SETTLE_TIMEOUT_S = 60.0  # wait for the other tasks of a dead actor to end
 
 
@@ -75,30 +75,30 @@ class _Pending:
 
     shard: Shard
     left: int  # rows without an answer
-    tables: dict[int, pa.Table] = field(default_factory=dict)  # pieces' rows, by first row
+    tables: dict[int, pa.Table] = field(default_factory=dict)  # spans' rows, by first row
 
 
 @dataclass
-class _Piece:
-    """Rows [rows[0], rows[1]) of one shard that go to a worker together: the whole shard
-    (its worker writes the part), or, once the shard killed its worker MAX_BATCH_ATTEMPTS
+class _Span:
+    """Rows [rows[0], rows[1]) of one shard that go to a worker in one call: the whole shard
+    (its worker writes the part), or, once the shard killed its worker MAX_SHARD_ATTEMPTS
     times, a half of it (then a half of that...), whose rows come back to the driver, which
-    writes the shard's part when every piece is answered.
+    writes the shard's part when every span is answered.
 
-    A suspect piece was in flight on a worker that died. It runs alone on an idle worker
-    (nothing else is sent there until it ends), so if that worker dies, the piece did it."""
+    A suspect span was in flight on a worker that died. It runs alone on an idle worker
+    (nothing else is sent there until it ends), so if that worker dies, the span did it."""
 
     pending: _Pending
     rows: tuple[int, int]
-    split: bool = False  # a part of a shard that kept killing its worker
+    split: bool = False  # a half (of a half...) of a shard that kept killing its worker
     suspect: bool = False
-    deaths: int = 0  # worker deaths blamed on this piece
+    deaths: int = 0  # worker deaths blamed on this span
 
     def size(self) -> int:
         return self.rows[1] - self.rows[0]
 
     def prefix(self) -> tuple[int, ...]:
-        """No tokens on the driver: pieces go to the least-loaded worker."""
+        """No tokens on the driver: spans go to the least-loaded worker."""
         return ()
 
     def samples(self) -> int:
@@ -107,7 +107,7 @@ class _Piece:
 
 @dataclass
 class _Sent:
-    piece: _Piece
+    span: _Span
     worker: int
     seq: int  # order of sending: an actor runs its tasks in that order
 
@@ -115,37 +115,38 @@ class _Sent:
 class _JobRun:
     """One pass over the shards: admit, submit, collect, record.
 
-    Bookkeeping: `queue` holds pieces waiting for a worker (retries first, in order),
-    `in_flight` maps each task's ObjectRef to what was sent. `_submit` is the one place a
-    piece is sent; `_collect_one` (with `_worker_died` for deaths) the one place a finished
-    or failed piece is handled; `_write` the one place a shard's part is recorded in the
-    manifest (written by its worker, or here from its pieces). A shard is recorded once,
+    Bookkeeping: `queue` holds spans waiting for a worker (retries first, in order),
+    `in_flight` maps each call's ObjectRef to what was sent. `_submit` is the one place a
+    span is sent; `_collect_one` (with `_worker_died` for deaths) the one place a finished
+    or failed span is handled; `_write` the one place a shard's part is recorded in the
+    manifest (written by its worker, or here from its spans). A shard is recorded once,
     when all its rows are answered: no row is lost or written twice, whatever dies (a
     worker that wrote a part and died before answering wrote it under the shard's name:
     the shard's next run replaces it whole).
 
     Failures:
-    - the task raising on a piece (a Python exception in `run_shard`): its rows become
+    - the task raising on a span (a Python exception in `run_shard`): its rows become
       `error` rows, made here (`local`: the same walk without an engine); an input that
       became unreadable since the scan stops the job (InputError);
-    - a worker dying (its process killed, crashed, its node lost): every piece in flight
+    - a worker dying (its process killed, crashed, its node lost): every span in flight
       on it ends, and the worker is replaced. The earliest sent of those that failed was
-      most likely running (an actor runs its tasks in order; the one before may have
+      most likely running (an actor runs its calls in order; the one before may have
       finished with its reply lost) and is blamed for the death; all that failed become
       suspects, which run alone from then on, so every later death is blamed exactly. A
-      piece blamed MAX_BATCH_ATTEMPTS times (once, if already a split piece) is cut in
-      halves; a single row blamed becomes an `error` row saying the worker died while
-      processing it. The guess (earliest sent) only ever blames a piece that was not yet
-      a suspect, i.e. a whole shard with no death yet, and one death is below
-      MAX_BATCH_ATTEMPTS: a wrong guess never cuts a piece or makes an error row;
-    - `max_deaths_in_a_row` deaths without any piece finishing on a worker between them
-      stop the job (NanoserveError): workers that die on everything are not a row's fault.
+      span blamed MAX_SHARD_ATTEMPTS times (once, if already a half) is cut in halves; a
+      single row blamed becomes an `error` row saying the worker died while processing it.
+      The guess (earliest sent) only ever blames a span that was not yet a suspect, i.e. a
+      whole shard with no death yet, and one death is below MAX_SHARD_ATTEMPTS: a wrong
+      guess never cuts a span or makes an error row;
+    - more than `max_deaths_in_a_row` deaths without any span finishing on a worker between
+      them stop the job (NanoserveError): workers that die on everything are not a row's
+      fault.
     """
 
     def __init__(self, opts: JobOptions, folder: OutputDir, manifest: Manifest,
                  start_pool: Callable[[], WorkerPool], total_rows: int,
                  timeline: Timeline, retry: set[int], local: ShardRunner, kind: TaskKind) -> None:
-        """`start_pool` is called when the first piece is sent: a rerun with nothing left
+        """`start_pool` is called when the first span is sent: a rerun with nothing left
         to compute starts neither Ray nor a worker. `retry`: shard ids an earlier run wrote
         that are computed again (their parts are replaced), never adopted. `local`: the
         shard walk without an engine, for error rows made here. `kind`: the task (its
@@ -158,11 +159,11 @@ class _JobRun:
         self.manifest = manifest
         self.start_pool = start_pool
         self.pool: WorkerPool | None = None
-        self.queue: deque[_Piece] = deque()
+        self.queue: deque[_Span] = deque()
         self.in_flight: dict[Any, _Sent] = {}
         self.sent = 0
         self.deaths_in_a_row = 0
-        self.rows = self.error_rows = self.num_batches = 0
+        self.rows = self.error_rows = self.num_shards = 0
         self.rows_resumed = manifest.rows_done  # output rows earlier runs wrote and kept
         self.written: set[int] = set()  # shard ids whose parts this run recorded
         self.input_rows = 0
@@ -170,10 +171,10 @@ class _JobRun:
         self.finish_reasons: Counter = Counter()
         self.cut_constrained: Counter = Counter()  # constrained rows ended by length, by max_tokens
         self.empty_answers = 0  # rows that ended at 'stop' with no text
-        self.results_back = 0  # answers (or deaths) of pieces collected
+        self.results_back = 0  # answers (or deaths) of spans collected
         self.input_tokens = self.output_tokens = 0
         self.padded_slots = self.padded_real = 0
-        self.cached_tokens = self.cached_prompt_tokens = 0  # pieces from prefix-caching engines
+        self.cached_tokens = self.cached_prompt_tokens = 0  # spans from prefix-caching engines
         self.any_prefix_cache = False
         self.oom_errors = 0
         self.report = ReportLog()  # what the job report shows (`ray_jobs.report.report`)
@@ -181,9 +182,9 @@ class _JobRun:
         self.t0 = time.perf_counter()
         # The bar (`opts.progress`), shown from when the workers are ready, so that its clock,
         # rate and time left are the generation's, not Ray's start and the model's load: input
-        # rows answered (`bar_rows`: pieces back, shards resumed) plus, for the pieces in
+        # rows answered (`bar_rows`: spans back, shards resumed) plus, for the spans in
         # flight, the rows their workers' engines have finished so far (`partial`, and their
-        # output tokens, by the piece's ref), asked every PROGRESS_POLL_S.
+        # output tokens, by the span's ref), asked every PROGRESS_POLL_S.
         self.total_rows = total_rows
         self.bar: Any = None
         self.bar_rows = 0
@@ -209,12 +210,12 @@ class _JobRun:
                         self._admit(shard)
                     continue
                 if not self.in_flight:
-                    break  # every worker idle, so any piece could go: the queue is empty too
+                    break  # every worker idle, so any span could go: the queue is empty too
                 self._collect_one()
             self.timeline.mark("prepare")  # (marked already unless no worker was needed)
-            if "first_batch" in self.timeline.marks:
+            if "first_shard" in self.timeline.marks:
                 if self.results_back == 1:  # the first result was the only one: one phase
-                    del self.timeline.marks["first_batch"]
+                    del self.timeline.marks["first_shard"]
                 self.timeline.mark("generate")
         finally:
             if self.bar is not None:
@@ -226,13 +227,13 @@ class _JobRun:
             return True
         return self.pool.pick(False) is not None
 
-    def _worker_for(self, piece: _Piece) -> int | None:
-        """The worker `piece` goes to now, or None while none can take it. Starts the pool
-        when the first piece is ready to go."""
+    def _worker_for(self, span: _Span) -> int | None:
+        """The worker `span` goes to now, or None while none can take it. Starts the pool
+        when the first span is ready to go."""
         if self.pool is None:
             self.pool = self.start_pool()
             self._open_bar()
-        return self.pool.pick(piece.suspect, piece.prefix())
+        return self.pool.pick(span.suspect, span.prefix())
 
     def _open_bar(self) -> None:
         """The progress bar, from now (the workers are ready), starting at the rows resumed."""
@@ -256,23 +257,23 @@ class _JobRun:
                 self.bar_rows += shard.num_rows
                 self._show()
                 return
-        self.queue.append(_Piece(_Pending(shard, shard.num_rows), (0, shard.num_rows)))
+        self.queue.append(_Span(_Pending(shard, shard.num_rows), (0, shard.num_rows)))
 
-    def _submit(self, piece: _Piece, index: int) -> None:
-        """The one place a piece is sent to a worker (`index`, from `_worker_for`)."""
+    def _submit(self, span: _Span, index: int) -> None:
+        """The one place a span is sent to a worker (`index`, from `_worker_for`)."""
         worker = self.pool.workers[index]
-        shard = piece.pending.shard
-        whole = not piece.split
-        ref = worker.handle.run_shard.remote(shard, None if whole else piece.rows, whole)
+        shard = span.pending.shard
+        whole = not span.split
+        ref = worker.handle.run_shard.remote(shard, None if whole else span.rows, whole)
         worker.in_flight += 1
-        worker.rows_in_flight += piece.samples()
-        worker.holds_suspect = piece.suspect
-        worker.last_prefix = piece.prefix()
+        worker.rows_in_flight += span.samples()
+        worker.holds_suspect = span.suspect
+        worker.last_prefix = span.prefix()
         self.sent += 1
-        self.in_flight[ref] = _Sent(piece, index, self.sent)
+        self.in_flight[ref] = _Sent(span, index, self.sent)
 
     def _collect_one(self) -> None:
-        """The one place a finished or failed piece is handled: wait for any piece in
+        """The one place a finished or failed span is handled: wait for any span in
         flight, then count and record its rows, or handle its worker's death."""
         import ray
 
@@ -286,7 +287,7 @@ class _JobRun:
             return  # nothing finished within the poll: look for joining GPUs again
         sent = self._pop(ready[0])
         outcome, value = _fetch(ready[0])
-        self.timeline.mark("first_batch")
+        self.timeline.mark("first_shard")
         self.results_back += 1
         if outcome == "died":
             self._worker_died(sent, value)
@@ -299,22 +300,22 @@ class _JobRun:
         self.partial_tokens.pop(ref, None)
         worker = self.pool.workers[sent.worker]
         worker.in_flight -= 1
-        worker.rows_in_flight -= sent.piece.samples()
-        if sent.piece.suspect:
+        worker.rows_in_flight -= sent.span.samples()
+        if sent.span.suspect:
             worker.holds_suspect = False
         return sent
 
     def _settle(self, sent: _Sent, outcome: str, value: Any) -> None:
-        """A piece the worker answered: with its `ShardOutcome`, or with an exception."""
+        """A span the worker answered: with its `ShardOutcome`, or with an exception."""
         worker = self.pool.workers[sent.worker]
-        piece = sent.piece
+        span = sent.span
         if outcome == "raised":
             cause = value.cause if isinstance(value.cause, Exception) else None
             if isinstance(cause, InputError):
                 raise cause
             message = f"{self.local.task.verb} failed: {first_line(str(cause or value))}"
-            self._answer(piece, self.local.run(piece.pending.shard, piece.rows, write=False,
-                                               error=message))
+            self._answer(span, self.local.run(span.pending.shard, span.rows, write=False,
+                                              error=message))
             return
         meta = value.meta
         if ENGINE_KEY in meta:  # the actor's counters so far (its answers come in any order)
@@ -331,20 +332,20 @@ class _JobRun:
         if ooms:
             self.oom_errors += ooms
             log(f"nanoserve: worker {sent.worker} ran out of device memory {ooms} time(s) on "
-                f"batch {piece.pending.shard.shard_id}; the engine retried it in smaller "
+                f"shard {span.pending.shard.shard_id}; the engine retried it in smaller "
                 f"sub-batches")
-        worker.batches += 1
-        worker.rows += piece.size()
+        worker.spans += 1
+        worker.rows += span.size()
         worker.last_result_s = self.timeline.now()
         worker.result_s.append(worker.last_result_s)
         if value.record is not None:
             self.report.add(dataclasses.replace(value.record, worker=sent.worker,
                                                 finished_s=worker.last_result_s))
         self.deaths_in_a_row = 0
-        self._answer(piece, value)
+        self._answer(span, value)
 
     def _worker_died(self, sent: _Sent, error: Exception) -> None:
-        """Every piece in flight on the dead worker ends now: those that ran before the
+        """Every span in flight on the dead worker ends now: those that ran before the
         death have their results, the others failed with it. Blame the earliest sent of
         the failed ones, make them all suspects, replace the worker, send them again."""
         import ray
@@ -363,53 +364,53 @@ class _JobRun:
                 self._settle(other, outcome, value)
         failed.sort(key=lambda s: s.seq)
         for s in failed:
-            s.piece.suspect = True
-        suspect = failed[0].piece
+            s.span.suspect = True
+        suspect = failed[0].span
         cause = first_line(str(error))
         self.deaths_in_a_row += 1
         if self.deaths_in_a_row > self.opts.max_deaths_in_a_row:
             raise NanoserveError(
-                f"workers died {self.deaths_in_a_row} times in a row without finishing a "
-                f"batch (last: {cause}); the job stopped (rerun it to resume)"
+                f"workers died {self.deaths_in_a_row} times in a row without answering a "
+                f"shard (last: {cause}); the job stopped (rerun it to resume)"
             )
         shard = suspect.pending.shard
-        log(f"nanoserve: worker {index} died while running batch {shard.shard_id} "
+        log(f"nanoserve: worker {index} died while running shard {shard.shard_id} "
             f"({suspect.size()} of its {shard.num_rows} rows): {cause}; replacing it")
         self.pool.replace(index)
-        retry = [s.piece for s in failed[1:]] + self._blame(suspect, cause)
+        retry = [s.span for s in failed[1:]] + self._blame(suspect, cause)
         self.queue.extendleft(reversed(retry))
 
-    def _blame(self, piece: _Piece, cause: str) -> list[_Piece]:
-        """A piece that was running when its worker died: what to send again (itself, or
+    def _blame(self, span: _Span, cause: str) -> list[_Span]:
+        """A span that was running when its worker died: what to send again (itself, or
         its two halves), or nothing when it is one row, which becomes an `error` row."""
-        piece.deaths += 1
-        if piece.deaths < (1 if piece.split else MAX_BATCH_ATTEMPTS):
-            return [piece]
-        lo, hi = piece.rows
+        span.deaths += 1
+        if span.deaths < (1 if span.split else MAX_SHARD_ATTEMPTS):
+            return [span]
+        lo, hi = span.rows
         if hi - lo > 1:
             mid = lo + (hi - lo) // 2
-            return [_Piece(piece.pending, (lo, mid), split=True, suspect=True),
-                    _Piece(piece.pending, (mid, hi), split=True, suspect=True)]
+            return [_Span(span.pending, (lo, mid), split=True, suspect=True),
+                    _Span(span.pending, (mid, hi), split=True, suspect=True)]
         message = (f"the worker died while processing this row ({cause}); isolated after its "
-                   f"batch killed the worker {MAX_BATCH_ATTEMPTS} times")
-        self._answer(piece, self.local.run(piece.pending.shard, piece.rows, write=False,
-                                           error=message))
+                   f"shard killed the worker {MAX_SHARD_ATTEMPTS} times")
+        self._answer(span, self.local.run(span.pending.shard, span.rows, write=False,
+                                          error=message))
         return []
 
-    def _answer(self, piece: _Piece, outcome: ShardOutcome) -> None:
-        """Count a piece's rows; record its shard once every row is answered (the worker
-        wrote the part of a whole shard; the pieces of a cut one are joined here)."""
-        pending = piece.pending
+    def _answer(self, span: _Span, outcome: ShardOutcome) -> None:
+        """Count a span's rows; record its shard once every row is answered (the worker
+        wrote the part of a whole shard; the spans of a cut one are joined here)."""
+        pending = span.pending
         self._count(outcome)
-        pending.left -= piece.size()
+        pending.left -= span.size()
         if outcome.table is not None:
-            pending.tables[piece.rows[0]] = outcome.table
+            pending.tables[span.rows[0]] = outcome.table
         if pending.left == 0:
             self._write(pending.shard, pending.tables)
 
     def _write(self, shard: Shard, tables: dict[int, pa.Table]) -> None:
         """The one place a shard's part is recorded in the manifest: written by its worker
-        (`tables` empty), or written here first from its pieces' rows, in input order (with
+        (`tables` empty), or written here first from its spans' rows, in input order (with
         its OpenAI fragments, in a job that has them: `ShardRunner.commit`)."""
         if tables:
             table = pa.concat_tables([tables[k] for k in sorted(tables)])
@@ -419,7 +420,7 @@ class _JobRun:
             rows = self.folder.parquet_num_rows(part_name(shard.shard_id))
         self.manifest.record(shard.shard_id, rows)
         self.manifest.save(self.folder)
-        self.num_batches += 1
+        self.num_shards += 1
         self.written.add(shard.shard_id)
         _fault_hold_after_parts(len(self.written))
 
@@ -439,8 +440,8 @@ class _JobRun:
 
     def _ask_progress(self) -> None:
         """With the bar on: read the workers' answers to `progress` (`ShardWorker.progress`)
-        that are back, and ask each worker with pieces in flight again every
-        PROGRESS_POLL_S. A worker that died answers nothing: its pieces count when they
+        that are back, and ask each worker with spans in flight again every
+        PROGRESS_POLL_S. A worker that died answers nothing: its spans count when they
         come back from another."""
         if self.bar is None or self.pool is None:
             return
@@ -449,8 +450,8 @@ class _JobRun:
         if self.progress_asks:
             ready, _ = ray.wait(list(self.progress_asks), num_returns=len(self.progress_asks),
                                 timeout=0)
-            pieces = {(s.worker, s.piece.pending.shard.shard_id, *s.piece.rows): ref
-                      for ref, s in self.in_flight.items()}
+            spans = {(s.worker, s.span.pending.shard.shard_id, *s.span.rows): ref
+                     for ref, s in self.in_flight.items()}
             for ask in ready:
                 worker = self.progress_asks.pop(ask)
                 try:
@@ -458,7 +459,7 @@ class _JobRun:
                 except ray.exceptions.RayError:
                     continue
                 for shard_id, lo, hi, rows, tokens in answer:
-                    ref = pieces.get((worker, shard_id, lo, hi))
+                    ref = spans.get((worker, shard_id, lo, hi))
                     if ref is not None:  # (not back yet: its rows still count here)
                         self.partial[ref] = min(rows, hi - lo)
                         self.partial_tokens[ref] = tokens
@@ -490,7 +491,7 @@ class _JobRun:
 
     def _rates(self, elapsed: float) -> str:
         """The progress bar's rates after `elapsed` seconds (the task's), from the counts
-        `self` has (the run's, or those shown: the pieces in flight included)."""
+        `self` has (the run's, or those shown: the spans in flight included)."""
         return self.kind.progress(self, elapsed)
 
     def _warnings(self) -> tuple[str, ...]:
@@ -527,7 +528,7 @@ def _fault_hold_after_parts(at: int | str) -> None:
 
 
 def _fetch(ref: Any, timeout: float | None = None) -> tuple[str, Any]:
-    """A task's outcome: ('ok', table), ('raised', RayTaskError) when `run_batch` raised,
+    """A call's outcome: ('ok', outcome), ('raised', RayTaskError) when `run_shard` raised,
     or ('died', error) when its worker died (or did not answer within `timeout`)."""
     import ray
 

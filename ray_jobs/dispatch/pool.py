@@ -1,22 +1,23 @@
 """Stage dispatch: the job's workers. One actor per GPU (or CPU actors without GPUs), of
 the task's class (`ray_jobs.tasks.generate.RayBatchWorker`,
 `ray_jobs.tasks.embed.RayEmbedWorker`), how they are started and replaced, which one takes
-the next piece of work, and what each did (`WorkerReport`).
+the next span (a shard, or a half of one), and what each did (`WorkerReport`).
 
-How much work a worker holds (`hold_limits`) follows its engine, not a count of batches: a
-continuous engine is sent batches until it holds HOLD_FACTOR times the rows it runs at once.
-A batch comes back only when its longest row ends, so about half the rows of the batches a
-worker holds have finished while their batch waits for its last; three times the engine's
-running rows keeps it full, with a queue to refill it as rows end, whatever the batch size.
-A static engine (one batch at a time) and an embedding worker hold two batches. A user's
-`max_in_flight_per_worker` overrides this, with a warning when it would starve the engine.
+How much work a worker holds (`hold_limits`) follows its engine, not a count of shards: a
+continuous engine is sent shards until it holds HOLD_FACTOR times the rows it runs at once.
+A shard comes back only when its longest row ends, so about half the rows of the shards a
+worker holds have finished while their shard waits for its last; three times the engine's
+running rows keeps it full, with a queue to refill it as rows end, whatever the shards'
+size. A static engine (one batch at a time) and a prefill-only worker hold two shards. A
+user's `max_in_flight_per_worker` overrides this, with a warning when it would starve the
+engine.
 
 The pool never lets Ray restart an actor or retry a task behind the driver's back
 (max_restarts=0, max_task_retries=0): the driver alone decides what runs again.
 
 A worker that dies while it loads the model (its process killed: the kernel's
 out-of-memory killer, a crash; or its node lost: a spot node reclaimed) is replaced by a
-fresh actor, as one that dies mid-batch is, and the job goes on; `died_while_loading`
+fresh actor, as one that dies mid-shard is, and the job goes on; `died_while_loading`
 tells such a death from a load that fails (the loader raised: a bad checkpoint, an
 unsupported model, no device memory for the weights), which stops the job at once with its
 cause. A slot whose actors die while loading more than `max_deaths_in_a_row` times in a row
@@ -39,6 +40,7 @@ from ray_jobs.dispatch.autoscale import (
     node_lost,
     wait_for_gpus,
 )
+from ray_jobs.options import JOB
 from ray_jobs.workers.options import parse_num_workers
 from ray_jobs.workers.worker import FAULT_ENV_PREFIX
 
@@ -62,36 +64,36 @@ STORAGE_ENV = frozenset({
     "AZURE_STORAGE_ACCOUNT_NAME", "AZURE_STORAGE_ACCOUNT_KEY"})
 
 
-def _batches_for(rows: int, opts: JobOptions) -> int:
-    """Batches that hold HOLD_FACTOR x `rows` rows, plus one."""
+def _shards_for(rows: int, opts: JobOptions) -> int:
+    """Shards that hold HOLD_FACTOR x `rows` rows, plus one."""
     return min(MAX_ACTOR_THREADS, max(2, -(-HOLD_FACTOR * rows // max(1, opts.batch_size)) + 1))
 
 
 def actor_threads(opts: JobOptions, on_gpu: bool = False) -> int:
-    """Calls an actor runs at once (Ray's max_concurrency): the batches it may hold. Sized
+    """Calls an actor runs at once (Ray's max_concurrency): the spans it may hold. Sized
     before its engine loads: from the user's running rows, else the most the engine's
     default can be on its device (`nanoserve.scheduling.running_rows`)."""
     if opts.max_in_flight_per_worker is not None:
         return max(1, opts.max_in_flight_per_worker)
-    return _batches_for(opts.max_running_rows
+    return _shards_for(opts.max_running_rows
                         or (MAX_DEFAULT_ROWS if on_gpu else CPU_DEFAULT_ROWS), opts)
 
 
 def hold_limits(info: dict[str, Any], opts: JobOptions) -> tuple[int, int | None]:
-    """(batches, rows) a worker whose actor answered `info` may hold at once (rows None: no
-    bound but the batches'); see the module docstring."""
+    """(spans, rows) a worker whose actor answered `info` may hold at once (rows None: no
+    bound but the spans'); see the module docstring."""
     if opts.max_in_flight_per_worker is not None:
         return max(1, opts.max_in_flight_per_worker), None
     if info.get("scheduler") == "continuous" and info.get("max_rows"):
         rows = int(info["max_rows"])
-        return _batches_for(rows, opts), HOLD_FACTOR * rows
+        return _shards_for(rows, opts), HOLD_FACTOR * rows
     return 2, None
 
 
 def starve_warning(opts: JobOptions) -> str | None:
     """One line when a user's `max_in_flight_per_worker` lets a worker hold fewer rows than
-    keep a continuous engine full (HOLD_FACTOR times its running rows: a batch waits for
-    its longest row). The depth sized from the engine does not starve it (short of batches
+    keep a continuous engine full (HOLD_FACTOR times its running rows: a shard waits for
+    its longest row). The depth sized from the engine does not starve it (short of shards
     so small that MAX_ACTOR_THREADS of them hold fewer rows)."""
     if opts.scheduler == "static" or opts.max_in_flight_per_worker is None:
         return None
@@ -102,7 +104,7 @@ def starve_warning(opts: JobOptions) -> str | None:
     return (f"nanoserve: warning: batch_size {opts.batch_size} x max_in_flight_per_worker "
             f"{opts.max_in_flight_per_worker} = {held} rows a worker, fewer than the "
             f"{HOLD_FACTOR} x {rows} that keep its engine full (it runs "
-            f"{rows} at once, and a batch waits for its longest row): the "
+            f"{rows} at once, and a shard waits for its longest row): the "
             f"engine will run part empty; leave max_in_flight_per_worker unset (it is then "
             f"sized from the engine)")
 
@@ -113,7 +115,7 @@ class WorkerReport:
     gpu_ids: tuple
     device: str
     host: str
-    batches: int  # batches (or pieces of batches) this worker generated in this run
+    spans: int  # spans this worker answered in this run (shards, or halves of cut ones)
     rows: int
     restarts: int = 0  # times it died and was replaced by a fresh actor
     ready_s: float | None = None  # seconds from the job's start to its first actor's model loaded
@@ -148,25 +150,25 @@ ENGINE_COUNTERS = ("up_s", "busy_s", "decode_steps", "decode_row_steps")
 class WorkerSlot:
     handle: Any  # its actor (None until its first actor has loaded the model)
     info: dict[str, Any]  # its actor's info() ({} until then)
-    in_flight: int = 0  # pieces sent and not answered
+    in_flight: int = 0  # spans sent and not answered
     rows_in_flight: int = 0  # their samples
-    max_pieces: int = 2  # `hold_limits`, set when its actor has loaded
+    max_spans: int = 2  # `hold_limits`, set when its actor has loaded
     max_rows_held: int | None = None
-    batches: int = 0  # pieces of batches this slot generated (a whole batch is one piece)
+    spans: int = 0  # spans this slot answered (a whole shard is one span)
     rows: int = 0
-    restarts: int = 0  # times its actor died (mid-batch or while loading) and was replaced
+    restarts: int = 0  # times its actor died (mid-shard or while loading) and was replaced
     ready_s: float | None = None  # seconds from the job's start to the first actor ready
     last_result_s: float | None = None  # seconds from the job's start to its last result
     result_s: list[float] = field(default_factory=list)  # ... to each of its results
     alive: bool = True
-    holds_suspect: bool = False  # running a suspect piece, which it runs alone
-    last_prefix: tuple[int, ...] = ()  # the leading tokens of the last piece sent to it
+    holds_suspect: bool = False  # running a suspect span, which it runs alone
+    last_prefix: tuple[int, ...] = ()  # the leading tokens of the last span sent to it
     engine: dict[str, float] = field(default_factory=dict)  # its actor's latest counters
     engine_past: dict[str, float] = field(default_factory=dict)  # its dead actors' last ones
 
     def can_take(self) -> bool:
-        """Whether it holds fewer pieces and rows than `hold_limits` allow."""
-        return self.in_flight < self.max_pieces and (
+        """Whether it holds fewer spans and rows than `hold_limits` allow."""
+        return self.in_flight < self.max_spans and (
             self.max_rows_held is None or self.rows_in_flight < self.max_rows_held)
 
     def engine_total(self, key: str) -> float:
@@ -184,7 +186,7 @@ class _Loading:
     """An actor loading the model: its `info()` call, the slot it fills (None: a worker that
     joins, taking the next index once loaded), how many actors before it in that slot died
     while loading, in a row, and when waiting for it ends. `blocking`: the job waits for it
-    (a worker the job starts with, the first replacement of one that died mid-batch); else
+    (a worker the job starts with, the first replacement of one that died mid-shard); else
     it joins the pool when loaded (`grow`) and is waited for only while no worker is alive
     (the replacement of one that died while loading, a worker on a GPU that joined)."""
 
@@ -218,16 +220,17 @@ class WorkerPool:
     slot given up is not refilled by `grow`.
 
     Nodes come and go (ray_jobs.dispatch.autoscale): a worker whose node is lost is not replaced
-    on the spot (`replace`; the driver sends its batches to the others); on GPUs the pool
+    on the spot (`replace`; the driver sends its shards to the others); on GPUs the pool
     then asks the cluster every GROW_POLL_S for GPUs beyond its workers (`grow`): up to
     `--num-workers`' MAX for a range or `auto`, up to the number started for a plain number
     (so a lost worker comes back when a GPU is free or a node joins). A started actor is
     `pending` until its model is loaded, and joins the pool then; it holds no work before."""
 
     def __init__(self, actor_cls: Any, kwargs: dict[str, Any], timeout_s: float,
-                 timeline: Timeline, max_load_deaths: int = 8,
+                 timeline: Timeline,
+                 max_load_deaths: int = JOB["max_deaths_in_a_row"].default,
                  opts: JobOptions | None = None) -> None:
-        """`opts`: what `hold_limits` reads (None: two batches a worker)."""
+        """`opts`: what `hold_limits` reads (None: two spans a worker)."""
         self.opts = opts
         self.actor_cls = actor_cls
         self.kwargs = kwargs
@@ -287,10 +290,10 @@ class WorkerPool:
                if k.startswith(FAULT_ENV_PREFIX) or k in STORAGE_ENV}
         if env:
             actor_options["runtime_env"] = {"env_vars": env}
-        # Threaded actor: a worker holds several batches at once (`hold_limits`), so its
-        # engine (continuous scheduler) admits the next batches' rows as rows finish. A
+        # Threaded actor: a worker holds several shards at once (`hold_limits`), so its
+        # engine (continuous scheduler) admits the next shards' rows as rows finish. A
         # static engine still runs one batch at a time (a lock). One thread more answers
-        # the driver's `progress` calls while every batch's thread waits on the engine.
+        # the driver's `progress` calls while every shard's thread waits on the engine.
         actor_cls = ray.remote(actor).options(
             max_restarts=0, max_task_retries=0,
             max_concurrency=actor_threads(opts, bool(num_gpus)) + 1, **actor_options)
@@ -397,9 +400,9 @@ class WorkerPool:
             raise ModelError(f"a worker could not load the model: {info['load_error']}")
         now = self.timeline.now()
         node = str(info.get("node_id", "?"))[:12]
-        pieces, rows = hold_limits(info, self.opts) if self.opts is not None else (2, None)
+        spans, rows = hold_limits(info, self.opts) if self.opts is not None else (2, None)
         if entry.slot is None:
-            self.workers.append(WorkerSlot(entry.handle, info, ready_s=now, max_pieces=pieces,
+            self.workers.append(WorkerSlot(entry.handle, info, ready_s=now, max_spans=spans,
                                            max_rows_held=rows))
             log(f"nanoserve: worker {len(self.workers) - 1} joined on node {node} (GPU ids "
                 f"{info.get('gpu_ids')}); {self.num_alive()} worker(s) now")
@@ -407,7 +410,7 @@ class WorkerPool:
         worker = self.workers[entry.slot]
         worker.new_actor()
         worker.handle, worker.info, worker.alive = entry.handle, info, True
-        worker.max_pieces, worker.max_rows_held = pieces, rows
+        worker.max_spans, worker.max_rows_held = spans, rows
         if worker.ready_s is None:
             worker.ready_s = now
         if entry.deaths:
@@ -464,7 +467,7 @@ class WorkerPool:
             else None
         if lost is not None:  # nothing to restart there; `grow` may start one elsewhere
             self.nodes_lost.append(lost)
-            log(f"nanoserve: {lost.describe()} was lost; its batches run again on the "
+            log(f"nanoserve: {lost.describe()} was lost; its shards run again on the "
                 f"other workers ({self.num_alive()} left)")
             return
         worker.restarts += 1
@@ -504,9 +507,9 @@ class WorkerPool:
             self.pending.append(again)
 
     def pick(self, alone: bool, prefix: tuple[int, ...] = ()) -> int | None:
-        """The live worker with the fewest pieces in flight that can take one more: `alone`,
+        """The live worker with the fewest spans in flight that can take one more: `alone`,
         an idle one; else one below its `hold_limits` holding no suspect. Ties go to
-        the worker whose last piece began with the same `prefix` tokens (its prefix cache
+        the worker whose last span began with the same `prefix` tokens (its prefix cache
         likely holds them), then to the lowest index. None if none can now;
         NanoserveError when none is alive (`none_left`)."""
         alive = [i for i, w in enumerate(self.workers) if w.alive]
@@ -535,7 +538,7 @@ class WorkerPool:
 
     def reports(self) -> tuple[WorkerReport, ...]:
         return tuple(WorkerReport(i, tuple(w.info.get("gpu_ids", ())), w.info.get("device", "?"),
-                                  w.info.get("host", "?"), w.batches, w.rows, w.restarts,
+                                  w.info.get("host", "?"), w.spans, w.rows, w.restarts,
                                   w.ready_s, w.last_result_s, tuple(w.result_s),
                                   w.info.get("node_id", ""),
                                   up_s=w.engine_total("up_s"), busy_s=w.engine_total("busy_s"),

@@ -30,12 +30,13 @@ import pyarrow.fs as pafs
 
 from nanoserve import InputError
 from ray_jobs.input.storage import Location, check_bucket, resolve, storage_error
+from ray_jobs.options import JOB
 
 INPUT_SUFFIXES = (".parquet", ".jsonl", ".ndjson", ".json")
 COMPRESSIONS = {".gz": "gzip", ".zst": "zstd"}  # JSON Lines only (Parquet compresses inside)
 _EXPECTED = ".parquet or JSON Lines (.jsonl, .ndjson, .json; also .gz, .zst)"
-DEFAULT_CHUNK_ROWS = 1024
-DEFAULT_SHARD_ROWS = 1024  # rows of a shard (`ray_jobs.input.shards`) unless the job says
+DEFAULT_CHUNK_ROWS = JOB["chunk_rows"].default  # rows read at a time
+DEFAULT_SHARD_ROWS = JOB["batch_size"].default  # rows of a shard (`ray_jobs.input.shards`)
 DEFAULT_ID_COLUMN = "id"  # the id column when the job names none
 
 
@@ -71,7 +72,8 @@ class InputInfo:
     schema: pa.Schema
     num_rows: int
     id_column: str | None = None
-    input_format: str = "auto"  # 'auto', 'openai' (every line an OpenAI batch request), 'plain'
+    # 'auto', 'openai' (every line an OpenAI batch request), 'plain'
+    input_format: str = JOB["input_format"].default
     openai_rows: int = 0  # lines read as OpenAI batch requests (`ray_jobs.input.openai_requests`)
     file_rows: tuple[int, ...] = ()  # rows per file, in `files`' order
     cuts: tuple[Any, ...] = ()  # per file: its `FileCuts` (JSONL), None (Parquet)
@@ -152,7 +154,7 @@ def list_input_files(path: str | Path) -> list[InputFile]:
     return sorted(files, key=lambda f: f.rel.split("/"))
 
 
-INPUT_FORMATS = ("auto", "openai", "plain")
+INPUT_FORMATS = JOB["input_format"].choices
 
 
 def check_input_format(input_format: str, files: list[InputFile]) -> None:

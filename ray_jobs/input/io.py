@@ -56,10 +56,11 @@ from ray_jobs.input.ids import _IdScan
 from ray_jobs.input.json_shapes import drop_narrow
 from ray_jobs.input.jsonl import _ARROW_ERRORS, FileCuts, _iter_jsonl, _scan_jsonl
 from ray_jobs.input.storage import storage_error
+from ray_jobs.options import JOB
 
 
 def scan_input(path: str | Path, chunk_rows: int = DEFAULT_CHUNK_ROWS,
-               id_column: str | None = None, input_format: str = "auto",
+               id_column: str | None = None, input_format: str = JOB["input_format"].default,
                shard_rows: int = DEFAULT_SHARD_ROWS) -> InputInfo:
     """Check every input file, unify their schemas and check the ids.
 

@@ -48,6 +48,7 @@ from nanoserve import InputError
 from ray_jobs.input.files import COMPRESSIONS, InputChunk, InputFile
 from ray_jobs.input.json_shapes import widen
 from ray_jobs.input.storage import open_lines
+from ray_jobs.options import JOB
 
 # Input columns whose values are JSON documents (a JSON schema, OpenAI's response_format): a
 # JSONL object there is read as its JSON text, since Arrow would turn objects of different
@@ -71,7 +72,8 @@ def _jsonl_line_of_row(path: InputFile, row: int) -> int:
 
 
 def _iter_jsonl(path: InputFile, chunk_rows: int, schema: pa.Schema | None,
-                id_column: str | None = None, input_format: str = "auto",
+                id_column: str | None = None,
+                input_format: str = JOB["input_format"].default,
                 start: tuple[int, int] = (0, 1), limit: int | None = None,
                 cuts: FileCuts | None = None, stream: Any = None) -> Iterator[InputChunk]:
     """Parse a JSONL file line by line into chunks (a compressed one decompressed as a

@@ -95,15 +95,15 @@ def read_shard(spec: InputSpec, shard: Shard) -> Iterator[InputChunk]:
     pfile = _parquet_file(f)
     meta = pfile.metadata
     end = shard.start_row + shard.num_rows
-    groups, first, at = [], None, 0  # the row groups that hold the shard's rows
+    row_groups, first, at = [], None, 0  # the row groups that hold the shard's rows
     for g in range(meta.num_row_groups):
         n = meta.row_group(g).num_rows
         if at < end and at + n > shard.start_row:
-            groups.append(g)
+            row_groups.append(g)
             first = at if first is None else first
         at += n
     skip, left = shard.start_row - (first or 0), shard.num_rows
-    for batch in pfile.iter_batches(batch_size=spec.chunk_rows, row_groups=groups):
+    for batch in pfile.iter_batches(batch_size=spec.chunk_rows, row_groups=row_groups):
         if skip >= batch.num_rows:
             skip -= batch.num_rows
             continue

@@ -1,27 +1,27 @@
-"""Stage output: the output folder's manifest, what job wrote it and which batches are done.
+"""Stage output: the output folder's manifest, what job wrote it and which shards are done.
 
 `OUTPUT_DIR/_nanoserve_manifest.json` records the job's settings (model identity, input
-identity, sampling defaults, batching and column options) and the ids of the batches whose
-parts (`part-<batch id>.parquet`) are written; `OUTPUT_DIR/_SUCCESS` appears only once every
+identity, sampling defaults, the shards' rows and column options) and the ids of the shards
+whose parts (`part-<shard id>.parquet`) are written; `OUTPUT_DIR/_SUCCESS` appears only once every
 row is written; `OUTPUT_DIR/_nanoserve.lock` is held (flock) by the job writing the folder,
 so a second job on it is refused (`hold_output_dir`). These names start with `_`, so
 Parquet readers skip them.
 
 A rerun into the same folder resumes: the settings must be equal (else an InputError says
-which differ, before any work), batches recorded as done are skipped, and the rest are
+which differ, before any work), shards recorded as done are skipped, and the rest are
 written. Identities use content, not paths or mtimes, so the same model fetched into
 another cache, or the same input unpacked elsewhere (a Ray job's working dir), still match:
 a file is identified by its size and the sha256 of its bytes (files up to 64 MiB) or of its
 first and last MiB (larger files, e.g. model weights: cheap for any size).
 
 Invariants: the manifest is replaced atomically (temporary `.` name, then rename), and a
-batch is recorded as done only after its part was renamed into place, so a crash at any
+shard is recorded as done only after its part was renamed into place, so a crash at any
 point leaves a folder that resumes correctly:
 - temporary files (`.`-names) of an interrupted run are removed on resume;
 - a part renamed into place but not yet recorded (the run died between the two steps) is
-  kept if its footer carries the batch digest (`PART_DIGEST_KEY`): the driver adopts it
-  when it rebuilds a batch with the same id, digest and row count (`adopt_part`), so it is
-  not computed again; otherwise it is removed and the batch is redone;
+  kept if its footer carries the shard's digest (`PART_DIGEST_KEY`): the driver adopts it
+  when it rebuilds a shard with the same id, digest and row count (`adopt_part`), so it is
+  not computed again; otherwise it is removed and the shard is redone;
 - a part recorded as done but missing from the folder is refused (InputError): its rows
   would be lost silently otherwise;
 - in a job with OpenAI output files, a shard's fragments (`_output-NNNNN.jsonl`,
@@ -30,7 +30,12 @@ point leaves a folder that resumes correctly:
   with exactly those fragments beside it, so lines of another attempt at the shard never go
   with it. A recorded shard without fragments (written by an earlier version) gets them
   made from its part at the end of the job.
-The manifest holds per-batch data only (done ids, as ranges), never per-row data.
+The manifest holds per-shard data only (done ids, as ranges), never per-row data.
+
+On disk, three names are older than the word "shard" and are kept, so that the output of
+an earlier version resumes: the manifest's `done_batches` (the done shard ids), its
+settings' `batching` section (`batch_size`: the shards' rows), and the parts' footer key
+`nanoserve.batch_digest` (the shard's digest).
 
 The output may be a local folder or an object-store prefix (`ray_jobs.input.storage.OutputDir`;
 every function here takes either a path or an OutputDir). On an object store there are no
@@ -58,7 +63,7 @@ from nanoserve import InputError
 from ray_jobs.input.storage import Location, OutputDir
 
 MANIFEST_NAME = "_nanoserve_manifest.json"
-PART_DIGEST_KEY = b"nanoserve.batch_digest"  # in each part's Parquet footer: `Batch.digest()`
+PART_DIGEST_KEY = b"nanoserve.batch_digest"  # in each part's Parquet footer: `Shard.digest()`
 # in the footer of a part committed with files beside it (an OpenAI job's fragments of
 # output.jsonl / errors.jsonl): `beside_digest` of their bytes
 BESIDE_DIGEST_KEY = b"nanoserve.beside_digest"
@@ -79,8 +84,8 @@ _OURS_RE = re.compile(r"(part-\d+\.parquet|\.part-\d+\.parquet\.tmp-\d+|"
                       r"_(output|errors)-\d+\.jsonl|\._(output|errors)-\d+\.jsonl\.tmp-\d+)")
 
 
-def part_name(batch_id: int) -> str:
-    return f"part-{batch_id:05d}.parquet"
+def part_name(shard_id: int) -> str:
+    return f"part-{shard_id:05d}.parquet"
 
 
 def write_part_atomic(table: pa.Table, path: Path) -> None:
@@ -111,8 +116,8 @@ def file_fingerprint(path: Path | Location, label: str | None = None) -> dict[st
     h = hashlib.sha256()
     with opened as f:
         if size <= FULL_HASH_MAX_BYTES:
-            while chunk := f.read(1 << 20):
-                h.update(chunk)
+            while data := f.read(1 << 20):
+                h.update(data)
             key = "sha256"
         else:
             h.update(f.read(SAMPLE_BYTES))
@@ -145,12 +150,12 @@ def input_identity(root: Path, files: list[Path] | tuple[Path, ...]) -> list[dic
 @dataclass
 class Manifest:
     settings: dict[str, Any]  # JSON-ready; a resume needs them equal
-    done: set[int] = field(default_factory=set)  # batch ids whose parts are written
+    done: set[int] = field(default_factory=set)  # shard ids whose parts are written
     rows_done: int = 0
     complete: bool = False
 
-    def record(self, batch_id: int, num_rows: int) -> None:
-        self.done.add(batch_id)
+    def record(self, shard_id: int, num_rows: int) -> None:
+        self.done.add(shard_id)
         self.rows_done += num_rows
 
     def to_json(self) -> dict[str, Any]:
@@ -160,7 +165,8 @@ class Manifest:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Manifest:
         done = {i for a, b in d["done_batches"] for i in range(a, b + 1)}
-        return cls(d["settings"], done, int(d["rows_done"]), bool(d["complete"]))
+        return cls(_without_legacy(d["settings"]), done, int(d["rows_done"]),
+                   bool(d["complete"]))
 
     def save(self, folder: Path | OutputDir) -> None:
         text = json.dumps(self.to_json(), indent=1, sort_keys=True) + "\n"
@@ -183,6 +189,19 @@ class Manifest:
                              f"use --overwrite to start the job afresh") from None
 
 
+# Settings an earlier version recorded that never changed the output rows, dropped when its
+# manifest is read (so its output resumes): the rows sorted together for a static engine
+# (`window_rows`), which a shard's rows are, whatever it said.
+LEGACY_SETTINGS = (("batching", "window_rows"),)
+
+
+def _without_legacy(settings: dict[str, Any]) -> dict[str, Any]:
+    for section, key in LEGACY_SETTINGS:
+        if isinstance(settings.get(section), dict):
+            settings[section].pop(key, None)
+    return settings
+
+
 def settings_differences(old: Any, new: Any, prefix: str = "") -> list[str]:
     """Dotted names of the settings that differ between two JSON-ready dicts."""
     if isinstance(old, dict) and isinstance(new, dict):
@@ -200,7 +219,7 @@ def hold_output_dir(folder: Path | OutputDir) -> Iterator[None]:
     folder: an exclusive `flock` on
     `folder/_nanoserve.lock`, or InputError naming the process that holds it. Two jobs
     writing one folder would delete each other's temporary files and record each other's
-    batches. The kernel drops the lock when the holder exits, however it dies (SIGKILL
+    shards. The kernel drops the lock when the holder exits, however it dies (SIGKILL
     included), so a killed job never leaves the folder locked. The holder removes the file
     when it lets go (a job done, refused, failed or interrupted leaves no `_nanoserve.lock`
     behind; a SIGKILLed one leaves it unlocked, and the next job takes it). A lock taken on
@@ -308,7 +327,7 @@ def open_output_dir(folder: Path | OutputDir, settings: dict[str, Any],
 
 def part_digest(folder: Path | OutputDir, name: str | None = None,
                 key: bytes = PART_DIGEST_KEY) -> str | None:
-    """The batch digest in a part's footer (`folder/name`, or the file `folder`), or its
+    """The shard's digest in a part's footer (`folder/name`, or the file `folder`), or its
     other footer value `key`; None if it has none or cannot be read."""
     if name is None:
         folder, name = Path(folder).parent, Path(folder).name
@@ -325,17 +344,17 @@ def beside_digest(blobs: list[bytes]) -> str:
     return h.hexdigest()[:16]
 
 
-def adopt_part(folder: Path | OutputDir, manifest: Manifest, batch_id: int, digest: str,
+def adopt_part(folder: Path | OutputDir, manifest: Manifest, shard_id: int, digest: str,
                num_rows: int | None = None, beside: tuple[str, ...] = ()) -> bool:
     """Record an unrecorded part already in the folder as done, if it holds exactly this
-    batch or shard (same digest, and row count when given); then it is not computed
+    shard (same digest, and row count when given); then it is not computed
     again. `beside`: the files committed with the part (an OpenAI job's fragments, written
     before it): the part is adopted only when they are there and hold the bytes its footer
     names (`BESIDE_DIGEST_KEY`), so fragments of another attempt at the shard (a retry
     killed between its fragments and its part) never go with it."""
     folder = OutputDir.open(folder)
-    name = part_name(batch_id)
-    if batch_id in manifest.done or part_digest(folder, name) != digest:
+    name = part_name(shard_id)
+    if shard_id in manifest.done or part_digest(folder, name) != digest:
         return False
     if beside:
         blobs = [folder.read_bytes(n) for n in beside]
@@ -344,13 +363,13 @@ def adopt_part(folder: Path | OutputDir, manifest: Manifest, batch_id: int, dige
     found = folder.parquet_num_rows(name)
     if num_rows is not None and found != num_rows:
         return False
-    manifest.record(batch_id, found)
+    manifest.record(shard_id, found)
     manifest.save(folder)
     return True
 
 
-def reopen_batches_with_errors(folder: Path | OutputDir, manifest: Manifest) -> set[int]:
-    """For `--retry-errors`: the batches whose parts in the folder hold an `error` row
+def reopen_shards_with_errors(folder: Path | OutputDir, manifest: Manifest) -> set[int]:
+    """For `--retry-errors`: the shards whose parts in the folder hold an `error` row
     (recorded ones, and parts an interrupted run renamed into place without recording),
     taken out of the manifest (done ids, row count, completeness; `_SUCCESS` removed) so the
     run computes them again rather than keeping or adopting them. Their parts stay until the
@@ -365,9 +384,9 @@ def reopen_batches_with_errors(folder: Path | OutputDir, manifest: Manifest) -> 
             continue
         errors = folder.parquet_column(name, "error")
         if errors.null_count < len(errors):
-            batch_id = int(m.group(1))
-            retry.add(batch_id)
-            if batch_id in manifest.done:
+            shard_id = int(m.group(1))
+            retry.add(shard_id)
+            if shard_id in manifest.done:
                 rows += len(errors)
     if retry:
         manifest.done -= retry
@@ -379,7 +398,7 @@ def reopen_batches_with_errors(folder: Path | OutputDir, manifest: Manifest) -> 
 
 
 def mark_complete(folder: Path | OutputDir, manifest: Manifest) -> None:
-    """Mark the job done: parts not recorded (none, when every batch was written) are
+    """Mark the job done: parts not recorded (none, when every shard was written) are
     removed first, so the folder holds exactly the recorded rows."""
     folder = OutputDir.open(folder)
     for name in folder.names():
@@ -396,7 +415,7 @@ def _part_id(name: str) -> int:
 
 
 def _to_ranges(ids: set[int]) -> list[list[int]]:
-    """{0, 1, 2, 5} -> [[0, 2], [5, 5]]: compact even for many batches."""
+    """{0, 1, 2, 5} -> [[0, 2], [5, 5]]: compact even for many shards."""
     out: list[list[int]] = []
     for i in sorted(ids):
         if out and out[-1][1] == i - 1:

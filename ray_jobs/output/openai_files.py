@@ -46,10 +46,11 @@ import pyarrow as pa
 from nanoserve import NanoserveError
 from ray_jobs.input.openai_requests import CHAT_URL, COMPLETIONS_URL
 from ray_jobs.input.storage import OutputDir
+from ray_jobs.options import JOB
 
 OUTPUT_NAME = "output.jsonl"
 ERRORS_NAME = "errors.jsonl"
-OUTPUT_FORMATS = ("auto", "parquet", "openai")
+OUTPUT_FORMATS = JOB["output_format"].choices
 _PART_COLUMNS = ("id", "generated_text", "num_input_tokens", "num_generated_tokens",
                  "finish_reason", "error", "sample_index", "logprobs", "choice_scores",
                  "reasoning")
@@ -59,9 +60,8 @@ _SERVER_ERRORS = ("generation failed", "the worker died")
 def wants_openai_output(output_format: str, openai_rows: int) -> bool:
     """Whether the job writes output.jsonl / errors.jsonl: 'openai', or 'auto' for an input
     of OpenAI batch request lines."""
-    if output_format not in OUTPUT_FORMATS:
-        raise NanoserveError(f"unknown output format {output_format!r}; choose "
-                             f"{', '.join(OUTPUT_FORMATS)}")
+    if problem := JOB["output_format"].problem(output_format, "output format"):
+        raise NanoserveError(problem)
     return output_format == "openai" or (output_format == "auto" and openai_rows > 0)
 
 
@@ -125,14 +125,14 @@ def format_shard(table: pa.Table, first_position: int, plan: Any, output: OpenAI
 def _per_row(rows: list[dict[str, Any]]) -> Iterator[list[dict[str, Any]]]:
     """A part's rows grouped per input row: a row's samples are consecutive, sample_index
     0, 1, ..."""
-    group: list[dict[str, Any]] = []
+    samples: list[dict[str, Any]] = []
     for r in rows:
-        if group and (r["id"] != group[0]["id"] or not r.get("sample_index")):
-            yield group
-            group = []
-        group.append(r)
-    if group:
-        yield group
+        if samples and (r["id"] != samples[0]["id"] or not r.get("sample_index")):
+            yield samples
+            samples = []
+        samples.append(r)
+    if samples:
+        yield samples
 
 
 def _jsonl(lines: list[dict[str, Any]]) -> bytes:
@@ -243,8 +243,8 @@ class TokenText:
                 "text_offset": offsets}
 
 
-def _byte_level_bytes(piece: str | None) -> bytes | None:
+def _byte_level_bytes(token: str | None) -> bytes | None:
     """The bytes of a byte-level BPE token's string, or None when it is not one."""
     from nanoserve import byte_level_bytes
 
-    return byte_level_bytes(piece)
+    return byte_level_bytes(token)

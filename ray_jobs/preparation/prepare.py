@@ -589,14 +589,14 @@ class RowPreparer:
         if self._token_bytes is None:
             info = self.grammars.compile(so).tokenizer_info
             skip = set(info.stop_token_ids) | set(info.special_token_ids)
-            pieces = frozenset(b for i, b in enumerate(info.decoded_vocab) if b and i not in skip)
-            self._token_bytes = (pieces, max(map(len, pieces)))
-        pieces, longest = self._token_bytes
+            spelled = frozenset(b for i, b in enumerate(info.decoded_vocab) if b and i not in skip)
+            self._token_bytes = (spelled, max(map(len, spelled)))
+        spelled, longest = self._token_bytes
         data = text.encode("utf-8")
         best = [0] + [len(data) + 1] * len(data)  # best[i]: tokens spelling data[:i]
         for i in range(1, len(data) + 1):
             for j in range(max(0, i - longest), i):
-                if best[j] + 1 < best[i] and data[j:i] in pieces:
+                if best[j] + 1 < best[i] and data[j:i] in spelled:
                     best[i] = best[j] + 1
         return best[-1] if best[-1] <= len(data) else 1 << 30
 

@@ -1,21 +1,21 @@
 """Stage report: the job report, one self-contained HTML file per run,
 `OUTPUT_DIR/_nanoserve_report.html`.
 
-Each answered piece of a batch is read into a `PieceRecord` (`ray_jobs.workers.piece`: when
-it came back, from which worker, its rows, output tokens and the engine's counts from the
-table's schema metadata) and folded at once into the driver's `ReportLog`: exact running
-totals plus sums over at most `MAX_TIME_BINS` time bins and `SHARE_BINS` share bins,
-never a list of the pieces, so
-the log, the embedded data and the page keep one size whatever the number of batches (a
-1,000,000-row job of 7,813 batches gets the same report size as one of 79). Rows written
-and error rows by cause are counted as batches are written. `write_report` renders them
-with the job's settings, phases and summary. What it shows:
+Each answered span (a shard's rows sent in one call: the whole shard, or a half of one cut
+after worker deaths) is read into a `SpanRecord` (`ray_jobs.workers.span`: when it came back,
+from which worker, its rows, output tokens and the engine's counts from the table's schema
+metadata) and folded at once into the driver's `ReportLog`: exact running totals plus sums
+over at most `MAX_TIME_BINS` time bins and `SHARE_BINS` share bins, never a list of the
+spans, so the log, the embedded data and the page keep one size whatever the number of
+shards (a 1,000,000-row job of 7,813 shards gets the same report size as one of 79). Rows
+written and error rows by cause are counted as spans are answered. `write_report` renders
+them with the job's settings, phases and summary. What it shows:
 - output tokens/s over time (binned by when results came back) and the cumulative tokens
   at the end of each bin;
 - rows finished per worker over time (cumulative, at the end of each bin);
-- batch fill: batches by their rows / the job's batch size (a histogram; the mean in the
-  legend);
-- waste: batches by padding share (of the padded prefill rectangle) and by early-finish
+- shard fill: spans by their rows / the job's batch size, a shard's rows (a histogram; the
+  mean in the legend);
+- waste: spans by padding share (of the padded prefill rectangle) and by early-finish
   share (of the decode row-steps, spent on rows that had already finished), with the job's
   exact totals in the legend;
 - prefix-cache hit rate per time bin (prompt tokens served from the cache / prompt tokens),
@@ -30,7 +30,7 @@ with the job's settings, phases and summary. What it shows:
 
 Plots are drawn by matplotlib (Agg, no pyplot state) as inline SVG: no script, no file or
 network fetch; each figure is cleared once drawn, and matplotlib is imported only when a
-report is rendered. The report's numbers (`report_data`: totals and bins, not per-batch
+report is rendered. The report's numbers (`report_data`: totals and bins, not per-span
 records) are also embedded as JSON in
 `<script type="application/json" id="nanoserve-report-data">` (`REPORT_DATA_ID`).
 """
@@ -47,12 +47,12 @@ from typing import Any
 
 from ray_jobs.output.manifest import REPORT_NAME
 from ray_jobs.report.timeline import PHASES
-from ray_jobs.workers.piece import PieceRecord
+from ray_jobs.workers.span import SpanRecord
 
 REPORT_DATA_ID = "nanoserve-report-data"
 MAX_TIME_BINS = 40  # time bins of the report's plots over time (and of its data)
 FIRST_BIN_WIDTH_S = 1 / 64  # the time bins' width until the run outlasts MAX_TIME_BINS of them
-SHARE_BINS = 20  # bins of batch fill and of waste shares (0-5%, 5-10%, ... 95-100%)
+SHARE_BINS = 20  # bins of shard fill and of waste shares (0-5%, 5-10%, ... 95-100%)
 MAX_ERROR_CAUSES = 100  # distinct error causes kept; further ones count as OTHER_CAUSES
 OTHER_CAUSES = "(other causes)"
 
@@ -99,54 +99,54 @@ class _TimeBins:
         return {k: v + [0] * (self.length - len(v)) for k, v in self.series.items()}
 
 
-_PIECE_SUMS = ("rows", "error_rows", "prompt_tokens", "output_tokens", "prefill_slots",
+_SPAN_SUMS = ("rows", "error_rows", "prompt_tokens", "output_tokens", "prefill_slots",
                "prefill_real_tokens", "decode_row_steps", "finished_row_steps")
 
 
-def _share_bin(part: int, whole: int) -> int:
-    return min(int(part / whole * SHARE_BINS), SHARE_BINS - 1)
+def _share_bin(count: int, whole: int) -> int:
+    return min(int(count / whole * SHARE_BINS), SHARE_BINS - 1)
 
 
 class ReportLog:
     """What the driver gathers during a run for the report: running totals and binned
-    counts, never one record per batch, so its size does not grow with the number of
-    batches (it grows only with the number of workers and of distinct error causes, both
+    counts, never one record per span, so its size does not grow with the number of
+    shards (it grows only with the number of workers and of distinct error causes, both
     capped or small).
-    - `add(piece)` (a `PieceRecord`): exact sums over the pieces (`pieces`: rows, tokens,
-      prefill and decode counts, prefix-cache counts of the pieces that carry them; the
+    - `add(span)` (a `SpanRecord`): exact sums over the spans (`spans`: rows, tokens,
+      prefill and decode counts, prefix-cache counts of the spans that carry them; the
       first and last result times), the same sums over time bins by when results came back
-      (`_TimeBins`, at most `MAX_TIME_BINS`; rows also per worker), the number of pieces by
-      rows (at most one entry per piece size: the batch size bounds it) and by padding and
+      (`_TimeBins`, at most `MAX_TIME_BINS`; rows also per worker), the number of spans by
+      rows (at most one entry per span size: the batch size bounds it) and by padding and
       early-finish share (`SHARE_BINS` each);
-    - `written(batch_id, results)`: batches and rows written this run, error rows by cause
-      (`error_cause`; past `MAX_ERROR_CAUSES` distinct causes, further ones count as
-      `OTHER_CAUSES`)."""
+    - `written(shard_id, results)`, `written_rows`: spans answered and rows written this
+      run, error rows by cause (`error_cause`; past `MAX_ERROR_CAUSES` distinct causes,
+      further ones count as `OTHER_CAUSES`)."""
 
     def __init__(self) -> None:
-        self.pieces: dict[str, Any] = {"count": 0, **{k: 0 for k in _PIECE_SUMS},
-                                       "cached_pieces": 0, "cached_prompt_tokens": 0,
-                                       "prompt_tokens_cached": 0,
-                                       "first_s": None, "last_s": None}
-        self.time_bins = _TimeBins(("pieces", *_PIECE_SUMS, "cached_prompt_tokens",
+        self.spans: dict[str, Any] = {"count": 0, **{k: 0 for k in _SPAN_SUMS},
+                                      "cached_spans": 0, "cached_prompt_tokens": 0,
+                                      "prompt_tokens_cached": 0,
+                                      "first_s": None, "last_s": None}
+        self.time_bins = _TimeBins(("spans", *_SPAN_SUMS, "cached_prompt_tokens",
                                     "prompt_tokens_cached"))
         self.worker_bins = _TimeBins(())  # rows finished, keyed by worker
-        self.piece_rows: Counter = Counter()  # rows per piece -> pieces
-        self.padding_bins = [0] * SHARE_BINS  # pieces by padding share of their prefill
-        self.early_finish_bins = [0] * SHARE_BINS  # pieces by early-finish share of decode
-        self.batches_written = 0
+        self.span_rows: Counter = Counter()  # rows per span -> spans
+        self.padding_bins = [0] * SHARE_BINS  # spans by padding share of their prefill
+        self.early_finish_bins = [0] * SHARE_BINS  # spans by early-finish share of decode
+        self.spans_answered = 0
         self.rows_written = 0
         self.error_causes: Counter = Counter()
 
-    def add(self, p: PieceRecord) -> None:
-        tot = self.pieces
+    def add(self, p: SpanRecord) -> None:
+        tot = self.spans
         tot["count"] += 1
-        values = {"pieces": 1, **{k: getattr(p, k) for k in _PIECE_SUMS}}
+        values = {"spans": 1, **{k: getattr(p, k) for k in _SPAN_SUMS}}
         if p.prompt_tokens_cached is not None:
-            tot["cached_pieces"] += 1
+            tot["cached_spans"] += 1
             values["cached_prompt_tokens"] = p.prompt_tokens
             values["prompt_tokens_cached"] = p.prompt_tokens_cached
         for k, v in values.items():
-            if k != "pieces":
+            if k != "spans":
                 tot[k] += v
         tot["first_s"] = p.finished_s if tot["first_s"] is None else min(tot["first_s"],
                                                                           p.finished_s)
@@ -154,20 +154,21 @@ class ReportLog:
                                                                         p.finished_s)
         self.time_bins.add(p.finished_s, values)
         self.worker_bins.add(p.finished_s, {p.worker: p.rows})
-        self.piece_rows[p.rows] += 1
+        self.span_rows[p.rows] += 1
         if p.prefill_slots:
             self.padding_bins[_share_bin(p.prefill_slots - p.prefill_real_tokens,
                                          p.prefill_slots)] += 1
         if p.decode_row_steps:
             self.early_finish_bins[_share_bin(p.finished_row_steps, p.decode_row_steps)] += 1
 
-    def written(self, batch_id: int, results: list[dict[str, Any]]) -> None:
+    def written(self, shard_id: int, results: list[dict[str, Any]]) -> None:
         self.written_rows(len(results), [res["error"] or "" for res in results
                                          if res["finish_reason"] == "error"])
 
-    def written_rows(self, rows: int, errors: list[str], parts: int = 1) -> None:
-        """`rows` output rows answered, `errors` the messages of the error rows among them."""
-        self.batches_written += parts
+    def written_rows(self, rows: int, errors: list[str], spans: int = 1) -> None:
+        """`rows` output rows answered (by `spans` spans), `errors` the messages of the error
+        rows among them."""
+        self.spans_answered += spans
         self.rows_written += rows
         for message in errors:
             cause = error_cause(message)
@@ -184,9 +185,9 @@ class JobTotals:
 
     COLUMNS = ("finish_reason", "error", "generated_text", "num_generated_tokens")
 
-    def __init__(self, total_batches: int | None = None) -> None:
-        self.total_batches = total_batches  # the job's batches (None: not known)
-        self.batches = {"this run": 0, "earlier runs": 0}
+    def __init__(self, total_shards: int | None = None) -> None:
+        self.total_shards = total_shards  # the job's shards (None: not known)
+        self.shards = {"this run": 0, "earlier runs": 0}
         self.rows = {"this run": 0, "earlier runs": 0}
         self.finish_reasons: Counter = Counter()
         self.empty_answers = 0
@@ -194,8 +195,8 @@ class JobTotals:
         self.error_causes: Counter = Counter()
 
     def add_run(self, log: ReportLog, summary: Any) -> None:
-        """This run's rows: the batches it wrote and their rows, by finish reason and cause."""
-        self.batches["this run"] += summary.num_batches
+        """This run's rows: the shards it wrote and their rows, by finish reason and cause."""
+        self.shards["this run"] += summary.num_shards
         self.rows["this run"] += summary.rows
         self.finish_reasons.update({k: v for k, v in summary.finish_reasons.items() if v})
         self.empty_answers += getattr(summary, "empty_answers", 0)
@@ -211,7 +212,7 @@ class JobTotals:
         errors = table.get("error", [])
         reasons = table.get("finish_reason") or ["error" if e is not None else None
                                                  for e in errors]
-        self.batches["earlier runs"] += 1
+        self.shards["earlier runs"] += 1
         self.rows["earlier runs"] += len(reasons)
         self.finish_reasons.update(r for r in reasons if r is not None)
         texts = table.get("generated_text", [None] * len(reasons))
@@ -225,7 +226,7 @@ class JobTotals:
                 self.error_causes[cause] += 1
 
     def as_dict(self) -> dict[str, Any]:
-        return {"total_batches": self.total_batches, "batches": dict(self.batches),
+        return {"total_shards": self.total_shards, "shards": dict(self.shards),
                 "rows": dict(self.rows), "finish_reasons": dict(self.finish_reasons),
                 "empty_answers": self.empty_answers, "output_tokens": self.output_tokens,
                 "error_causes": dict(self.error_causes.most_common())}
@@ -234,38 +235,38 @@ class JobTotals:
 def report_data(log: ReportLog, summary: Any, settings: dict[str, Any],
                 batch_size: int, job: JobTotals | None = None) -> dict[str, Any]:
     """The report's numbers, JSON-ready (what the page shows and embeds). Bounded whatever
-    the number of batches: totals, and bins, not per-batch records.
+    the number of shards: totals, and bins, not per-span records.
     - `summary` (the `JobSummary` without its workers), `workers` (their `WorkerReport`s
       without `result_s`, the time of each result; `results` is its length), `settings`,
       `batch_size`, `phases` (seconds per phase);
-    - `pieces`: exact sums over the answered pieces (`count`, `rows`, `error_rows`,
+    - `spans`: exact sums over the answered spans (`count`, `rows`, `error_rows`,
       `prompt_tokens`, `output_tokens`, `prefill_slots`, `prefill_real_tokens`,
-      `decode_row_steps`, `finished_row_steps`; `cached_pieces`, `cached_prompt_tokens` and
-      `prompt_tokens_cached` over the pieces whose tables carry the prefix-cache count),
+      `decode_row_steps`, `finished_row_steps`; `cached_spans`, `cached_prompt_tokens` and
+      `prompt_tokens_cached` over the spans whose tables carry the prefix-cache count),
       `first_s` and `last_s` (first and last result, seconds from the job's start);
     - `time_bins`: `width_s`, then per field a list with one sum per bin (bin i covers
       [i * width_s, (i + 1) * width_s), by when results came back; at most MAX_TIME_BINS),
       `rows_by_worker` {worker: list};
-    - `batch_fill`: `bins` (SHARE_BINS), `pieces` (pieces per bin of rows / batch_size;
+    - `shard_fill`: `bins` (SHARE_BINS), `spans` (spans per bin of rows / batch_size;
       bin i covers [i / bins, (i + 1) / bins), the last one from (bins - 1) / bins up,
-      full batches included); `waste`: `padding` and `early_finish`, pieces per bin of
+      full shards included); `waste`: `padding` and `early_finish`, spans per bin of
       their share wasted, the same bins;
     - `error_causes` (error rows by cause, most first), `totals` (rows, error_rows,
-      batches written this run, output tokens, padding and early-finish waste, prefix-cache
+      spans answered this run, output tokens, padding and early-finish waste, prefix-cache
       hit rate: exact);
     - `job` (`JobTotals.as_dict`: the whole job over every run, earlier runs' parts read
       back; this run's alone when `job` is None)."""
-    p = dict(log.pieces)
+    p = dict(log.spans)
     summary_d = dataclasses.asdict(summary)
     workers = summary_d.pop("workers")
     for w in workers:
         w["results"] = len(w.pop("result_s", ()) or ())
     fill = [0] * SHARE_BINS
-    for rows, n in log.piece_rows.items():
+    for rows, n in log.span_rows.items():
         fill[_share_bin(min(rows, batch_size), batch_size) if batch_size else 0] += n
     bins = log.time_bins.as_dict()
     by_worker = log.worker_bins.as_dict()
-    length = len(bins["pieces"])
+    length = len(bins["spans"])
     if job is None:
         job = JobTotals()
         job.add_run(log, summary)
@@ -276,18 +277,18 @@ def report_data(log: ReportLog, summary: Any, settings: dict[str, Any],
         "settings": settings,
         "batch_size": batch_size,
         "phases": dict(summary.timings),
-        "pieces": p,
+        "spans": p,
         "time_bins": {"width_s": log.time_bins.width_s, **bins,
                       "rows_by_worker": {str(w): v + [0] * (length - len(v))
                                          for w, v in sorted(by_worker.items())}},
-        "batch_fill": {"bins": SHARE_BINS, "pieces": fill},
+        "shard_fill": {"bins": SHARE_BINS, "spans": fill},
         "waste": {"bins": SHARE_BINS, "padding": list(log.padding_bins),
                   "early_finish": list(log.early_finish_bins)},
         "error_causes": dict(log.error_causes.most_common()),
         "totals": {
             "rows": log.rows_written,
             "error_rows": sum(log.error_causes.values()),
-            "batches": log.batches_written,
+            "spans": log.spans_answered,
             "output_tokens": p["output_tokens"],
             "padding_waste": 1 - p["prefill_real_tokens"] / p["prefill_slots"]
             if p["prefill_slots"] else 0.0,
@@ -318,7 +319,7 @@ def render_html(data: dict[str, Any]) -> str:
         _section("The whole job (every run into this folder)", _job_table(data["job"])),
         _section("Output tokens per second", _plot_throughput(data)),
         _section("Rows finished per worker", _plot_worker_rows(data)),
-        _section("Batch fill", _plot_fill(data)),
+        _section("Shard fill", _plot_fill(data)),
         _section("Padding and early-finish waste", _plot_waste(data)),
     ]
     if t["prefix_cache_hit_rate"] is not None:
@@ -342,7 +343,7 @@ def render_html(data: dict[str, Any]) -> str:
         ("output_tokens", "output tokens", s["output_tokens"]),
         ("wall_time_s", "wall time", f"{s['wall_time_s']:.1f} s"),
         ("output_tokens_per_s", "output tokens/s", f"{s['output_tokens_per_s']:.1f}"),
-        ("num_batches", "batches", s["num_batches"]),
+        ("num_shards", "shards", s["num_shards"]),
         ("padding_waste", "padding waste", f"{t['padding_waste']:.1%}"),
         ("early_finish_waste", "early-finish waste", f"{t['early_finish_waste']:.1%}"),
         ("worker_restarts", "worker restarts", s["worker_restarts"]),
@@ -353,7 +354,7 @@ def render_html(data: dict[str, Any]) -> str:
     notes = list(s.get("warnings") or ())
     if s.get("interrupted"):
         done, total = s["interrupted"]
-        notes.append(f"interrupted (Ctrl-C): {done} of {total} batches are written; rerun the "
+        notes.append(f"interrupted (Ctrl-C): {done} of {total} shards are written; rerun the "
                      f"same command to resume")
     warnings = "".join(f'<p class="warning">{html.escape(w)}</p>' for w in notes)
     settings = _table(sorted(_flatten(data["settings"]).items()))
@@ -379,13 +380,13 @@ _CSS = ("body{font-family:sans-serif;margin:2em auto;max-width:60em;color:#222;b
 
 
 def _job_table(job: dict[str, Any]) -> str:
-    """The whole job's rows and batches, this run's and earlier runs' (resumed), by finish
+    """The whole job's rows and shards, this run's and earlier runs' (resumed), by finish
     reason, and its error rows by cause."""
-    batches, rows = job["batches"], job["rows"]
-    written = sum(batches.values())
-    of = f" of {job['total_batches']}" if job.get("total_batches") is not None else ""
-    pairs = [("batches written", f"{written}{of} ({batches['this run']} this run, "
-                                 f"{batches['earlier runs']} by earlier runs)"),
+    shards, rows = job["shards"], job["rows"]
+    written = sum(shards.values())
+    of = f" of {job['total_shards']}" if job.get("total_shards") is not None else ""
+    pairs = [("shards written", f"{written}{of} ({shards['this run']} this run, "
+                                f"{shards['earlier runs']} by earlier runs)"),
              ("rows", f"{sum(rows.values())} ({rows['this run']} this run, "
                       f"{rows['earlier runs']} by earlier runs)")]
     if job["finish_reasons"]:
@@ -405,8 +406,9 @@ def _job_table(job: dict[str, Any]) -> str:
 
 def _workers_table(workers: list[dict[str, Any]]) -> str:
     """One row per worker: where it ran, what it did, and how full its engine was (busy:
-    the share of its time up that its engine had rows; rows a decode step, on average)."""
-    head = ("worker", "device", "host", "batches", "rows", "restarts", "ready at", "engine busy",
+    the share of its time up that its engine had rows; rows a decode step, on average). Its
+    spans: the shards it answered (a shard cut after worker deaths: each of its halves)."""
+    head = ("worker", "device", "host", "spans", "rows", "restarts", "ready at", "engine busy",
             "rows a decode step")
     body = []
     for w in workers:
@@ -414,7 +416,7 @@ def _workers_table(workers: list[dict[str, Any]]) -> str:
         per_step = (f"{w['decode_row_steps'] / w['decode_steps']:.1f} of {w['max_rows']}"
                     if w.get("decode_steps") else "-")
         ready = f"{w['ready_s']:.1f} s" if w.get("ready_s") is not None else "-"
-        cells = (w["index"], w["device"], w["host"], w["batches"], w["rows"], w["restarts"],
+        cells = (w["index"], w["device"], w["host"], w["spans"], w["rows"], w["restarts"],
                  ready, busy, per_step)
         body.append("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in cells) + "</tr>")
     return ("<table><tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr>" + "".join(body)
@@ -464,24 +466,24 @@ def _empty(message: str) -> str:
     return f"<p>{html.escape(message)}</p>"
 
 
-def _no_pieces(data: dict[str, Any]) -> bool:
-    return not data["pieces"]["count"]
+def _no_spans(data: dict[str, Any]) -> bool:
+    return not data["spans"]["count"]
 
 
 def _edges(data: dict[str, Any]) -> list[float]:
     """The times where the time bins end (the last one at the last result)."""
     bins = data["time_bins"]
-    n = len(bins["pieces"])
-    return [min((i + 1) * bins["width_s"], data["pieces"]["last_s"]) for i in range(n)]
+    n = len(bins["spans"])
+    return [min((i + 1) * bins["width_s"], data["spans"]["last_s"]) for i in range(n)]
 
 
-def _ratio(part: list[int], whole: list[int]) -> list[float | None]:
-    return [a / b if b else None for a, b in zip(part, whole)]
+def _ratio(counts: list[int], whole: list[int]) -> list[float | None]:
+    return [a / b if b else None for a, b in zip(counts, whole)]
 
 
 def _plot_throughput(data: dict[str, Any]) -> str:
-    if _no_pieces(data):
-        return _empty("no batch was computed in this run")
+    if _no_spans(data):
+        return _empty("no shard was computed in this run")
     bins = data["time_bins"]
     width = bins["width_s"]
     tokens = bins["output_tokens"]
@@ -503,8 +505,8 @@ def _plot_throughput(data: dict[str, Any]) -> str:
 
 
 def _plot_worker_rows(data: dict[str, Any]) -> str:
-    if _no_pieces(data):
-        return _empty("no batch was computed in this run")
+    if _no_spans(data):
+        return _empty("no shard was computed in this run")
     fig, ax = _figure()
     edges = [0.0, *_edges(data)]
     for w, rows in data["time_bins"]["rows_by_worker"].items():
@@ -525,19 +527,20 @@ def _share_axis(ax, bins: int) -> list[float]:
 
 
 def _plot_fill(data: dict[str, Any]) -> str:
-    if _no_pieces(data):
-        return _empty("no batch was computed in this run")
-    size, fill = data["batch_size"], data["batch_fill"]
+    if _no_spans(data):
+        return _empty("no shard was computed in this run")
+    size, fill = data["batch_size"], data["shard_fill"]
     from matplotlib.ticker import MaxNLocator
 
     fig, ax = _figure()
     x = _share_axis(ax, fill["bins"])
-    mean = data["pieces"]["rows"] / data["pieces"]["count"] / size if size else 0.0
-    ax.bar(x, fill["pieces"], width=1 / fill["bins"], align="edge", color="#55a868",
+    mean = data["spans"]["rows"] / data["spans"]["count"] / size if size else 0.0
+    ax.bar(x, fill["spans"], width=1 / fill["bins"], align="edge", color="#55a868",
            edgecolor="white", label=f"mean {mean:.1%} of the batch size")
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel(f"rows / batch size ({size}); the last bin holds the full batches")
-    ax.set_ylabel("batches")
+    ax.set_xlabel(f"rows / batch size ({size}, a shard's rows); the last bin holds the full "
+                  f"shards")
+    ax.set_ylabel("spans (shards, or halves)")
     ax.legend(frameon=False)
     return _svg(fig)
 
@@ -558,8 +561,8 @@ def _plot_waste(data: dict[str, Any]) -> str:
            color="#8172b3",
            label=f"early finish (of decode row-steps; job {t['early_finish_waste']:.1%})")
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel("share wasted in a batch")
-    ax.set_ylabel("batches")
+    ax.set_xlabel("share wasted in a span (its engine batches' prefill or decode)")
+    ax.set_ylabel("spans")
     fig.legend(loc="outside upper center", ncols=2, frameon=False)
     return _svg(fig)
 

@@ -6,10 +6,10 @@ import time
 
 # A run's phases, in order, as `JobSummary.timings` names them (and as `format` says them).
 PHASES = {
-    "prepare": "prepare",  # scan the input, load the tokenizer, open the output, first batch
+    "prepare": "prepare",  # scan the input, load the tokenizer, open the output, first shard
     "ray": "Ray",  # start or join Ray
     "workers": "workers",  # start the actors until each has loaded the model (or is late)
-    "first_batch": "first batch",  # until the first batch's result is back
+    "first_shard": "first shard",  # until the first shard's result is back
     "generate": "generate",  # until the last result is back
     "shutdown": "shutdown",  # stop the actors (and a private Ray), mark the output complete
 }

@@ -1,10 +1,16 @@
 """Stage tasks: the classification task (a label per row, `nanoserve classify`,
-`run_job(..., task="classify")`) and the cross-encoder score task (a score per text pair,
-`nanoserve score`, `run_job(..., task="score")`), over an encoder checkpoint with a
-sequence-classification head (BERT, XLM-RoBERTa, ModernBERT: nanoserve/encoder/).
+`run_job(..., task="classify")`) and the score task (a score per text pair, `nanoserve
+score`, `run_job(..., task="score")`), over a checkpoint with a sequence-classification head:
+an encoder (BERT, XLM-RoBERTa, ModernBERT: nanoserve/encoder/) or a decoder
+(`*ForSequenceClassification` of a registered family, reward models among them:
+nanoserve/classify.py); and for the score task a causal LM too, as a Qwen3-Reranker-style
+reranker (nanoserve/rerank.py). The engine object is `nanoserve.load_classifier`'s, the same
+face whatever the model (`Classifier`).
 
     summary = run_job("reviews.jsonl", "labels/", task="classify", model="classifier/")
     summary = run_job("pairs.jsonl", "scores/", task="score", model="reranker/")
+    summary = run_job("pairs.jsonl", "scores/", task="score", model="Qwen3-Reranker-0.6B/",
+                      instruction="Given a question, retrieve passages that answer it")
 
 classify: each row's text (its `prompt` or `text` column, or `--prompt-column`) through the
 head. The output has `id`, the input columns, then
@@ -17,19 +23,22 @@ head. The output has `id`, the input columns, then
 - `num_input_tokens`, `error` (null unless the row failed).
 
 score: each row's pair, columns `text_1` and `text_2` (else `query` and `document`),
-tokenized as one input (the tokenizer's pair template, segment ids 0 / 1). The output has
-`id`, the input columns, then `score` (float64: a one-output head's raw logit, as
+tokenized as one input (the tokenizer's pair template, segment ids 0 / 1; a reranker's
+prompt around query and document, with `instruction`, default the model card's). The output
+has `id`, the input columns, then `score` (float64: a one-output head's raw logit, as
 sentence-transformers' `CrossEncoder.predict` gives it with an identity activation; a
-two-label head's probability of label 1: softmax, or sigmoid for a multi-label head),
-`num_input_tokens` and `error`. Other heads are refused.
+two-label head's probability of label 1: softmax, or sigmoid for a multi-label head; a
+reranker's P(yes), its two labels being ("no", "yes")), `num_input_tokens` and `error`.
+Other heads are refused, and an instruction for a model that is not a reranker.
 
 Both are the job every task runs (`ray_jobs.dispatch.driver.run_job`): streaming input,
-batches, dispatch, exactly-once parts, resume (the manifest's settings name the task and
+shards, dispatch, exactly-once parts, resume (the manifest's settings name the task and
 its limit, so a rerun with another task or limit is refused), object storage and report.
 Rows are cut to the input limit (`max_input_tokens`, default and at most the model's
 positions; pairs lose tokens from the longer text first) and counted; with `truncate=False`
 a longer row is an error row. A missing, null or empty text (or either text of a pair) is
-an error row. A decoder checkpoint is refused with a line naming the encoders that run.
+an error row. A causal LM given to classify, a base model or a GGUF file is refused with a
+line naming what runs.
 """
 
 from __future__ import annotations
@@ -59,8 +68,9 @@ from ray_jobs.workers.tasks import (
     prefill_summary_lines,
 )
 
-# The options both tasks add to `JobOptions` (a subset of the embedding task's, same meaning).
-CLASSIFY_OPTIONS = ("max_input_tokens", "truncate")
+# The options both tasks add to `JobOptions` (a subset of the embedding task's, same meaning;
+# `instruction` a reranker's only).
+CLASSIFY_OPTIONS = ("max_input_tokens", "truncate", "instruction")
 # The score task's pair columns, in order of preference.
 PAIR_COLUMNS = (("text_1", "text_2"), ("query", "document"))
 
@@ -107,14 +117,15 @@ def pair_columns(names: list[str]) -> tuple[str, str] | None:
 
 class ClassifyPreparer:
     """Input chunks to `ClassifyRow`s: a text (classify) or a pair (`pair`: its two columns,
-    score) tokenized by the encoder's tokenizer, cut to `limit` tokens (or, without
-    `truncate`, an error row when longer)."""
+    score) tokenized by the classifier's tokenizer (a reranker's with `instruction`), cut to
+    `limit` tokens (or, without `truncate`, an error row when longer)."""
 
     def __init__(self, plan: ColumnPlan, tokenizer: Any, limit: int, truncate: bool = True,
-                 pair: tuple[str, str] | None = None) -> None:
+                 pair: tuple[str, str] | None = None, instruction: str | None = None) -> None:
         self.plan, self.limit, self.truncate, self.pair = plan, limit, truncate, pair
-        self.tokenizer = type(tokenizer)(tokenizer.backend, limit) \
-            if tokenizer.max_tokens != limit else tokenizer
+        self.tokenizer = tokenizer.with_limit(limit)
+        if instruction is not None:
+            self.tokenizer = self.tokenizer.with_instruction(instruction)
 
     def prepare(self, chunk: InputChunk, first_position: int,
                 read_images: bool = True) -> list[ClassifyRow]:
@@ -151,7 +162,8 @@ class ClassifyPreparer:
 
 
 class ClassifyWorker:
-    """An `Encoder` held for the life of the process; `run_batch` answers one row per
+    """A classifier (`nanoserve.load_classifier`: an encoder's, a decoder's head, a reranker
+    for the score task) held for the life of the process; `run_batch` answers one row per
     request with the task's result columns (`RESULTS[task]`) and, for the job's
     bookkeeping, `finish_reason` ('stop' or 'error') and `num_generated_tokens` (0)."""
 
@@ -160,7 +172,7 @@ class ClassifyWorker:
                  task: str = "classify", **_generation: Any) -> None:
         import threading
 
-        from nanoserve import Encoder
+        from nanoserve import load_classifier
         from ray_jobs.workers.worker import _fault_hold_load_while_file, _fault_on_load, pick_device
 
         _fault_hold_load_while_file()
@@ -170,8 +182,9 @@ class ClassifyWorker:
 
             torch.set_num_threads(num_threads)
         self.task = task
-        self.encoder = Encoder.load(model, dtype=dtype, device=device or pick_device(),
-                                    max_batch_tokens=max_batch_tokens)
+        self.classifier = load_classifier(model, dtype=dtype, device=device or pick_device(),
+                                          max_batch_tokens=max_batch_tokens,
+                                          rerank=task == "score")
         self._lock = threading.Lock()
 
     def info(self) -> dict[str, Any]:
@@ -180,7 +193,7 @@ class ClassifyWorker:
 
         from ray_jobs.workers.worker import ray_gpu_ids
 
-        return {"gpu_ids": ray_gpu_ids(), "device": str(self.encoder.model.device),
+        return {"gpu_ids": ray_gpu_ids(), "device": str(self.classifier.model.device),
                 "host": socket.gethostname(), "pid": os.getpid(),
                 "scheduler": "classification" if self.task == "classify" else "scoring"}
 
@@ -199,14 +212,14 @@ class ClassifyWorker:
         results: list[dict[str, Any]]
         try:
             with self._lock:
-                logits = self.encoder.classify_ids(ids, types)
+                logits = self.classifier.classify_ids(ids, types)
             results = self.read_logits(logits)
         except (NanoserveError, ValueError, RuntimeError):  # each row alone: a bad one fails
             results = []
             for i, t in zip(ids, types):
                 try:
                     with self._lock:
-                        results += self.read_logits(self.encoder.classify_ids([i], [t]))
+                        results += self.read_logits(self.classifier.classify_ids([i], [t]))
                 except (NanoserveError, ValueError, RuntimeError) as e:
                     results.append({"error": f"{self.task} failed: {type(e).__name__}: "
                                              f"{_first_line(str(e))}"})
@@ -221,8 +234,8 @@ class ClassifyWorker:
 
     def read_logits(self, logits: Any) -> list[dict[str, Any]]:
         """Each row's result columns from its logits (see the module docstring)."""
-        config = self.encoder.config
-        preds = self.encoder.predict(logits)
+        config = self.classifier.config
+        preds = self.classifier.predict(logits)
         if self.task == "score":
             if config.num_labels == 1:
                 return [{"score": float(row[0])} for row in logits]
@@ -245,16 +258,18 @@ class ClassifyTask:
 
     def __init__(self, plan: ColumnPlan, options: dict[str, Any], tokenizer: Any,
                  config: Any = None, engine: Any = None) -> None:
-        """`options`: the job's `JobSpec.task_options` (`task`, `limit`, `truncate`, `pair`)."""
+        """`options`: the job's `JobSpec.task_options` (`task`, `limit`, `truncate`, `pair`,
+        `instruction`)."""
         pair = options.get("pair")
         self.verb = "classification" if options["task"] == "classify" else "scoring"
         self.preparer = ClassifyPreparer(plan, tokenizer, options["limit"],
                                          options.get("truncate", True),
-                                         tuple(pair) if pair else None)
+                                         tuple(pair) if pair else None,
+                                         options.get("instruction"))
         self.engine = engine
 
-    def groups(self, rows: list[Any]) -> list[list[int]]:
-        """One engine call (the encoder packs its rows by tokens itself)."""
+    def batches(self, rows: list[Any]) -> list[list[int]]:
+        """One batch, one engine call (the classifier packs its rows by tokens itself)."""
         return [list(range(len(rows)))]
 
     def requests(self, rows: list[Any]) -> list[Any]:
@@ -279,7 +294,7 @@ class RayClassifyWorker(ShardWorker, ClassifyWorker):
     """Both tasks' actor: a `ClassifyWorker` that runs shards (`ShardWorker`)."""
 
     def make_task(self, spec: Any) -> ClassifyTask:
-        return ClassifyTask(spec.plan, spec.task_options, self.encoder.tokenizer,
+        return ClassifyTask(spec.plan, spec.task_options, self.classifier.tokenizer,
                             engine=self.run_batch)
 
 
@@ -319,11 +334,12 @@ def _limit(own: dict[str, Any], config: Any) -> int:
 
 
 def task_options(task: str, own: dict[str, Any], config: Any, names: list[str],
-                 model_path: Path) -> dict[str, Any]:
+                 model_path: Path, tokenizer: Any) -> dict[str, Any]:
     """`ClassifyTask`'s options (the job's `JobSpec.task_options`) for an input of these
-    columns, from `take_options`' result and the encoder's config. InputError for a head the
-    task cannot read, a limit above the model's positions, an input column clashing with an
-    output one."""
+    columns, from `take_options`' result and the classifier's config and tokenizer
+    (`load_meta`). InputError for a head the task cannot read, a limit above the model's
+    positions (or, for a reranker, too short for its prompt), an instruction for a model
+    that is not a reranker, an input column clashing with an output one."""
     clashes = [n for n in RESULTS[task].names if n in names and n not in ("error",
                                                                           "num_input_tokens")]
     if clashes:
@@ -336,16 +352,28 @@ def task_options(task: str, own: dict[str, Any], config: Any, names: list[str],
             and config.num_labels != 1):
         raise InputError(f"model {model_path} is a regression head of {config.num_labels} "
                          f"outputs; a classify job reads one ('score')")
+    instruction = own.get("instruction") or None
+    if instruction is not None and not isinstance(instruction, str):
+        raise InputError(f"instruction must be a text, got {instruction!r}")
+    if instruction is not None and tokenizer.instruction is None:
+        raise InputError(f"--instruction applies to a causal-LM reranker (score); model "
+                         f"{model_path} ({config.architecture}) takes none")
+    limit = _limit(own, config)
+    tokenizer = tokenizer.with_limit(limit)  # InputError: a reranker's prompt does not fit
+    if instruction is not None:
+        tokenizer = tokenizer.with_instruction(instruction)
     pair = pair_columns(names) if task == "score" else None
-    return {"task": task, "limit": _limit(own, config), "truncate": bool(own.get("truncate", True)),
-            "pair": list(pair) if pair else None}
+    return {"task": task, "limit": limit, "truncate": bool(own.get("truncate", True)),
+            "pair": list(pair) if pair else None, "instruction": tokenizer.instruction}
 
 
 def _plan(task: str, opts: JobOptions, own: dict[str, Any], info: InputInfo,
           plan: ColumnPlan, model_path: Path, config: Any, tokenizer: Any) -> TaskPlan:
-    options = task_options(task, own, config, info.schema.names, model_path)
+    options = task_options(task, own, config, info.schema.names, model_path, tokenizer)
     settings = {"task": task, "limit": options["limit"], "truncate": options["truncate"],
                 "labels": list(config.id2label), "problem_type": config.problem_type}
+    if options["instruction"] is not None:  # a reranker's prompt
+        settings["instruction"] = options["instruction"]
     schema = pa.schema([pa.field("id", plan.id_type)] + plan.passthrough_fields()
                        + list(RESULTS[task]))
     return TaskPlan(opts, schema, ClassifyTask(plan, options, tokenizer, config),
@@ -363,12 +391,17 @@ def plan_score(*args: Any) -> TaskPlan:
     return _plan("score", *args)
 
 
-def load_meta(model_path: Path) -> tuple[Any, Any]:
-    """The encoder's config and tokenizer (`nanoserve.read_classifier`): a ModelError naming
-    the supported architectures for a decoder or a head-less checkpoint."""
+def load_meta(model_path: Path, task: str = "classify") -> tuple[Any, Any]:
+    """The classifier's config and tokenizer (`nanoserve.read_classifier`; for the score
+    task a causal LM's as a reranker's): a ModelError naming the supported architectures for
+    anything else (a causal LM to classify, a base model, a GGUF file)."""
     from nanoserve import read_classifier
 
-    return read_classifier(model_path)
+    return read_classifier(model_path, rerank=task == "score")
+
+
+def load_score_meta(model_path: Path) -> tuple[Any, Any]:
+    return load_meta(model_path, "score")
 
 
 def summary_lines(s: Any) -> list[str]:
@@ -379,9 +412,10 @@ def summary_lines(s: Any) -> list[str]:
 CLASSIFY = TaskKind("classify", "classify", (), take_options, text_prompt_column, plan_classify,
                     prefill_progress, summary_lines, load_meta)
 SCORE = TaskKind("score", "score", (), take_options, score_prompt_column, plan_score,
-                 prefill_progress, summary_lines, load_meta)
+                 prefill_progress, summary_lines, load_score_meta)
 
 
 __all__ = ["CLASSIFY", "CLASSIFY_OPTIONS", "PAIR_COLUMNS", "RESULTS", "SCORE",
            "ClassifyPreparer", "ClassifyRow", "ClassifyTask", "ClassifyWorker",
-           "RayClassifyWorker", "load_meta", "score_prompt_column", "task_options"]
+           "RayClassifyWorker", "load_meta", "load_score_meta", "score_prompt_column",
+           "task_options"]

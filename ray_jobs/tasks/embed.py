@@ -11,12 +11,12 @@ Each row's text (its `prompt` or `text` column, or `--prompt-column`), or token 
 rows (embed text instead).
 
 The job is the one both tasks run (`ray_jobs.dispatch.driver.run_job`): the same streaming input,
-batches, dispatch, worker replacement, exactly-once parts, manifest (its settings name the
+shards, dispatch, worker replacement, exactly-once parts, manifest (its settings name the
 pooling, so a rerun with other pooling is refused), resume, object storage and report. What the
 embedding task adds: its options (`EMBED_OPTIONS`, resolved against the model's files by
 `embed_settings`), its rows (`EmbedPreparer`: the instruction prefixed, inputs longer than
-the limit cut to it and counted, or with `truncate=False` made error rows), larger batches
-bounded by tokens (`max_batch_tokens`, default 65,536 per batch, 1,024 rows), and its
+the limit cut to it and counted, or with `truncate=False` made error rows), larger shards
+(1,024 rows) whose batches are bounded by tokens (`max_batch_tokens`, default 65,536), and its
 actors, `RayEmbedWorker`s: an `Embedder` each (nanoserve/embed.py: prefill only, rows
 packed, no KV pool).
 """
@@ -31,6 +31,7 @@ import pyarrow as pa
 
 from nanoserve import ENGINE, InputError, NanoserveError
 from ray_jobs.input.files import InputChunk, InputInfo
+from ray_jobs.options import JOB
 from ray_jobs.preparation.prepare import (
     MESSAGES,
     TEXT,
@@ -58,7 +59,8 @@ EMBED_BATCH_TOKENS = PREFILL_BATCH_TOKENS
 EMBEDDING_DTYPES = {"float32": pa.float32(), "float16": pa.float16()}
 
 
-def embed_result_schema(dim: int, embedding_dtype: str = "float32") -> pa.Schema:
+def embed_result_schema(dim: int,
+                        embedding_dtype: str = JOB["embedding_dtype"].default) -> pa.Schema:
     return pa.schema([pa.field("embedding", pa.list_(EMBEDDING_DTYPES[embedding_dtype], dim)),
                       pa.field("num_input_tokens", pa.int32()),
                       pa.field("error", pa.string())])
@@ -159,7 +161,7 @@ class EmbedWorker:
         self.embedder.pooling = PoolingConfig(**(pooling or {}))
         self.embedder.limit = self.embedder.pooling.max_input_tokens or self.embedder.limit
         self.embedder.dim = self.embedder.pooling.dimensions or self.embedder.config.hidden_size
-        # The actor takes two batches at once (max_in_flight_per_worker): their prefills take
+        # The actor takes two shards at once (`hold_limits`): their batches' prefills take
         # turns on the model, while one batch's table is built as the other runs.
         import threading
 
@@ -283,12 +285,13 @@ class EmbedTask:
         """`options`: the job's `JobSpec.task_options` (`limit`, `instruction`, `truncate`,
         `embedding_dtype`)."""
         self.preparer = EmbedPreparer(plan, tokenizer, config.vocab_size, options["limit"],
-                                      options.get("instruction"), options.get("truncate", True))
+                                      options.get("instruction"),
+                                      options.get("truncate", JOB["truncate"].default))
         self.engine = engine
-        self.dtype = options.get("embedding_dtype", "float32")
+        self.dtype = options.get("embedding_dtype", JOB["embedding_dtype"].default)
 
-    def groups(self, rows: list[Any]) -> list[list[int]]:
-        """One engine call (the embedder packs its rows by tokens itself)."""
+    def batches(self, rows: list[Any]) -> list[list[int]]:
+        """One batch, one engine call (the embedder packs its rows by tokens itself)."""
         return [list(range(len(rows)))]
 
     def requests(self, rows: list[Any]) -> list[Any]:
@@ -329,10 +332,11 @@ class EmbedSettings:
 
 def take_options(options: dict[str, Any]) -> dict[str, Any]:
     """The embedding options (`EMBED_OPTIONS`), popped from `options` (the job's keyword
-    arguments), and the embedding task's defaults of the job's batch bounds set there.
+    arguments), and the embedding task's defaults of the job's shard and batch bounds set
+    there.
     InputError for an unknown vector dtype."""
     own = {k: options.pop(k) for k in EMBED_OPTIONS if k in options}
-    own["embedding_dtype"] = own.get("embedding_dtype") or "float32"
+    own["embedding_dtype"] = own.get("embedding_dtype") or JOB["embedding_dtype"].default
     if own["embedding_dtype"] not in EMBEDDING_DTYPES:
         raise InputError(f"embedding dtype must be one of {', '.join(EMBEDDING_DTYPES)}, "
                          f"got {own['embedding_dtype']!r}")
@@ -352,7 +356,8 @@ def embed_settings(model_path: Path, config: Any, own: dict[str, Any]) -> EmbedS
         pooling=own.get("pooling"), normalize=own.get("normalize"),
         dimensions=own.get("dimensions"), instruction=own.get("instruction"),
         max_input_tokens=own.get("max_input_tokens"))
-    return EmbedSettings(pooling, bool(own.get("truncate", True)), own["embedding_dtype"],
+    return EmbedSettings(pooling, bool(own.get("truncate", JOB["truncate"].default)),
+                         own["embedding_dtype"],
                          pooling.dimensions or config.hidden_size)
 
 

@@ -71,19 +71,20 @@ class GenerateTask:
         self.max_batch_tokens = options.get("max_batch_tokens")
         self.adapters = adapters
 
-    def groups(self, rows: list[Any]) -> list[list[int]]:
-        """The engine calls for `rows` (indices into them): one of all the rows, in input
-        order, for a continuous engine (it admits rows as others finish); for a static one
+    def batches(self, rows: list[Any]) -> list[list[int]]:
+        """The engine's batches of `rows` (indices into them), a call each: one of all the
+        rows, in input order, for a continuous engine (it admits rows as others finish); for
+        a static one
         the rows sorted by prompt length, longest first, and cut at `static_rows` samples
-        and the job's `max_batch_tokens` (`ray_jobs.preparation.batching.cut_window`): a static batch
-        is padded to its longest row and runs until its last row ends."""
+        and the job's `max_batch_tokens` (`ray_jobs.preparation.batching.cut_batches`): a static
+        batch is padded to its longest row and runs until its last row ends."""
         if self.static_rows is None:
             return [list(range(len(rows)))]
-        from ray_jobs.preparation.batching import BatchLimits, cut_window
+        from ray_jobs.preparation.batching import BatchLimits, cut_batches
 
-        limits = BatchLimits(self.static_rows, self.max_batch_tokens, max(1, len(rows)))
+        limits = BatchLimits(self.static_rows, self.max_batch_tokens)
         at = {id(r): i for i, r in enumerate(rows)}
-        return [[at[id(r)] for r in group] for group in cut_window(rows, limits)]
+        return [[at[id(r)] for r in batch] for batch in cut_batches(rows, limits)]
 
     def requests(self, rows: list[Any]) -> list[Any]:
         return [GenerationRequest(r.prompt_token_ids, r.params, r.images,
@@ -212,8 +213,8 @@ def progress(run: Any, elapsed: float) -> str:
 def summary_lines(s: Any) -> list[str]:
     """The summary's generation lines (`ray_jobs.dispatch.driver.JobSummary.format`). The
     wall time's rate counts the job's fixed cost (Ray's start, the workers' load); beside
-    it, the rate while the workers generated (the first batch and generate phases)."""
-    generating = s.timings.get("first_batch", 0.0) + s.timings.get("generate", 0.0)
+    it, the rate while the workers generated (the first shard and generate phases)."""
+    generating = s.timings.get("first_shard", 0.0) + s.timings.get("generate", 0.0)
     return [
         f"tokens: {s.input_tokens} input, {s.output_tokens} output",
         f"wall time: {s.wall_time_s:.1f} s, {s.output_tokens_per_s:.1f} output tokens/s"

@@ -1,13 +1,15 @@
 """Stage workers: the batch job's options (`JobOptions`, the `nanoserve batch` flags),
 checked once when built, and `--num-workers` read as a `WorkerRange`. Its own module so
-that the workers, the tasks, the pool and the driver all read it, one way.
+that the workers, the tasks, the pool and the driver all read it, one way. Every field is
+declared, with its default and check, in `nanoserve.options` (what the engine shares) or
+`ray_jobs.options.JOB` (the job's own).
 """
 
 from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from nanoserve import (
@@ -17,19 +19,16 @@ from nanoserve import (
     InputError,
     NanoserveError,
     check_online,
-    check_positive_int,
 )
-from ray_jobs.input.files import DEFAULT_CHUNK_ROWS, INPUT_FORMATS
-from ray_jobs.output.openai_files import OUTPUT_FORMATS
-from ray_jobs.preparation.batching import WINDOW_BATCHES
+from ray_jobs.options import JOB
 
 DTYPES = ENGINE["dtype"].choices
 SCHEDULERS = ENGINE["scheduler"].choices
 KV_CACHE_DTYPES = ENGINE["kv_cache_dtype"].choices
-# The batch bounds of the prefill-only tasks (embedding, classification, scores): larger
-# batches than generation's, bounded by tokens.
-PREFILL_BATCH_SIZE = 1024
-PREFILL_BATCH_TOKENS = 65536
+# The shard and batch bounds of the prefill-only tasks (embedding, classification, scores):
+# larger shards than generation's, their batches bounded by tokens (`JOB`'s overrides).
+PREFILL_BATCH_SIZE = JOB["batch_size"].default_for("embed")
+PREFILL_BATCH_TOKENS = JOB["max_batch_tokens"].default_for("embed")
 
 
 @dataclass(frozen=True)
@@ -103,10 +102,10 @@ class JobOptions:
     choice_scores: bool = STRUCTURED["choice_scores"].default
     # chat-template options for every chat row (e.g. {"enable_thinking": false}), a dict or
     # its JSON text, kept as JSON text; a row's `chat_template_kwargs` column updates them
-    chat_template_kwargs: str | dict | None = None
+    chat_template_kwargs: str | dict | None = JOB["chat_template_kwargs"].default
     # 'qwen3' / 'deepseek_r1': the think block split from the answer (nanoserve.sampling.reasoning);
     # 'auto': picked from the model family where certain; 'none' (or None): no split
-    reasoning_parser: str | None = "auto"
+    reasoning_parser: str | None = ENGINE["reasoning_parser"].default
     # under a reasoning parser: at most this many tokens in a think block, then the engine
     # closes it (a row's `max_thinking_tokens` column overrides it)
     max_thinking_tokens: int | None = SAMPLING["max_thinking_tokens"].default
@@ -115,23 +114,25 @@ class JobOptions:
     quantization: str | None = ENGINE["quantization"].default
     # None: one per GPU of the cluster, 1 without GPUs; or "MIN-MAX" / "auto": GPU workers
     # that grow as GPUs join (see ray_jobs.dispatch.autoscale)
-    num_workers: int | str | None = None
-    batch_size: int = 64  # rows per batch
-    max_batch_tokens: int | None = None  # rows x max(prompt + max_tokens) per batch
-    window_batches: int = WINDOW_BATCHES  # batches' worth of rows sorted by length together
-    prompt_column: str | None = None
-    id_column: str | None = None
+    num_workers: int | str | None = JOB["num_workers"].default
+    batch_size: int = JOB["batch_size"].default  # rows per shard
+    # a static engine's rows x max(prompt + max_tokens) per batch; a prefill-only one's tokens
+    max_batch_tokens: int | None = JOB["max_batch_tokens"].default
+    prompt_column: str | None = JOB["prompt_column"].default
+    id_column: str | None = JOB["id_column"].default
     # 'auto': JSONL lines shaped as OpenAI batch requests are read as such; 'openai': every
     # line must be one; 'plain': none is (ray_jobs.input.openai_requests)
-    input_format: str = "auto"
+    input_format: str = JOB["input_format"].default
     # 'auto': output.jsonl / errors.jsonl too when the input holds OpenAI batch requests;
     # 'openai': always; 'parquet': the parts only
-    output_format: str = "auto"
-    address: str | None = None  # Ray address; None: RAY_ADDRESS, a running cluster, or local
-    overwrite: bool = False
-    retry_errors: bool = False  # compute again the written batches that hold error rows
+    output_format: str = JOB["output_format"].default
+    # Ray address; None: RAY_ADDRESS, a running cluster, or local
+    address: str | None = JOB["address"].default
+    overwrite: bool = JOB["overwrite"].default
+    retry_errors: bool = JOB["retry_errors"].default  # compute again the shards with error rows
     kv_cache_fraction: float = ENGINE["kv_cache_fraction"].default  # of a GPU's free memory
-    kv_cache_bytes: int | None = None  # the KV pool's exact size per worker (else the above)
+    # the KV pool's exact size per worker (else the above)
+    kv_cache_bytes: int | None = ENGINE["kv_cache_bytes"].default
     # the model's dtype, or "fp8" (e4m3, sm_89+ GPUs)
     kv_cache_dtype: str = ENGINE["kv_cache_dtype"].default
     # each worker's engine: the most rows decoding at once (LLM's max_batch_size); a worker
@@ -144,12 +145,14 @@ class JobOptions:
     prefix_caching: bool = ENGINE["prefix_caching"].default
     # LoRA adapters, "NAME=PATH" (local PEFT folders); a row picks one by its `lora` column
     lora: tuple[str, ...] = ENGINE["lora"].default
-    chunk_rows: int = DEFAULT_CHUNK_ROWS  # rows read and tokenized at a time
-    # batches a worker holds at once; None: as many as keep its engine full (`hold_limits`)
-    max_in_flight_per_worker: int | None = None
-    worker_start_timeout_s: float = 600.0  # for an actor to be placed and load the model
-    max_deaths_in_a_row: int = 8  # worker deaths with no batch finished between them
-    progress: bool = True  # a tqdm bar on stderr
+    chunk_rows: int = JOB["chunk_rows"].default  # rows read and tokenized at a time
+    # shards a worker holds at once; None: as many as keep its engine full (`hold_limits`)
+    max_in_flight_per_worker: int | None = JOB["max_in_flight_per_worker"].default
+    # for an actor to be placed and load the model
+    worker_start_timeout_s: float = JOB["worker_start_timeout_s"].default
+    # worker deaths with no shard answered between them
+    max_deaths_in_a_row: int = JOB["max_deaths_in_a_row"].default
+    progress: bool = JOB["progress"].default  # a tqdm bar on stderr
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop or ()))
@@ -194,32 +197,22 @@ class JobOptions:
                 check_labels(self.choice)
             except ValueError as e:
                 raise InputError(f"--choice: {e}") from None
-        if self.reasoning_parser is not None:
-            from nanoserve import REASONING_PARSER_CHOICES as CHOICES
-
-            if self.reasoning_parser not in CHOICES:
-                raise InputError(f"unknown reasoning parser {self.reasoning_parser!r}; choose "
-                                 f"{', '.join(CHOICES)}")
+        if self.reasoning_parser is not None:  # (None is "none")
+            parser = ENGINE["reasoning_parser"]
+            if problem := parser.problem(self.reasoning_parser, "reasoning parser"):
+                raise InputError(problem)
         thinking = SAMPLING["max_thinking_tokens"]
         if problem := thinking.problem(self.max_thinking_tokens, thinking.flag):
             raise InputError(problem)
         for name in ("scheduler", "dtype", "kv_cache_fraction", "kv_cache_dtype",
-                     "max_running_rows"):  # the engine's options, checked as LLM checks them
+                     "max_running_rows", "kv_cache_bytes"):  # the engine's, as LLM's
             if problem := ENGINE[name].problem(getattr(self, name)):
                 raise NanoserveError(problem)
-        for name, value, choices in (("input format", self.input_format, INPUT_FORMATS),
-                                     ("output format", self.output_format, OUTPUT_FORMATS)):
-            if value not in choices:
-                raise NanoserveError(f"unknown {name} {value!r}; choose {', '.join(choices)}")
+        for name, option in JOB.items():  # the job's own, as declared
+            if name in _FIELDS and (problem := option.problem(getattr(self, name))):
+                raise InputError(problem)
         check_online(self.quantization)
         parse_num_workers(self.num_workers)  # raises NanoserveError if invalid
-        if self.max_in_flight_per_worker is not None:
-            check_positive_int(self.max_in_flight_per_worker, "max_in_flight_per_worker")
-        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
-            raise NanoserveError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
-        if self.worker_start_timeout_s <= 0:
-            raise NanoserveError(
-                f"worker_start_timeout_s must be > 0, got {self.worker_start_timeout_s}")
 
     def structured_outputs(self) -> Any:
         """The job-wide `nanoserve.sampling.structured.StructuredOutputs`, or None."""
@@ -240,6 +233,9 @@ class JobOptions:
                 **({"choice_scores": True} if self.choice_scores else {}),
                 **({"max_thinking_tokens": self.max_thinking_tokens}
                    if self.max_thinking_tokens is not None else {})}
+
+
+_FIELDS = {f.name for f in fields(JobOptions)}
 
 
 __all__ = ["DTYPES", "KV_CACHE_DTYPES", "SCHEDULERS", "JobOptions", "WorkerRange",

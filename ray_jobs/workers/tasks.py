@@ -9,15 +9,16 @@ into it and into the driver.
     files, the shard's lines of them first, `commit`)
 
 `ShardRunner.run` is that walk; it returns the shard's counts (`ShardOutcome`), a few
-hundred bytes whatever its rows, and the table itself only when asked (a piece of a shard
-that was cut after killing its workers: the driver joins the pieces and writes the part).
-The driver runs the same walk without an engine (`error=`) to make the `error` rows of a
-row isolated as a worker killer: the rows are read again there, a shard at a time. The Ray
-Data processor (`ray_jobs.data_processor`) answers a dataset's batch with the same
+hundred bytes whatever its rows, and the table itself only when asked (a span, a half of a
+shard that was cut after killing its workers: the driver joins the spans and writes the
+part). The driver runs the same walk without an engine (`error=`) to make the `error` rows
+of a row isolated as a worker killer: the rows are read again there, a shard at a time. The
+Ray Data processor (`ray_jobs.data_processor`) answers a dataset's batch with the same
 `answer_rows`.
 
 A task says only what differs, on the worker (its plug-in: `GenerateTask`, `EmbedTask`):
-how rows are prepared, how the prepared rows are run, and what a row's result columns hold
+how rows are prepared, how the prepared rows are cut into the engine's batches and run, and
+what a row's result columns hold
 (its error rows included); and on the driver (`TaskKind`, `TaskPlan`): its own options, its
 output schema and manifest settings, its actor, its progress and summary lines. Everything
 else (reading, ids, error rows never sent to the engine, input order, counts, the report's
@@ -73,7 +74,7 @@ class JobSpec:
 
 @dataclass
 class ShardOutcome:
-    """What a worker answers for a shard, or a piece of one (`rows`)."""
+    """What a worker answers for a span: a shard, or a half of one (`rows`)."""
 
     shard_id: int
     rows: int = 0  # output rows: one per sample
@@ -87,7 +88,7 @@ class ShardOutcome:
     empty_answers: int = 0  # generation: rows that ended at 'stop' with no text
     errors: list[str] = field(default_factory=list)  # each error row's message
     meta: dict[bytes, bytes] = field(default_factory=dict)  # the engine's (ray_jobs.workers.worker keys)
-    record: Any = None  # the report's `PieceRecord` (None: nothing went to the engine)
+    record: Any = None  # the report's `SpanRecord` (None: nothing went to the engine)
     answered_prompt_tokens: int = 0  # prompt tokens of the rows the engine answered
     table: pa.Table | None = None  # the rows, when not written by the worker
 
@@ -119,12 +120,12 @@ class TaskPlan:
 class TaskKind:
     """A task as the job's driver sees it (`ray_jobs.dispatch.driver.run_job` calls these in this
     order): `take_options(options)` pops the task's own options from the job's keyword
-    arguments, checks them and sets its defaults of the job's (embedding batches are
-    larger); `prompt_column(given, names)` the input column to read when none is given
+    arguments, checks them and sets its defaults of the job's (the prefill-only tasks'
+    shards are larger); `prompt_column(given, names)` the input column to read when none is given
     (before any column is planned); `plan(opts, own, info, plan, model_path, config,
     tokenizer)` the rest, a `TaskPlan`. `progress(run, elapsed)`: the progress bar's rates
     from the run's counts; `summary_lines(summary)`: what the summary says between its rows
-    line and its batches line."""
+    line and its shards line."""
 
     name: str  # `run_job(task=...)`: "generate", "embed", "classify" or "score"
     command: str  # its `nanoserve` subcommand (the progress bar's name)
@@ -161,8 +162,9 @@ def answer_rows(task: Any, rows: list[Any], error: str | None = None
                 ) -> tuple[list[list[dict[str, Any]]], pa.Table | None, list[int]]:
     """Each prepared row's results (a row's samples), in input order: error rows for the
     rows that failed preparation (never sent to the engine) and, with `error`, for every
-    row; the others run by the task's engine in its groups. Returns (results, the engine's
-    joined table or None, the indices of the rows the engine answered)."""
+    row; the others run by the task's engine in its batches (`task.batches`: one call
+    each). Returns (results, the engine's joined table or None, the indices of the rows the
+    engine answered)."""
     results: list[list[dict[str, Any]] | None] = [None] * len(rows)
     todo = []
     for i, r in enumerate(rows):
@@ -175,9 +177,10 @@ def answer_rows(task: Any, rows: list[Any], error: str | None = None
     if not todo:
         return results, None, []
     run_rows = [rows[i] for i in todo]
-    groups = task.groups(run_rows)
-    order = [i for g in groups for i in g]
-    table = join_tables([task.engine(task.requests([run_rows[i] for i in g])) for g in groups])
+    batches = task.batches(run_rows)
+    order = [i for b in batches for i in b]
+    table = join_tables([task.engine(task.requests([run_rows[i] for i in b]))
+                         for b in batches])
     todo, run_rows = [todo[i] for i in order], [run_rows[i] for i in order]
     for i, res in zip(todo, task.results(table, run_rows), strict=True):
         results[i] = res
@@ -204,9 +207,9 @@ class ShardRunner:
         results, table, answered = answer_rows(self.task, prepared, error)
         if table is not None:
             out.meta = dict(table.schema.metadata or {})
-            from ray_jobs.workers.piece import piece_record
+            from ray_jobs.workers.span import span_record
 
-            out.record = piece_record(shard.shard_id, 0, 0.0, table)
+            out.record = span_record(shard.shard_id, 0, 0.0, table)
             out.answered_prompt_tokens = sum(results[i][0]["num_input_tokens"] or 0
                                              for i in answered)
         table = self._assemble(prepared, results)
@@ -309,7 +312,7 @@ def result_column(values: list[Any], typ: pa.DataType) -> pa.Array:
 
 
 def join_tables(tables: list[pa.Table]) -> pa.Table:
-    """The engine's answers to a shard's calls as one table: their rows in call order, the
+    """The engine's answers to a span's batches as one table: their rows in call order, the
     counters in their footers summed (the engine's own counters: the last call's)."""
     if len(tables) == 1:
         return tables[0]
@@ -355,7 +358,7 @@ class ShardWorker:
         self.load_error: str | None = None
         self._runner: ShardRunner | None = None
         self._runner_lock = threading.Lock()
-        self._pieces: dict[int, tuple[int, int, int]] = {}  # by thread: (shard id, lo, hi)
+        self._spans: dict[int, tuple[int, int, int]] = {}  # by thread: (shard id, lo, hi)
         try:
             super().__init__(*args, **kwargs)
         except NanoserveError as e:
@@ -373,22 +376,22 @@ class ShardWorker:
     def run_shard(self, shard: Shard, rows: tuple[int, int] | None = None,
                   write: bool = True) -> ShardOutcome:
         me = threading.get_ident()
-        self._pieces[me] = (shard.shard_id, *(rows or (0, shard.num_rows)))
+        self._spans[me] = (shard.shard_id, *(rows or (0, shard.num_rows)))
         try:
             return self._shard_runner().run(shard, rows, write)
         finally:
-            del self._pieces[me]
+            del self._spans[me]
 
     def progress(self) -> list[tuple[int, int, int, int, int]]:
-        """The pieces running here whose engine shows how far it is: (shard id, first row,
+        """The spans running here whose engine shows how far it is: (shard id, first row,
         end row, rows finished, their output tokens) each. The actor has a thread more than
-        the pieces it holds, so this answers while they run."""
+        the spans it holds, so this answers while they run."""
         rows_finished = getattr(self, "rows_finished", None)  # the engine worker's, if any
         out = []
-        for thread, piece in list(self._pieces.items()):
+        for thread, span in list(self._spans.items()):
             done = rows_finished(thread) if rows_finished is not None else None
             if done is not None:
-                out.append((*piece, *done))
+                out.append((*span, *done))
         return out
 
     def write_fragments(self, shard: Shard) -> str:

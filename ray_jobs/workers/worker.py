@@ -39,7 +39,7 @@ the driver forwards to its actors; never set them in production):
   `<pid> <Ray node id>` to `<path>.holding` (a test SIGKILLs that process, or removes that
   node, certainly while the worker loads, then deletes the file);
 - `NANOSERVE_FAULT_HOLD_WHILE_FILE=<path>`: a batch waits before it starts for as long as
-  that file exists (a test holds batches in flight, e.g. while it removes or adds a node,
+  that file exists (a test holds shards in flight, e.g. while it removes or adds a node,
   then deletes the file; the workers of a one-machine test cluster share the file system);
 - `NANOSERVE_FAULT_HOLD_AFTER_ROWS=<k>:<path>`: a continuous engine's call stops between two
   steps once k of its rows have finished, appends `<pid>` to `<path>.holding` and waits while
@@ -121,12 +121,13 @@ class BatchWorker:
     def __init__(self, model: str, dtype: str = ENGINE["dtype"].default,
                  kv_cache_fraction: float = ENGINE["kv_cache_fraction"].default,
                  device: str | None = None, num_threads: int | None = None,
-                 kv_cache_bytes: int | None = None, scheduler: str = ENGINE["scheduler"].default,
+                 kv_cache_bytes: int | None = ENGINE["kv_cache_bytes"].default,
+                 scheduler: str = ENGINE["scheduler"].default,
                  prefix_caching: bool = ENGINE["prefix_caching"].default,
                  quantization: str | None = ENGINE["quantization"].default,
                  kv_cache_dtype: str = ENGINE["kv_cache_dtype"].default,
                  max_batch_size: int | None = ENGINE["max_running_rows"].default,
-                 reasoning_parser: str | None = "auto",
+                 reasoning_parser: str | None = ENGINE["reasoning_parser"].default,
                  lora: tuple[str, ...] = ENGINE["lora"].default) -> None:
         """Load the model once. `device` None picks one (see the module docstring);
         `num_threads` caps torch's CPU threads (at most the machine's cores);
@@ -167,8 +168,8 @@ class BatchWorker:
         self._static_busy_s = 0.0  # static engine: seconds inside `LLM.generate`
         self._static_steps = [0, 0]  # static engine: decode steps, rows in them
         self._ooms = _watch_model(llm.model)
-        # Continuous scheduler: one running batch across calls (the actor takes two batches
-        # at once, and the second's rows join as the first's finish). Static: one call at a
+        # Continuous scheduler: one running batch across calls (the actor holds several
+        # shards at once, a batch each, and a later one's rows join as earlier ones finish). Static: one call at a
         # time on the engine.
         self._loop = llm.start_loop() if getattr(llm, "runner", None) is not None else None
         self._engine_lock = threading.Lock()
@@ -211,7 +212,7 @@ class BatchWorker:
     def rows_finished(self, thread_id: int) -> tuple[int, int] | None:
         """How far the engine call that thread `thread_id` waits on is, as (its rows
         finished, their output tokens): a row asking for n samples counts once its share of
-        the group's finished samples says so. None when that thread waits on no call whose
+        the batch's finished samples says so. None when that thread waits on no call whose
         progress shows (a static engine's: its rows come back together)."""
         running = self._running.get(thread_id)
         if running is None:
