@@ -8,8 +8,9 @@ seeded, saved as bf16 safetensors by `save_pretrained`; two labels):
   token, `score` [2, 1024]; pad_token_id 151643, Qwen3's <|endoftext|>);
 - encoder: bert-base-uncased's config as `BertForSequenceClassification` ([CLS] pooled
   through the pooler's dense + tanh, then `classifier` [2, 768]).
-Each folder also holds a word-level tokenizer.json over the whole vocabulary (`<t17>` is
-id 17), which nanoserve's loader reads; no side tokenizes anything in the timed region.
+Each folder also holds a word-level tokenizer over the whole vocabulary (`<t17>` is id 17;
+tokenizer.json, which nanoserve's loader reads, and a tokenizer_config.json for
+transformers' `AutoTokenizer`); no side tokenizes anything in the timed region.
 
 Rows (`make_rows`, numpy seeded): `--rows` rows (100,000) whose lengths are uniform in
 [--min-len, --max-len] ([50, 500]) tokens, all special tokens included: the decoder's are
@@ -22,7 +23,8 @@ Sides (bf16 on a GPU; float32 in --smoke):
 - vllm: first, in a child process whose PYTHONPATH is only --vllm-site (vLLM and its
   dependencies installed there with `pip install --target`), VLLM_USE_FLASHINFER_SAMPLER=0:
   `LLM(model=DIR, runner="pooling", skip_tokenizer_init=True, dtype=..., max_model_len=512,
-  gpu_memory_utilization=0.9)`, its defaults otherwise (torch.compile, CUDA graphs, its
+  gpu_memory_utilization=0.9)` (--vllm-with-tokenizer: the folder's tokenizer loaded
+  instead of skip_tokenizer_init, the rows still token ids), its defaults otherwise (torch.compile, CUDA graphs, its
   batched-token budget), then one `LLM.classify([TokensPrompt(prompt_token_ids=row), ...],
   pooling_params=PoolingParams(use_activation=False))` over all rows: raw logits, no
   softmax. The child exits and leaves the GPU whole for the next side;
@@ -51,6 +53,7 @@ DIR/classify[_smoke].json.
     python3 -m benchmarks.classify [--shapes decoder,encoder] [--sides nanoserve,hf,vllm]
         [--rows 100000] [--min-len 50] [--max-len 500] [--out DIR] [--vllm-site /tmp/vsite]
         [--batch-tokens 65536] [--hf-batch-size 128] [--warmup-rows 1024]
+        [--vllm-with-tokenizer]
     python3 -m benchmarks.classify --smoke   # a tiny shape of each on the CPU, 24 rows,
                                              # nanoserve and hf (tests/test_bench_classify.py)
 
@@ -153,8 +156,9 @@ def _tail(path: Path, n: int = 40) -> str:
 
 def model_folder(folder: Path, spec: dict, dtype: str, device: str, seed: int) -> Path:
     """transformers' random `spec["architecture"]` of the shape, saved in `folder` with a
-    word-level tokenizer over the whole vocabulary; reused when a complete folder of the
-    same spec is already there."""
+    word-level tokenizer over the whole vocabulary (`<t17>` is id 17; tokenizer.json and a
+    tokenizer_config.json naming the fast tokenizer class); reused when a complete folder of
+    the same spec is already there."""
     want = {"spec": spec, "dtype": dtype, "seed": seed}
     done = folder / ".complete"
     try:
@@ -165,7 +169,7 @@ def model_folder(folder: Path, spec: dict, dtype: str, device: str, seed: int) -
         pass
     import torch
     import transformers
-    from tokenizers import Tokenizer, models
+    from tokenizers import Tokenizer, models, pre_tokenizers
 
     t = time.perf_counter()
     done.unlink(missing_ok=True)
@@ -184,7 +188,13 @@ def model_folder(folder: Path, spec: dict, dtype: str, device: str, seed: int) -
     config.setdefault("torch_dtype", dtype)  # what vLLM reads for dtype "auto"
     (folder / "config.json").write_text(json.dumps(config, indent=1))
     vocab = {f"<t{i}>": i for i in range(spec["config"]["vocab_size"])}
-    Tokenizer(models.WordLevel(vocab, unk_token="<t0>")).save(str(folder / "tokenizer.json"))
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<t0>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(  # for --vllm-with-tokenizer
+        {"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<t0>",
+         "pad_token": f"<t{config['pad_token_id']}>",
+         "model_max_length": config["max_position_embeddings"]}))
     done.write_text(json.dumps(want))
     print(f"random {spec['architecture']} ({n_params / 1e6:,.1f}M parameters, {dtype}) written "
           f"to {folder} in {time.perf_counter() - t:.0f} s", flush=True)
@@ -335,7 +345,8 @@ def vllm_child(spec_path: Path, result_path: Path) -> None:
     warm = shape_rows(spec, spec["warmup_rows"], spec["min_len"], spec["max_len"],
                       spec["seed"] + 1)
     t = time.perf_counter()
-    llm = LLM(model=spec["model"], runner="pooling", skip_tokenizer_init=True,
+    llm = LLM(model=spec["model"], runner="pooling",
+              skip_tokenizer_init=not spec.get("with_tokenizer"),
               dtype=spec["dtype"], max_model_len=spec["max_model_len"],
               gpu_memory_utilization=spec["gpu_memory_utilization"])
     result = {"vllm_version": vllm.__version__, "load_s": time.perf_counter() - t,
@@ -444,6 +455,7 @@ def run_shape(shape: str, args, device: str, dtype: str, sides: list[str], work:
         child = {"shape": shape, **spec, "rows": args.rows, "min_len": args.min_len,
                  "max_len": args.max_len, "seed": args.seed, "warmup_rows": args.warmup_rows,
                  "dtype": dtype, "max_model_len": max_len,
+                 "with_tokenizer": args.vllm_with_tokenizer,
                  "gpu_memory_utilization": args.gpu_memory_utilization}
         side, got, error = run_vllm(folder, child, work, args)
         if error:
@@ -495,6 +507,9 @@ def main(argv: list[str] | None = None) -> int:
                          "(default: a new temporary folder); models there are reused")
     ap.add_argument("--vllm-site", default="/tmp/vsite",
                     help="the vLLM child's whole PYTHONPATH (a `pip install --target` folder)")
+    ap.add_argument("--vllm-with-tokenizer", action="store_true",
+                    help="vLLM loads the folder's word-level tokenizer instead of "
+                         "skip_tokenizer_init=True (rows still token ids): a fallback")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="vLLM's")
     ap.add_argument("--vllm-timeout", type=float, default=1500,
                     help="seconds before the vLLM child is killed")

@@ -65,6 +65,8 @@ def test_shapes_are_the_released_models():
 
 
 def test_smoke_run_prints_both_shapes_and_agreement(tmp_path):
+    from transformers import AutoTokenizer
+
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run([sys.executable, "-m", "benchmarks.classify", "--smoke", "--out",
                            str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True,
@@ -87,6 +89,8 @@ def test_smoke_run_prints_both_shapes_and_agreement(tmp_path):
         assert r["agreement"]["nanoserve"]["max_abs_diff"] < 1e-4  # float32 on both sides
         config = json.loads((tmp_path / f"{shape}-smoke" / "config.json").read_text())
         assert config["architectures"] == [arch] and len(config["id2label"]) == 2
+        tok = AutoTokenizer.from_pretrained(tmp_path / f"{shape}-smoke")  # vLLM's fallback
+        assert tok("<t5> <t7>", add_special_tokens=False)["input_ids"] == [5, 7]
     assert result["shapes"]["decoder"]["sides"]["nanoserve"]["classifier"] == "DecoderClassifier"
     assert result["shapes"]["encoder"]["sides"]["nanoserve"]["classifier"] == "Encoder"
 
@@ -153,11 +157,14 @@ def test_vllm_child_plumbing_with_a_stand_in(tmp_path):
     assert side["activation"] is False and side["vllm_version"] == "stand-in"
     kw = json.loads((site / "vllm" / "kw.json").read_text())
     assert kw["rows"] == rows and len(kw["calls"]) == 2 and len(kw["calls"][0]) == 2  # warm-up
-    assert kw["runner"] == "pooling" and kw["skip_tokenizer_init"]
+    assert kw["runner"] == "pooling" and kw["skip_tokenizer_init"] is True
     assert kw["dtype"] == "bfloat16" and kw["max_model_len"] == 512
     assert kw["model"] == str(tmp_path / "model")
     assert kw["PYTHONPATH"] == str(site)
     assert str(REPO) not in kw["path"] and str(REPO / "benchmarks") not in kw["path"]
+
+    run_vllm(tmp_path / "model", {**spec, "with_tokenizer": True}, tmp_path, args)
+    assert json.loads((site / "vllm" / "kw.json").read_text())["skip_tokenizer_init"] is False
 
     # A child that fails: its stderr comes back, the caller still gets an answer
     (site / "vllm" / "__init__.py").write_text("raise RuntimeError('no GPU here')\n")
