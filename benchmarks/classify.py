@@ -24,8 +24,8 @@ Sides (bf16 on a GPU; float32 in --smoke):
   dependencies installed there with `pip install --target`), VLLM_USE_FLASHINFER_SAMPLER=0:
   `LLM(model=DIR, runner="pooling", skip_tokenizer_init=True, dtype=..., max_model_len=512,
   gpu_memory_utilization=0.9)` (--vllm-with-tokenizer: the folder's tokenizer loaded
-  instead of skip_tokenizer_init, the rows still token ids), its defaults otherwise (torch.compile, CUDA graphs, its
-  batched-token budget), then one `LLM.classify([TokensPrompt(prompt_token_ids=row), ...],
+  instead of skip_tokenizer_init, the rows still token ids), its defaults otherwise
+  (torch.compile, CUDA graphs, its batched-token budget), then one `LLM.classify([TokensPrompt(prompt_token_ids=row), ...],
   pooling_params=PoolingParams(use_activation=False))` over all rows: raw logits, no
   softmax. The child exits and leaves the GPU whole for the next side;
 - nanoserve: in this process, `load_classifier(DIR, dtype, max_batch_tokens=--batch-tokens)`
@@ -36,9 +36,10 @@ Sides (bf16 on a GPU; float32 in --smoke):
   GPU in eval mode, its default attention (sdpa), `torch.inference_mode()`; rows sorted by
   length (longest first), batches of --hf-batch-size rows right-padded to the batch's
   longest with the pad id and an attention mask, logits kept on the GPU until the end, then
-  put back in input order. sentence-transformers' `CrossEncoder` runs this same model class
-  behind its own tokenizer call per batch, unsorted: transformers over pre-tokenized,
-  length-sorted rows is the stricter baseline and the only one timed here.
+  put back in input order. sentence-transformers' `CrossEncoder.predict` runs this same
+  model class on rows sorted by text length, tokenizing each batch (32 rows by default):
+  transformers over pre-tokenized rows, sorted by token count, in batches of 128 does the
+  same device work without the tokenizer, the stricter baseline, and the only one timed.
 Each side's time is one call over all rows, host work included (for nanoserve and hf the
 building of their tensors from the id lists), load and warm-up excluded.
 
@@ -560,8 +561,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"commit {git_commit()}; {gpu or 'CPU'}; torch {torch.__version__}; {dtype}; sides "
           f"{', '.join(sides)}; nanoserve {args.batch_tokens:,} tokens a packed prefill, "
           f"transformers {args.hf_batch_size} rows a padded batch (sorted by length); "
-          f"sentence-transformers' CrossEncoder not timed (it wraps the same transformers "
-          f"model behind a tokenizer)", flush=True)
+          f"sentence-transformers' CrossEncoder not timed (the same transformers model behind "
+          f"a tokenizer)", flush=True)
     results: dict = {"commit": git_commit(), "device": device, "gpu": gpu, "dtype": dtype,
                      "torch": torch.__version__, "smoke": small, "sides": sides,
                      "settings": {k: getattr(args, k) for k in
