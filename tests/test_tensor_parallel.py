@@ -1,5 +1,5 @@
 """Tensor parallelism on the CPU (gloo, float32): tiny random Llama (tied head), Qwen3
-(q/k norms), Qwen3-MoE and Qwen2-MoE (q/k/v biases, a shared expert) checkpoints split
+(q/k norms), Qwen3-MoE, Mixtral and Qwen2-MoE (q/k/v biases, a shared expert) checkpoints split
 over 2 and 4 processes give the greedy tokens of one unsharded rank (itself held to
 transformers elsewhere, and here on Llama), and their all-gathered prefill logits equal
 the unsharded model's within 1e-5. One spawn per world size serves every checkpoint."""
@@ -15,6 +15,7 @@ from hf_oracle import hf_greedy
 from nanoserve.cache.pool import CacheShape
 from nanoserve.errors import ModelError
 from nanoserve.model.attention import AttentionMetadata
+from nanoserve.model.lora import LoraWeights
 from nanoserve.model.model import build_model
 from nanoserve.model.parallel import (
     TensorParallel,
@@ -29,7 +30,7 @@ from nanoserve.weights.weights import load_checkpoint
 
 VOCAB = 254  # not a multiple of 4: the last rank's head slice is padded
 FAMILIES = {"llama": dict(tie_word_embeddings=True), "qwen3": {}, "qwen3_moe": {},
-            "qwen2_moe": {}}
+            "mixtral": {}, "qwen2_moe": {}}
 PROMPTS = [[5, 9, 33, 71, 2 + 100, 17, 8], [40, 41, 42], [200, 3, 7, 7, 250, 11, 90, 12, 13]]
 NEW = 8
 
@@ -122,3 +123,11 @@ def test_one_rank_shard_is_the_model(checkpoints):
     model = shard_model(config, sd, TensorParallel(0, 1))
     torch.testing.assert_close(_prefill_logits(model, PROMPTS[2]),
                                _prefill_logits(_one_rank(folder), PROMPTS[2]), atol=0, rtol=0)
+
+
+def test_lora_on_a_shard_is_refused(checkpoints):
+    config, sd = load_checkpoint(checkpoints["llama"][0])
+    model = shard_model(config, sd, TensorParallel(0, 2))  # built only: no collective runs
+    slots = LoraWeights(model.config, {"q_proj"}, 2, 1, torch.float32, "cpu")
+    with pytest.raises(ModelError, match="tensor parallelism"):
+        slots.attach(model)

@@ -150,7 +150,14 @@ class LoraWeights:
         """Give each decoder layer's attention and MLP their slots (`lora_qkv`, `lora_o`,
         `lora_gate_up`, `lora_down`), and turn off the FP8 fusions around them: a LoRA
         projection reads its input unquantized and hands on its output with its scales
-        applied (nanoserve/weights/fp8.py's `fuse_activation_quant`, `keep_scales`)."""
+        applied (nanoserve/weights/fp8.py's `fuse_activation_quant`, `keep_scales`).
+        A tensor-parallel shard (nanoserve/model/parallel.py) is refused: its slots would
+        have to be split with its projections."""
+        tp = getattr(model, "tensor_parallel", None)
+        if tp is not None and tp.world_size > 1:
+            from nanoserve.errors import ModelError
+
+            raise ModelError("LoRA adapters do not run with tensor parallelism yet")
         for layer, projections in zip(model.model.layers, self.layers):
             attn, mlp = layer.self_attn, layer.mlp
             attn.lora_qkv = projections.get("qkv")

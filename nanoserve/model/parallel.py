@@ -33,10 +33,10 @@ positions from the group's rank 0, so every rank runs rank 0's step (rank 0 owns
 schedule and its samples; the other ranks' block tables come from the same inputs by the
 same deterministic code, nanoserve/static/tensor_parallel.py).
 
-Not with tensor parallelism (refused or left out): FP8 checkpoints (`ModelError`: the FP8
-GEMMs' scaled outputs would need their scales applied before the all-reduce), LoRA
-adapters (their updates go on o_proj/down_proj outputs after the all-reduce), classifier
-and headless checkpoints (no vocabulary head to split).
+Not with tensor parallelism (refused, `ModelError`): FP8 checkpoints (the FP8 GEMMs'
+scaled outputs would need their scales applied before the all-reduce, and their per-row
+scales split with the rows), LoRA adapters (`LoraWeights.attach`: their slots would have
+to be split with the projections), classifier, headless and vision checkpoints.
 """
 
 from __future__ import annotations
@@ -199,6 +199,7 @@ def shard_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], tp: Te
     model = build_model(sharded_config(config, tp), shard_state_dict(config, state_dict, tp),
                         dtype, device)
     model.lm_head = VocabParallelHead(model.lm_head.weight, tp)
+    model.tensor_parallel = tp  # read by LoraWeights.attach, which refuses a shard
     if tp.world_size == 1:
         return model
 

@@ -18,6 +18,7 @@ every rank holds the full logits; rank 0's greedy choice is the one that goes on
 from __future__ import annotations
 
 import os
+import pickle
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -31,7 +32,7 @@ from nanoserve.weights.weights import load_checkpoint
 
 
 def _rank_main(rank: int, world_size: int, init_file: str, fn: Callable, args: tuple,
-               results: Any) -> None:
+               result_file: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
@@ -39,8 +40,8 @@ def _rank_main(rank: int, world_size: int, init_file: str, fn: Callable, args: t
                             world_size=world_size)
     try:
         out = fn(TensorParallel(rank, world_size), *args)
-        if rank == 0:
-            results.put(out)
+        if rank == 0:  # a file, not a pipe: a large result would block until read
+            Path(result_file).write_bytes(pickle.dumps(out))
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -48,16 +49,16 @@ def _rank_main(rank: int, world_size: int, init_file: str, fn: Callable, args: t
 
 def run_tensor_parallel(fn: Callable, world_size: int, *args: Any) -> Any:
     """fn(tp, *args) on `world_size` spawned processes (gloo); rank 0's result. fn and
-    args must pickle (fn a module-level function). A failing rank fails the call."""
+    args must pickle (fn a module-level function), and so must its result: rank 0 writes
+    it to a file in a temporary folder of this call's own, read back here. A failing rank
+    fails the call."""
     import torch.multiprocessing as mp
 
-    ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory(prefix="nanoserve-tp-") as tmp:
-        init_file = str(Path(tmp) / "rendezvous")
-        mp.spawn(_rank_main, args=(world_size, init_file, fn, args, results),
+        init_file, result_file = str(Path(tmp) / "rendezvous"), Path(tmp) / "result.pickle"
+        mp.spawn(_rank_main, args=(world_size, init_file, fn, args, str(result_file)),
                  nprocs=world_size, join=True)
-        return results.get()
+        return pickle.loads(result_file.read_bytes())
 
 
 def _load_shard(tp: TensorParallel, checkpoint: str, dtype: torch.dtype):
