@@ -9,15 +9,12 @@ bfloat16 and FP8 tensor cores, and CUDA-graph capture: tests/test_fused_moe_gpu.
 from __future__ import annotations
 
 import json
-import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from triton_interpreter import interpreted, run_interpreted
 
 from nanoserve.weights.fp8 import quantize_blockwise, quantize_per_channel
 from nanoserve_kernels.fused_moe import fused_experts_reference, fused_moe_reference
@@ -143,35 +140,17 @@ def test_config_lookup(tmp_path):
 # --- the Triton kernels under the interpreter -----------------------------------------------
 
 
-def _interpreted() -> bool:
-    try:
-        import triton.language as tl
-    except ImportError:
-        return False
-    from nanoserve_kernels import fused_moe
-
-    return fused_moe.INTERPRETED and type(tl.max).__name__ == "InterpretedFunction"
-
-
 def test_fused_moe_kernels_under_the_triton_interpreter():
     pytest.importorskip("triton")
     pytest.importorskip("numpy")
-    if _interpreted():
+    if interpreted():
         pytest.skip("already inside the interpreter run")
-    env = dict(os.environ, TRITON_INTERPRET="1", NANOSERVE_TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "test_interp_",
-         str(Path(__file__).resolve())],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
-    report = result.stdout[-6000:] + result.stderr[-2000:]
-    assert result.returncode == 0, report
-    assert re.search(r"\b\d+ passed", report) and "skipped" not in report, report
+    run_interpreted(__file__)
 
 
 @pytest.fixture(scope="module")
 def interp():
-    if not _interpreted():
+    if not interpreted():
         pytest.skip("run by test_fused_moe_kernels_under_the_triton_interpreter")
     from nanoserve_kernels import fused_moe, moe_routing
 

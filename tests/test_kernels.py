@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +28,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from triton_interpreter import interpreted, run_interpreted
 
 from nanoserve_kernels.kv_store import store_kv_reference
 from nanoserve_kernels.paged_attention import paged_decode_attention_reference
@@ -524,44 +524,20 @@ def test_transformers_runs_beside_our_kernels_package():
 # --- the Triton kernels under the CPU interpreter --------------------------------------------
 
 
-def _kernels_interpreted() -> bool:
-    """Whether this process runs Triton (its standard library included) in the interpreter."""
-    try:
-        import triton.language as tl
-    except ImportError:
-        return False
-    from nanoserve_kernels import paged_attention
-
-    return paged_attention.INTERPRETED and type(tl.max).__name__ == "InterpretedFunction"
-
-
 def test_kernels_under_the_triton_interpreter():
     """Runs this file's `test_interp_*` tests in a child pytest with `TRITON_INTERPRET=1`
     set from the start (Triton reads it when it is imported); see the module docstring."""
     pytest.importorskip("triton")
     pytest.importorskip("numpy")
-    if _kernels_interpreted():
+    if interpreted():
         pytest.skip("already inside the interpreter run")
-    env = dict(os.environ, TRITON_INTERPRET="1", NANOSERVE_TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "test_interp_"]
-    result = subprocess.run(
-        [*command, str(Path(__file__).resolve())],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    report = result.stdout[-6000:] + result.stderr[-2000:]
-    assert result.returncode == 0, report
-    assert re.search(r"\b\d+ passed", report) and "skipped" not in report, report
+    run_interpreted(__file__)
 
 
 @pytest.fixture(scope="module")
 def interp():
     """The kernel modules, defined for the interpreter (only inside the child run)."""
-    if not _kernels_interpreted():
+    if not interpreted():
         pytest.skip("run by test_kernels_under_the_triton_interpreter in a child process")
     from nanoserve_kernels import kv_store, paged_attention, paged_prefill
 

@@ -9,18 +9,12 @@ Hopper: tests/test_kernels_compile.py."""
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from triton_interpreter import interpreted, run_interpreted
 
 from nanoserve_kernels.lora import lora_add_reference, lora_groups
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 # A fused q/k/v with only q and v targeted: its parts' columns of y, rows of b, widths.
 QV = ((0, 0, 48), (80, 48, 16))
 
@@ -99,34 +93,16 @@ def test_groups_sort_tokens_by_slot_stably():
 # --- the Triton kernels under the interpreter -----------------------------------------------
 
 
-def _interpreted() -> bool:
-    try:
-        import triton.language as tl
-    except ImportError:
-        return False
-    from nanoserve_kernels import lora
-
-    return lora.INTERPRETED and type(tl.max).__name__ == "InterpretedFunction"
-
-
 def test_lora_kernels_under_the_triton_interpreter():
     pytest.importorskip("triton")
-    if _interpreted():
+    if interpreted():
         pytest.skip("already inside the interpreter run")
-    env = dict(os.environ, TRITON_INTERPRET="1", NANOSERVE_TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "test_interp_",
-         str(Path(__file__).resolve())],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
-    report = result.stdout[-6000:] + result.stderr[-2000:]
-    assert result.returncode == 0, report
-    assert re.search(r"\b\d+ passed", report) and "skipped" not in report, report
+    run_interpreted(__file__)
 
 
 @pytest.fixture(scope="module")
 def interp():
-    if not _interpreted():
+    if not interpreted():
         pytest.skip("run by test_lora_kernels_under_the_triton_interpreter")
     from nanoserve_kernels import lora
 
