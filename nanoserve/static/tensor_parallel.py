@@ -17,8 +17,8 @@ every rank holds the full logits; rank 0's greedy choice is the one that goes on
 
 from __future__ import annotations
 
+import json
 import os
-import pickle
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -41,7 +41,7 @@ def _rank_main(rank: int, world_size: int, init_file: str, fn: Callable, args: t
     try:
         out = fn(TensorParallel(rank, world_size), *args)
         if rank == 0:  # a file, not a pipe: a large result would block until read
-            Path(result_file).write_bytes(pickle.dumps(out))
+            Path(result_file).write_text(json.dumps(out))
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -49,16 +49,17 @@ def _rank_main(rank: int, world_size: int, init_file: str, fn: Callable, args: t
 
 def run_tensor_parallel(fn: Callable, world_size: int, *args: Any) -> Any:
     """fn(tp, *args) on `world_size` spawned processes (gloo); rank 0's result. fn and
-    args must pickle (fn a module-level function), and so must its result: rank 0 writes
-    it to a file in a temporary folder of this call's own, read back here. A failing rank
+    args must pickle (fn a module-level function); its result is JSON (lists, numbers,
+    strings; tuples come back as lists): rank 0 writes it to a file in a temporary folder of
+    this call's own, read back here (JSON, not pickle: nothing here unpickles). A failing rank
     fails the call."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="nanoserve-tp-") as tmp:
-        init_file, result_file = str(Path(tmp) / "rendezvous"), Path(tmp) / "result.pickle"
+        init_file, result_file = str(Path(tmp) / "rendezvous"), Path(tmp) / "result.json"
         mp.spawn(_rank_main, args=(world_size, init_file, fn, args, str(result_file)),
                  nprocs=world_size, join=True)
-        return pickle.loads(result_file.read_bytes())
+        return json.loads(result_file.read_text())
 
 
 def _load_shard(tp: TensorParallel, checkpoint: str, dtype: torch.dtype):
